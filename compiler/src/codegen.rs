@@ -1,0 +1,216 @@
+//! Kernel specialization: which template and constants each op needs, the generated
+//! prelude, and the deduplicated kernel table of a plan.
+//!
+//! Constants are bucket independent (model, spec and capture facts), so one table serves
+//! every bucket; per-bucket values (rows, batch, KV splits) travel as launch arguments.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use specplan_kernels::{full_source, geometry, source_hash, template};
+use specplan_runtime::format::{ConstValue, DType, KernelDesc};
+
+use crate::config::Config;
+use crate::graph::OpKind;
+
+/// A kernel instance before compilation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelSpec {
+    pub template: &'static str,
+    pub entry: &'static str,
+    pub constants: Vec<(String, ConstValue)>,
+}
+
+impl KernelSpec {
+    /// Stable, readable, unique name: entry plus the constants that vary between configs.
+    pub fn mangled_name(&self) -> String {
+        let mut s = self.entry.to_string();
+        for (k, v) in &self.constants {
+            let short = match v {
+                ConstValue::U32(x) => x.to_string(),
+                ConstValue::Bool(b) => (*b as u8).to_string(),
+                ConstValue::Type(t) => {
+                    let _ = write!(s, "_{}", if t == "__half" { "f16" } else { "bf16" });
+                    continue;
+                }
+                // Float constants and tables are covered by the source hash.
+                ConstValue::F32(_) | ConstValue::F32Array(_) => continue,
+            };
+            let _ = write!(s, "_{}{short}", k.to_ascii_lowercase().replace('_', ""));
+        }
+        s
+    }
+}
+
+pub fn act_type(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "__half",
+        _ => "__nv_bfloat16",
+    }
+}
+
+/// Attention KV tile: the largest of 64, 32, 16 whose shared memory fits.
+pub fn attn_kv_tile(cfg: &Config) -> Option<u32> {
+    let m = &cfg.model.desc;
+    let rows = cfg.spec.num_draft_tokens * (m.heads / m.kv_heads);
+    [64u32, 32, 16].into_iter().find(|&t| {
+        geometry::attn_smem_bytes(rows, m.head_dim, t, cfg.capture.dtype.size() as u32)
+            <= specplan_runtime::format::MAX_SMEM_BYTES as u64
+    })
+}
+
+/// The kernels an op lowers to (empty for GEMMs, which are cuBLAS calls).
+pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
+    let m = &cfg.model.desc;
+    let c = &cfg.capture;
+    let act = ("act_t".to_string(), ConstValue::Type(act_type(c.dtype).into()));
+    let u = |k: &str, v: u32| (k.to_string(), ConstValue::U32(v));
+    let spec = |template, entry, mut consts: Vec<(String, ConstValue)>| {
+        consts.insert(0, act.clone());
+        KernelSpec {
+            template,
+            entry,
+            constants: consts,
+        }
+    };
+    let n = cfg.spec.num_draft_tokens;
+    match kind {
+        OpKind::EmbedConcat => vec![spec(
+            "embed.cu",
+            "embed_concat",
+            vec![u("HIDDEN", m.hidden), u("VOCAB", m.vocab)],
+        )],
+        OpKind::RmsNorm => vec![spec(
+            "norm.cu",
+            "rmsnorm",
+            vec![u("HIDDEN", m.hidden), ("EPS".into(), ConstValue::F32(m.rms_norm_eps))],
+        )],
+        OpKind::RopeAppend { .. } => vec![spec(
+            "rope_append.cu",
+            "rope_append",
+            vec![
+                u("HEADS", m.heads),
+                u("KV_HEADS", m.kv_heads),
+                u("HEAD_DIM", m.head_dim),
+                u("N", n),
+                u("PAGE_SIZE", c.page_size),
+                u("MAX_PAGES", c.pages_per_request()),
+                ("INV_FREQ".into(), ConstValue::F32Array(crate::config::rope_inv_freq(m))),
+            ],
+        )],
+        OpKind::Attention { window, .. } => {
+            let tile = attn_kv_tile(cfg).unwrap_or(16);
+            vec![
+                spec(
+                    "attention.cu",
+                    "attn_partial",
+                    vec![
+                        u("HEADS", m.heads),
+                        u("KV_HEADS", m.kv_heads),
+                        u("HEAD_DIM", m.head_dim),
+                        u("N", n),
+                        u("PAGE_SIZE", c.page_size),
+                        u("MAX_PAGES", c.pages_per_request()),
+                        u("WINDOW", window.unwrap_or(0)),
+                        ("SCALE".into(), ConstValue::F32(1.0 / (m.head_dim as f32).sqrt())),
+                        u("KV_TILE", tile),
+                    ],
+                ),
+                spec(
+                    "attention.cu",
+                    "attn_merge",
+                    vec![u("HEADS", m.heads), u("HEAD_DIM", m.head_dim)],
+                ),
+            ]
+        }
+        OpKind::SiluMul => vec![spec("mlp.cu", "silu_mul", vec![u("INTER", m.intermediate)])],
+        OpKind::SelectRows => vec![spec("select.cu", "select_rows", vec![u("HIDDEN", m.hidden), u("N", n)])],
+        OpKind::SoftmaxTopK { k, hot_map } => vec![spec(
+            "sample.cu",
+            "softmax_topk",
+            vec![
+                u("COLS", c.hot_vocab_size.unwrap_or(m.vocab)),
+                u("TOPK", *k),
+                ("HOT_MAP".into(), ConstValue::Bool(*hot_map)),
+                u("FULL_VOCAB", m.vocab),
+            ],
+        )],
+        // GEMMs go to cuBLAS; unfused ops never reach scheduling (verified before).
+        _ => Vec::new(),
+    }
+}
+
+fn c_float(x: f32) -> String {
+    // `{:?}` is the shortest representation that round-trips, always with a '.' or 'e'.
+    format!("{x:?}f")
+}
+
+/// The generated prelude: headers, the activation type and one declaration per constant.
+pub fn prelude(spec: &KernelSpec) -> String {
+    let mut s = String::from("// Generated by specplan: specialization constants of this kernel instance.\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n");
+    for (name, v) in &spec.constants {
+        let _ = match v {
+            ConstValue::Type(t) => writeln!(s, "using {name} = {t};"),
+            ConstValue::U32(x) => writeln!(s, "constexpr unsigned {name} = {x}u;"),
+            ConstValue::F32(x) => writeln!(s, "constexpr float {name} = {};", c_float(*x)),
+            ConstValue::Bool(b) => writeln!(s, "constexpr bool {name} = {b};"),
+            ConstValue::F32Array(xs) => {
+                let items: Vec<String> = xs.iter().map(|x| c_float(*x)).collect();
+                writeln!(s, "__constant__ float {name}[{}] = {{{}}};", xs.len(), items.join(", "))
+            }
+        };
+    }
+    s
+}
+
+/// Deduplicated kernel table, in first-use order.
+#[derive(Default)]
+pub struct KernelTable {
+    pub kernels: Vec<KernelDesc>,
+    index: BTreeMap<String, u32>,
+}
+
+impl KernelTable {
+    /// Index of the kernel for `spec`, adding it on first use.
+    pub fn intern(&mut self, spec: &KernelSpec) -> u32 {
+        let name = spec.mangled_name();
+        let prelude = prelude(spec);
+        let source = template(spec.template)
+            .map(|t| full_source(&prelude, t))
+            .unwrap_or_default();
+        let hash = source_hash(&source);
+        // The name alone misses float constants; key on the hash so distinct sources
+        // never share a slot, and suffix the name when two differ only in floats.
+        let key = format!("{name}#{hash}");
+        if let Some(&i) = self.index.get(&key) {
+            return i;
+        }
+        let taken = self
+            .kernels
+            .iter()
+            .filter(|k| k.name == name || k.name.starts_with(&format!("{name}_v")))
+            .count();
+        let unique = if taken == 0 { name } else { format!("{name}_v{taken}") };
+        let i = self.kernels.len() as u32;
+        self.kernels.push(KernelDesc {
+            name: unique,
+            template: spec.template.into(),
+            entry: spec.entry.into(),
+            constants: spec.constants.clone(),
+            source_hash: hash,
+            binary: None,
+        });
+        self.index.insert(key, i);
+        i
+    }
+}
+
+/// The full NVRTC source of a kernel in a plan (prelude rebuilt from its constants).
+pub fn kernel_source(k: &KernelDesc) -> Option<String> {
+    let spec = KernelSpec {
+        template: template(&k.template)?.file,
+        entry: "",
+        constants: k.constants.clone(),
+    };
+    Some(full_source(&prelude(&spec), template(&k.template)?))
+}

@@ -1,0 +1,312 @@
+//! The draft model's config: a TOML `[model]` table or a Hugging Face `config.json`.
+//!
+//! Both arrive as a JSON value with Hugging Face key names. Unknown keys are ignored; a
+//! missing or ill-typed required key is an error naming the key, the value and the rule.
+
+use serde_json::Value;
+use specplan_runtime::format::{DType, ModelDesc, RopeScaling};
+
+use super::Errors;
+
+/// The resolved model: the plan's `ModelDesc` plus what capture needs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub desc: ModelDesc,
+    /// Sliding window per layer, from `sliding_window` (and `layer_types` when present).
+    pub windows: Vec<Option<u32>>,
+    /// `torch_dtype`, when it names an activation type.
+    pub torch_dtype: Option<DType>,
+}
+
+struct Reader<'a> {
+    obj: &'a serde_json::Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl Reader<'_> {
+    fn path(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+
+    fn present(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn uint(&self, key: &str, required: bool, e: &mut Errors) -> Option<u32> {
+        match self.present(key) {
+            None => {
+                if required {
+                    e.push(self.path(key), "missing (required key)".into());
+                }
+                None
+            }
+            Some(v) => match v.as_u64() {
+                Some(x) if x > 0 && x <= u32::MAX as u64 => Some(x as u32),
+                _ => {
+                    e.push(self.path(key), format!("expected a positive integer, got {v}"));
+                    None
+                }
+            },
+        }
+    }
+
+    fn float(&self, key: &str, required: bool, e: &mut Errors) -> Option<f64> {
+        match self.present(key) {
+            None => {
+                if required {
+                    e.push(self.path(key), "missing (required key)".into());
+                }
+                None
+            }
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => Some(x),
+                _ => {
+                    e.push(self.path(key), format!("expected a positive number, got {v}"));
+                    None
+                }
+            },
+        }
+    }
+}
+
+/// Reads a model from a JSON object with Hugging Face key names. `prefix` is prepended to
+/// key names in errors (`model.` for a TOML table, empty for a `config.json`).
+pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig> {
+    let Some(obj) = v.as_object() else {
+        e.push(
+            prefix.trim_end_matches('.').to_string(),
+            format!("expected a table of model keys, got {v}"),
+        );
+        return None;
+    };
+    let r = Reader { obj, prefix };
+    let hidden = r.uint("hidden_size", true, e);
+    let intermediate = r.uint("intermediate_size", true, e);
+    let heads = r.uint("num_attention_heads", true, e);
+    let kv_heads = r.uint("num_key_value_heads", false, e).or(heads);
+    let layers = r.uint("num_hidden_layers", true, e);
+    let vocab = r.uint("vocab_size", true, e);
+    let eps = r.float("rms_norm_eps", true, e);
+    let theta = r.float("rope_theta", false, e).unwrap_or(10000.0);
+    let max_pos = r.uint("max_position_embeddings", true, e);
+    let head_dim = match r.uint("head_dim", false, e) {
+        Some(d) => Some(d),
+        None => match (hidden, heads) {
+            (Some(h), Some(n)) if h % n == 0 => Some(h / n),
+            (Some(h), Some(n)) => {
+                e.push(
+                    r.path("head_dim"),
+                    format!("absent, and hidden_size {h} is not divisible by num_attention_heads {n}; set head_dim"),
+                );
+                None
+            }
+            _ => None,
+        },
+    };
+    let fc_bias = match r.present("bias") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            e.push(r.path("bias"), format!("expected true or false, got {v}"));
+            true
+        }
+    };
+    let torch_dtype = match r.present("torch_dtype").or_else(|| r.present("dtype")) {
+        None => None,
+        Some(Value::String(s)) => match s.as_str() {
+            "bfloat16" | "bf16" => Some(DType::Bf16),
+            "float16" | "fp16" | "half" => Some(DType::F16),
+            "float32" | "fp32" | "float" => None,
+            other => {
+                e.push(
+                    r.path("torch_dtype"),
+                    format!("unknown dtype \"{other}\" (expected bfloat16, float16 or float32)"),
+                );
+                None
+            }
+        },
+        Some(v) => {
+            e.push(r.path("torch_dtype"), format!("expected a string, got {v}"));
+            None
+        }
+    };
+    let rope_scaling = read_rope_scaling(&r, e);
+    let window = read_window(&r, e);
+
+    if let (Some(h), Some(kv)) = (heads, kv_heads) {
+        if h % kv != 0 {
+            e.push(
+                r.path("num_key_value_heads"),
+                format!("{kv} does not divide num_attention_heads {h} (GQA needs heads = G · kv_heads)"),
+            );
+        }
+    }
+    if let Some(d) = head_dim {
+        if d % 2 != 0 || d > 256 {
+            e.push(
+                r.path("head_dim"),
+                format!("{d} is not supported (RoPE needs an even head_dim, the attention kernel at most 256)"),
+            );
+        }
+    }
+    let layers_n = layers?;
+    let windows = match (window, r.present("layer_types")) {
+        (w, None) => vec![w; layers_n as usize],
+        (w, Some(Value::Array(types))) => {
+            if types.len() != layers_n as usize {
+                e.push(
+                    r.path("layer_types"),
+                    format!("{} entries, expected num_hidden_layers = {layers_n}", types.len()),
+                );
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match t.as_str() {
+                    Some("sliding_attention") => {
+                        if w.is_none() {
+                            e.push(
+                                r.path(&format!("layer_types[{i}]")),
+                                "sliding_attention needs sliding_window".into(),
+                            );
+                        }
+                        w
+                    }
+                    Some("full_attention") => None,
+                    _ => {
+                        e.push(
+                            r.path(&format!("layer_types[{i}]")),
+                            format!("expected \"sliding_attention\" or \"full_attention\", got {t}"),
+                        );
+                        None
+                    }
+                })
+                .collect()
+        }
+        (_, Some(v)) => {
+            e.push(r.path("layer_types"), format!("expected a list, got {v}"));
+            vec![None; layers_n as usize]
+        }
+    };
+    Some(ModelConfig {
+        desc: ModelDesc {
+            hidden: hidden?,
+            intermediate: intermediate?,
+            heads: heads?,
+            kv_heads: kv_heads?,
+            head_dim: head_dim?,
+            layers: layers_n,
+            vocab: vocab?,
+            rms_norm_eps: eps? as f32,
+            rope_theta: theta as f32,
+            rope_scaling: rope_scaling?,
+            max_position_embeddings: max_pos?,
+            fc_bias,
+        },
+        windows,
+        torch_dtype,
+    })
+}
+
+fn read_window(r: &Reader, e: &mut Errors) -> Option<u32> {
+    let enabled = match r.present("use_sliding_window") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            e.push(r.path("use_sliding_window"), format!("expected true or false, got {v}"));
+            true
+        }
+    };
+    let w = r.uint("sliding_window", false, e);
+    if enabled {
+        w
+    } else {
+        None
+    }
+}
+
+fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
+    let Some(v) = r.present("rope_scaling") else {
+        return Some(RopeScaling::None);
+    };
+    let Some(obj) = v.as_object() else {
+        e.push(r.path("rope_scaling"), format!("expected a table or null, got {v}"));
+        return None;
+    };
+    let prefix = r.path("rope_scaling.");
+    let s = Reader { obj, prefix: &prefix };
+    let kind = s
+        .present("rope_type")
+        .or_else(|| s.present("type"))
+        .and_then(|t| t.as_str());
+    match kind {
+        None | Some("default") => Some(RopeScaling::None),
+        Some("linear") => Some(RopeScaling::Linear {
+            factor: s.float("factor", true, e)? as f32,
+        }),
+        Some("llama3") => {
+            let factor = s.float("factor", true, e);
+            let low = s.float("low_freq_factor", true, e);
+            let high = s.float("high_freq_factor", true, e);
+            let orig = s.uint("original_max_position_embeddings", true, e);
+            if let (Some(l), Some(h)) = (low, high) {
+                if h <= l {
+                    e.push(
+                        s.path("high_freq_factor"),
+                        format!("{h} must exceed low_freq_factor {l}"),
+                    );
+                    return None;
+                }
+            }
+            Some(RopeScaling::Llama3 {
+                factor: factor? as f32,
+                low_freq_factor: low? as f32,
+                high_freq_factor: high? as f32,
+                original_max_position_embeddings: orig?,
+            })
+        }
+        Some(other) => {
+            e.push(
+                s.path("rope_type"),
+                format!("\"{other}\" is not supported (expected default, linear or llama3)"),
+            );
+            None
+        }
+    }
+}
+
+/// Hugging Face Llama `inv_freq` after `rope_scaling`, computed in f64 and rounded once.
+pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
+    let d = m.head_dim as f64;
+    let theta = m.rope_theta as f64;
+    (0..m.head_dim / 2)
+        .map(|i| {
+            let base = 1.0 / theta.powf(2.0 * i as f64 / d);
+            let scaled = match &m.rope_scaling {
+                RopeScaling::None => base,
+                RopeScaling::Linear { factor } => base / *factor as f64,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                } => {
+                    let (factor, low, high) = (*factor as f64, *low_freq_factor as f64, *high_freq_factor as f64);
+                    let old = *original_max_position_embeddings as f64;
+                    let low_wavelen = old / low;
+                    let high_wavelen = old / high;
+                    let wavelen = 2.0 * std::f64::consts::PI / base;
+                    if wavelen < high_wavelen {
+                        base
+                    } else if wavelen > low_wavelen {
+                        base / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * base / factor + smooth * base
+                    }
+                }
+            };
+            scaled as f32
+        })
+        .collect()
+}

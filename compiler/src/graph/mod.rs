@@ -1,0 +1,304 @@
+//! Stage 2 IR: the op graph, a petgraph DAG of a closed op enum over typed tensors.
+//!
+//! Ops name their input and output tensors by `TensorId`; the petgraph edges (producer →
+//! consumer, one per tensor use) are derived from those lists by [`OpGraph::rebuild_edges`]
+//! after every transformation, so passes edit ops and tensors and never edges by hand.
+//! Shapes are affine in the bucket size B (`Dim { per_batch, fixed }`), which is what makes
+//! every bucket a static instance of one graph.
+//!
+//! Invariants (checked by `verify::graph`): the graph is acyclic; every tensor has at most
+//! one producer; graph inputs, weights and KV caches have none; every op's operand arity,
+//! dtypes and shapes match its kind.
+
+mod print;
+
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::EdgeRef;
+use specplan_runtime::format::{DType, KvKind};
+
+pub use print::{print_graph, to_dot};
+
+/// A dimension `per_batch · B + fixed`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Dim {
+    pub per_batch: u64,
+    pub fixed: u64,
+}
+
+impl Dim {
+    pub const fn fixed(n: u64) -> Dim {
+        Dim { per_batch: 0, fixed: n }
+    }
+    pub const fn batch(per: u64) -> Dim {
+        Dim {
+            per_batch: per,
+            fixed: 0,
+        }
+    }
+    pub fn at(self, b: u64) -> u64 {
+        self.per_batch * b + self.fixed
+    }
+}
+
+impl std::fmt::Display for Dim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.per_batch, self.fixed) {
+            (0, n) => write!(f, "{n}"),
+            (1, 0) => write!(f, "B"),
+            (p, 0) => write!(f, "{p}B"),
+            (1, n) => write!(f, "B+{n}"),
+            (p, n) => write!(f, "{p}B+{n}"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(pub u32);
+
+impl std::fmt::Display for TensorId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "t{}", self.0)
+    }
+}
+
+/// Where a tensor's storage lives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// Written by host prep (a graph input), in the arena.
+    Input,
+    /// Produced by an op, in the arena; `output` ones are read by the caller.
+    Activation { output: bool },
+    /// Read-only parameter in the weight region; `sources` name the file tensors it is
+    /// packed from.
+    Weight {
+        sources: Vec<String>,
+        packing: specplan_runtime::format::Packing,
+    },
+    /// One layer's K or V pool (outside the arena).
+    KvCache { layer: u32, kind: KvKind },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<Dim>,
+    pub storage: Storage,
+    /// Produced in place over this tensor's storage (e.g. a GEMM accumulating into the
+    /// residual stream, RoPE rotating q inside qkv, K/V appended into the cache).
+    pub alias_of: Option<TensorId>,
+}
+
+impl Tensor {
+    pub fn bytes_at(&self, b: u64) -> u64 {
+        self.shape.iter().map(|d| d.at(b)).product::<u64>() * self.dtype.size()
+    }
+}
+
+/// The closed set of ops. Unfused ops come from lowering; fused ones from `passes`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OpKind {
+    // --- Unfused (lowering) ---
+    /// ins: ids [T] i64, table [V,H] → out [T,H].
+    Embed,
+    /// ins: a [T,X], b [T,Y] → out [T,X+Y].
+    Concat,
+    /// ins: a [M,K], w [N,K], (bias [N]) (, c_in [M,N] when accumulating) → out [M,N].
+    Linear { bias: bool, accumulate: bool },
+    /// ins: x [M,H], w [H] → out [M,H]. fp32 math: x·rsqrt(mean(x²)+eps)·w.
+    RmsNorm,
+    /// ins: a, b (same shape) → out.
+    Add,
+    /// ins: x [T, heads·D], prefix_lens [B] → out. Position of row r = prefix_lens[r/N] + r%N.
+    Rope { heads: u32 },
+    /// ins: k [T,Hkv·D], v [T,Hkv·D], prefix_lens, page_table, k_cache, v_cache → out: k_cache', v_cache'.
+    KvAppend { layer: u32 },
+    /// ins: q [T,Hq·D] (row stride q_stride), k_cache, v_cache, page_table, prefix_lens → out [T,Hq·D].
+    Attention { layer: u32, window: Option<u32> },
+    /// ins: x → out: x·sigmoid(x).
+    Silu,
+    /// ins: a, b → out: a·b.
+    Mul,
+    /// ins: x [T,H], accept_lens [B] → out [B,H], row i·N + A_i − 1.
+    SelectRows,
+    /// ins: logits [B,V] f32 → out [B,V] f32.
+    Softmax,
+    /// ins: probs [B,V] f32 → out: values [B,K] f32, indices [B,K] i64 (ties to the lower index).
+    TopK { k: u32 },
+    /// ins: ids [B,K] i64, map [V_h] i64 → out [B,K] i64 (FR-Spec hot → full vocabulary).
+    MapIds,
+    // --- Fused (passes) ---
+    /// Embed ‖ hidden: ins ids, table, hidden [T,H] → out [T,2H].
+    EmbedConcat,
+    /// RoPE on q and k inside qkv (in place) + K/V append. ins: qkv, prefix_lens,
+    /// page_table, k_cache, v_cache → out: qkv', k_cache', v_cache'.
+    RopeAppend { layer: u32 },
+    /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up.
+    SiluMul,
+    /// Softmax + top-K (+ hot→full id map). ins: logits (, map) → out: probs [B,K], ids [B,K].
+    SoftmaxTopK { k: u32, hot_map: bool },
+}
+
+impl OpKind {
+    pub fn mnemonic(&self) -> &'static str {
+        match self {
+            OpKind::Embed => "embed",
+            OpKind::Concat => "concat",
+            OpKind::Linear { .. } => "linear",
+            OpKind::RmsNorm => "rmsnorm",
+            OpKind::Add => "add",
+            OpKind::Rope { .. } => "rope",
+            OpKind::KvAppend { .. } => "kv_append",
+            OpKind::Attention { .. } => "attention",
+            OpKind::Silu => "silu",
+            OpKind::Mul => "mul",
+            OpKind::SelectRows => "select_rows",
+            OpKind::Softmax => "softmax",
+            OpKind::TopK { .. } => "topk",
+            OpKind::MapIds => "map_ids",
+            OpKind::EmbedConcat => "embed_concat",
+            OpKind::RopeAppend { .. } => "rope_append",
+            OpKind::SiluMul => "silu_mul",
+            OpKind::SoftmaxTopK { .. } => "softmax_topk",
+        }
+    }
+
+    /// Whether executing the op needs a host round trip or a data-dependent allocation.
+    /// None of ours does (the layouts are static and every length is read on the
+    /// device); the replay analysis still asks, so a new op has to answer.
+    pub fn needs_host_sync(&self) -> bool {
+        match self {
+            OpKind::Embed
+            | OpKind::Concat
+            | OpKind::Linear { .. }
+            | OpKind::RmsNorm
+            | OpKind::Add
+            | OpKind::Rope { .. }
+            | OpKind::KvAppend { .. }
+            | OpKind::Attention { .. }
+            | OpKind::Silu
+            | OpKind::Mul
+            | OpKind::SelectRows
+            | OpKind::Softmax
+            | OpKind::TopK { .. }
+            | OpKind::MapIds
+            | OpKind::EmbedConcat
+            | OpKind::RopeAppend { .. }
+            | OpKind::SiluMul
+            | OpKind::SoftmaxTopK { .. } => false,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Op {
+    pub name: String,
+    pub kind: OpKind,
+    pub ins: Vec<TensorId>,
+    pub outs: Vec<TensorId>,
+    /// Program order from lowering; a fused op takes the first rank of what it replaced.
+    /// Ties in the topological order are broken by it, so the order is deterministic.
+    pub rank: u32,
+}
+
+/// The op graph. Nodes are ops; an edge carries the tensor flowing producer → consumer.
+#[derive(Clone, Debug, Default)]
+pub struct OpGraph {
+    pub graph: StableDiGraph<Op, TensorId>,
+    pub tensors: Vec<Tensor>,
+}
+
+impl OpGraph {
+    pub fn tensor(&self, id: TensorId) -> &Tensor {
+        &self.tensors[id.0 as usize]
+    }
+
+    pub fn add_tensor(&mut self, t: Tensor) -> TensorId {
+        self.tensors.push(t);
+        TensorId(self.tensors.len() as u32 - 1)
+    }
+
+    pub fn add_op(&mut self, op: Op) -> NodeIndex {
+        self.graph.add_node(op)
+    }
+
+    /// The op producing each tensor (`None` for inputs, weights, untouched caches).
+    pub fn producers(&self) -> Vec<Option<NodeIndex>> {
+        let mut p = vec![None; self.tensors.len()];
+        for n in self.graph.node_indices() {
+            for &t in &self.graph[n].outs {
+                p[t.0 as usize] = Some(n);
+            }
+        }
+        p
+    }
+
+    /// Recomputes the edges from the ops' operand lists.
+    pub fn rebuild_edges(&mut self) {
+        self.graph.clear_edges();
+        let producers = self.producers();
+        let nodes: Vec<NodeIndex> = self.graph.node_indices().collect();
+        for n in nodes {
+            let ins = self.graph[n].ins.clone();
+            for t in ins {
+                if let Some(p) = producers[t.0 as usize] {
+                    self.graph.add_edge(p, n, t);
+                }
+            }
+        }
+    }
+
+    /// Deterministic topological order: Kahn's algorithm, ready ops taken by (rank, index).
+    /// Returns the node that closes a cycle when there is one.
+    pub fn topo_order(&self) -> Result<Vec<NodeIndex>, NodeIndex> {
+        use std::cmp::Reverse;
+        use std::collections::{BinaryHeap, HashMap};
+        let mut indeg: HashMap<NodeIndex, usize> = HashMap::new();
+        for n in self.graph.node_indices() {
+            indeg.insert(n, self.graph.edges_directed(n, petgraph::Incoming).count());
+        }
+        let key = |n: NodeIndex| Reverse((self.graph[n].rank, n.index()));
+        let mut ready: BinaryHeap<(Reverse<(u32, usize)>, NodeIndex)> = indeg
+            .iter()
+            .filter(|(_, &d)| d == 0)
+            .map(|(&n, _)| (key(n), n))
+            .collect();
+        let mut order = Vec::with_capacity(indeg.len());
+        while let Some((_, n)) = ready.pop() {
+            order.push(n);
+            for e in self.graph.edges_directed(n, petgraph::Outgoing) {
+                let m = e.target();
+                if let Some(d) = indeg.get_mut(&m) {
+                    *d -= 1;
+                    if *d == 0 {
+                        ready.push((key(m), m));
+                    }
+                }
+            }
+        }
+        if order.len() == indeg.len() {
+            Ok(order)
+        } else {
+            let stuck = indeg
+                .iter()
+                .filter(|(_, &d)| d > 0)
+                .map(|(&n, _)| n)
+                .min_by_key(|n| n.index())
+                .unwrap_or_else(|| NodeIndex::new(0));
+            Err(stuck)
+        }
+    }
+
+    /// Ops consuming tensor `t`.
+    pub fn consumers(&self, t: TensorId) -> Vec<NodeIndex> {
+        self.graph
+            .node_indices()
+            .filter(|&n| self.graph[n].ins.contains(&t))
+            .collect()
+    }
+
+    /// The single op that produces `t`, if any.
+    pub fn producer(&self, t: TensorId) -> Option<NodeIndex> {
+        self.graph.node_indices().find(|&n| self.graph[n].outs.contains(&t))
+    }
+}

@@ -1,0 +1,160 @@
+//! specplan compiler: model + speculative + capture config → a static replay plan.
+//!
+//! The stages, in order (each has its own IR and printer; see ARCHITECTURE.md):
+//! 1. `config::resolve`   inputs → `Config`
+//! 2. `lower::lower`      `Config` → unfused `OpGraph`          (then `verify::graph`)
+//! 3. `passes::run`       fusion, recorded as `FusionRecord`s   (then `verify::graph`)
+//! 4. `analysis`          replay verdict per bucket
+//! 5. `schedule`          per bucket: arena offsets, launch list; kernel table
+//! 6. `emit`              → `Plan`, validated by the runtime's own `validate`
+
+pub mod analysis;
+pub mod codegen;
+pub mod config;
+pub mod error;
+pub mod graph;
+pub mod lower;
+pub mod passes;
+pub mod schedule;
+pub mod verify;
+
+use std::collections::BTreeMap;
+
+use specplan_runtime::format::{
+    validate, CaptureDesc, FusionRecord, LayerDesc, Plan, TargetDesc, ValidatedPlan, WeightDesc,
+};
+
+pub use config::{Config, Overrides, Source};
+pub use error::CompileError;
+use graph::{OpGraph, Storage, TensorId};
+
+/// Target facts the plan is specialized for.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// SM architecture (90 = Hopper).
+    pub sm: u32,
+    /// Multiprocessors, used to choose the attention's KV split per bucket.
+    pub sm_count: u32,
+}
+
+impl Default for Target {
+    /// H100/H200 SXM.
+    fn default() -> Self {
+        Target { sm: 90, sm_count: 132 }
+    }
+}
+
+/// Everything a compile produced, for printing any stage.
+pub struct Compiled {
+    pub plan: ValidatedPlan,
+    pub unfused: OpGraph,
+    pub fused: OpGraph,
+}
+
+/// Runs every stage. `progress(done, total)` is called after each bucket.
+pub fn compile(cfg: &Config, target: &Target, progress: &dyn Fn(usize, usize)) -> Result<Compiled, CompileError> {
+    let n = cfg.spec.num_draft_tokens as u64;
+    let unfused = lower::lower(cfg);
+    verify::graph(&unfused, n)?;
+    let mut fused = unfused.clone();
+    let fusions = passes::run(&mut fused, cfg);
+    verify::graph(&fused, n)?;
+    let order = fused
+        .topo_order()
+        .map_err(|node| verify::VerifyError(vec![format!("n{} is part of a cycle", node.index())]))?;
+
+    let (weights, weight_ids, weight_bytes) = layout_weights(&fused, &order);
+    let shared = schedule::Shared {
+        g: &fused,
+        order: &order,
+        cfg,
+        weight_ids: &weight_ids,
+        sm_count: target.sm_count,
+    };
+    let mut kernels = codegen::KernelTable::default();
+    let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());
+    for (i, &b) in cfg.capture.buckets.iter().enumerate() {
+        let replay = analysis::replay_verdict(&fused, cfg, b);
+        buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
+        progress(i + 1, cfg.capture.buckets.len());
+    }
+    let plan = emit(cfg, target, weights, weight_bytes, kernels.kernels, fusions, buckets);
+    Ok(Compiled {
+        plan: validate(plan)?,
+        unfused,
+        fused,
+    })
+}
+
+/// Weights in first-use order, 256-byte aligned in one region.
+fn layout_weights(
+    g: &OpGraph,
+    order: &[petgraph::stable_graph::NodeIndex],
+) -> (Vec<WeightDesc>, BTreeMap<TensorId, u32>, u64) {
+    let mut descs = Vec::new();
+    let mut ids = BTreeMap::new();
+    let mut offset = 0u64;
+    for &node in order {
+        for &t in &g.graph[node].ins {
+            let tensor = g.tensor(t);
+            let Storage::Weight { sources, packing } = &tensor.storage else {
+                continue;
+            };
+            if ids.contains_key(&t) {
+                continue;
+            }
+            let bytes = tensor.bytes_at(0);
+            ids.insert(t, descs.len() as u32);
+            descs.push(WeightDesc {
+                name: tensor.name.clone(),
+                dtype: tensor.dtype,
+                shape: tensor.shape.iter().map(|d| d.fixed).collect(),
+                sources: sources.clone(),
+                packing: packing.clone(),
+                offset,
+                bytes,
+            });
+            offset += bytes.div_ceil(256) * 256;
+        }
+    }
+    (descs, ids, offset)
+}
+
+fn emit(
+    cfg: &Config,
+    target: &Target,
+    weights: Vec<WeightDesc>,
+    weight_bytes: u64,
+    kernels: Vec<specplan_runtime::format::KernelDesc>,
+    fusions: Vec<FusionRecord>,
+    buckets: Vec<specplan_runtime::format::BucketPlan>,
+) -> Plan {
+    let c = &cfg.capture;
+    Plan {
+        name: cfg.name.clone(),
+        compiler: format!("specplan {}", env!("CARGO_PKG_VERSION")),
+        model: cfg.model.desc.clone(),
+        spec: cfg.spec.clone(),
+        capture: CaptureDesc {
+            page_size: c.page_size,
+            max_context_len: c.max_context_len,
+            max_pages_per_request: c.pages_per_request(),
+            kv_pool_pages: c.kv_pool_pages,
+            // The last page: requests get pages from the front of the pool.
+            scratch_page: c.kv_pool_pages - 1,
+            dtype: c.dtype,
+            hot_vocab_size: c.hot_vocab_size,
+        },
+        target: TargetDesc {
+            sm: target.sm,
+            nvrtc: None,
+        },
+        rope_inv_freq: config::rope_inv_freq(&cfg.model.desc),
+        layers: cfg.model.windows.iter().map(|&window| LayerDesc { window }).collect(),
+        weights,
+        weight_bytes,
+        kernels,
+        fusions,
+        buckets,
+    }
+}

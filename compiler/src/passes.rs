@@ -1,0 +1,376 @@
+//! Stage 3: fusion passes over the op graph, run in the order [`run`] lists them.
+//!
+//! Each pass is a plain function that rewrites ops and tensors where its pattern matches
+//! exactly (sole consumers, same inputs, no bias where a packed weight could not carry
+//! one) and returns what it fused. A pattern that does not match is left as it is: the
+//! unfused op is still correct, only slower. The graph is re-verified after the passes.
+
+use petgraph::algo::has_path_connecting;
+use petgraph::stable_graph::NodeIndex;
+use specplan_runtime::format::{FusionRecord, Packing};
+
+use crate::config::Config;
+use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
+
+type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
+
+/// The fusion pipeline, in order.
+pub const PASSES: &[(&str, Pass)] = &[
+    ("embed_concat", embed_concat),
+    ("qkv_rope_append", qkv_rope_append),
+    ("gate_up_silu_mul", gate_up_silu_mul),
+    ("residual_into_gemm", residual_into_gemm),
+    ("softmax_topk", softmax_topk),
+];
+
+pub fn run(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut records = Vec::new();
+    for (_, pass) in PASSES {
+        records.extend(pass(g, cfg));
+        g.rebuild_edges();
+    }
+    records
+}
+
+fn nodes_where(g: &OpGraph, pred: impl Fn(&OpKind) -> bool) -> Vec<NodeIndex> {
+    let mut v: Vec<NodeIndex> = g.graph.node_indices().filter(|&n| pred(&g.graph[n].kind)).collect();
+    v.sort_by_key(|&n| g.graph[n].rank);
+    v
+}
+
+fn sole_consumer(g: &OpGraph, t: TensorId) -> Option<NodeIndex> {
+    match g.consumers(t).as_slice() {
+        [one] => Some(*one),
+        _ => None,
+    }
+}
+
+fn plain_linear(g: &OpGraph, n: Option<NodeIndex>) -> Option<NodeIndex> {
+    n.filter(|&n| {
+        matches!(
+            g.graph[n].kind,
+            OpKind::Linear {
+                bias: false,
+                accumulate: false
+            }
+        )
+    })
+}
+
+fn row_bytes(g: &OpGraph, t: TensorId) -> u64 {
+    let tensor = g.tensor(t);
+    tensor.shape.iter().skip(1).map(|d| d.fixed).product::<u64>() * tensor.dtype.size()
+}
+
+fn weight_sources(g: &OpGraph, t: TensorId) -> Vec<String> {
+    match &g.tensor(t).storage {
+        Storage::Weight { sources, .. } => sources.clone(),
+        _ => Vec::new(),
+    }
+}
+
+/// A weight stacking `parts` along dim 0.
+fn packed_weight(g: &mut OpGraph, name: String, parts: &[TensorId]) -> TensorId {
+    let first = g.tensor(parts[0]).clone();
+    let rows: u64 = parts.iter().map(|&p| g.tensor(p).shape[0].fixed).sum();
+    let sources = parts.iter().flat_map(|&p| weight_sources(g, p)).collect();
+    let mut shape = first.shape.clone();
+    shape[0] = crate::graph::Dim::fixed(rows);
+    g.add_tensor(Tensor {
+        name,
+        dtype: first.dtype,
+        shape,
+        storage: Storage::Weight {
+            sources,
+            packing: Packing::ConcatRows,
+        },
+        alias_of: None,
+    })
+}
+
+fn names(g: &OpGraph, ns: &[NodeIndex]) -> Vec<String> {
+    ns.iter().map(|&n| g.graph[n].name.clone()).collect()
+}
+
+fn remove(g: &mut OpGraph, ns: &[NodeIndex]) {
+    for &n in ns {
+        g.graph.remove_node(n);
+    }
+}
+
+/// embed(ids) and concat(·, hidden) → one kernel writing the fc input directly.
+fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for e in nodes_where(g, |k| *k == OpKind::Embed) {
+        let emb = g.graph[e].outs[0];
+        let Some(c) = sole_consumer(g, emb).filter(|&c| g.graph[c].kind == OpKind::Concat && g.graph[c].ins[0] == emb)
+        else {
+            continue;
+        };
+        let (ids, table) = (g.graph[e].ins[0], g.graph[e].ins[1]);
+        let op = Op {
+            name: "embed_concat".into(),
+            kind: OpKind::EmbedConcat,
+            ins: vec![ids, table, g.graph[c].ins[1]],
+            outs: g.graph[c].outs.clone(),
+            rank: g.graph[e].rank,
+        };
+        out.push(FusionRecord {
+            rule: "embed_concat".into(),
+            fused: names(g, &[e, c]),
+            into: op.name.clone(),
+            launches_saved: 1,
+            bytes_saved_per_request: 2 * row_bytes(g, emb) * cfg.spec.num_draft_tokens as u64,
+        });
+        remove(g, &[e, c]);
+        g.add_op(op);
+    }
+    out
+}
+
+/// q/k/v projections → one GEMM over a packed weight; RoPE(q), RoPE(k) and the K/V append
+/// → one kernel that rotates q in place and writes rotated k and v into the pages.
+fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for a in nodes_where(g, |k| matches!(k, OpKind::KvAppend { .. })) {
+        let OpKind::KvAppend { layer } = g.graph[a].kind else {
+            continue;
+        };
+        let ins = g.graph[a].ins.clone();
+        let (k_rot, v, prefix, pages, kc, vc) = (ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]);
+        let rk = g
+            .producer(k_rot)
+            .filter(|&n| matches!(g.graph[n].kind, OpKind::Rope { .. }));
+        let Some(rk) = rk.filter(|_| sole_consumer(g, k_rot) == Some(a)) else {
+            continue;
+        };
+        let k = g.graph[rk].ins[0];
+        let Some(lk) = plain_linear(g, g.producer(k)).filter(|_| sole_consumer(g, k) == Some(rk)) else {
+            continue;
+        };
+        let Some(lv) = plain_linear(g, g.producer(v)).filter(|_| sole_consumer(g, v) == Some(a)) else {
+            continue;
+        };
+        let cache_k2 = g.graph[a].outs[0];
+        let Some(at) = g
+            .consumers(cache_k2)
+            .into_iter()
+            .find(|&n| matches!(g.graph[n].kind, OpKind::Attention { .. }))
+        else {
+            continue;
+        };
+        let q_rot = g.graph[at].ins[0];
+        let rq = g
+            .producer(q_rot)
+            .filter(|&n| matches!(g.graph[n].kind, OpKind::Rope { .. }));
+        let Some(rq) = rq.filter(|_| sole_consumer(g, q_rot) == Some(at)) else {
+            continue;
+        };
+        let q = g.graph[rq].ins[0];
+        let Some(lq) = plain_linear(g, g.producer(q)).filter(|_| sole_consumer(g, q) == Some(rq)) else {
+            continue;
+        };
+        let h = g.graph[lq].ins[0];
+        if g.graph[lk].ins[0] != h || g.graph[lv].ins[0] != h {
+            continue;
+        }
+        let (wq, wk, wv) = (g.graph[lq].ins[1], g.graph[lk].ins[1], g.graph[lv].ins[1]);
+        let wname = g.tensor(wq).name.replace("q_proj", "qkv_proj");
+        let w = packed_weight(g, wname, &[wq, wk, wv]);
+        let qt = g.tensor(q).clone();
+        let cols = g.tensor(w).shape[0];
+        let qkv = g.add_tensor(Tensor {
+            name: format!("l{layer}.qkv"),
+            shape: vec![qt.shape[0], cols],
+            alias_of: None,
+            ..qt.clone()
+        });
+        let qkv_rot = g.add_tensor(Tensor {
+            name: format!("l{layer}.qkv_rot"),
+            shape: vec![qt.shape[0], cols],
+            alias_of: Some(qkv),
+            ..qt
+        });
+        let fused = names(g, &[lq, lk, lv, rq, rk, a]);
+        let saved = (row_bytes(g, q_rot) + row_bytes(g, k_rot)) * 2 * cfg.spec.num_draft_tokens as u64;
+        let gemm = Op {
+            name: format!("l{layer}.qkv_proj"),
+            kind: OpKind::Linear {
+                bias: false,
+                accumulate: false,
+            },
+            ins: vec![h, w],
+            outs: vec![qkv],
+            rank: g.graph[lq].rank,
+        };
+        let ra = Op {
+            name: format!("l{layer}.rope_append"),
+            kind: OpKind::RopeAppend { layer },
+            ins: vec![qkv, prefix, pages, kc, vc],
+            outs: vec![qkv_rot, cache_k2, g.graph[a].outs[1]],
+            rank: g.graph[rq].rank,
+        };
+        g.graph[at].ins[0] = qkv_rot;
+        out.push(FusionRecord {
+            rule: "qkv_rope_append".into(),
+            fused,
+            into: format!("{} + {}", gemm.name, ra.name),
+            launches_saved: 4,
+            bytes_saved_per_request: saved,
+        });
+        remove(g, &[lq, lk, lv, rq, rk, a]);
+        g.add_op(gemm);
+        g.add_op(ra);
+    }
+    out
+}
+
+/// gate and up projections → one GEMM over a packed weight; silu and mul → one kernel.
+fn gate_up_silu_mul(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for s in nodes_where(g, |k| *k == OpKind::Silu) {
+        let gate = g.graph[s].ins[0];
+        let ga = g.graph[s].outs[0];
+        let Some(lg) = plain_linear(g, g.producer(gate)).filter(|_| sole_consumer(g, gate) == Some(s)) else {
+            continue;
+        };
+        let Some(mul) = sole_consumer(g, ga).filter(|&m| g.graph[m].kind == OpKind::Mul && g.graph[m].ins[0] == ga)
+        else {
+            continue;
+        };
+        let up = g.graph[mul].ins[1];
+        let Some(lu) = plain_linear(g, g.producer(up)).filter(|_| sole_consumer(g, up) == Some(mul)) else {
+            continue;
+        };
+        let h = g.graph[lg].ins[0];
+        if g.graph[lu].ins[0] != h {
+            continue;
+        }
+        let (wg, wu) = (g.graph[lg].ins[1], g.graph[lu].ins[1]);
+        let w = packed_weight(g, g.tensor(wg).name.replace("gate_proj", "gate_up_proj"), &[wg, wu]);
+        let gt = g.tensor(gate).clone();
+        let prefix = g.graph[lg].name.trim_end_matches(".gate_proj").to_string();
+        let gu = g.add_tensor(Tensor {
+            name: format!("{prefix}.gate_up"),
+            shape: vec![gt.shape[0], g.tensor(w).shape[0]],
+            ..gt
+        });
+        let fused = names(g, &[lg, lu, s, mul]);
+        let gemm = Op {
+            name: format!("{prefix}.gate_up_proj"),
+            kind: OpKind::Linear {
+                bias: false,
+                accumulate: false,
+            },
+            ins: vec![h, w],
+            outs: vec![gu],
+            rank: g.graph[lg].rank,
+        };
+        let sm = Op {
+            name: format!("{prefix}.silu_mul"),
+            kind: OpKind::SiluMul,
+            ins: vec![gu],
+            outs: g.graph[mul].outs.clone(),
+            rank: g.graph[s].rank,
+        };
+        out.push(FusionRecord {
+            rule: "gate_up_silu_mul".into(),
+            fused,
+            into: format!("{} + {}", gemm.name, sm.name),
+            launches_saved: 2,
+            bytes_saved_per_request: 2 * row_bytes(g, ga) * cfg.spec.num_draft_tokens as u64,
+        });
+        remove(g, &[lg, lu, s, mul]);
+        g.add_op(gemm);
+        g.add_op(sm);
+    }
+    out
+}
+
+/// `x + linear(y)` → the GEMM accumulates into x in place (beta = 1), when every other
+/// reader of x runs before the GEMM (so overwriting x is unobservable).
+fn residual_into_gemm(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for a in nodes_where(g, |k| *k == OpKind::Add) {
+        let (x, y) = (g.graph[a].ins[0], g.graph[a].ins[1]);
+        let Some(l) = plain_linear(g, g.producer(y)).filter(|_| sole_consumer(g, y) == Some(a)) else {
+            continue;
+        };
+        let x_t = g.tensor(x);
+        if !matches!(x_t.storage, Storage::Activation { output: false }) || x_t.dtype != g.tensor(y).dtype {
+            continue;
+        }
+        let others_first = g
+            .consumers(x)
+            .into_iter()
+            .filter(|&c| c != a)
+            .all(|c| c != l && has_path_connecting(&g.graph, c, l, None));
+        if !others_first {
+            continue;
+        }
+        let sum = g.graph[a].outs[0];
+        g.tensors[sum.0 as usize].alias_of = Some(x);
+        let bytes = 2 * row_bytes(g, y) * cfg.spec.num_draft_tokens as u64;
+        out.push(FusionRecord {
+            rule: "residual_into_gemm".into(),
+            fused: names(g, &[l, a]),
+            into: g.graph[l].name.clone(),
+            launches_saved: 1,
+            bytes_saved_per_request: bytes,
+        });
+        let op = &mut g.graph[l];
+        op.kind = OpKind::Linear {
+            bias: false,
+            accumulate: true,
+        };
+        op.ins.push(x);
+        op.outs = vec![sum];
+        remove(g, &[a]);
+    }
+    out
+}
+
+/// softmax → top-K (→ hot→full id map) → one kernel per request row.
+fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for s in nodes_where(g, |k| *k == OpKind::Softmax) {
+        let probs = g.graph[s].outs[0];
+        let Some(t) = sole_consumer(g, probs).filter(|&t| matches!(g.graph[t].kind, OpKind::TopK { .. })) else {
+            continue;
+        };
+        let OpKind::TopK { k } = g.graph[t].kind else { continue };
+        let idx = g.graph[t].outs[1];
+        let map = sole_consumer(g, idx).filter(|&m| g.graph[m].kind == OpKind::MapIds);
+        let mut ins = vec![g.graph[s].ins[0]];
+        let mut outs = vec![g.graph[t].outs[0]];
+        let mut fused = vec![s, t];
+        match map {
+            Some(m) => {
+                ins.push(g.graph[m].ins[1]);
+                outs.push(g.graph[m].outs[0]);
+                fused.push(m);
+            }
+            None => outs.push(idx),
+        }
+        let op = Op {
+            name: "softmax_topk".into(),
+            kind: OpKind::SoftmaxTopK {
+                k,
+                hot_map: map.is_some(),
+            },
+            ins,
+            outs,
+            rank: g.graph[s].rank,
+        };
+        out.push(FusionRecord {
+            rule: "softmax_topk".into(),
+            fused: names(g, &fused),
+            into: op.name.clone(),
+            launches_saved: fused.len() as u32 - 1,
+            bytes_saved_per_request: 2 * row_bytes(g, probs),
+        });
+        remove(g, &fused);
+        g.add_op(op);
+    }
+    out
+}

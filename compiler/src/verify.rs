@@ -1,0 +1,297 @@
+//! Graph verification, separate from every transformation.
+//!
+//! Rules:
+//! 1. The graph is acyclic (a cycle is reported at the op that closes it).
+//! 2. Every tensor has at most one producer; inputs, weights and caches have none, and every
+//!    activation an op reads has a producer.
+//! 3. Every op has the operand arity its kind requires, and each operand the dtype and the
+//!    shape (affine in B) the kind requires — the table is `check_op`.
+//! 4. An in-place output has its alias's dtype and shape.
+//!
+//! Errors name the node (`n7 l0.attention`) and the operand.
+
+use crate::graph::{Dim, OpGraph, OpKind, Storage, TensorId};
+use petgraph::stable_graph::NodeIndex;
+use specplan_runtime::format::DType;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("graph verification failed:\n{}", .0.join("\n"))]
+pub struct VerifyError(pub Vec<String>);
+
+pub fn graph(g: &OpGraph, n_rows: u64) -> Result<(), VerifyError> {
+    let mut errs = Vec::new();
+    if let Err(n) = g.topo_order() {
+        errs.push(format!("n{} {}: part of a cycle", n.index(), g.graph[n].name));
+        return Err(VerifyError(errs));
+    }
+    let mut producer: Vec<Option<NodeIndex>> = vec![None; g.tensors.len()];
+    for n in g.graph.node_indices() {
+        for &t in &g.graph[n].outs {
+            let at = format!("n{} {}", n.index(), g.graph[n].name);
+            match producer[t.0 as usize] {
+                Some(p) => errs.push(format!(
+                    "{at}: output %{} already produced by n{}",
+                    g.tensor(t).name,
+                    p.index()
+                )),
+                None => producer[t.0 as usize] = Some(n),
+            }
+            if matches!(g.tensor(t).storage, Storage::Input | Storage::Weight { .. }) {
+                errs.push(format!(
+                    "{at}: writes %{}, which is an input or a weight",
+                    g.tensor(t).name
+                ));
+            }
+            if let Some(a) = g.tensor(t).alias_of {
+                let (x, y) = (g.tensor(t), g.tensor(a));
+                if x.dtype != y.dtype || x.shape != y.shape {
+                    errs.push(format!(
+                        "{at}: in-place %{} does not match %{} in dtype or shape",
+                        x.name, y.name
+                    ));
+                }
+            }
+        }
+    }
+    for n in g.graph.node_indices() {
+        let op = &g.graph[n];
+        let at = format!("n{} {}", n.index(), op.name);
+        for &t in &op.ins {
+            let tensor = g.tensor(t);
+            if matches!(tensor.storage, Storage::Activation { .. }) && producer[t.0 as usize].is_none() {
+                errs.push(format!("{at}: reads %{}, which no op produces", tensor.name));
+            }
+        }
+        if let Err(msg) = check_op(g, &op.kind, &op.ins, &op.outs, n_rows) {
+            errs.push(format!("{at} ({}): {msg}", op.kind.mnemonic()));
+        }
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyError(errs))
+    }
+}
+
+struct Ctx<'a> {
+    g: &'a OpGraph,
+    ins: &'a [TensorId],
+    outs: &'a [TensorId],
+}
+
+impl Ctx<'_> {
+    fn arity(&self, ins: usize, outs: usize) -> Result<(), String> {
+        if self.ins.len() != ins || self.outs.len() != outs {
+            return Err(format!(
+                "expects {ins} inputs and {outs} outputs, has {} and {}",
+                self.ins.len(),
+                self.outs.len()
+            ));
+        }
+        Ok(())
+    }
+    fn t(&self, out: bool, i: usize) -> &crate::graph::Tensor {
+        self.g.tensor(if out { self.outs[i] } else { self.ins[i] })
+    }
+    fn shape(&self, out: bool, i: usize) -> &[Dim] {
+        &self.t(out, i).shape
+    }
+    fn dtype(&self, out: bool, i: usize, want: &[DType]) -> Result<(), String> {
+        let t = self.t(out, i);
+        if want.contains(&t.dtype) {
+            Ok(())
+        } else {
+            let w: Vec<&str> = want.iter().map(|d| d.name()).collect();
+            Err(format!(
+                "%{} is {}, expected {}",
+                t.name,
+                t.dtype.name(),
+                w.join(" or ")
+            ))
+        }
+    }
+    fn rank2(&self, out: bool, i: usize) -> Result<(Dim, Dim), String> {
+        match self.shape(out, i) {
+            [a, b] => Ok((*a, *b)),
+            s => Err(format!("%{} has rank {}, expected 2", self.t(out, i).name, s.len())),
+        }
+    }
+    fn same(&self, a: (bool, usize), b: (bool, usize)) -> Result<(), String> {
+        if self.shape(a.0, a.1) != self.shape(b.0, b.1) {
+            return Err(format!(
+                "%{} {} and %{} {} differ in shape",
+                self.t(a.0, a.1).name,
+                fmt(self.shape(a.0, a.1)),
+                self.t(b.0, b.1).name,
+                fmt(self.shape(b.0, b.1))
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn fmt(s: &[Dim]) -> String {
+    format!("[{}]", s.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(","))
+}
+
+fn want(ok: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+const ACT: [DType; 2] = [DType::Bf16, DType::F16];
+
+/// The per-kind operand rules.
+fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_rows: u64) -> Result<(), String> {
+    let c = Ctx { g, ins, outs };
+    let rows = Dim::batch(n_rows);
+    let batch = Dim::batch(1);
+    match kind {
+        OpKind::Embed => {
+            c.arity(2, 1)?;
+            c.dtype(false, 0, &[DType::I64])?;
+            let (_, h) = c.rank2(false, 1)?;
+            want(c.shape(true, 0) == [c.shape(false, 0)[0], h], || {
+                "output must be [T, hidden]".into()
+            })
+        }
+        OpKind::Concat => {
+            c.arity(2, 1)?;
+            let (ra, a) = c.rank2(false, 0)?;
+            let (rb, b) = c.rank2(false, 1)?;
+            want(
+                ra == rb && c.shape(true, 0) == [ra, Dim::fixed(a.fixed + b.fixed)],
+                || "output must be [T, X+Y]".into(),
+            )
+        }
+        OpKind::Linear { bias, accumulate } => {
+            c.arity(2 + *bias as usize + *accumulate as usize, 1)?;
+            let (m, k) = c.rank2(false, 0)?;
+            let (n, k2) = c.rank2(false, 1)?;
+            want(k == k2, || {
+                format!("in-features {} of the weight do not match the input's {}", k2, k)
+            })?;
+            want(c.shape(true, 0) == [m, n], || {
+                format!("output must be [{m}, {n}], is {}", fmt(c.shape(true, 0)))
+            })?;
+            if *bias {
+                want(c.shape(false, 2) == [n], || format!("bias must be [{n}]"))?;
+            }
+            if *accumulate {
+                let acc = ins.len() - 1;
+                c.same((false, acc), (true, 0))?;
+                want(g.tensor(outs[0]).alias_of == Some(ins[acc]), || {
+                    "accumulating output must be in place over its addend".into()
+                })?;
+            }
+            c.dtype(false, 0, &ACT)
+        }
+        OpKind::RmsNorm => {
+            c.arity(2, 1)?;
+            let (_, h) = c.rank2(false, 0)?;
+            want(c.shape(false, 1) == [h], || format!("weight must be [{h}]"))?;
+            c.same((false, 0), (true, 0))
+        }
+        OpKind::Add | OpKind::Mul => {
+            c.arity(2, 1)?;
+            c.same((false, 0), (false, 1))?;
+            c.same((false, 0), (true, 0))
+        }
+        OpKind::Silu => {
+            c.arity(1, 1)?;
+            c.same((false, 0), (true, 0))
+        }
+        OpKind::Rope { .. } => {
+            c.arity(2, 1)?;
+            c.dtype(false, 1, &[DType::I32])?;
+            want(c.shape(false, 0)[0] == rows, || format!("rows must be {rows}"))?;
+            c.same((false, 0), (true, 0))
+        }
+        OpKind::KvAppend { .. } => {
+            c.arity(6, 2)?;
+            c.dtype(false, 2, &[DType::I32])?;
+            c.dtype(false, 3, &[DType::I32])?;
+            c.same((false, 0), (false, 1))?;
+            c.same((false, 4), (true, 0))?;
+            c.same((false, 5), (true, 1))
+        }
+        OpKind::RopeAppend { .. } => {
+            c.arity(5, 3)?;
+            c.dtype(false, 1, &[DType::I32])?;
+            c.dtype(false, 2, &[DType::I32])?;
+            c.same((false, 0), (true, 0))?;
+            c.same((false, 3), (true, 1))?;
+            c.same((false, 4), (true, 2))
+        }
+        OpKind::Attention { .. } => {
+            c.arity(5, 1)?;
+            let (r, qcols) = c.rank2(false, 0)?;
+            let (ro, ocols) = c.rank2(true, 0)?;
+            want(r == rows && ro == rows, || {
+                format!("query and output rows must be {rows}")
+            })?;
+            want(qcols.fixed >= ocols.fixed, || "queries narrower than the output".into())?;
+            c.dtype(false, 3, &[DType::I32])?;
+            c.dtype(false, 4, &[DType::I32])
+        }
+        OpKind::SiluMul => {
+            c.arity(1, 1)?;
+            let (r, cols) = c.rank2(false, 0)?;
+            want(
+                c.shape(true, 0) == [r, Dim::fixed(cols.fixed / 2)] && cols.fixed % 2 == 0,
+                || "output must be [T, I] for input [T, 2I]".into(),
+            )
+        }
+        OpKind::EmbedConcat => {
+            c.arity(3, 1)?;
+            c.dtype(false, 0, &[DType::I64])?;
+            let (_, h) = c.rank2(false, 1)?;
+            want(c.shape(false, 2) == [rows, h], || {
+                format!("hidden must be [{rows}, {h}]")
+            })?;
+            want(c.shape(true, 0) == [rows, Dim::fixed(2 * h.fixed)], || {
+                "output must be [T, 2H]".into()
+            })
+        }
+        OpKind::SelectRows => {
+            c.arity(2, 1)?;
+            let (r, h) = c.rank2(false, 0)?;
+            want(r == rows, || format!("input rows must be {rows}"))?;
+            c.dtype(false, 1, &[DType::I32])?;
+            want(c.shape(true, 0) == [batch, h], || format!("output must be [B, {h}]"))
+        }
+        OpKind::Softmax => {
+            c.arity(1, 1)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            c.same((false, 0), (true, 0))
+        }
+        OpKind::TopK { k } | OpKind::SoftmaxTopK { k, .. } => {
+            let hot = matches!(kind, OpKind::SoftmaxTopK { hot_map: true, .. });
+            c.arity(1 + hot as usize, 2)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            let (b, v) = c.rank2(false, 0)?;
+            want(v.fixed >= *k as u64, || {
+                format!("top-{k} over only {} columns", v.fixed)
+            })?;
+            want(
+                c.shape(true, 0) == [b, Dim::fixed(*k as u64)] && c.shape(true, 1) == [b, Dim::fixed(*k as u64)],
+                || "outputs must be [B, K]".into(),
+            )?;
+            c.dtype(true, 0, &[DType::F32])?;
+            c.dtype(true, 1, &[DType::I64])?;
+            if hot {
+                want(c.shape(false, 1) == [v], || format!("hot map must be [{v}]"))?;
+            }
+            Ok(())
+        }
+        OpKind::MapIds => {
+            c.arity(2, 1)?;
+            c.dtype(false, 0, &[DType::I64])?;
+            c.dtype(false, 1, &[DType::I64])?;
+            c.same((false, 0), (true, 0))
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! specplan kernel templates: CUDA C sources specialized by a generated prelude.
+//!
+//! A kernel instance's source is `prelude + common.cuh + template`, where the prelude
+//! (written by the compiler from the plan's constants) includes the fp16/bf16 headers and
+//! declares `act_t` and every `constexpr` the template reads. Templates never contain
+//! sizes; the compiler never formats strings inside kernel bodies.
+//!
+//! This crate also owns the launch-geometry facts that host code must mirror exactly
+//! (block sizes, dynamic shared memory formulas), next to the sources that rely on them.
+
+use sha2::{Digest, Sha256};
+
+/// A `.cu` template and its entry points.
+#[derive(Debug)]
+pub struct Template {
+    pub file: &'static str,
+    pub source: &'static str,
+    pub entries: &'static [&'static str],
+}
+
+pub const COMMON_HEADER: &str = include_str!("../cuda/common.cuh");
+const INCLUDE_LINE: &str = "#include \"common.cuh\"";
+
+pub const TEMPLATES: &[Template] = &[
+    Template {
+        file: "embed.cu",
+        source: include_str!("../cuda/embed.cu"),
+        entries: &["embed_concat"],
+    },
+    Template {
+        file: "norm.cu",
+        source: include_str!("../cuda/norm.cu"),
+        entries: &["rmsnorm"],
+    },
+    Template {
+        file: "rope_append.cu",
+        source: include_str!("../cuda/rope_append.cu"),
+        entries: &["rope_append"],
+    },
+    Template {
+        file: "attention.cu",
+        source: include_str!("../cuda/attention.cu"),
+        entries: &["attn_partial", "attn_merge"],
+    },
+    Template {
+        file: "mlp.cu",
+        source: include_str!("../cuda/mlp.cu"),
+        entries: &["silu_mul"],
+    },
+    Template {
+        file: "select.cu",
+        source: include_str!("../cuda/select.cu"),
+        entries: &["select_rows"],
+    },
+    Template {
+        file: "sample.cu",
+        source: include_str!("../cuda/sample.cu"),
+        entries: &["softmax_topk"],
+    },
+];
+
+pub fn template(file: &str) -> Option<&'static Template> {
+    TEMPLATES.iter().find(|t| t.file == file)
+}
+
+/// The full source NVRTC compiles: prelude, then the template with its
+/// `#include "common.cuh"` line replaced by the header (so NVRTC needs no header table).
+pub fn full_source(prelude: &str, template: &Template) -> String {
+    let body = template.source.replacen(INCLUDE_LINE, COMMON_HEADER, 1);
+    format!("{prelude}\n// ---- {} ----\n{body}", template.file)
+}
+
+/// Hex SHA-256 of a full source.
+pub fn source_hash(source: &str) -> String {
+    Sha256::digest(source.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Launch geometry shared by the compiler (which writes it into plans) and the kernels.
+pub mod geometry {
+    pub const EMBED_THREADS: u32 = 256;
+    pub const NORM_THREADS: u32 = 256;
+    pub const ROPE_THREADS: u32 = 128;
+    pub const ATTN_THREADS: u32 = 128;
+    pub const SILU_THREADS: u32 = 256;
+    pub const SELECT_THREADS: u32 = 256;
+    pub const TOPK_THREADS: u32 = 512;
+    /// Largest top-K the sampling kernel's shared memory is sized for.
+    pub const MAX_TOPK: u32 = 32;
+
+    /// Dynamic shared memory of `attn_partial` (mirrors the formula in attention.cu):
+    /// q rows in fp32, one K and one V tile, and the score tile.
+    pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, act_bytes: u32) -> u64 {
+        let (r, d, t, a) = (rows_per_cta as u64, head_dim as u64, kv_tile as u64, act_bytes as u64);
+        r * d * 4 + 2 * t * d * a + r * t * 4
+    }
+
+    /// Dynamic shared memory of `softmax_topk` (mirrors sample.cu).
+    pub fn topk_smem_bytes(topk: u32) -> u64 {
+        TOPK_THREADS as u64 * topk as u64 * 8
+    }
+}

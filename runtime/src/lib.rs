@@ -1,0 +1,5 @@
+//! specplan runtime: owns the plan format and executes plans.
+//!
+//! Architecture invariant: nothing here depends on the compiler or on petgraph.
+
+pub mod format;
