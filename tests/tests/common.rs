@@ -1,0 +1,33 @@
+//! Helpers shared by the integration tests.
+
+use specplan_compiler::config::{resolve, Overrides, Source};
+use specplan_compiler::{compile, Target};
+use specplan_runtime::format::{ValidatedPlan, Plan};
+
+pub fn corpus(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(path)
+}
+
+/// Compiles a preset with overrides; panics with the error (tests only).
+pub fn compile_preset(name: &str, o: &Overrides) -> ValidatedPlan {
+    let cfg = resolve(&Source::Preset(name.into()), o).unwrap_or_else(|e| panic!("{name}: {e}"));
+    compile(&cfg, &Target::default(), &|_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}")).plan
+}
+
+/// Text form with toolchain-dependent binary facts redacted, so a NVRTC bump does not
+/// churn every snapshot (the source hash, which we control, stays).
+pub fn snapshot_text(p: &Plan) -> String {
+    specplan_runtime::format::facts(p)
+        .into_iter()
+        .map(|f| {
+            if f.key.ends_with(" binary") && f.value != "none" {
+                format!("{} [binary]", f.key)
+            } else if f.key == "target" {
+                "target [target]".to_string()
+            } else {
+                f.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}

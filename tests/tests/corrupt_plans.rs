@@ -1,0 +1,112 @@
+//! Corrupted, truncated and inconsistent plans are rejected with a clear error before
+//! anything uses them.
+
+mod common;
+
+use specplan_compiler::config::Overrides;
+use specplan_runtime::format::{decode, encode, validate, ArgValue, LaunchKind, PlanError};
+
+fn tiny_bytes() -> (Vec<u8>, specplan_runtime::format::Plan) {
+    let plan = common::compile_preset("tiny", &Overrides::default()).into_inner();
+    (encode(&plan).expect("encode"), plan)
+}
+
+#[test]
+fn round_trip_is_exact() {
+    let (bytes, plan) = tiny_bytes();
+    assert_eq!(decode(&bytes).expect("decode").plan(), &plan);
+}
+
+#[test]
+fn every_truncation_is_rejected() {
+    let (bytes, _) = tiny_bytes();
+    for len in (0..bytes.len()).step_by(97).chain([bytes.len() - 1]) {
+        let err = decode(&bytes[..len]).expect_err("truncated plan accepted");
+        assert!(matches!(err, PlanError::Truncated { .. }), "len {len}: {err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+    }
+}
+
+#[test]
+fn flipped_bytes_are_rejected() {
+    let (bytes, _) = tiny_bytes();
+    for at in (56..bytes.len()).step_by(131) {
+        let mut b = bytes.clone();
+        b[at] ^= 0x5a;
+        assert_eq!(decode(&b).expect_err("corrupted body accepted"), PlanError::Checksum, "byte {at}");
+    }
+    let mut b = bytes.clone();
+    b[0] = b'X';
+    assert_eq!(decode(&b).expect_err("bad magic"), PlanError::BadMagic);
+    let mut b = bytes.clone();
+    b[8] = 9;
+    let e = decode(&b).expect_err("future version");
+    assert!(e.to_string().contains("version 9 is not supported"), "{e}");
+    let mut b = bytes;
+    b[30] ^= 1; // inside the stored checksum
+    assert_eq!(decode(&b).expect_err("bad checksum"), PlanError::Checksum);
+}
+
+fn invalid(mutate: impl FnOnce(&mut specplan_runtime::format::Plan)) -> String {
+    let (_, mut plan) = tiny_bytes();
+    mutate(&mut plan);
+    // Re-encoded with a correct checksum: only validation can catch these.
+    let bytes = encode(&plan).expect("encode");
+    match decode(&bytes) {
+        Err(PlanError::Invalid(msgs)) => msgs.join("\n"),
+        other => panic!("expected a validation error, got {other:?}"),
+    }
+}
+
+#[test]
+fn inconsistent_plans_name_the_bad_field() {
+    let mut out = String::new();
+    let mut case = |name: &str, m: &dyn Fn(&mut specplan_runtime::format::Plan)| {
+        out.push_str(&format!("## {name}\n{}\n", invalid(|p| m(p))));
+    };
+    case("buffer past the arena", &|p| p.buckets[1].buffers[0].offset = p.buckets[1].arena_bytes);
+    case("kernel index out of range", &|p| {
+        if let Some(LaunchKind::Kernel { kernel, .. }) = p.buckets[0].launches.iter_mut().map(|l| &mut l.kind).find(|k| matches!(k, LaunchKind::Kernel { .. })) {
+            *kernel = 99;
+        }
+    });
+    case("buffer id out of range", &|p| {
+        for l in &mut p.buckets[0].launches {
+            if let LaunchKind::Kernel { args, .. } = &mut l.kind {
+                if let Some(a) = args.iter_mut().find(|a| matches!(a.value, ArgValue::Buffer { .. })) {
+                    a.value = ArgValue::Buffer { id: 500, access: specplan_runtime::format::Access::Read };
+                    return;
+                }
+            }
+        }
+    });
+    case("weight past the region", &|p| p.weights[2].offset = p.weight_bytes);
+    case("qo layout not N rows per request", &|p| p.buckets[2].qo_indptr[1] = 3);
+    case("aliasing live buffers", &|p| {
+        let b = &mut p.buckets[3];
+        let off = b.buffer("hidden_states").map(|(_, x)| x.offset).unwrap_or(0);
+        if let Some(x) = b.buffers.iter_mut().find(|x| x.name == "fc_in") {
+            x.offset = off;
+        }
+    });
+    case("spec rule broken", &|p| p.spec.num_draft_tokens = 40);
+    case("buckets out of order", &|p| p.buckets.swap(0, 1));
+    case("page size", &|p| p.capture.page_size = 3);
+    case("block too large", &|p| {
+        if let Some(LaunchKind::Kernel { block, .. }) = p.buckets[0].launches.iter_mut().map(|l| &mut l.kind).find(|k| matches!(k, LaunchKind::Kernel { .. })) {
+            *block = [2048, 1, 1];
+        }
+    });
+    case("gemm shape", &|p| {
+        if let Some(LaunchKind::Gemm(g)) = p.buckets[0].launches.iter_mut().map(|l| &mut l.kind).find(|k| matches!(k, LaunchKind::Gemm(_))) {
+            g.k += 1;
+        }
+    });
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn validation_accepts_what_the_compiler_emits() {
+    let (_, plan) = tiny_bytes();
+    assert!(validate(plan).is_ok());
+}

@@ -1,0 +1,57 @@
+//! The invalid-config corpus: every file must be rejected, and the message (which names
+//! the field, the value and the rule) is snapshotted.
+
+use specplan_compiler::config::{resolve, Overrides, Source};
+
+#[test]
+fn invalid_configs_are_rejected_with_their_field() {
+    insta::glob!("../corpus/invalid", "*.toml", |path| {
+        let text = std::fs::read_to_string(path).expect("read corpus file");
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        match resolve(&Source::Toml { name, text }, &Overrides::default()) {
+            Ok(cfg) => panic!("{} was accepted: {cfg:?}", path.display()),
+            Err(e) => insta::assert_snapshot!(e.to_string()),
+        }
+    });
+}
+
+#[test]
+fn invalid_flags_are_rejected_with_the_flag_name() {
+    let cases: Vec<(&str, Overrides)> = vec![
+        ("topk-zero", Overrides { topk: Some(0), ..Default::default() }),
+        ("topk1-draft", Overrides { topk: Some(1), num_steps: Some(3), num_draft_tokens: Some(3), ..Default::default() }),
+        ("draft-too-small", Overrides { num_draft_tokens: Some(1), ..Default::default() }),
+        ("page-size", Overrides { page_size: Some(6), ..Default::default() }),
+        ("buckets-text", Overrides { buckets: Some("1,two".into()), ..Default::default() }),
+        ("sliding-window-zero", Overrides { sliding_window: Some(0), ..Default::default() }),
+        ("hot-vocab-below-topk", Overrides { hot_vocab_size: Some(2), ..Default::default() }),
+        ("dtype", Overrides { dtype: Some("f32".into()), ..Default::default() }),
+        ("max-bs", Overrides { max_bs: Some(0), buckets: Some("auto".into()), ..Default::default() }),
+    ];
+    let mut out = String::new();
+    for (name, o) in cases {
+        let e = resolve(&Source::Preset("tiny".into()), &o).expect_err(name);
+        out.push_str(&format!("## {name}\n{e}\n"));
+    }
+    let e = resolve(&Source::Preset("nope".into()), &Overrides::default()).expect_err("unknown preset");
+    out.push_str(&format!("## unknown-preset\n{e}\n"));
+    let e = resolve(&Source::HfConfig { name: "x".into(), text: "{\"hidden_size\": 8".into() }, &Overrides::default())
+        .expect_err("bad json");
+    out.push_str(&format!("## hf-not-json\n{e}\n"));
+    let e = resolve(&Source::HfConfig { name: "x".into(), text: "{\"hidden_size\": 64}".into() }, &Overrides::default())
+        .expect_err("hf missing keys");
+    out.push_str(&format!("## hf-missing-keys-and-flags\n{e}\n"));
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn auto_buckets_follow_sglang() {
+    let b = specplan_compiler::config::auto_buckets(300);
+    assert_eq!(&b[..8], &[1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(&b[8..20], &[10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32]);
+    assert_eq!(&b[20..27], &[40, 44, 48, 52, 56, 60, 64]);
+    assert_eq!(b[27], 72);
+    assert_eq!(*b.iter().find(|&&x| x > 256).expect("a bucket past 256"), 272);
+    assert_eq!(*b.last().expect("non-empty"), 288);
+    assert_eq!(specplan_compiler::config::auto_buckets(64).len(), 27);
+}

@@ -1,0 +1,74 @@
+//! Snapshots of every preset's plan text (kept in plans/), so a compiler change shows up as
+//! a reviewable diff there; plus the op graph of `tiny` before and after fusion.
+
+mod common;
+
+use specplan_compiler::config::{resolve, Overrides, Source, PRESETS};
+use specplan_compiler::{compile, graph, Target};
+
+fn settings() -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_snapshot_path(concat!(env!("CARGO_MANIFEST_DIR"), "/../plans"));
+    s.set_prepend_module_to_snapshot(false);
+    s.set_omit_expression(true);
+    s
+}
+
+#[test]
+fn every_preset_plan() {
+    for p in PRESETS {
+        let plan = common::compile_preset(p.name, &Overrides::default());
+        settings().bind(|| insta::assert_snapshot!(p.name, common::snapshot_text(&plan)));
+    }
+}
+
+#[test]
+fn tiny_with_sliding_window_and_fr_spec() {
+    let o = Overrides { sliding_window: Some(16), hot_vocab_size: Some(256), ..Overrides::default() };
+    let plan = common::compile_preset("tiny", &o);
+    settings().bind(|| insta::assert_snapshot!("tiny-swa16-hot256", common::snapshot_text(&plan)));
+}
+
+#[test]
+fn tiny_graph_before_and_after_fusion() {
+    let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("tiny resolves");
+    let c = compile(&cfg, &Target::default(), &|_, _| {}).expect("tiny compiles");
+    settings().bind(|| {
+        insta::assert_snapshot!("tiny.graph-unfused", graph::print_graph(&c.unfused));
+        insta::assert_snapshot!("tiny.graph-fused", graph::print_graph(&c.fused));
+    });
+}
+
+#[test]
+fn compile_is_deterministic() {
+    for p in PRESETS {
+        let a = specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
+        let b = specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
+        assert_eq!(a, b, "{}: two compiles gave different bytes", p.name);
+    }
+}
+
+#[test]
+fn valid_hf_configs_compile() {
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(8),
+        buckets: Some("1,8,32".into()),
+        max_context_len: Some(4096),
+        ..Overrides::default()
+    };
+    insta::glob!("../corpus/valid", "*.json", |path| {
+        let text = std::fs::read_to_string(path).expect("read corpus file");
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let cfg = resolve(&Source::HfConfig { name, text }, &o).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let plan = compile(&cfg, &Target::default(), &|_, _| {}).unwrap_or_else(|e| panic!("{}: {e}", path.display())).plan;
+        // The model line and the layer windows are what the HF reader decides.
+        let facts: Vec<String> = specplan_runtime::format::facts(&plan)
+            .into_iter()
+            .filter(|f| f.key == "model" || f.key.starts_with("layer ") || f.key == "capture" || f.key == "rope inv_freq")
+            .map(|f| f.to_string())
+            .collect();
+        insta::assert_snapshot!(facts.join("\n"));
+    });
+}
