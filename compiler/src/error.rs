@@ -15,6 +15,6 @@ pub enum CompileError {
     Schedule(#[from] ScheduleError),
     #[error("the emitted plan fails validation (a compiler bug): {0}")]
     Plan(#[from] PlanError),
-    #[error("kernel compilation failed: {0}")]
-    Jit(String),
+    #[error(transparent)]
+    Jit(#[from] crate::jit::JitError),
 }

@@ -6,13 +6,15 @@
 //! 3. `passes::run`       fusion, recorded as `FusionRecord`s   (then `verify::graph`)
 //! 4. `analysis`          replay verdict per bucket
 //! 5. `schedule`          per bucket: arena offsets, launch list; kernel table
-//! 6. `emit`              → `Plan`, validated by the runtime's own `validate`
+//! 6. `jit`               NVRTC: CUBIN + PTX per kernel (when a `Jit` is given), cached
+//! 7. `emit`              → `Plan`, validated by the runtime's own `validate`
 
 pub mod analysis;
 pub mod codegen;
 pub mod config;
 pub mod error;
 pub mod graph;
+pub mod jit;
 pub mod lower;
 pub mod passes;
 pub mod schedule;
@@ -49,10 +51,18 @@ pub struct Compiled {
     pub plan: ValidatedPlan,
     pub unfused: OpGraph,
     pub fused: OpGraph,
+    pub jit: Option<jit::JitStats>,
 }
 
-/// Runs every stage. `progress(done, total)` is called after each bucket.
-pub fn compile(cfg: &Config, target: &Target, progress: &dyn Fn(usize, usize)) -> Result<Compiled, CompileError> {
+/// Runs every stage. Kernels are compiled when `jit` is given (plans without binaries are
+/// still complete for the CPU executor and for review). `progress(done, total)` is called
+/// after each bucket.
+pub fn compile(
+    cfg: &Config,
+    target: &Target,
+    jit: Option<&jit::Jit>,
+    progress: &dyn Fn(usize, usize),
+) -> Result<Compiled, CompileError> {
     let n = cfg.spec.num_draft_tokens as u64;
     let unfused = lower::lower(cfg);
     verify::graph(&unfused, n)?;
@@ -78,11 +88,18 @@ pub fn compile(cfg: &Config, target: &Target, progress: &dyn Fn(usize, usize)) -
         buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
         progress(i + 1, cfg.capture.buckets.len());
     }
-    let plan = emit(cfg, target, weights, weight_bytes, kernels.kernels, fusions, buckets);
+    let mut kernels = kernels.kernels;
+    let stats = match jit {
+        Some(j) => Some(j.compile_all(&mut kernels, target.sm)?),
+        None => None,
+    };
+    let mut plan = emit(cfg, target, weights, weight_bytes, kernels, fusions, buckets);
+    plan.target.nvrtc = jit.map(|j| j.version.clone());
     Ok(Compiled {
         plan: validate(plan)?,
         unfused,
         fused,
+        jit: stats,
     })
 }
 

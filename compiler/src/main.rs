@@ -10,7 +10,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use specplan_compiler::config::{self, Overrides, Source, PRESETS};
+use specplan_compiler::jit::Jit;
 use specplan_compiler::{compile, graph, Target};
+use specplan_runtime::contract;
 use specplan_runtime::format::{self, ValidatedPlan};
 
 #[derive(Parser)]
@@ -36,6 +38,10 @@ enum Cmd {
         /// Also write the canonical text form next to the plan (PLAN.txt).
         #[arg(long)]
         text: bool,
+        /// Skip NVRTC: the plan carries no kernel binaries (enough for review and the CPU
+        /// executor, not for the GPU runtime).
+        #[arg(long)]
+        no_kernels: bool,
     },
     /// Print a plan's canonical text form.
     Show { plan: PathBuf },
@@ -66,6 +72,31 @@ enum Cmd {
     },
     /// List the built-in presets.
     Presets,
+    /// Run one draft-extend step of a plan on safetensors weights and inputs.
+    Run {
+        #[arg(long)]
+        plan: PathBuf,
+        /// Weights: embed_tokens.weight, fc.*, layers.L.*, lm_head.weight (+ hot_token_ids).
+        #[arg(long)]
+        weights: PathBuf,
+        /// Inputs: input_ids, hidden_states, prefix_lens, accept_lens, page_table, k_cache, v_cache.
+        #[arg(long)]
+        inputs: PathBuf,
+        /// Outputs: topk_probs, topk_ids, hidden_out and the updated k_cache, v_cache.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = Device::Cpu)]
+        device: Device,
+        /// GPU only: issue the launches without a CUDA graph.
+        #[arg(long)]
+        eager: bool,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
 }
 
 #[derive(Args)]
@@ -162,9 +193,15 @@ fn load(path: &Path) -> Result<ValidatedPlan> {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
-        Cmd::Compile { input, out, text } => {
+        Cmd::Compile {
+            input,
+            out,
+            text,
+            no_kernels,
+        } => {
             let t0 = Instant::now();
             let cfg = input.resolve()?;
+            let jit = if no_kernels { None } else { Some(Jit::from_env()?) };
             let total = cfg.capture.buckets.len();
             let bar = indicatif::ProgressBar::new(total as u64);
             bar.set_style(
@@ -175,7 +212,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if total < 8 {
                 bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
             }
-            let compiled = compile(&cfg, &Target::default(), &|done, _| bar.set_position(done as u64))?;
+            let compiled = compile(&cfg, &Target::default(), jit.as_ref(), &|done, _| {
+                bar.set_position(done as u64)
+            })?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
             write_atomic(&out, &bytes)?;
@@ -185,6 +224,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 write_atomic(Path::new(&p), format::to_text(&compiled.plan).as_bytes())?;
             }
             print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64());
+            match compiled.jit {
+                Some(st) => println!(
+                    "kernels: {} compiled by NVRTC {}, {} from the cache",
+                    st.compiled,
+                    compiled.plan.target.nvrtc.as_deref().unwrap_or("?"),
+                    st.cached
+                ),
+                None => println!("kernels: not compiled (--no-kernels)"),
+            }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Show { plan } => {
@@ -227,13 +275,42 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Graph { input, unfused, dot } => {
             let cfg = input.resolve()?;
-            let compiled = compile(&cfg, &Target::default(), &|_, _| {})?;
+            let compiled = compile(&cfg, &Target::default(), None, &|_, _| {})?;
             let g = if unfused { &compiled.unfused } else { &compiled.fused };
             if dot {
                 print!("{}", graph::to_dot(g, &cfg.name));
             } else {
                 print!("{}", graph::print_graph(g));
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Run {
+            plan,
+            weights,
+            inputs,
+            out,
+            device,
+            eager,
+        } => {
+            let p = load(&plan)?;
+            if device == Device::Cuda {
+                bail!("--device cuda: this build has no GPU runtime yet; use --device cpu");
+            }
+            if eager {
+                bail!("--eager applies to --device cuda only");
+            }
+            let t0 = Instant::now();
+            let w = contract::load_weights(&p, &weights)?;
+            let mut x = contract::load_inputs(&p, &inputs)?;
+            let res = contract::run_cpu(&p, w, &mut x)?;
+            contract::write_outputs(&p, &out, &res, &x)?;
+            println!(
+                "ran {} requests in bucket {} on the cpu in {:.3} s; wrote {}",
+                x.step.batch,
+                res.bucket,
+                t0.elapsed().as_secs_f64(),
+                out.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Presets => {

@@ -4,17 +4,24 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn specplan(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specplan")).args(args).output().expect("run specplan")
+    Command::new(env!("CARGO_BIN_EXE_specplan"))
+        .args(args)
+        .output()
+        .expect("run specplan")
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn compile(dir: &Path, name: &str, extra: &[&str]) -> String {
     let out = dir.join(name);
     let out_s = out.to_string_lossy().into_owned();
-    let mut args = vec!["compile", "--preset", "tiny", "-o", &out_s];
+    let mut args = vec!["compile", "--no-kernels", "--preset", "tiny", "-o", &out_s];
     args.extend_from_slice(extra);
     let o = specplan(&args);
     assert!(o.status.success(), "{}", text(&o));
@@ -26,7 +33,11 @@ fn compile_show_diff_dot() {
     let dir = tempfile::tempdir().expect("tempdir");
     let a = compile(dir.path(), "a.plan", &[]);
     let b = compile(dir.path(), "b.plan", &[]);
-    let c = compile(dir.path(), "c.plan", &["--sliding-window", "8", "--hot-vocab-size", "300"]);
+    let c = compile(
+        dir.path(),
+        "c.plan",
+        &["--sliding-window", "8", "--hot-vocab-size", "300"],
+    );
 
     let show = specplan(&["show", &a]);
     assert!(show.status.success());
@@ -56,13 +67,36 @@ fn invalid_config_exits_2_and_leaves_the_old_plan() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = compile(dir.path(), "p.plan", &[]);
     let before = std::fs::read(&out).expect("read plan");
-    let o = specplan(&["compile", "--preset", "tiny", "--speculative-num-draft-tokens", "99", "-o", &out]);
+    let o = specplan(&[
+        "compile",
+        "--preset",
+        "tiny",
+        "--speculative-num-draft-tokens",
+        "99",
+        "-o",
+        &out,
+    ]);
     assert_eq!(o.status.code(), Some(2));
     let msg = text(&o);
-    assert!(msg.contains("speculative.num_draft_tokens (--speculative-num-draft-tokens): 99"), "{msg}");
-    assert_eq!(std::fs::read(&out).expect("read plan"), before, "a failed compile touched the plan");
+    assert!(
+        msg.contains("speculative.num_draft_tokens (--speculative-num-draft-tokens): 99"),
+        "{msg}"
+    );
+    assert_eq!(
+        std::fs::read(&out).expect("read plan"),
+        before,
+        "a failed compile touched the plan"
+    );
     let fresh = dir.path().join("never.plan");
-    let o = specplan(&["compile", "--preset", "tiny", "--page-size", "3", "-o", &fresh.to_string_lossy()]);
+    let o = specplan(&[
+        "compile",
+        "--preset",
+        "tiny",
+        "--page-size",
+        "3",
+        "-o",
+        &fresh.to_string_lossy(),
+    ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(!fresh.exists());
     let leftovers: Vec<_> = std::fs::read_dir(dir.path()).expect("ls").collect();
@@ -100,12 +134,28 @@ fn hf_config_needs_the_speculative_flags() {
     .expect("write");
     let out = dir.path().join("p.plan");
     let (cfg_s, out_s) = (cfg.to_string_lossy().into_owned(), out.to_string_lossy().into_owned());
-    let o = specplan(&["compile", "--hf-config", &cfg_s, "-o", &out_s]);
+    let o = specplan(&["compile", "--no-kernels", "--hf-config", &cfg_s, "-o", &out_s]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(text(&o).contains("speculative.topk (--speculative-eagle-topk): missing"), "{}", text(&o));
+    assert!(
+        text(&o).contains("speculative.topk (--speculative-eagle-topk): missing"),
+        "{}",
+        text(&o)
+    );
     let o = specplan(&[
-        "compile", "--hf-config", &cfg_s, "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
-        "--speculative-num-draft-tokens", "4", "--buckets", "1,4", "-o", &out_s,
+        "compile",
+        "--no-kernels",
+        "--hf-config",
+        &cfg_s,
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--buckets",
+        "1,4",
+        "-o",
+        &out_s,
     ]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(out.exists());

@@ -1,1 +1,182 @@
-// placeholder: being written
+// common.cuh: device helpers shared by every specplan kernel template.
+//
+// The plan compiler does not hand this file to NVRTC as a header. It pastes the file's
+// text over the line `#include "common.cuh"` in a template, after the generated prelude.
+// The prelude has already included <cuda_bf16.h> and <cuda_fp16.h>, declared
+// `act_t` (__nv_bfloat16 or __half) and the template's constexpr constants. So this
+// file includes nothing and reads no constant except `act_t`.
+//
+// Contents:
+//   * scalar conversions: to_f(act_t) -> float, from_f<T>(float), to_act(float), all
+//     rounding to nearest even;
+//   * conversions for 2, 4 and 8 elements packed in 32, 64 and 128 bits, used for
+//     vectorized global and shared memory traffic (load_vec / store_vec);
+//   * alignment tests, ceil_div, and a block-wide row copy;
+//   * warp and block sum/max reductions;
+//   * neg_inf() (NVRTC has no <cmath>, so no INFINITY macro).
+//
+// Every function is `__device__ __forceinline__` (NVRTC runs without -default-device).
+// Sizes and offsets of device memory are computed in 64-bit (`long long`).
+
+#ifndef SPECPLAN_COMMON_CUH
+#define SPECPLAN_COMMON_CUH
+
+// ---------------------------------------------------------------------------------
+// Scalar conversions (fp32 math, one rounding to nearest even when storing).
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ act_t to_act(float x) { return from_f<act_t>(x); }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ---------------------------------------------------------------------------------
+// Bit-level packing of two 16-bit activations in one 32-bit word (element 0 in the low
+// half, as in memory on a little-endian GPU). Building on raw bits avoids type-punning
+// the cuda_bf16/cuda_fp16 struct types.
+// ---------------------------------------------------------------------------------
+template <typename T> struct ActBits;
+template <> struct ActBits<__nv_bfloat16> {
+    static __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+    static __device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+    static __device__ __forceinline__ unsigned bits(float x) {
+        return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(x));
+    }
+};
+template <> struct ActBits<__half> {
+    static __device__ __forceinline__ float lo(unsigned w) {
+        return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
+    }
+    static __device__ __forceinline__ float hi(unsigned w) {
+        return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+    }
+    static __device__ __forceinline__ unsigned bits(float x) {
+        return (unsigned)__half_as_ushort(__float2half_rn(x));
+    }
+};
+
+__device__ __forceinline__ void unpack2(unsigned w, float& a, float& b) {
+    a = ActBits<act_t>::lo(w);
+    b = ActBits<act_t>::hi(w);
+}
+__device__ __forceinline__ unsigned pack2(float a, float b) {
+    return ActBits<act_t>::bits(a) | (ActBits<act_t>::bits(b) << 16);
+}
+
+// ---------------------------------------------------------------------------------
+// Vector loads and stores of V consecutive activations (V = 1, 2, 4 or 8), converted
+// to and from fp32. The caller guarantees that `p` is aligned to V * 2 bytes. The
+// pointers may be global or shared (generic addressing).
+// ---------------------------------------------------------------------------------
+template <int V> __device__ __forceinline__ void load_vec(const act_t* p, float (&f)[V]);
+template <> __device__ __forceinline__ void load_vec<1>(const act_t* p, float (&f)[1]) { f[0] = to_f(*p); }
+template <> __device__ __forceinline__ void load_vec<2>(const act_t* p, float (&f)[2]) {
+    unpack2(*reinterpret_cast<const unsigned*>(p), f[0], f[1]);
+}
+template <> __device__ __forceinline__ void load_vec<4>(const act_t* p, float (&f)[4]) {
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
+    unpack2(r.x, f[0], f[1]);
+    unpack2(r.y, f[2], f[3]);
+}
+template <> __device__ __forceinline__ void load_vec<8>(const act_t* p, float (&f)[8]) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    unpack2(r.x, f[0], f[1]);
+    unpack2(r.y, f[2], f[3]);
+    unpack2(r.z, f[4], f[5]);
+    unpack2(r.w, f[6], f[7]);
+}
+
+template <int V> __device__ __forceinline__ void store_vec(act_t* p, const float (&f)[V]);
+template <> __device__ __forceinline__ void store_vec<1>(act_t* p, const float (&f)[1]) { *p = to_act(f[0]); }
+template <> __device__ __forceinline__ void store_vec<2>(act_t* p, const float (&f)[2]) {
+    *reinterpret_cast<unsigned*>(p) = pack2(f[0], f[1]);
+}
+template <> __device__ __forceinline__ void store_vec<4>(act_t* p, const float (&f)[4]) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack2(f[0], f[1]), pack2(f[2], f[3]));
+}
+template <> __device__ __forceinline__ void store_vec<8>(act_t* p, const float (&f)[8]) {
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+
+// Raw copy of V consecutive activations (bit exact, no conversion).
+template <int V> __device__ __forceinline__ void copy_vec(act_t* dst, const act_t* src);
+template <> __device__ __forceinline__ void copy_vec<1>(act_t* dst, const act_t* src) { *dst = *src; }
+template <> __device__ __forceinline__ void copy_vec<8>(act_t* dst, const act_t* src) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+
+// ---------------------------------------------------------------------------------
+// Small integer helpers.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
+}
+__host__ __device__ __forceinline__ constexpr long long ceil_div(long long a, long long b) {
+    return (a + b - 1) / b;
+}
+__host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
+
+// Copies n activations from src to dst with every thread of the block, in 16-byte
+// vectors when both pointers are 16-byte aligned (any n: the tail is copied one
+// element at a time), otherwise element by element.
+__device__ __forceinline__ void block_copy_act(act_t* dst, const act_t* src, long long n) {
+    long long done = 0;
+    if (aligned16(dst) && aligned16(src)) {
+        const long long nv = n / 8;
+        for (long long v = threadIdx.x; v < nv; v += blockDim.x) copy_vec<8>(dst + v * 8, src + v * 8);
+        done = nv * 8;
+    }
+    for (long long e = done + threadIdx.x; e < n; e += blockDim.x) dst[e] = src[e];
+}
+
+// ---------------------------------------------------------------------------------
+// Reductions. Warp versions need all 32 lanes active. Block versions need every thread
+// of the block to call them, blockDim.x a multiple of 32 (at most 1024), and `scratch`
+// pointing at 32 floats of shared memory. They return the result to every thread and
+// end with a barrier, so the scratch can be reused right away.
+// ---------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned nwarps = (blockDim.x + 31u) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    // Every warp reduces the per-warp partials itself: no second round trip.
+    float t = lane < nwarps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    const unsigned nwarps = (blockDim.x + 31u) >> 5;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? scratch[lane] : neg_inf();
+    t = warp_max(t);
+    __syncthreads();
+    return t;
+}
+
+#endif  // SPECPLAN_COMMON_CUH

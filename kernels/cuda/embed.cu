@@ -1,1 +1,39 @@
-// placeholder: being written
+// embed.cu: token embedding lookup concatenated with the target model's hidden state
+// (the EAGLE draft input), one row per token.
+//
+//   out[r, 0:HIDDEN]        = table[ids[r], :]   (an id outside [0, VOCAB) reads row 0)
+//   out[r, HIDDEN:2*HIDDEN] = hidden[r, :]
+//
+// Entry:     embed_concat
+// Constants: act_t, HIDDEN, VOCAB
+// Launch:    grid (rows, 1, 1), block (256, 1, 1), no dynamic shared memory.
+// Params (by value, natural C alignment, fields in this order):
+//   ids     const long long*  [rows]            token ids (int64)
+//   table   const act_t*      [VOCAB, HIDDEN]   embedding table
+//   hidden  const act_t*      [rows, HIDDEN]    target hidden states
+//   out     act_t*            [rows, 2*HIDDEN]
+//   rows    unsigned          number of rows; CTAs with blockIdx.x >= rows do nothing
+// Pure copies: bit exact, 16-byte vectors where the row pointers are 16-byte aligned
+// (always the case when HIDDEN % 8 == 0 and the buffers are), any HIDDEN handled.
+#include "common.cuh"
+
+struct EmbedConcatParams {
+    const long long* ids;
+    const act_t* table;
+    const act_t* hidden;
+    act_t* out;
+    unsigned rows;
+};
+
+extern "C" __global__ void __launch_bounds__(256) embed_concat(EmbedConcatParams p) {
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;
+    constexpr long long H = (long long)HIDDEN;
+
+    long long id = p.ids[r];
+    if (id < 0 || id >= (long long)VOCAB) id = 0;  // bad ids must not fault
+
+    act_t* dst = p.out + (long long)r * (2 * H);
+    block_copy_act(dst, p.table + id * H, H);
+    block_copy_act(dst + H, p.hidden + (long long)r * H, H);
+}

@@ -1,1 +1,66 @@
-// placeholder: being written
+// norm.cu: RMSNorm of each row.
+//
+//   inv = rsqrtf(mean_c(x[r, c]^2) + EPS)
+//   out[r, c] = round(x[r, c] * inv * weight[c])
+// with x, weight read as fp32, every step in fp32 and one rounding to act_t at the store.
+//
+// Entry:     rmsnorm
+// Constants: act_t, HIDDEN, EPS
+// Launch:    grid (rows, 1, 1), block (256, 1, 1), no dynamic shared memory
+//            (128 bytes of static shared memory for the block reduction).
+// Params (by value, natural C alignment, fields in this order):
+//   x       const act_t*  [rows, HIDDEN]
+//   weight  const act_t*  [HIDDEN]
+//   out     act_t*        [rows, HIDDEN]   (may alias x: every element is read before the
+//                                           barrier of the reduction and written after it
+//                                           by the thread that read it)
+//   rows    unsigned      CTAs with blockIdx.x >= rows do nothing
+// The row is read twice (sum of squares, then scaling); the second read hits L1/L2.
+#include "common.cuh"
+
+struct RmsNormParams {
+    const act_t* x;
+    const act_t* weight;
+    act_t* out;
+    unsigned rows;
+};
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm(RmsNormParams p) {
+    __shared__ float scratch[32];
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;  // uniform per CTA: no thread reaches the barrier below
+    constexpr long long H = (long long)HIDDEN;
+
+    const act_t* x = p.x + (long long)r * H;
+    act_t* out = p.out + (long long)r * H;
+    // 16-byte vectors when all three rows are aligned; `nv` elements go through them and
+    // the rest (all of the row when unaligned) one by one.
+    const bool vec = aligned16(x) && aligned16(out) && aligned16(p.weight);
+    const long long nv = vec ? (H / 8) * 8 : 0;
+
+    float ss = 0.0f;
+    for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
+        float v[8];
+        load_vec<8>(x + e, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+    }
+    for (long long e = nv + threadIdx.x; e < H; e += blockDim.x) {
+        const float v = to_f(x[e]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)HIDDEN + EPS);
+
+    for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
+        float v[8], w[8];
+        load_vec<8>(x + e, v);
+        load_vec<8>(p.weight + e, w);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * w[k];
+        store_vec<8>(out + e, v);
+    }
+    for (long long e = nv + threadIdx.x; e < H; e += blockDim.x) {
+        out[e] = to_act(to_f(x[e]) * inv * to_f(p.weight[e]));
+    }
+}

@@ -1,1 +1,141 @@
-// placeholder: being written
+// rope_append.cu: rotary position embedding of q and k, and the append of k and v to the
+// paged KV cache of this layer.
+//
+// Row r of qkv (request i = r / N, draft slot j = r % N) holds, in act_t,
+//   [ q heads (HEADS*HEAD_DIM) | k heads (KV_HEADS*HEAD_DIM) | v heads (KV_HEADS*HEAD_DIM) ].
+// Its position is pos = prefix_lens[i] + j. Rotate-half RoPE (Hugging Face Llama), with
+// D = HEAD_DIM, for d in [0, D/2):
+//   angle = float(pos) * INV_FREQ[d]     (one fp32 multiply)
+//   c = cosf(angle), s = sinf(angle)     (accurate library versions, not __cosf/__sinf)
+//   y[d]       = x[d] * c - x[d + D/2] * s
+//   y[d + D/2] = x[d + D/2] * c + x[d] * s
+// in fp32, rounded once to act_t.
+//   * q heads are rotated in place in qkv;
+//   * k heads are rotated and written to k_cache (qkv's k part is left as it was);
+//   * v heads are copied, bit exact, to v_cache.
+// Cache layout of the layer: [pages, PAGE_SIZE, KV_HEADS, HEAD_DIM]. Position pos of
+// request i is in page page_table[i*MAX_PAGES + pos/PAGE_SIZE], slot pos % PAGE_SIZE:
+//   element ((page*PAGE_SIZE + slot)*KV_HEADS + kvh)*HEAD_DIM + d.
+// When pos < 0, pos/PAGE_SIZE >= MAX_PAGES or the page entry is negative, the cache write
+// is skipped (the host validates; this only keeps bad input from faulting). q is rotated
+// in every case.
+//
+// Entry:     rope_append
+// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, INV_FREQ[HEAD_DIM/2]
+// Launch:    grid (rows, 1, 1), block (128, 1, 1), no dynamic shared memory
+//            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).
+// Params (by value, natural C alignment, fields in this order):
+//   qkv          act_t*      [rows, (HEADS + 2*KV_HEADS)*HEAD_DIM], q part rotated in place
+//   prefix_lens  const int*  [batch]              tokens already cached per request
+//   page_table   const int*  [batch, MAX_PAGES]   page ids of each request
+//   k_cache      act_t*      this layer's K pages
+//   v_cache      act_t*      this layer's V pages
+//   rows         unsigned    batch*N; CTAs with blockIdx.x >= rows do nothing
+#include "common.cuh"
+
+struct RopeAppendParams {
+    act_t* qkv;
+    const int* prefix_lens;
+    const int* page_table;
+    act_t* k_cache;
+    act_t* v_cache;
+    unsigned rows;
+};
+
+namespace rope {
+
+constexpr int kD = (int)HEAD_DIM;
+constexpr int kHalf = kD / 2;
+constexpr int kHeads = (int)HEADS;
+constexpr int kKvHeads = (int)KV_HEADS;
+constexpr long long kRowElems = (long long)(kHeads + 2 * kKvHeads) * kD;
+static_assert(kD % 2 == 0, "rotate-half RoPE needs an even HEAD_DIM");
+
+// Rotates V consecutive pairs (x1 = src1[0..V), x2 = src2[0..V)) whose first index in the
+// half head is d0, and stores them to dst1 / dst2 (which may equal src1 / src2).
+template <int V>
+__device__ __forceinline__ void rotate(const act_t* src1, const act_t* src2, act_t* dst1, act_t* dst2,
+                                       int d0, const float* cs, const float* sn) {
+    float x1[V], x2[V], y1[V], y2[V];
+    load_vec<V>(src1, x1);
+    load_vec<V>(src2, x2);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        const float c = cs[d0 + k], s = sn[d0 + k];
+        y1[k] = x1[k] * c - x2[k] * s;
+        y2[k] = x2[k] * c + x1[k] * s;
+    }
+    store_vec<V>(dst1, y1);
+    store_vec<V>(dst2, y2);
+}
+
+// The whole row with V-element units (V = 8: 16-byte accesses; V = 1: scalar).
+// `kbase` is the element offset of (page, slot, kvh = 0) in the caches, or -1 to skip.
+template <int V>
+__device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cache, long long kbase,
+                                    const float* cs, const float* sn) {
+    constexpr int kUnitsPerHead = kHalf / V;  // rotation units per head
+    constexpr int kRotUnits = (kHeads + kKvHeads) * kUnitsPerHead;
+    for (int u = threadIdx.x; u < kRotUnits; u += blockDim.x) {
+        const int head = u / kUnitsPerHead;  // 0..HEADS-1: q, then HEADS..: k
+        const int d0 = (u % kUnitsPerHead) * V;
+        const act_t* src = qkv_row + (long long)head * kD + d0;
+        if (head < kHeads) {
+            act_t* dst = qkv_row + (long long)head * kD + d0;
+            rotate<V>(src, src + kHalf, dst, dst + kHalf, d0, cs, sn);
+        } else if (kbase >= 0) {
+            act_t* dst = k_cache + kbase + (long long)(head - kHeads) * kD + d0;
+            rotate<V>(src, src + kHalf, dst, dst + kHalf, d0, cs, sn);
+        }
+    }
+    if (kbase < 0) return;
+    // v heads: contiguous KV_HEADS*HEAD_DIM elements on both sides.
+    constexpr long long kVElems = (long long)kKvHeads * kD;
+    const act_t* vsrc = qkv_row + (long long)(kHeads + kKvHeads) * kD;
+    for (long long e = (long long)threadIdx.x * V; e < kVElems; e += (long long)blockDim.x * V) {
+        copy_vec<V>(v_cache + kbase + e, vsrc + e);
+    }
+}
+
+}  // namespace rope
+
+extern "C" __global__ void __launch_bounds__(128) rope_append(RopeAppendParams p) {
+    __shared__ float cs[rope::kHalf > 0 ? rope::kHalf : 1];
+    __shared__ float sn[rope::kHalf > 0 ? rope::kHalf : 1];
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;  // uniform per CTA
+    const int i = (int)(r / N);
+    const int j = (int)(r % N);
+    const int pos = p.prefix_lens[i] + j;
+
+    // cos/sin of this row's position, once per CTA (the accurate cosf/sinf are costly and
+    // the same angles serve every head).
+    for (int d = threadIdx.x; d < rope::kHalf; d += blockDim.x) {
+        const float angle = (float)pos * INV_FREQ[d];
+        cs[d] = cosf(angle);
+        sn[d] = sinf(angle);
+    }
+
+    // Cache slot of this position (or -1: skip the write).
+    long long kbase = -1;
+    if (pos >= 0) {
+        const long long pidx = (long long)pos / (long long)PAGE_SIZE;
+        if (pidx < (long long)MAX_PAGES) {
+            const int page = p.page_table[(long long)i * (long long)MAX_PAGES + pidx];
+            if (page >= 0) {
+                const long long slot = (long long)pos % (long long)PAGE_SIZE;
+                kbase = ((long long)page * (long long)PAGE_SIZE + slot) * rope::kKvHeads * rope::kD;
+            }
+        }
+    }
+    __syncthreads();
+
+    act_t* qkv_row = p.qkv + (long long)r * rope::kRowElems;
+    // Vector path: half heads are whole 8-element units and every row/head/cache start is
+    // 16-byte aligned (HEAD_DIM % 16 == 0 makes all offsets multiples of 8 elements).
+    if (rope::kHalf % 8 == 0 && aligned16(p.qkv) && aligned16(p.k_cache) && aligned16(p.v_cache)) {
+        rope::row<(rope::kHalf % 8 == 0) ? 8 : 1>(qkv_row, p.k_cache, p.v_cache, kbase, cs, sn);
+    } else {
+        rope::row<1>(qkv_row, p.k_cache, p.v_cache, kbase, cs, sn);
+    }
+}

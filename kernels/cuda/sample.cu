@@ -1,1 +1,184 @@
-// placeholder: being written
+// sample.cu: softmax probabilities of the TOPK most likely columns of each logits row
+// (the draft model's candidates; with FR-Spec the columns are a hot sub-vocabulary).
+//
+// For request i, x = logits[i*COLS .. (i+1)*COLS):
+//   m = max_c x[c],  S = sum_c expf(x[c] - m)            (fp32)
+//   the TOPK columns c_0..c_{TOPK-1} with the largest x, in descending order, ties
+//   broken toward the LOWER column index;
+//   probs[i*TOPK + k] = expf(x[c_k] - m) / S
+//   ids[i*TOPK + k]   = HOT_MAP ? hot_ids[c_k] : c_k
+// NaN free for finite inputs. If COLS < TOPK, the missing entries get prob 0, id -1.
+//
+// Entry:     softmax_topk
+// Constants: COLS, TOPK (1..32), HOT_MAP, FULL_VOCAB (act_t is not used)
+// Launch:    grid (batch, 1, 1), block (512, 1, 1),
+//            dynamic shared memory = 512 * TOPK * 8 bytes
+//            (one sorted list of TOPK (value fp32, column int32) pairs per thread;
+//            mirrored by specplan_kernels::geometry::topk_smem_bytes).
+// Params (by value, natural C alignment, fields in this order):
+//   logits   const float*      [batch, COLS]
+//   hot_ids  const long long*  [COLS] hot column -> full-vocabulary id (read only when HOT_MAP)
+//   probs    float*            [batch, TOPK]
+//   ids      long long*        [batch, TOPK]
+//   batch    unsigned          CTAs with blockIdx.x >= batch do nothing
+//
+// Method: one pass over the row. Each thread keeps an online (max, sum of exp) pair and a
+// sorted top-TOPK list of its columns in shared memory. Then the 512 lists are merged
+// pairwise in a 9-level tree (each merge keeps the best TOPK of two sorted lists). The
+// head of the final list is the row maximum m, and S = sum_t s_t * exp(m_t - m).
+#include "common.cuh"
+
+struct SoftmaxTopKParams {
+    const float* logits;
+    const long long* hot_ids;
+    float* probs;
+    long long* ids;
+    unsigned batch;
+};
+
+namespace topk {
+
+constexpr int kThreads = 512;
+constexpr int kK = (int)TOPK;
+constexpr long long kCols = (long long)COLS;
+constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
+static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
+static_assert(COLS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
+static_assert(COLS < 0x7fffffffu, "column indices are int32");
+
+// Strict order "a ranks before b": larger value, then lower column.
+__device__ __forceinline__ bool better(float av, int ai, float bv, int bi) {
+    return av > bv || (av == bv && ai < bi);
+}
+
+// Shared memory: entry k of thread t's list at [k*kThreads + t] (values, then columns).
+// Interleaving by thread keeps every access pattern below free of bank conflicts: the
+// 32 lanes of a warp always touch 32 consecutive thread slots, whatever k each one is at.
+struct Lists {
+    float* v;
+    int* c;
+    __device__ __forceinline__ float& val(int k, int slot) const { return v[k * kThreads + slot]; }
+    __device__ __forceinline__ int& col(int k, int slot) const { return c[k * kThreads + slot]; }
+};
+
+// Keeps the best kK of lists `a` and `b` (both sorted best first) in list `a`.
+// First count how many of the winners come from a (ia) and b (ib = kK - ia). Then merge
+// a[0..ia) and b[0..ib) from the back: the write position w = wa + wb + 1 never falls below
+// the next unread element of a (wa), so the merge can run in place.
+__device__ __forceinline__ void merge_into(const Lists& L, int a, int b) {
+    int ia = 0, ib = 0;
+    for (int k = 0; k < kK; ++k) {  // ia + ib = k < kK, so both indices stay in range
+        if (better(L.val(ia, a), L.col(ia, a), L.val(ib, b), L.col(ib, b))) ++ia;
+        else ++ib;
+    }
+    int wa = ia - 1, wb = ib - 1;
+    for (int w = kK - 1; w >= 0; --w) {
+        bool take_a;
+        if (wa < 0) take_a = false;
+        else if (wb < 0) take_a = true;
+        else take_a = !better(L.val(wa, a), L.col(wa, a), L.val(wb, b), L.col(wb, b));  // a's is worse
+        if (take_a) {
+            const float v = L.val(wa, a);
+            const int c = L.col(wa, a);
+            L.val(w, a) = v;
+            L.col(w, a) = c;
+            --wa;
+        } else {
+            const float v = L.val(wb, b);
+            const int c = L.col(wb, b);
+            L.val(w, a) = v;
+            L.col(w, a) = c;
+            --wb;
+        }
+    }
+}
+
+}  // namespace topk
+
+extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams p) {
+    using namespace topk;
+    extern __shared__ __align__(16) unsigned char topk_smem[];
+    const Lists lists{reinterpret_cast<float*>(topk_smem),
+                      reinterpret_cast<int*>(topk_smem + (long long)kK * kThreads * 4)};
+
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch) return;  // uniform per CTA
+    const int t = (int)threadIdx.x;
+    const float* row = p.logits + (long long)i * kCols;
+
+#pragma unroll
+    for (int k = 0; k < kK; ++k) {
+        lists.val(k, t) = neg_inf();
+        lists.col(k, t) = kNoCol;
+    }
+    float worst_v = neg_inf();  // this thread's list entry kK-1 (the bar to enter the list)
+    int worst_c = kNoCol;
+    float tm = neg_inf(), ts = 0.0f;  // online max and sum of exp(x - tm) of this thread
+
+    auto consider = [&](float x, int c) {
+        // Online softmax denominator. The -inf guard keeps an all -inf prefix NaN free.
+        if (x > tm) {
+            ts = (tm == neg_inf() ? 0.0f : ts * expf(tm - x)) + 1.0f;
+            tm = x;
+        } else if (tm != neg_inf()) {
+            ts += expf(x - tm);
+        }
+        // Insertion into the sorted list (rare once the list holds good values).
+        if (better(x, c, worst_v, worst_c)) {
+            int k = kK - 1;
+            while (k > 0 && better(x, c, lists.val(k - 1, t), lists.col(k - 1, t))) {
+                lists.val(k, t) = lists.val(k - 1, t);
+                lists.col(k, t) = lists.col(k - 1, t);
+                --k;
+            }
+            lists.val(k, t) = x;
+            lists.col(k, t) = c;
+            worst_v = lists.val(kK - 1, t);
+            worst_c = lists.col(kK - 1, t);
+        }
+    };
+
+    // Each thread visits its columns in increasing order: float4 t, t+512, ... when the
+    // row is 16-byte aligned, else single columns t, t+512, ...
+    long long done = 0;
+    if (aligned16(row)) {
+        const long long nv = kCols / 4;
+        for (long long v = t; v < nv; v += kThreads) {
+            const float4 x4 = reinterpret_cast<const float4*>(row)[v];
+            const int c = (int)(v * 4);
+            consider(x4.x, c);
+            consider(x4.y, c + 1);
+            consider(x4.z, c + 2);
+            consider(x4.w, c + 3);
+        }
+        done = nv * 4;
+    }
+    for (long long c = done + t; c < kCols; c += kThreads) consider(row[c], (int)c);
+
+    // Tree merge of the 512 lists into list 0.
+    for (int half = kThreads / 2; half >= 1; half >>= 1) {
+        __syncthreads();
+        if (t < half) merge_into(lists, t, t + half);
+    }
+    __syncthreads();
+
+    const float m = lists.val(0, 0);  // row maximum (head of the merged list)
+    const float part = (tm == neg_inf() || m == neg_inf()) ? 0.0f : ts * expf(tm - m);
+    // Lists 1..511 are dead now: their first entries serve as the reduction scratch.
+    const float sum = block_sum(part, &lists.val(0, 1));
+
+    if (t < kK) {
+        const float v = lists.val(t, 0);
+        const int c = lists.col(t, 0);
+        const bool valid = c >= 0 && (long long)c < kCols;
+        float prob = 0.0f;
+        if (valid && m != neg_inf() && sum > 0.0f) prob = expf(v - m) / sum;
+        long long id = -1;
+        if (valid) {
+            if constexpr (HOT_MAP) id = p.hot_ids[c];
+            else id = c;
+        }
+        p.probs[(long long)i * kK + t] = prob;
+        p.ids[(long long)i * kK + t] = id;
+    }
+}

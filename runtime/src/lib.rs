@@ -2,4 +2,7 @@
 //!
 //! Architecture invariant: nothing here depends on the compiler or on petgraph.
 
+pub mod contract;
+pub mod cpu;
 pub mod format;
+pub mod step;

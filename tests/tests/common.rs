@@ -1,17 +1,22 @@
-//! Helpers shared by the integration tests.
+//! Helpers shared by the integration tests (each test binary uses a subset).
+#![allow(dead_code)]
 
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
-use specplan_runtime::format::{ValidatedPlan, Plan};
+use specplan_runtime::format::{Plan, ValidatedPlan};
 
 pub fn corpus(path: &str) -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus").join(path)
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("corpus")
+        .join(path)
 }
 
 /// Compiles a preset with overrides; panics with the error (tests only).
 pub fn compile_preset(name: &str, o: &Overrides) -> ValidatedPlan {
     let cfg = resolve(&Source::Preset(name.into()), o).unwrap_or_else(|e| panic!("{name}: {e}"));
-    compile(&cfg, &Target::default(), &|_, _| {}).unwrap_or_else(|e| panic!("{name}: {e}")).plan
+    compile(&cfg, &Target::default(), None, &|_, _| {})
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .plan
 }
 
 /// Text form with toolchain-dependent binary facts redacted, so a NVRTC bump does not

@@ -33,7 +33,11 @@ fn flipped_bytes_are_rejected() {
     for at in (56..bytes.len()).step_by(131) {
         let mut b = bytes.clone();
         b[at] ^= 0x5a;
-        assert_eq!(decode(&b).expect_err("corrupted body accepted"), PlanError::Checksum, "byte {at}");
+        assert_eq!(
+            decode(&b).expect_err("corrupted body accepted"),
+            PlanError::Checksum,
+            "byte {at}"
+        );
     }
     let mut b = bytes.clone();
     b[0] = b'X';
@@ -64,9 +68,16 @@ fn inconsistent_plans_name_the_bad_field() {
     let mut case = |name: &str, m: &dyn Fn(&mut specplan_runtime::format::Plan)| {
         out.push_str(&format!("## {name}\n{}\n", invalid(|p| m(p))));
     };
-    case("buffer past the arena", &|p| p.buckets[1].buffers[0].offset = p.buckets[1].arena_bytes);
+    case("buffer past the arena", &|p| {
+        p.buckets[1].buffers[0].offset = p.buckets[1].arena_bytes
+    });
     case("kernel index out of range", &|p| {
-        if let Some(LaunchKind::Kernel { kernel, .. }) = p.buckets[0].launches.iter_mut().map(|l| &mut l.kind).find(|k| matches!(k, LaunchKind::Kernel { .. })) {
+        if let Some(LaunchKind::Kernel { kernel, .. }) = p.buckets[0]
+            .launches
+            .iter_mut()
+            .map(|l| &mut l.kind)
+            .find(|k| matches!(k, LaunchKind::Kernel { .. }))
+        {
             *kernel = 99;
         }
     });
@@ -74,7 +85,10 @@ fn inconsistent_plans_name_the_bad_field() {
         for l in &mut p.buckets[0].launches {
             if let LaunchKind::Kernel { args, .. } = &mut l.kind {
                 if let Some(a) = args.iter_mut().find(|a| matches!(a.value, ArgValue::Buffer { .. })) {
-                    a.value = ArgValue::Buffer { id: 500, access: specplan_runtime::format::Access::Read };
+                    a.value = ArgValue::Buffer {
+                        id: 500,
+                        access: specplan_runtime::format::Access::Read,
+                    };
                     return;
                 }
             }
@@ -93,12 +107,22 @@ fn inconsistent_plans_name_the_bad_field() {
     case("buckets out of order", &|p| p.buckets.swap(0, 1));
     case("page size", &|p| p.capture.page_size = 3);
     case("block too large", &|p| {
-        if let Some(LaunchKind::Kernel { block, .. }) = p.buckets[0].launches.iter_mut().map(|l| &mut l.kind).find(|k| matches!(k, LaunchKind::Kernel { .. })) {
+        if let Some(LaunchKind::Kernel { block, .. }) = p.buckets[0]
+            .launches
+            .iter_mut()
+            .map(|l| &mut l.kind)
+            .find(|k| matches!(k, LaunchKind::Kernel { .. }))
+        {
             *block = [2048, 1, 1];
         }
     });
     case("gemm shape", &|p| {
-        if let Some(LaunchKind::Gemm(g)) = p.buckets[0].launches.iter_mut().map(|l| &mut l.kind).find(|k| matches!(k, LaunchKind::Gemm(_))) {
+        if let Some(LaunchKind::Gemm(g)) = p.buckets[0]
+            .launches
+            .iter_mut()
+            .map(|l| &mut l.kind)
+            .find(|k| matches!(k, LaunchKind::Gemm(_)))
+        {
             g.k += 1;
         }
     });

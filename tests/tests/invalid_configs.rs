@@ -7,7 +7,10 @@ use specplan_compiler::config::{resolve, Overrides, Source};
 fn invalid_configs_are_rejected_with_their_field() {
     insta::glob!("../corpus/invalid", "*.toml", |path| {
         let text = std::fs::read_to_string(path).expect("read corpus file");
-        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         match resolve(&Source::Toml { name, text }, &Overrides::default()) {
             Ok(cfg) => panic!("{} was accepted: {cfg:?}", path.display()),
             Err(e) => insta::assert_snapshot!(e.to_string()),
@@ -18,15 +21,72 @@ fn invalid_configs_are_rejected_with_their_field() {
 #[test]
 fn invalid_flags_are_rejected_with_the_flag_name() {
     let cases: Vec<(&str, Overrides)> = vec![
-        ("topk-zero", Overrides { topk: Some(0), ..Default::default() }),
-        ("topk1-draft", Overrides { topk: Some(1), num_steps: Some(3), num_draft_tokens: Some(3), ..Default::default() }),
-        ("draft-too-small", Overrides { num_draft_tokens: Some(1), ..Default::default() }),
-        ("page-size", Overrides { page_size: Some(6), ..Default::default() }),
-        ("buckets-text", Overrides { buckets: Some("1,two".into()), ..Default::default() }),
-        ("sliding-window-zero", Overrides { sliding_window: Some(0), ..Default::default() }),
-        ("hot-vocab-below-topk", Overrides { hot_vocab_size: Some(2), ..Default::default() }),
-        ("dtype", Overrides { dtype: Some("f32".into()), ..Default::default() }),
-        ("max-bs", Overrides { max_bs: Some(0), buckets: Some("auto".into()), ..Default::default() }),
+        (
+            "topk-zero",
+            Overrides {
+                topk: Some(0),
+                ..Default::default()
+            },
+        ),
+        (
+            "topk1-draft",
+            Overrides {
+                topk: Some(1),
+                num_steps: Some(3),
+                num_draft_tokens: Some(3),
+                ..Default::default()
+            },
+        ),
+        (
+            "draft-too-small",
+            Overrides {
+                num_draft_tokens: Some(1),
+                ..Default::default()
+            },
+        ),
+        (
+            "page-size",
+            Overrides {
+                page_size: Some(6),
+                ..Default::default()
+            },
+        ),
+        (
+            "buckets-text",
+            Overrides {
+                buckets: Some("1,two".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "sliding-window-zero",
+            Overrides {
+                sliding_window: Some(0),
+                ..Default::default()
+            },
+        ),
+        (
+            "hot-vocab-below-topk",
+            Overrides {
+                hot_vocab_size: Some(2),
+                ..Default::default()
+            },
+        ),
+        (
+            "dtype",
+            Overrides {
+                dtype: Some("f32".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "max-bs",
+            Overrides {
+                max_bs: Some(0),
+                buckets: Some("auto".into()),
+                ..Default::default()
+            },
+        ),
     ];
     let mut out = String::new();
     for (name, o) in cases {
@@ -35,11 +95,23 @@ fn invalid_flags_are_rejected_with_the_flag_name() {
     }
     let e = resolve(&Source::Preset("nope".into()), &Overrides::default()).expect_err("unknown preset");
     out.push_str(&format!("## unknown-preset\n{e}\n"));
-    let e = resolve(&Source::HfConfig { name: "x".into(), text: "{\"hidden_size\": 8".into() }, &Overrides::default())
-        .expect_err("bad json");
+    let e = resolve(
+        &Source::HfConfig {
+            name: "x".into(),
+            text: "{\"hidden_size\": 8".into(),
+        },
+        &Overrides::default(),
+    )
+    .expect_err("bad json");
     out.push_str(&format!("## hf-not-json\n{e}\n"));
-    let e = resolve(&Source::HfConfig { name: "x".into(), text: "{\"hidden_size\": 64}".into() }, &Overrides::default())
-        .expect_err("hf missing keys");
+    let e = resolve(
+        &Source::HfConfig {
+            name: "x".into(),
+            text: "{\"hidden_size\": 64}".into(),
+        },
+        &Overrides::default(),
+    )
+    .expect_err("hf missing keys");
     out.push_str(&format!("## hf-missing-keys-and-flags\n{e}\n"));
     insta::assert_snapshot!(out);
 }

@@ -24,7 +24,11 @@ fn every_preset_plan() {
 
 #[test]
 fn tiny_with_sliding_window_and_fr_spec() {
-    let o = Overrides { sliding_window: Some(16), hot_vocab_size: Some(256), ..Overrides::default() };
+    let o = Overrides {
+        sliding_window: Some(16),
+        hot_vocab_size: Some(256),
+        ..Overrides::default()
+    };
     let plan = common::compile_preset("tiny", &o);
     settings().bind(|| insta::assert_snapshot!("tiny-swa16-hot256", common::snapshot_text(&plan)));
 }
@@ -32,7 +36,7 @@ fn tiny_with_sliding_window_and_fr_spec() {
 #[test]
 fn tiny_graph_before_and_after_fusion() {
     let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("tiny resolves");
-    let c = compile(&cfg, &Target::default(), &|_, _| {}).expect("tiny compiles");
+    let c = compile(&cfg, &Target::default(), None, &|_, _| {}).expect("tiny compiles");
     settings().bind(|| {
         insta::assert_snapshot!("tiny.graph-unfused", graph::print_graph(&c.unfused));
         insta::assert_snapshot!("tiny.graph-fused", graph::print_graph(&c.fused));
@@ -42,8 +46,10 @@ fn tiny_graph_before_and_after_fusion() {
 #[test]
 fn compile_is_deterministic() {
     for p in PRESETS {
-        let a = specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
-        let b = specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
+        let a =
+            specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
+        let b =
+            specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
         assert_eq!(a, b, "{}: two compiles gave different bytes", p.name);
     }
 }
@@ -60,13 +66,20 @@ fn valid_hf_configs_compile() {
     };
     insta::glob!("../corpus/valid", "*.json", |path| {
         let text = std::fs::read_to_string(path).expect("read corpus file");
-        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let cfg = resolve(&Source::HfConfig { name, text }, &o).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let plan = compile(&cfg, &Target::default(), &|_, _| {}).unwrap_or_else(|e| panic!("{}: {e}", path.display())).plan;
+        let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .plan;
         // The model line and the layer windows are what the HF reader decides.
         let facts: Vec<String> = specplan_runtime::format::facts(&plan)
             .into_iter()
-            .filter(|f| f.key == "model" || f.key.starts_with("layer ") || f.key == "capture" || f.key == "rope inv_freq")
+            .filter(|f| {
+                f.key == "model" || f.key.starts_with("layer ") || f.key == "capture" || f.key == "rope inv_freq"
+            })
             .map(|f| f.to_string())
             .collect();
         insta::assert_snapshot!(facts.join("\n"));

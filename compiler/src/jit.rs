@@ -1,0 +1,324 @@
+//! Plan-time kernel compilation with NVRTC (through cudarc), with an on-disk cache.
+//!
+//! Each kernel instance is compiled twice: to an `sm_<N>` CUBIN (what the runtime loads) and
+//! to `compute_<N>` PTX (the fallback). Results are cached by SHA-256 of the full source,
+//! the options and the NVRTC version, so a warm recompile reads files instead of compiling.
+//! No GPU is needed: NVRTC comes from pip wheels (see `.ci/with-nvrtc`).
+
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+use specplan_runtime::format::{KernelBinary, KernelDesc};
+
+use crate::codegen::kernel_source;
+
+/// Highest PTX ISA the GPU machine's driver (580, CUDA 13.0) accepts.
+pub const MAX_PTX_ISA: (u32, u32) = (9, 0);
+
+const PROVISION: &str = "provision it with `.ci/with-nvrtc <command>` (installs the pinned pip wheels \
+nvidia-cuda-nvrtc==13.0.88 and nvidia-cuda-runtime==13.0.96 into ~/.cache/specplan and sets \
+LD_LIBRARY_PATH and SPECPLAN_CUDA_INCLUDE), or point LD_LIBRARY_PATH at a directory holding \
+libnvrtc.so.13 and libnvrtc-builtins.so.13.0 and SPECPLAN_CUDA_INCLUDE at the CUDA headers";
+
+#[derive(Debug, thiserror::Error)]
+pub enum JitError {
+    #[error("NVRTC (libnvrtc.so) was not found on the loader path; {PROVISION}")]
+    NotFound,
+    #[error("SPECPLAN_CUDA_INCLUDE is not set or has no cuda_bf16.h ({0}); {PROVISION}")]
+    NoHeaders(String),
+    #[error("kernel {kernel} failed to compile for {arch}:\n{log}\n{excerpt}")]
+    Compile {
+        kernel: String,
+        arch: String,
+        log: String,
+        excerpt: String,
+    },
+    #[error("kernel {kernel}: NVRTC {what} failed: {message}{hint}")]
+    Nvrtc {
+        kernel: String,
+        what: &'static str,
+        message: String,
+        hint: String,
+    },
+    #[error("kernel {kernel}: NVRTC emitted PTX ISA {found}, but the target driver accepts at most {}.{}; use NVRTC 13.0 ({PROVISION})", MAX_PTX_ISA.0, MAX_PTX_ISA.1)]
+    PtxTooNew { kernel: String, found: String },
+    #[error("kernel {kernel}: template {template} is not in the kernels crate")]
+    UnknownTemplate { kernel: String, template: String },
+}
+
+/// A configured NVRTC.
+#[derive(Clone, Debug)]
+pub struct Jit {
+    include_dir: PathBuf,
+    /// "13.0" from nvrtcVersion, plus the wheel's patch version when `.ci/with-nvrtc` says it.
+    pub version: String,
+    cache_dir: Option<PathBuf>,
+}
+
+/// Counts of one `compile_all` call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct JitStats {
+    pub compiled: usize,
+    pub cached: usize,
+}
+
+impl Jit {
+    /// NVRTC from the loader path, headers from `SPECPLAN_CUDA_INCLUDE`, cache in
+    /// `SPECPLAN_CACHE_DIR` or `~/.cache/specplan/kernels` (`SPECPLAN_CACHE_DIR=off` disables it).
+    pub fn from_env() -> Result<Jit, JitError> {
+        // SAFETY: probing dlopen candidates has no preconditions; it only loads libraries.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(JitError::NotFound);
+        }
+        let include = std::env::var("SPECPLAN_CUDA_INCLUDE").unwrap_or_default();
+        if include.is_empty() || !Path::new(&include).join("cuda_bf16.h").is_file() {
+            return Err(JitError::NoHeaders(if include.is_empty() {
+                "unset".into()
+            } else {
+                include
+            }));
+        }
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: the library is present (checked above); the out-pointers are valid locals.
+        let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+        if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(JitError::NotFound);
+        }
+        let version = match std::env::var("SPECPLAN_NVRTC_VERSION") {
+            Ok(v) if v.starts_with(&format!("{major}.{minor}")) => v,
+            _ => format!("{major}.{minor}"),
+        };
+        let cache_dir = match std::env::var("SPECPLAN_CACHE_DIR") {
+            Ok(v) if v == "off" => None,
+            Ok(v) if !v.is_empty() => Some(PathBuf::from(v)),
+            _ => std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/specplan/kernels")),
+        };
+        Ok(Jit {
+            include_dir: PathBuf::from(include),
+            version,
+            cache_dir,
+        })
+    }
+
+    /// Replaces the cache directory (tests use a fresh one to measure cold compiles).
+    pub fn with_cache_dir(mut self, dir: Option<PathBuf>) -> Jit {
+        self.cache_dir = dir;
+        self
+    }
+
+    fn options(&self, arch: &str) -> Vec<String> {
+        vec![
+            format!("--gpu-architecture={arch}"),
+            "-std=c++17".into(),
+            format!("--include-path={}", self.include_dir.display()),
+        ]
+    }
+
+    /// Compiles (or loads from the cache) every kernel of a plan for `sm`, in parallel.
+    pub fn compile_all(&self, kernels: &mut [KernelDesc], sm: u32) -> Result<JitStats, JitError> {
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8);
+        let chunk = kernels.len().div_ceil(workers).max(1);
+        let results: Vec<Result<JitStats, JitError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = kernels
+                .chunks_mut(chunk)
+                .map(|part| {
+                    s.spawn(move || {
+                        let mut st = JitStats::default();
+                        for k in part {
+                            let (bin, cached) = self.compile_one(k, sm)?;
+                            k.binary = Some(bin);
+                            if cached {
+                                st.cached += 1;
+                            } else {
+                                st.compiled += 1;
+                            }
+                        }
+                        Ok(st)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Ok(JitStats::default())))
+                .collect()
+        });
+        let mut total = JitStats::default();
+        for r in results {
+            let st = r?;
+            total.compiled += st.compiled;
+            total.cached += st.cached;
+        }
+        Ok(total)
+    }
+
+    /// One kernel: from the cache when the key matches, else NVRTC (CUBIN + PTX).
+    pub fn compile_one(&self, k: &KernelDesc, sm: u32) -> Result<(KernelBinary, bool), JitError> {
+        let source = kernel_source(k).ok_or_else(|| JitError::UnknownTemplate {
+            kernel: k.name.clone(),
+            template: k.template.clone(),
+        })?;
+        let (real, virt) = (format!("sm_{sm}"), format!("compute_{sm}"));
+        let mut h = Sha256::new();
+        h.update(source.as_bytes());
+        for o in self.options(&real).iter().chain(self.options(&virt).iter()) {
+            h.update(o.as_bytes());
+            h.update([0]);
+        }
+        h.update(self.version.as_bytes());
+        let key: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if let Some(bin) = self
+            .cache_dir
+            .as_ref()
+            .and_then(|d| read_cache(&d.join(format!("{key}.bin")), &real))
+        {
+            return Ok((bin, true));
+        }
+        let cubin = self.nvrtc(&k.name, &source, &real, Output::Cubin)?;
+        let ptx_bytes = self.nvrtc(&k.name, &source, &virt, Output::Ptx)?;
+        let ptx = String::from_utf8_lossy(&ptx_bytes).trim_end_matches('\0').to_string();
+        check_ptx_version(&k.name, &ptx)?;
+        let bin = KernelBinary { arch: real, cubin, ptx };
+        if let Some(d) = &self.cache_dir {
+            // A failed cache write only costs a recompile next time.
+            let _ = write_cache(d, &format!("{key}.bin"), &bin);
+        }
+        Ok((bin, false))
+    }
+
+    fn nvrtc(&self, kernel: &str, source: &str, arch: &str, out: Output) -> Result<Vec<u8>, JitError> {
+        use cudarc::nvrtc::{result, sys};
+        let fail = |what: &'static str, e: &dyn std::fmt::Debug| {
+            let message = format!("{e:?}");
+            let hint = if message.contains("BUILTIN") {
+                format!(" (libnvrtc-builtins.so must sit next to libnvrtc.so; {PROVISION})")
+            } else {
+                String::new()
+            };
+            JitError::Nvrtc {
+                kernel: kernel.into(),
+                what,
+                message,
+                hint,
+            }
+        };
+        let src = CString::new(source).map_err(|e| fail("source", &e))?;
+        let name = CString::new(format!("{kernel}.cu")).map_err(|e| fail("name", &e))?;
+        let prog = result::create_program(&src, Some(&name)).map_err(|e| fail("create", &e))?;
+        let opts = self.options(arch);
+        // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and
+        // `name` outlive it.
+        let compiled = unsafe { result::compile_program(prog, &opts) };
+        // SAFETY: as above.
+        let log = unsafe { result::get_program_log(prog) }
+            .map(|l| c_chars_to_string(&l))
+            .unwrap_or_default();
+        let out = match compiled {
+            Err(_) => Err(JitError::Compile {
+                kernel: kernel.into(),
+                arch: arch.into(),
+                excerpt: excerpt(source, &log),
+                log,
+            }),
+            Ok(()) => match out {
+                // SAFETY: compiled successfully; sizes come from NVRTC itself.
+                Output::Ptx => unsafe { result::get_ptx(prog) }
+                    .map(|p| p.iter().map(|&c| c as u8).collect())
+                    .map_err(|e| fail("get PTX", &e)),
+                Output::Cubin => {
+                    let mut size = 0usize;
+                    // SAFETY: compiled for a real arch, so a CUBIN exists; `size` is a valid out-pointer.
+                    let rc = unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) };
+                    let mut buf = vec![0u8; size];
+                    // SAFETY: `buf` has exactly the size NVRTC reported.
+                    let rc2 = unsafe { sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char) };
+                    if rc != sys::nvrtcResult::NVRTC_SUCCESS || rc2 != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                        Err(fail("get CUBIN", &(rc, rc2)))
+                    } else {
+                        Ok(buf)
+                    }
+                }
+            },
+        };
+        // SAFETY: destroyed once, after its last use.
+        let _ = unsafe { result::destroy_program(prog) };
+        out
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Output {
+    Cubin,
+    Ptx,
+}
+
+fn c_chars_to_string(v: &[c_char]) -> String {
+    let bytes: Vec<u8> = v.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// The numbered source lines around each line the log points at (`name.cu(123): error`).
+fn excerpt(source: &str, log: &str) -> String {
+    let lines: Vec<&str> = source.lines().collect();
+    let mut wanted: Vec<usize> = log
+        .lines()
+        .filter_map(|l| {
+            let open = l.find(".cu(")?;
+            let rest = &l[open + 4..];
+            rest[..rest.find(')')?].parse::<usize>().ok()
+        })
+        .collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let mut out = String::new();
+    let mut shown_to = 0usize;
+    for w in wanted.into_iter().take(8) {
+        let lo = w.saturating_sub(3).max(1).max(shown_to + 1);
+        let hi = (w + 2).min(lines.len());
+        if lo > hi {
+            continue;
+        }
+        out.push_str("  ...\n");
+        for n in lo..=hi {
+            let mark = if n == w { ">" } else { " " };
+            out.push_str(&format!("{mark}{n:5} | {}\n", lines[n - 1]));
+        }
+        shown_to = hi;
+    }
+    out
+}
+
+/// Rejects PTX newer than the driver accepts (reads the `.version X.Y` directive).
+pub fn check_ptx_version(kernel: &str, ptx: &str) -> Result<(), JitError> {
+    let found = ptx
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(".version "))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_default();
+    let parsed = found
+        .split_once('.')
+        .and_then(|(a, b)| Some((a.parse::<u32>().ok()?, b.parse::<u32>().ok()?)));
+    match parsed {
+        Some(v) if v <= MAX_PTX_ISA => Ok(()),
+        _ => Err(JitError::PtxTooNew {
+            kernel: kernel.into(),
+            found,
+        }),
+    }
+}
+
+/// Cache entry: postcard of the binary; unreadable or foreign entries count as misses.
+fn read_cache(path: &Path, arch: &str) -> Option<KernelBinary> {
+    let bytes = std::fs::read(path).ok()?;
+    let bin: KernelBinary = postcard::from_bytes(&bytes).ok()?;
+    (bin.arch == arch && !bin.cubin.is_empty()).then_some(bin)
+}
+
+fn write_cache(dir: &Path, file: &str, bin: &KernelBinary) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let bytes = postcard::to_allocvec(bin).map_err(std::io::Error::other)?;
+    let tmp = tempfile::NamedTempFile::new_in(dir)?;
+    std::fs::write(tmp.path(), bytes)?;
+    tmp.persist(dir.join(file)).map_err(|e| e.error)?;
+    Ok(())
+}

@@ -1,0 +1,432 @@
+//! The `run` contract: weights, inputs and outputs as safetensors files.
+//!
+//! Everything is checked before any work — name, dtype, shape, value bounds — and a
+//! violation names the tensor, the index and the bound. Outputs are written only after
+//! the whole step succeeded, through a temporary file renamed into place.
+
+use std::path::Path;
+
+use half::{bf16, f16};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
+use crate::format::{Packing, ValidatedPlan};
+use crate::step::{input_error, pad_to_bucket, InputError, StepInputs};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ContractError {
+    #[error("cannot read {path}: {message}")]
+    Io { path: String, message: String },
+    #[error("{file}: not a safetensors file: {message}")]
+    Format { file: String, message: String },
+    #[error("{file}: {source}")]
+    Input {
+        file: String,
+        #[source]
+        source: InputError,
+    },
+    #[error(transparent)]
+    Exec(#[from] crate::cpu::ExecError),
+    #[error("cannot write {path}: {message}")]
+    Write { path: String, message: String },
+}
+
+impl ContractError {
+    fn input(file: &str, e: InputError) -> Self {
+        ContractError::Input {
+            file: file.into(),
+            source: e,
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, ContractError> {
+    std::fs::read(path).map_err(|e| ContractError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+fn parse<'a>(bytes: &'a [u8], file: &str) -> Result<SafeTensors<'a>, ContractError> {
+    SafeTensors::deserialize(bytes).map_err(|e| ContractError::Format {
+        file: file.into(),
+        message: e.to_string(),
+    })
+}
+
+fn dtype_name(d: Dtype) -> String {
+    format!("{d:?}").to_lowercase()
+}
+
+/// A float tensor as f32 (bf16, f16 or f32 in the file), checked against `shape`.
+fn floats(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, InputError> {
+    let t = st
+        .tensor(name)
+        .map_err(|_| input_error(name, String::new(), "missing".into()))?;
+    if t.shape() != shape {
+        return Err(input_error(
+            name,
+            String::new(),
+            format!("has shape {:?}, expected {shape:?}", t.shape()),
+        ));
+    }
+    let d = t.data();
+    Ok(match t.dtype() {
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F32 => d
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        other => {
+            return Err(input_error(
+                name,
+                String::new(),
+                format!("has dtype {}, expected bf16 or f32", dtype_name(other)),
+            ))
+        }
+    })
+}
+
+fn ints(
+    st: &SafeTensors,
+    name: &str,
+    want: Dtype,
+    shape: Option<&[usize]>,
+) -> Result<(Vec<i64>, Vec<usize>), InputError> {
+    let t = st
+        .tensor(name)
+        .map_err(|_| input_error(name, String::new(), "missing".into()))?;
+    if let Some(s) = shape {
+        if t.shape() != s {
+            return Err(input_error(
+                name,
+                String::new(),
+                format!("has shape {:?}, expected {s:?}", t.shape()),
+            ));
+        }
+    }
+    let d = t.data();
+    let v = match (t.dtype(), want) {
+        (Dtype::I64, Dtype::I64) => d
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect(),
+        (Dtype::I32, Dtype::I32) => d
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect(),
+        (got, _) => {
+            return Err(input_error(
+                name,
+                String::new(),
+                format!("has dtype {}, expected {}", dtype_name(got), dtype_name(want)),
+            ))
+        }
+    };
+    Ok((v, t.shape().to_vec()))
+}
+
+/// Reads the weights file and packs every plan weight (concatenations, FR-Spec gather).
+pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>, ContractError> {
+    let file = path.display().to_string();
+    let bytes = read(path)?;
+    let st = parse(&bytes, &file)?;
+    let m = &plan.model;
+    let (h, v) = (m.hidden as usize, m.vocab as usize);
+    let fail = |e: InputError| ContractError::input(&file, e);
+    // A bias the plan does not expect would be silently dropped: refuse it.
+    if !m.fc_bias && st.tensor("fc.bias").is_ok() {
+        return Err(fail(input_error(
+            "fc.bias",
+            String::new(),
+            "present, but the plan was compiled without an fc bias (bias = false)".into(),
+        )));
+    }
+    let mut out = Vec::with_capacity(plan.weights.len());
+    for w in &plan.weights {
+        let rows_of = |name: &str| -> usize {
+            let hd = m.head_dim as usize;
+            if name.ends_with("q_proj.weight") {
+                m.heads as usize * hd
+            } else if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+                m.kv_heads as usize * hd
+            } else if name.ends_with("gate_proj.weight") || name.ends_with("up_proj.weight") {
+                m.intermediate as usize
+            } else {
+                w.shape[0] as usize
+            }
+        };
+        let cols: usize = w.shape.iter().skip(1).product::<u64>() as usize;
+        let data = match w.packing {
+            Packing::Single if w.name == "hot_token_ids" => {
+                let (ids, _) = ints(&st, "hot_token_ids", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                check_hot_ids(&ids, v).map_err(fail)?;
+                WeightData::I64(ids)
+            }
+            Packing::Single => {
+                let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
+                WeightData::F32(floats(&st, &w.sources[0], &shape).map_err(fail)?)
+            }
+            Packing::ConcatRows => {
+                let mut all = Vec::with_capacity(w.shape.iter().product::<u64>() as usize);
+                for s in &w.sources {
+                    all.extend(floats(&st, s, &[rows_of(s), cols]).map_err(fail)?);
+                }
+                WeightData::F32(all)
+            }
+            Packing::GatherRows => {
+                let table = floats(&st, &w.sources[0], &[v, h]).map_err(fail)?;
+                let (ids, _) = ints(&st, &w.sources[1], Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                check_hot_ids(&ids, v).map_err(fail)?;
+                WeightData::F32(
+                    ids.iter()
+                        .flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec())
+                        .collect(),
+                )
+            }
+        };
+        out.push(data);
+    }
+    Ok(out)
+}
+
+fn check_hot_ids(ids: &[i64], vocab: usize) -> Result<(), InputError> {
+    match ids.iter().position(|&x| x < 0 || x as usize >= vocab) {
+        Some(i) => Err(input_error(
+            "hot_token_ids",
+            format!("[{i}]"),
+            format!("{} is outside [0, {vocab})", ids[i]),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The inputs file: step inputs plus the caller's K/V cache.
+pub struct InputsFile {
+    pub step: StepInputs,
+    pub kv: KvPool,
+    /// dtype of the caller's cache, written back in the same type.
+    pub kv_dtype: Dtype,
+}
+
+pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, ContractError> {
+    let file = path.display().to_string();
+    let bytes = read(path)?;
+    let st = parse(&bytes, &file)?;
+    let fail = |e: InputError| ContractError::input(&file, e);
+    let m = &plan.model;
+    let n = plan.spec.num_draft_tokens as usize;
+    let (ids, shape) = ints(&st, "input_ids", Dtype::I64, None).map_err(fail)?;
+    if shape.len() != 2 || shape[1] != n {
+        return Err(fail(input_error(
+            "input_ids",
+            String::new(),
+            format!("has shape {shape:?}, expected [b, {n}]"),
+        )));
+    }
+    let b = shape[0];
+    let hidden = floats(&st, "hidden_states", &[b, n, m.hidden as usize]).map_err(fail)?;
+    let (prefix, _) = ints(&st, "prefix_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
+    let (accept, _) = ints(&st, "accept_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
+    let (table, tshape) = ints(&st, "page_table", Dtype::I32, None).map_err(fail)?;
+    if tshape.len() != 2 || tshape[0] != b {
+        return Err(fail(input_error(
+            "page_table",
+            String::new(),
+            format!("has shape {tshape:?}, expected [{b}, P]"),
+        )));
+    }
+    let kv_shape_of = |name: &str| -> Result<(Vec<usize>, Dtype), InputError> {
+        let t = st
+            .tensor(name)
+            .map_err(|_| input_error(name, String::new(), "missing".into()))?;
+        let s = t.shape().to_vec();
+        let want_tail = [
+            plan.capture.page_size as usize,
+            m.kv_heads as usize,
+            m.head_dim as usize,
+        ];
+        if s.len() != 5 || s[0] != m.layers as usize || s[2..] != want_tail || s[1] == 0 {
+            return Err(input_error(
+                name,
+                String::new(),
+                format!(
+                    "has shape {s:?}, expected [{}, num_pages, {}, {}, {}]",
+                    m.layers, want_tail[0], want_tail[1], want_tail[2]
+                ),
+            ));
+        }
+        Ok((s, t.dtype()))
+    };
+    let (ks, kdt) = kv_shape_of("k_cache").map_err(fail)?;
+    let (vs, _) = kv_shape_of("v_cache").map_err(fail)?;
+    if ks != vs {
+        return Err(fail(input_error(
+            "v_cache",
+            String::new(),
+            format!("has shape {vs:?}, k_cache has {ks:?}"),
+        )));
+    }
+    let pages = ks[1];
+    let step = StepInputs {
+        batch: b,
+        input_ids: ids,
+        hidden_states: hidden,
+        prefix_lens: prefix.iter().map(|&x| x as i32).collect(),
+        accept_lens: accept.iter().map(|&x| x as i32).collect(),
+        page_table: table.iter().map(|&x| x as i32).collect(),
+        page_cols: tshape[1],
+    };
+    // Check the cheap bounds before converting the (large) caches.
+    step.check(plan, pages).map_err(fail)?;
+    let per_layer = pages * ks[2] * ks[3] * ks[4];
+    let k_all = floats(&st, "k_cache", &ks).map_err(fail)?;
+    let v_all = floats(&st, "v_cache", &vs).map_err(fail)?;
+    // One extra page past the caller's: the scratch page padded rows write to.
+    let scratch = ks[2] * ks[3] * ks[4];
+    let split = |all: Vec<f32>| -> Vec<Vec<f32>> {
+        all.chunks_exact(per_layer)
+            .map(|c| {
+                let mut v = c.to_vec();
+                v.extend(std::iter::repeat_n(0.0, scratch));
+                v
+            })
+            .collect()
+    };
+    Ok(InputsFile {
+        step,
+        kv: KvPool {
+            pages: pages + 1,
+            k: split(k_all),
+            v: split(v_all),
+        },
+        kv_dtype: kdt,
+    })
+}
+
+/// What a step returns to the caller (real requests only).
+pub struct StepResult {
+    pub outputs: BucketOutputs,
+    pub bucket: u32,
+}
+
+/// Runs the step on the CPU: pads to the smallest bucket that fits, executes, slices.
+pub fn run_cpu(
+    plan: &ValidatedPlan,
+    weights: Vec<WeightData>,
+    inputs: &mut InputsFile,
+) -> Result<StepResult, ContractError> {
+    let b = inputs.step.batch;
+    let bucket = plan.bucket_for(b as u32).ok_or_else(|| {
+        ContractError::input(
+            "inputs",
+            input_error(
+                "input_ids",
+                String::new(),
+                format!("batch {b} exceeds the largest bucket"),
+            ),
+        )
+    })?;
+    let scratch = (inputs.kv.pages - 1) as i32;
+    let padded = pad_to_bucket(plan, bucket, &inputs.step, scratch);
+    let exec = CpuExecutor::new(plan, weights)?;
+    let out = exec.run(bucket, &padded, &mut inputs.kv)?;
+    let (h, k) = (plan.model.hidden as usize, plan.spec.topk as usize);
+    Ok(StepResult {
+        outputs: BucketOutputs {
+            hidden_out: out.hidden_out[..b * h].to_vec(),
+            topk_probs: out.topk_probs[..b * k].to_vec(),
+            topk_ids: out.topk_ids[..b * k].to_vec(),
+        },
+        bucket: bucket.batch,
+    })
+}
+
+fn to_bytes(v: &[f32], dt: Dtype) -> Vec<u8> {
+    match dt {
+        Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        Dtype::F16 => v.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
+        _ => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+    }
+}
+
+/// Writes the outputs file atomically: top-K, hidden_out (bf16) and the updated caches
+/// (the caller's pages only, in the caller's dtype).
+pub fn write_outputs(
+    plan: &ValidatedPlan,
+    path: &Path,
+    res: &StepResult,
+    inputs: &InputsFile,
+) -> Result<(), ContractError> {
+    let werr = |e: String| ContractError::Write {
+        path: path.display().to_string(),
+        message: e,
+    };
+    let m = &plan.model;
+    let b = res.outputs.hidden_out.len() / m.hidden as usize;
+    let k = plan.spec.topk as usize;
+    let pages = inputs.kv.pages - 1;
+    let per_layer = pages * plan.capture.page_size as usize * m.kv_heads as usize * m.head_dim as usize;
+    let cache = |layers: &[Vec<f32>]| -> Vec<f32> { layers.iter().flat_map(|l| l[..per_layer].to_vec()).collect() };
+    let kv_shape = vec![
+        m.layers as usize,
+        pages,
+        plan.capture.page_size as usize,
+        m.kv_heads as usize,
+        m.head_dim as usize,
+    ];
+    let kd = inputs.kv_dtype;
+    let tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = vec![
+        (
+            "topk_probs",
+            Dtype::F32,
+            vec![b, k],
+            to_bytes(&res.outputs.topk_probs, Dtype::F32),
+        ),
+        (
+            "topk_ids",
+            Dtype::I64,
+            vec![b, k],
+            res.outputs.topk_ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
+        (
+            "hidden_out",
+            Dtype::BF16,
+            vec![b, m.hidden as usize],
+            to_bytes(&res.outputs.hidden_out, Dtype::BF16),
+        ),
+        ("k_cache", kd, kv_shape.clone(), to_bytes(&cache(&inputs.kv.k), kd)),
+        ("v_cache", kd, kv_shape, to_bytes(&cache(&inputs.kv.v), kd)),
+    ];
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, bytes)| {
+            TensorView::new(*d, s.clone(), bytes)
+                .map(|v| (n.to_string(), v))
+                .map_err(|e| werr(e.to_string()))
+        })
+        .collect::<Result<_, _>>()?;
+    let bytes = safetensors::serialize(views, None).map_err(|e| werr(e.to_string()))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let tmp = dir.join(format!(
+        ".{}.partial",
+        path.file_name()
+            .map_or("out".into(), |f| f.to_string_lossy().into_owned())
+    ));
+    std::fs::write(&tmp, bytes).map_err(|e| werr(e.to_string()))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        werr(e.to_string())
+    })
+}

@@ -1,0 +1,601 @@
+//! The CPU reference executor against an independent naive implementation.
+//!
+//! The naive forward below is written from the semantics (foundation issue), not from the
+//! plan: per request, dense loops, its own RoPE frequencies, its own attention over the
+//! caller's pages. Inputs are fresh random values every run (the seed is printed), on the
+//! `tiny` preset: GQA 4/2, 2 layers, topk 4, page size 4, with and without a sliding window
+//! and FR-Spec, random prefix and accept lengths, batches that need padding.
+
+use std::path::Path;
+
+use half::bf16;
+use safetensors::tensor::{Dtype, TensorView};
+use specplan_compiler::config::{resolve, Overrides, Source};
+use specplan_compiler::{compile, Target};
+use specplan_runtime::contract::{load_inputs, load_weights, run_cpu, write_outputs};
+use specplan_runtime::format::ValidatedPlan;
+
+/// xorshift64*: no dependency, reproducible from the printed seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn seed() -> u64 {
+    let s = std::env::var("SPECPLAN_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+                | 1
+        });
+    println!("seed {s} (rerun with SPECPLAN_SEED={s})");
+    s
+}
+
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect()
+}
+
+struct Tensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn bf16_tensor(name: &str, shape: Vec<usize>, v: &[f32]) -> Tensor {
+    Tensor {
+        name: name.into(),
+        dtype: Dtype::BF16,
+        shape,
+        bytes: v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+    }
+}
+fn i64_tensor(name: &str, shape: Vec<usize>, v: &[i64]) -> Tensor {
+    Tensor {
+        name: name.into(),
+        dtype: Dtype::I64,
+        shape,
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+fn i32_tensor(name: &str, shape: Vec<usize>, v: &[i32]) -> Tensor {
+    Tensor {
+        name: name.into(),
+        dtype: Dtype::I32,
+        shape,
+        bytes: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+fn save(path: &Path, tensors: &[Tensor]) {
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.bytes).expect("view"),
+            )
+        })
+        .collect();
+    std::fs::write(path, safetensors::serialize(views, None).expect("serialize")).expect("write");
+}
+
+/// Model weights as the naive forward reads them (already bf16-rounded, as in the file).
+struct Model {
+    h: usize,
+    inter: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    layers: usize,
+    vocab: usize,
+    eps: f64,
+    theta: f64,
+    embed: Vec<f32>,
+    fc_w: Vec<f32>,
+    fc_b: Vec<f32>,
+    wq: Vec<Vec<f32>>,
+    wk: Vec<Vec<f32>>,
+    wv: Vec<Vec<f32>>,
+    wo: Vec<Vec<f32>>,
+    wg: Vec<Vec<f32>>,
+    wu: Vec<Vec<f32>>,
+    wd: Vec<Vec<f32>>,
+    n_in: Vec<Vec<f32>>,
+    n_post: Vec<Vec<f32>>,
+    lm: Vec<f32>,
+    hot: Option<Vec<i64>>,
+}
+
+fn rand_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    round_bf16(&(0..n).map(|_| rng.uniform() * scale).collect::<Vec<_>>())
+}
+
+fn make_model(plan: &ValidatedPlan, rng: &mut Rng, dir: &Path) -> Model {
+    let m = &plan.model;
+    let (h, inter, hq, hkv, d, layers, vocab) = (
+        m.hidden as usize,
+        m.intermediate as usize,
+        m.heads as usize,
+        m.kv_heads as usize,
+        m.head_dim as usize,
+        m.layers as usize,
+        m.vocab as usize,
+    );
+    let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    let per_layer = |rng: &mut Rng, rows: usize, cols: usize| -> Vec<Vec<f32>> {
+        (0..layers).map(|_| rand_vec(rng, rows * cols, s(cols))).collect()
+    };
+    let hot = plan.capture.hot_vocab_size.map(|vh| {
+        let vh = vh as usize;
+        let mut ids: Vec<i64> = (0..vocab as i64).collect();
+        for i in 0..vh {
+            let j = i + rng.below(vocab - i);
+            ids.swap(i, j);
+        }
+        ids.truncate(vh);
+        ids
+    });
+    let norm = |rng: &mut Rng| -> Vec<Vec<f32>> {
+        (0..layers)
+            .map(|_| round_bf16(&(0..h).map(|_| 1.0 + 0.2 * rng.uniform()).collect::<Vec<_>>()))
+            .collect()
+    };
+    let model = Model {
+        h,
+        inter,
+        hq,
+        hkv,
+        d,
+        layers,
+        vocab,
+        eps: m.rms_norm_eps as f64,
+        theta: m.rope_theta as f64,
+        embed: rand_vec(rng, vocab * h, 1.0),
+        fc_w: rand_vec(rng, h * 2 * h, s(2 * h)),
+        fc_b: rand_vec(rng, h, 0.1),
+        wq: per_layer(rng, hq * d, h),
+        wk: per_layer(rng, hkv * d, h),
+        wv: per_layer(rng, hkv * d, h),
+        wo: per_layer(rng, h, hq * d),
+        wg: per_layer(rng, inter, h),
+        wu: per_layer(rng, inter, h),
+        wd: per_layer(rng, h, inter),
+        n_in: norm(rng),
+        n_post: norm(rng),
+        lm: rand_vec(rng, vocab * h, 4.0 * s(h)),
+        hot,
+    };
+    let mut t = vec![
+        bf16_tensor("embed_tokens.weight", vec![vocab, h], &model.embed),
+        bf16_tensor("fc.weight", vec![h, 2 * h], &model.fc_w),
+        bf16_tensor("fc.bias", vec![h], &model.fc_b),
+        bf16_tensor("lm_head.weight", vec![vocab, h], &model.lm),
+    ];
+    for l in 0..layers {
+        let p = format!("layers.{l}.");
+        t.push(bf16_tensor(
+            &format!("{p}self_attn.q_proj.weight"),
+            vec![hq * d, h],
+            &model.wq[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}self_attn.k_proj.weight"),
+            vec![hkv * d, h],
+            &model.wk[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}self_attn.v_proj.weight"),
+            vec![hkv * d, h],
+            &model.wv[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}self_attn.o_proj.weight"),
+            vec![h, hq * d],
+            &model.wo[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}mlp.gate_proj.weight"),
+            vec![inter, h],
+            &model.wg[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}mlp.up_proj.weight"),
+            vec![inter, h],
+            &model.wu[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}mlp.down_proj.weight"),
+            vec![h, inter],
+            &model.wd[l],
+        ));
+        // Layer 0's input norm is present in checkpoints but must be ignored (identity).
+        t.push(bf16_tensor(
+            &format!("{p}input_layernorm.weight"),
+            vec![h],
+            &model.n_in[l],
+        ));
+        t.push(bf16_tensor(
+            &format!("{p}post_attention_layernorm.weight"),
+            vec![h],
+            &model.n_post[l],
+        ));
+    }
+    if let Some(ids) = &model.hot {
+        t.push(i64_tensor("hot_token_ids", vec![ids.len()], ids));
+    }
+    save(&dir.join("weights.safetensors"), &t);
+    model
+}
+
+struct Step {
+    b: usize,
+    ids: Vec<i64>,
+    hidden: Vec<f32>,
+    prefix: Vec<i32>,
+    accept: Vec<i32>,
+    table: Vec<i32>,
+    cols: usize,
+    pages: usize,
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+}
+
+fn make_step(plan: &ValidatedPlan, md: &Model, rng: &mut Rng, b: usize, dir: &Path) -> Step {
+    let n = plan.spec.num_draft_tokens as usize;
+    let ps = plan.capture.page_size as usize;
+    let max_prefix = 120usize;
+    let cols = (max_prefix + n).div_ceil(ps) + 1;
+    let pages = b * cols + 3;
+    // Pages dealt out in a random order so requests interleave in the pool.
+    let mut order: Vec<i32> = (0..pages as i32).collect();
+    for i in (1..pages).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let table: Vec<i32> = (0..b * cols).map(|i| order[i]).collect();
+    let per_page = ps * md.hkv * md.d;
+    let k_cache = rand_vec(rng, md.layers * pages * per_page, 1.0);
+    let v_cache = rand_vec(rng, md.layers * pages * per_page, 1.0);
+    let step = Step {
+        b,
+        ids: (0..b * n).map(|_| rng.below(md.vocab) as i64).collect(),
+        hidden: rand_vec(rng, b * n * md.h, 1.0),
+        prefix: (0..b).map(|_| rng.below(max_prefix + 1) as i32).collect(),
+        accept: (0..b).map(|_| 1 + rng.below(n) as i32).collect(),
+        table,
+        cols,
+        pages,
+        k_cache,
+        v_cache,
+    };
+    let kv_shape = vec![md.layers, pages, ps, md.hkv, md.d];
+    save(
+        &dir.join("inputs.safetensors"),
+        &[
+            i64_tensor("input_ids", vec![b, n], &step.ids),
+            bf16_tensor("hidden_states", vec![b, n, md.h], &step.hidden),
+            i32_tensor("prefix_lens", vec![b], &step.prefix),
+            i32_tensor("accept_lens", vec![b], &step.accept),
+            i32_tensor("page_table", vec![b, cols], &step.table),
+            bf16_tensor("k_cache", kv_shape.clone(), &step.k_cache),
+            bf16_tensor("v_cache", kv_shape, &step.v_cache),
+        ],
+    );
+    step
+}
+
+fn matvec(w: &[f32], x: &[f64], rows: usize) -> Vec<f64> {
+    let cols = x.len();
+    (0..rows)
+        .map(|r| (0..cols).map(|c| w[r * cols + c] as f64 * x[c]).sum())
+        .collect()
+}
+
+fn rms(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    x.iter()
+        .zip(w)
+        .map(|(v, g)| v / (ms + eps).sqrt() * *g as f64)
+        .collect()
+}
+
+fn rope(x: &mut [f64], pos: usize, d: usize, theta: f64) {
+    for head in x.chunks_mut(d) {
+        for t in 0..d / 2 {
+            let inv = (1.0 / theta.powf(2.0 * t as f64 / d as f64)) as f32;
+            let angle = (pos as f32 * inv) as f64;
+            let (s, c) = angle.sin_cos();
+            let (a, b) = (head[t], head[t + d / 2]);
+            head[t] = a * c - b * s;
+            head[t + d / 2] = b * c + a * s;
+        }
+    }
+}
+
+/// (layer, page, slot, k, v).
+type SlotWrite = (usize, usize, usize, Vec<f64>, Vec<f64>);
+
+/// topk_probs, topk_ids, hidden_out, k_cache, v_cache.
+type Outputs = (Vec<f32>, Vec<i64>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+struct Expected {
+    hidden_out: Vec<Vec<f64>>,
+    probs: Vec<Vec<(f64, i64)>>,
+    /// Every written slot: (layer, page, slot) and its new K and V.
+    writes: Vec<SlotWrite>,
+}
+
+/// The forward, straight from the semantics.
+fn naive(md: &Model, st: &Step, n: usize, ps: usize, window: Option<usize>, k_top: usize) -> Expected {
+    let (h, d) = (md.h, md.d);
+    let g = md.hq / md.hkv;
+    let per_page = ps * md.hkv * d;
+    let mut k_cache = st.k_cache.clone();
+    let mut v_cache = st.v_cache.clone();
+    let slot_of = |i: usize, pos: usize| (st.table[i * st.cols + pos / ps] as usize, pos % ps);
+    let mut out = Expected {
+        hidden_out: vec![],
+        probs: vec![],
+        writes: vec![],
+    };
+    for i in 0..st.b {
+        let l0 = st.prefix[i] as usize;
+        let mut x: Vec<Vec<f64>> = (0..n)
+            .map(|j| {
+                let id = st.ids[i * n + j] as usize;
+                let mut inp: Vec<f64> = md.embed[id * h..(id + 1) * h].iter().map(|&v| v as f64).collect();
+                inp.extend(
+                    st.hidden[(i * n + j) * h..(i * n + j + 1) * h]
+                        .iter()
+                        .map(|&v| v as f64),
+                );
+                matvec(&md.fc_w, &inp, h)
+                    .iter()
+                    .zip(&md.fc_b)
+                    .map(|(a, b)| a + *b as f64)
+                    .collect()
+            })
+            .collect();
+        for l in 0..md.layers {
+            let hn: Vec<Vec<f64>> = x
+                .iter()
+                .map(|r| if l == 0 { r.clone() } else { rms(r, &md.n_in[l], md.eps) })
+                .collect();
+            let mut q: Vec<Vec<f64>> = hn.iter().map(|r| matvec(&md.wq[l], r, md.hq * d)).collect();
+            for (j, row) in hn.iter().enumerate() {
+                let mut k = matvec(&md.wk[l], row, md.hkv * d);
+                let v = matvec(&md.wv[l], row, md.hkv * d);
+                rope(&mut q[j], l0 + j, d, md.theta);
+                rope(&mut k, l0 + j, d, md.theta);
+                let (page, slot) = slot_of(i, l0 + j);
+                let base = l * st.pages * per_page + page * per_page + slot * md.hkv * d;
+                for t in 0..md.hkv * d {
+                    k_cache[base + t] = k[t] as f32;
+                    v_cache[base + t] = v[t] as f32;
+                }
+                out.writes.push((l, page, slot, k, v));
+            }
+            let key = |p: usize, kvh: usize, t: usize, cache: &[f32]| {
+                let (page, slot) = slot_of(i, p);
+                cache[l * st.pages * per_page + page * per_page + (slot * md.hkv + kvh) * d + t] as f64
+            };
+            let mut attn = vec![vec![0.0; md.hq * d]; n];
+            for j in 0..n {
+                let end = l0 + j;
+                let start = window.map_or(0, |w| (end + 1).saturating_sub(w));
+                for head in 0..md.hq {
+                    let kvh = head / g;
+                    let scores: Vec<f64> = (start..=end)
+                        .map(|p| {
+                            (0..d)
+                                .map(|t| q[j][head * d + t] * key(p, kvh, t, &k_cache))
+                                .sum::<f64>()
+                                / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let den: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                    for (pi, p) in (start..=end).enumerate() {
+                        let w = (scores[pi] - m).exp() / den;
+                        for t in 0..d {
+                            attn[j][head * d + t] += w * key(p, kvh, t, &v_cache);
+                        }
+                    }
+                }
+            }
+            for j in 0..n {
+                let o = matvec(&md.wo[l], &attn[j], h);
+                for c in 0..h {
+                    x[j][c] += o[c];
+                }
+                let h2 = rms(&x[j], &md.n_post[l], md.eps);
+                let gate = matvec(&md.wg[l], &h2, md.inter);
+                let up = matvec(&md.wu[l], &h2, md.inter);
+                let mid: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+                let down = matvec(&md.wd[l], &mid, h);
+                for c in 0..h {
+                    x[j][c] += down[c];
+                }
+            }
+        }
+        let sel = x[st.accept[i] as usize - 1].clone();
+        let (rows, map): (Vec<usize>, Option<&Vec<i64>>) = match &md.hot {
+            Some(ids) => (ids.iter().map(|&v| v as usize).collect(), Some(ids)),
+            None => ((0..md.vocab).collect(), None),
+        };
+        let logits: Vec<f64> = rows
+            .iter()
+            .map(|&r| (0..h).map(|c| md.lm[r * h + c] as f64 * sel[c]).sum())
+            .collect();
+        let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = logits.iter().map(|v| (v - m).exp()).sum();
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        out.probs.push(
+            idx.iter()
+                .take(k_top)
+                .map(|&c| ((logits[c] - m).exp() / s, map.map_or(c as i64, |mp| mp[c])))
+                .collect(),
+        );
+        out.hidden_out.push(sel);
+    }
+    out
+}
+
+fn read_out(path: &Path) -> Outputs {
+    let bytes = std::fs::read(path).expect("read outputs");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("outputs parse");
+    let f32s = |n: &str| -> Vec<f32> {
+        let t = st.tensor(n).expect(n);
+        match t.dtype() {
+            Dtype::F32 => t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            _ => t
+                .data()
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    };
+    let ids = st
+        .tensor("topk_ids")
+        .expect("ids")
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8")))
+        .collect();
+    (
+        f32s("topk_probs"),
+        ids,
+        f32s("hidden_out"),
+        f32s("k_cache"),
+        f32s("v_cache"),
+    )
+}
+
+fn check(o: Overrides, batches: &[usize]) {
+    let mut rng = Rng(seed());
+    let cfg = resolve(&Source::Preset("tiny".into()), &o).expect("config");
+    let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan;
+    let n = plan.spec.num_draft_tokens as usize;
+    let ps = plan.capture.page_size as usize;
+    let window = plan.layers[0].window.map(|w| w as usize);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let md = make_model(&plan, &mut rng, dir.path());
+    for &b in batches {
+        let st = make_step(&plan, &md, &mut rng, b, dir.path());
+        let w = load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights load");
+        let mut x = load_inputs(&plan, &dir.path().join("inputs.safetensors")).expect("inputs load");
+        let res = run_cpu(&plan, w, &mut x).expect("cpu run");
+        let out_path = dir.path().join("out.safetensors");
+        write_outputs(&plan, &out_path, &res, &x).expect("write outputs");
+        let (probs, ids, hidden_out, kc, vc) = read_out(&out_path);
+        let want = naive(&md, &st, n, ps, window, plan.spec.topk as usize);
+        let k_top = plan.spec.topk as usize;
+        let h = md.h;
+        for i in 0..b {
+            // hidden_out went through one bf16 rounding in the file.
+            let (mut num, mut den) = (0f64, 0f64);
+            for c in 0..h {
+                num += (hidden_out[i * h + c] as f64 - want.hidden_out[i][c]).powi(2);
+                den += want.hidden_out[i][c].powi(2);
+            }
+            let rel = (num / den).sqrt();
+            assert!(rel < 8e-3, "b={b} request {i}: hidden_out relative error {rel}");
+            for s in 0..k_top {
+                let (p, id) = want.probs[i][s];
+                assert!(
+                    (probs[i * k_top + s] as f64 - p).abs() < 1e-4 + 1e-3 * p,
+                    "b={b} req {i} slot {s}: prob {} vs {p}",
+                    probs[i * k_top + s]
+                );
+                // Ids must agree wherever the probabilities are not (near) tied.
+                let gap_prev = if s > 0 { want.probs[i][s - 1].0 - p } else { 1.0 };
+                let gap_next = want.probs[i].get(s + 1).map_or(1.0, |x| p - x.0);
+                if gap_prev > 1e-4 && gap_next > 1e-4 {
+                    assert_eq!(ids[i * k_top + s], id, "b={b} req {i} slot {s}");
+                }
+            }
+        }
+        // Cache: every written slot holds the new K/V (bf16 of it), every other slot is untouched.
+        let per_page = ps * md.hkv * md.d;
+        let mut written = vec![false; kc.len()];
+        for (l, page, slot, k, v) in &want.writes {
+            let base = l * st.pages * per_page + page * per_page + slot * md.hkv * md.d;
+            for t in 0..md.hkv * md.d {
+                written[base + t] = true;
+                for (got, exp, which) in [(kc[base + t], k[t], "k"), (vc[base + t], v[t], "v")] {
+                    let tol = 1e-2 * exp.abs().max(0.05);
+                    assert!(
+                        (got as f64 - exp).abs() <= tol,
+                        "b={b} {which}_cache layer {l} page {page} slot {slot} [{t}]: {got} vs {exp}"
+                    );
+                }
+            }
+        }
+        for (idx, w) in written.iter().enumerate() {
+            if !w {
+                assert_eq!(
+                    kc[idx].to_bits(),
+                    st.k_cache[idx].to_bits(),
+                    "b={b}: k_cache element {idx} changed"
+                );
+                assert_eq!(
+                    vc[idx].to_bits(),
+                    st.v_cache[idx].to_bits(),
+                    "b={b}: v_cache element {idx} changed"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tiny_matches_naive_forward() {
+    check(Overrides::default(), &[1, 3, 8]);
+}
+
+#[test]
+fn tiny_with_window_and_fr_spec_matches_naive_forward() {
+    check(
+        Overrides {
+            sliding_window: Some(13),
+            hot_vocab_size: Some(300),
+            ..Overrides::default()
+        },
+        &[2, 5],
+    );
+}
+
+#[test]
+fn topk1_plan_matches_naive_forward() {
+    check(
+        Overrides {
+            topk: Some(1),
+            num_steps: Some(4),
+            num_draft_tokens: Some(5),
+            ..Overrides::default()
+        },
+        &[4],
+    );
+}
