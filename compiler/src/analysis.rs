@@ -33,7 +33,7 @@ pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32) -> Replay {
             pool_pages: pool,
         });
     }
-    let table = batch as u64 * c.pages_per_request() as u64;
+    let table = (c.max_requests as u64 + 1) * c.pages_per_request() as u64;
     if table > i32::MAX as u64 {
         return Replay::Eager(ReplayBlocker::IndexOverflow {
             what: "page_table entries".into(),

@@ -75,10 +75,14 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
     };
     let n = cfg.spec.num_draft_tokens;
     match kind {
-        OpKind::EmbedConcat => vec![spec(
+        OpKind::EmbedConcat { bias } => vec![spec(
             "embed.cu",
             "embed_concat",
-            vec![u("HIDDEN", m.hidden), u("VOCAB", m.vocab)],
+            vec![
+                u("HIDDEN", m.hidden),
+                u("VOCAB", m.vocab),
+                ("HAS_BIAS".into(), ConstValue::Bool(*bias)),
+            ],
         )],
         OpKind::RmsNorm => vec![spec(
             "norm.cu",
@@ -95,6 +99,7 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
                 u("N", n),
                 u("PAGE_SIZE", c.page_size),
                 u("MAX_PAGES", c.pages_per_request()),
+                u("SLOTS", c.max_requests + 1),
                 ("INV_FREQ".into(), ConstValue::F32Array(crate::config::rope_inv_freq(m))),
             ],
         )],
@@ -111,6 +116,7 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
                         u("N", n),
                         u("PAGE_SIZE", c.page_size),
                         u("MAX_PAGES", c.pages_per_request()),
+                        u("SLOTS", c.max_requests + 1),
                         u("WINDOW", window.unwrap_or(0)),
                         ("SCALE".into(), ConstValue::F32(1.0 / (m.head_dim as f32).sqrt())),
                         u("KV_TILE", tile),

@@ -157,6 +157,7 @@ fn emit(
             max_context_len: c.max_context_len,
             max_pages_per_request: c.pages_per_request(),
             kv_pool_pages: c.kv_pool_pages,
+            max_requests: c.max_requests,
             // The last page: requests get pages from the front of the pool.
             scratch_page: c.kv_pool_pages - 1,
             dtype: c.dtype,

@@ -86,10 +86,13 @@ pub fn lower(cfg: &Config) -> OpGraph {
     let hidden_in = g.input(io::HIDDEN_STATES, act, vec![t, f(h)]);
     let prefix = g.input(io::PREFIX_LENS, DType::I32, vec![b]);
     let accept = g.input(io::ACCEPT_LENS, DType::I32, vec![b]);
-    let pages = g.input(
-        io::PAGE_TABLE,
+    let slots = g.input(io::REQ_SLOTS, DType::I32, vec![b]);
+    let table_rows = cfg.capture.max_requests as u64 + 1;
+    let pages = g.tensor(
+        "page_table",
         DType::I32,
-        vec![b, f(cfg.capture.pages_per_request() as u64)],
+        vec![f(table_rows), f(cfg.capture.pages_per_request() as u64)],
+        Storage::PageTable,
     );
 
     let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(h)]);
@@ -184,7 +187,7 @@ pub fn lower(cfg: &Config) -> OpGraph {
         g.op(
             &format!("l{l}.kv_append"),
             OpKind::KvAppend { layer: l },
-            vec![k_rot, v, prefix, pages, kc, vc],
+            vec![k_rot, v, prefix, slots, pages, kc, vc],
             vec![kc2, vc2],
         );
         let attn = g.act(&format!("l{l}.attn"), act, vec![t, f(hq * d)]);
@@ -192,7 +195,7 @@ pub fn lower(cfg: &Config) -> OpGraph {
         g.op(
             &format!("l{l}.attention"),
             OpKind::Attention { layer: l, window },
-            vec![q_rot, kc2, vc2, pages, prefix],
+            vec![q_rot, kc2, vc2, slots, pages, prefix],
             vec![attn],
         );
         let wo = w(&mut g, "self_attn.o_proj", vec![f(h), f(hq * d)]);

@@ -79,7 +79,7 @@ enum Cmd {
         /// Weights: embed_tokens.weight, fc.*, layers.L.*, lm_head.weight (+ hot_token_ids).
         #[arg(long)]
         weights: PathBuf,
-        /// Inputs: input_ids, hidden_states, prefix_lens, accept_lens, page_table, k_cache, v_cache.
+        /// Inputs: input_ids, hidden_states, prefix_lens, accept_lens, page_table [b, P], k_cache, v_cache.
         #[arg(long)]
         inputs: PathBuf,
         /// Outputs: topk_probs, topk_ids, hidden_out and the updated k_cache, v_cache.
@@ -129,6 +129,9 @@ struct InputArgs {
     /// Pages in the KV pool (default: largest bucket × pages per request + 1 scratch page).
     #[arg(long)]
     kv_pool_pages: Option<u32>,
+    /// Request slots in the device page table (default: the largest bucket).
+    #[arg(long)]
+    max_requests: Option<u32>,
     /// Activation dtype: bf16 or fp16.
     #[arg(long)]
     dtype: Option<String>,
@@ -168,6 +171,7 @@ impl InputArgs {
             page_size: self.page_size,
             max_context_len: self.max_context_len,
             kv_pool_pages: self.kv_pool_pages,
+            max_requests: self.max_requests,
             dtype: self.dtype.clone(),
             sliding_window: self.sliding_window,
             hot_vocab_size: self.hot_vocab_size,

@@ -17,6 +17,7 @@ type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
 /// The fusion pipeline, in order.
 pub const PASSES: &[(&str, Pass)] = &[
     ("embed_concat", embed_concat),
+    ("fc_bias_into_embed", fc_bias_into_embed),
     ("qkv_rope_append", qkv_rope_append),
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
@@ -110,7 +111,7 @@ fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
         let (ids, table) = (g.graph[e].ins[0], g.graph[e].ins[1]);
         let op = Op {
             name: "embed_concat".into(),
-            kind: OpKind::EmbedConcat,
+            kind: OpKind::EmbedConcat { bias: false },
             ins: vec![ids, table, g.graph[c].ins[1]],
             outs: g.graph[c].outs.clone(),
             rank: g.graph[e].rank,
@@ -128,6 +129,54 @@ fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
     out
 }
 
+/// The fc bias: embed_concat also writes the fc output rows as the bias, and the fc GEMM
+/// accumulates onto them (beta = 1), so the bias costs no launch of its own and cuBLAS
+/// needs no epilogue.
+fn fc_bias_into_embed(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for e in nodes_where(g, |k| *k == OpKind::EmbedConcat { bias: false }) {
+        let fc_in = g.graph[e].outs[0];
+        let Some(l) = sole_consumer(g, fc_in).filter(|&l| {
+            matches!(
+                g.graph[l].kind,
+                OpKind::Linear {
+                    bias: true,
+                    accumulate: false
+                }
+            )
+        }) else {
+            continue;
+        };
+        let (bias, y) = (g.graph[l].ins[2], g.graph[l].outs[0]);
+        let yt = g.tensor(y).clone();
+        // The buffer is named by its root, so the initialized tensor keeps the fc output's name.
+        let init = g.add_tensor(Tensor {
+            alias_of: None,
+            ..yt.clone()
+        });
+        g.tensors[y.0 as usize].alias_of = Some(init);
+        g.tensors[y.0 as usize].name = format!("{}.fc", yt.name);
+        out.push(FusionRecord {
+            rule: "fc_bias_into_embed".into(),
+            fused: vec![format!("{} bias", g.graph[l].name)],
+            into: g.graph[e].name.clone(),
+            launches_saved: 1,
+            bytes_saved_per_request: 2 * row_bytes(g, y) * cfg.spec.num_draft_tokens as u64,
+        });
+        let emb = &mut g.graph[e];
+        emb.kind = OpKind::EmbedConcat { bias: true };
+        emb.ins.push(bias);
+        emb.outs.push(init);
+        let lin = &mut g.graph[l];
+        lin.kind = OpKind::Linear {
+            bias: false,
+            accumulate: true,
+        };
+        lin.ins = vec![lin.ins[0], lin.ins[1], init];
+    }
+    out
+}
+
 /// q/k/v projections → one GEMM over a packed weight; RoPE(q), RoPE(k) and the K/V append
 /// → one kernel that rotates q in place and writes rotated k and v into the pages.
 fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
@@ -137,7 +186,7 @@ fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
             continue;
         };
         let ins = g.graph[a].ins.clone();
-        let (k_rot, v, prefix, pages, kc, vc) = (ins[0], ins[1], ins[2], ins[3], ins[4], ins[5]);
+        let (k_rot, v, prefix, slots, pages, kc, vc) = (ins[0], ins[1], ins[2], ins[3], ins[4], ins[5], ins[6]);
         let rk = g
             .producer(k_rot)
             .filter(|&n| matches!(g.graph[n].kind, OpKind::Rope { .. }));
@@ -206,7 +255,7 @@ fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
         let ra = Op {
             name: format!("l{layer}.rope_append"),
             kind: OpKind::RopeAppend { layer },
-            ins: vec![qkv, prefix, pages, kc, vc],
+            ins: vec![qkv, prefix, slots, pages, kc, vc],
             outs: vec![qkv_rot, cache_k2, g.graph[a].outs[1]],
             rank: g.graph[rq].rank,
         };

@@ -23,6 +23,8 @@ const ALIGN: u64 = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
+    #[error("node {node}: a GEMM with a bias reached scheduling (the bias must be folded into a kernel)")]
+    UnfoldedBias { node: String },
     #[error("node {node} ({kind}) has no kernel: an unfused op reached scheduling")]
     NoKernel { node: String, kind: &'static str },
     #[error("attention of {rows} rows per CTA (num_draft_tokens · heads/kv_heads) with head_dim {head_dim} does not fit in shared memory even with 16-key tiles")]
@@ -191,6 +193,7 @@ pub fn schedule_bucket(
         let r = root(g, t);
         match g.tensor(r).storage {
             Storage::KvCache { layer, kind } => ArgValue::KvCache { layer, kind, access },
+            Storage::PageTable => ArgValue::PageTable,
             Storage::Weight { .. } => ArgValue::Weight {
                 id: sh.weight_ids.get(&r).copied().unwrap_or(u32::MAX),
             },
@@ -231,7 +234,15 @@ pub fn schedule_bucket(
             });
         };
         match &op.kind {
-            OpKind::Linear { bias, accumulate } => {
+            OpKind::Linear { bias: true, .. } => {
+                return Err(ScheduleError::UnfoldedBias {
+                    node: format!("n{} {}", node.index(), op.name),
+                })
+            }
+            OpKind::Linear {
+                bias: false,
+                accumulate,
+            } => {
                 let a = g.tensor(ins[0]);
                 let w = g.tensor(ins[1]);
                 let id = |t: TensorId| match buf(t, Access::Read) {
@@ -246,13 +257,12 @@ pub fn schedule_bucket(
                         k: w.shape[1].at(bb),
                         a: id(ins[0]),
                         w: id(ins[1]),
-                        bias: bias.then(|| id(ins[2])),
                         c: id(outs[0]),
                         accumulate: *accumulate,
                     }),
                 });
             }
-            OpKind::EmbedConcat => kernel(
+            OpKind::EmbedConcat { bias } => kernel(
                 0,
                 [rows, 1, 1],
                 geometry::EMBED_THREADS,
@@ -261,7 +271,23 @@ pub fn schedule_bucket(
                     arg("ids", buf(ins[0], Access::Read)),
                     arg("table", buf(ins[1], Access::Read)),
                     arg("hidden", buf(ins[2], Access::Read)),
+                    arg(
+                        "bias",
+                        if *bias {
+                            buf(ins[3], Access::Read)
+                        } else {
+                            ArgValue::Null
+                        },
+                    ),
                     arg("out", buf(outs[0], Access::Write)),
+                    arg(
+                        "bias_out",
+                        if *bias {
+                            buf(outs[1], Access::Write)
+                        } else {
+                            ArgValue::Null
+                        },
+                    ),
                     u32a("rows", rows),
                 ],
             ),
@@ -285,9 +311,10 @@ pub fn schedule_bucket(
                 vec![
                     arg("qkv", buf(ins[0], Access::ReadWrite)),
                     arg("prefix_lens", buf(ins[1], Access::Read)),
-                    arg("page_table", buf(ins[2], Access::Read)),
-                    arg("k_cache", buf(ins[3], Access::Write)),
-                    arg("v_cache", buf(ins[4], Access::Write)),
+                    arg("req_slots", buf(ins[2], Access::Read)),
+                    arg("page_table", buf(ins[3], Access::Read)),
+                    arg("k_cache", buf(ins[4], Access::Write)),
+                    arg("v_cache", buf(ins[5], Access::Write)),
                     u32a("rows", rows),
                 ],
             ),
@@ -310,8 +337,9 @@ pub fn schedule_bucket(
                         arg("q", buf(ins[0], Access::Read)),
                         arg("k_cache", buf(ins[1], Access::Read)),
                         arg("v_cache", buf(ins[2], Access::Read)),
-                        arg("page_table", buf(ins[3], Access::Read)),
-                        arg("prefix_lens", buf(ins[4], Access::Read)),
+                        arg("req_slots", buf(ins[3], Access::Read)),
+                        arg("page_table", buf(ins[4], Access::Read)),
+                        arg("prefix_lens", buf(ins[5], Access::Read)),
                         arg(
                             "out",
                             if ws.is_some() {

@@ -211,31 +211,35 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             c.same((false, 0), (true, 0))
         }
         OpKind::KvAppend { .. } => {
-            c.arity(6, 2)?;
-            c.dtype(false, 2, &[DType::I32])?;
-            c.dtype(false, 3, &[DType::I32])?;
+            c.arity(7, 2)?;
+            for i in 2..5 {
+                c.dtype(false, i, &[DType::I32])?;
+            }
             c.same((false, 0), (false, 1))?;
-            c.same((false, 4), (true, 0))?;
-            c.same((false, 5), (true, 1))
+            c.same((false, 5), (true, 0))?;
+            c.same((false, 6), (true, 1))
         }
         OpKind::RopeAppend { .. } => {
-            c.arity(5, 3)?;
-            c.dtype(false, 1, &[DType::I32])?;
-            c.dtype(false, 2, &[DType::I32])?;
+            c.arity(6, 3)?;
+            for i in 1..4 {
+                c.dtype(false, i, &[DType::I32])?;
+            }
             c.same((false, 0), (true, 0))?;
-            c.same((false, 3), (true, 1))?;
-            c.same((false, 4), (true, 2))
+            c.same((false, 4), (true, 1))?;
+            c.same((false, 5), (true, 2))
         }
         OpKind::Attention { .. } => {
-            c.arity(5, 1)?;
+            c.arity(6, 1)?;
             let (r, qcols) = c.rank2(false, 0)?;
             let (ro, ocols) = c.rank2(true, 0)?;
             want(r == rows && ro == rows, || {
                 format!("query and output rows must be {rows}")
             })?;
             want(qcols.fixed >= ocols.fixed, || "queries narrower than the output".into())?;
-            c.dtype(false, 3, &[DType::I32])?;
-            c.dtype(false, 4, &[DType::I32])
+            for i in 3..6 {
+                c.dtype(false, i, &[DType::I32])?;
+            }
+            Ok(())
         }
         OpKind::SiluMul => {
             c.arity(1, 1)?;
@@ -245,8 +249,8 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
                 || "output must be [T, I] for input [T, 2I]".into(),
             )
         }
-        OpKind::EmbedConcat => {
-            c.arity(3, 1)?;
+        OpKind::EmbedConcat { bias } => {
+            c.arity(3 + *bias as usize, 1 + *bias as usize)?;
             c.dtype(false, 0, &[DType::I64])?;
             let (_, h) = c.rank2(false, 1)?;
             want(c.shape(false, 2) == [rows, h], || {
@@ -254,7 +258,12 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             })?;
             want(c.shape(true, 0) == [rows, Dim::fixed(2 * h.fixed)], || {
                 "output must be [T, 2H]".into()
-            })
+            })?;
+            if *bias {
+                let (_, hb) = c.rank2(true, 1)?;
+                want(c.shape(false, 3) == [hb], || format!("bias must be [{hb}]"))?;
+            }
+            Ok(())
         }
         OpKind::SelectRows => {
             c.arity(2, 1)?;

@@ -12,7 +12,7 @@ use safetensors::SafeTensors;
 
 use crate::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
 use crate::format::{Packing, ValidatedPlan};
-use crate::step::{input_error, pad_to_bucket, InputError, StepInputs};
+use crate::step::{input_error, pad_to_bucket, InputError, PageTable, StepInputs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
@@ -335,10 +335,18 @@ pub fn run_cpu(
             ),
         )
     })?;
-    let scratch = (inputs.kv.pages - 1) as i32;
-    let padded = pad_to_bucket(plan, bucket, &inputs.step, scratch);
+    // The file's page-table rows become slots 0..b; the scratch page is the pool's extra
+    // last page, which no caller page table can name.
+    let scratch_page = (inputs.kv.pages - 1) as i32;
+    let mut table = PageTable::new(plan, scratch_page);
+    let x = &inputs.step;
+    for i in 0..b {
+        table.set_row(i, &x.page_table[i * x.page_cols..(i + 1) * x.page_cols]);
+    }
+    let slots: Vec<i32> = (0..b as i32).collect();
+    let padded = pad_to_bucket(plan, bucket, x, &slots, table.scratch_slot());
     let exec = CpuExecutor::new(plan, weights)?;
-    let out = exec.run(bucket, &padded, &mut inputs.kv)?;
+    let out = exec.run(bucket, &padded, &table, &mut inputs.kv)?;
     let (h, k) = (plan.model.hidden as usize, plan.spec.topk as usize);
     Ok(StepResult {
         outputs: BucketOutputs {

@@ -13,7 +13,7 @@
 use crate::format::{
     Access, ArgValue, BucketPlan, ConstValue, GemmDesc, KernelArg, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan,
 };
-use crate::step::BucketInputs;
+use crate::step::{BucketInputs, PageTable};
 
 /// A weight in host memory (floats as f32; the FR-Spec id map as i64).
 #[derive(Clone, Debug, PartialEq)]
@@ -61,6 +61,7 @@ struct Ctx<'a> {
     weights: &'a [WeightData],
     arena: &'a mut Arena,
     kv: &'a mut KvPool,
+    table: &'a PageTable,
 }
 
 impl<'p> CpuExecutor<'p> {
@@ -90,7 +91,13 @@ impl<'p> CpuExecutor<'p> {
     }
 
     /// Runs one bucket on padded inputs, updating `kv` in place.
-    pub fn run(&self, bucket: &BucketPlan, inputs: &BucketInputs, kv: &mut KvPool) -> Result<BucketOutputs, ExecError> {
+    pub fn run(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &BucketInputs,
+        table: &PageTable,
+        kv: &mut KvPool,
+    ) -> Result<BucketOutputs, ExecError> {
         // Poison: every cell starts NaN, so a read of anything no launch wrote shows up.
         let mut arena = Arena {
             cells: vec![f64::NAN; (bucket.arena_bytes as usize).div_ceil(2)],
@@ -101,12 +108,13 @@ impl<'p> CpuExecutor<'p> {
             weights: &self.weights,
             arena: &mut arena,
             kv,
+            table,
         };
         ctx.store_input("input_ids", inputs.input_ids.iter().map(|&x| x as f64));
         ctx.store_input("hidden_states", inputs.hidden_states.iter().map(|&x| x as f64));
         ctx.store_input("prefix_lens", inputs.prefix_lens.iter().map(|&x| x as f64));
         ctx.store_input("accept_lens", inputs.accept_lens.iter().map(|&x| x as f64));
-        ctx.store_input("page_table", inputs.page_table.iter().map(|&x| x as f64));
+        ctx.store_input("req_slots", inputs.req_slots.iter().map(|&x| x as f64));
         for (li, launch) in bucket.launches.iter().enumerate() {
             let err = |message: String| ExecError::Launch {
                 launch: li,
@@ -157,6 +165,7 @@ enum Ptr {
     Buf(usize),
     Weight(usize),
     Kv(usize, KvKind),
+    Table,
     Null,
 }
 
@@ -209,9 +218,6 @@ impl Ctx<'_> {
                 for x in 0..k {
                     acc += ar[x] * wr[x] as f64;
                 }
-                if let Some(bias) = g.bias {
-                    acc += self.wf(bias as usize, col);
-                }
                 out[r * n + col] = acc;
             }
         }
@@ -232,6 +238,7 @@ impl Ctx<'_> {
                     Ok(Ptr::Kv(*layer as usize, *kind))
                 }
                 Some(ArgValue::Null) => Ok(Ptr::Null),
+                Some(ArgValue::PageTable) => Ok(Ptr::Table),
                 _ => Err(format!("argument {name} is missing or not a pointer")),
             }
         };
@@ -258,7 +265,18 @@ impl Ctx<'_> {
                     buf(ptr("hidden")?, "hidden")?,
                     buf(ptr("out")?, "out")?,
                 );
+                let bias = match (ptr("bias")?, ptr("bias_out")?) {
+                    (Ptr::Weight(w), Ptr::Buf(o)) => Some((w, o)),
+                    (Ptr::Null, Ptr::Null) => None,
+                    _ => return Err("bias and bias_out must both be set or both null".into()),
+                };
                 for r in 0..scalar("rows")? {
+                    if let Some((w, o)) = bias {
+                        for c in 0..h {
+                            let b = self.wf(w, c);
+                            self.st(o, r * h + c, b);
+                        }
+                    }
                     let id = self.ld(ids, r) as i64;
                     let id = if (0..vocab).contains(&id) { id as usize } else { 0 };
                     for c in 0..h {
@@ -370,6 +388,22 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// Pool page of column `col` of request `i`'s row, through its slot.
+    fn page(&self, slots: usize, i: usize, col: usize) -> Result<usize, String> {
+        let slot = self.ld(slots, i) as i64;
+        if slot < 0 || slot as usize >= self.table.rows || col >= self.table.cols {
+            return Err(format!("request {i}: slot {slot} column {col} outside the page table"));
+        }
+        let page = self.table.data[slot as usize * self.table.cols + col];
+        if page < 0 || page as usize >= self.kv.pages {
+            return Err(format!(
+                "request {i}: page {page} outside the pool of {}",
+                self.kv.pages
+            ));
+        }
+        Ok(page as usize)
+    }
+
     fn kv_index(&self, page: usize, slot: usize, head: usize, d: usize) -> usize {
         let m = &self.plan.model;
         ((page * self.plan.capture.page_size as usize + slot) * m.kv_heads as usize + head) * m.head_dim as usize + d
@@ -389,9 +423,10 @@ impl Ctx<'_> {
         );
         let (ps, max_pages) = (c_u32(k, "PAGE_SIZE")?, c_u32(k, "MAX_PAGES")?);
         let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
-        let (Ptr::Buf(qkv), Ptr::Buf(prefix), Ptr::Buf(pages)) = (ptr("qkv")?, ptr("prefix_lens")?, ptr("page_table")?)
+        let (Ptr::Buf(qkv), Ptr::Buf(prefix), Ptr::Buf(slots), Ptr::Table) =
+            (ptr("qkv")?, ptr("prefix_lens")?, ptr("req_slots")?, ptr("page_table")?)
         else {
-            return Err("qkv, prefix_lens and page_table must be buffers".into());
+            return Err("qkv, prefix_lens and req_slots must be buffers, page_table the page table".into());
         };
         let (Ptr::Kv(layer, KvKind::K), Ptr::Kv(vlayer, KvKind::V)) = (ptr("k_cache")?, ptr("v_cache")?) else {
             return Err("k_cache and v_cache must be the K and V pools".into());
@@ -422,7 +457,7 @@ impl Ctx<'_> {
                 continue;
             }
             let pos = pos as usize;
-            let page = self.ld(pages, i * max_pages + pos / ps) as usize;
+            let page = self.page(slots, i, pos / ps)?;
             if page >= self.kv.pages {
                 return Err(format!("row {r}: page {page} outside the pool of {}", self.kv.pages));
             }
@@ -455,11 +490,12 @@ impl Ctx<'_> {
             c_u32(k, "HEAD_DIM")?,
             c_u32(k, "N")?,
         );
-        let (ps, max_pages, window) = (c_u32(k, "PAGE_SIZE")?, c_u32(k, "MAX_PAGES")?, c_u32(k, "WINDOW")?);
+        let (ps, window) = (c_u32(k, "PAGE_SIZE")?, c_u32(k, "WINDOW")?);
         let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_u32(k, "KV_TILE")?);
-        let (Ptr::Buf(q), Ptr::Buf(pages), Ptr::Buf(prefix)) = (ptr("q")?, ptr("page_table")?, ptr("prefix_lens")?)
+        let (Ptr::Buf(q), Ptr::Buf(slots), Ptr::Table, Ptr::Buf(prefix)) =
+            (ptr("q")?, ptr("req_slots")?, ptr("page_table")?, ptr("prefix_lens")?)
         else {
-            return Err("q, page_table and prefix_lens must be buffers".into());
+            return Err("q, req_slots and prefix_lens must be buffers, page_table the page table".into());
         };
         let Ptr::Kv(layer, _) = ptr("k_cache")? else {
             return Err("k_cache must be the K pool".into());
@@ -493,7 +529,7 @@ impl Ctx<'_> {
                             let visible: Vec<usize> = (lo.max(first)..hi.min(l + j + 1)).collect();
                             let mut scores = Vec::with_capacity(visible.len());
                             for &p in &visible {
-                                let page = self.ld(pages, i * max_pages + p / ps) as usize;
+                                let page = self.page(slots, i, p / ps)?;
                                 let dot: f64 = (0..d)
                                     .map(|t| qv[t] * self.kv.k[layer][self.kv_index(page, p % ps, kvh, t)] as f64)
                                     .sum();

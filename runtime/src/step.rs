@@ -164,6 +164,41 @@ impl StepInputs {
     }
 }
 
+/// The page table the kernels read: `[max_requests + 1, max_pages_per_request]`, row =
+/// request slot. The last row is the scratch slot: every entry is the scratch page.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PageTable {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<i32>,
+}
+
+impl PageTable {
+    /// Every row starts pointing at the scratch page, so a slot that was never assigned
+    /// can only ever touch the scratch page.
+    pub fn new(plan: &Plan, scratch_page: i32) -> PageTable {
+        let (rows, cols) = (
+            plan.page_table_rows() as usize,
+            plan.capture.max_pages_per_request as usize,
+        );
+        PageTable {
+            rows,
+            cols,
+            data: vec![scratch_page; rows * cols],
+        }
+    }
+
+    pub fn scratch_slot(&self) -> i32 {
+        self.rows as i32 - 1
+    }
+
+    /// Sets the first `pages.len()` entries of a request slot's row.
+    pub fn set_row(&mut self, slot: usize, pages: &[i32]) {
+        let n = pages.len().min(self.cols);
+        self.data[slot * self.cols..slot * self.cols + n].copy_from_slice(&pages[..n]);
+    }
+}
+
 /// Input buffers of one bucket, padded: what host prep copies into the arena.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BucketInputs {
@@ -171,31 +206,33 @@ pub struct BucketInputs {
     pub hidden_states: Vec<f32>,
     pub prefix_lens: Vec<i32>,
     pub accept_lens: Vec<i32>,
-    /// `[B, plan.capture.max_pages_per_request]`.
-    pub page_table: Vec<i32>,
+    /// `[B]`: the page-table row of each request; padded requests use the scratch slot.
+    pub req_slots: Vec<i32>,
 }
 
-/// Pads checked inputs to `bucket`; padded rows use `scratch_page`. O(B·(N + P)).
-pub fn pad_to_bucket(plan: &Plan, bucket: &BucketPlan, x: &StepInputs, scratch_page: i32) -> BucketInputs {
+/// Pads checked inputs to `bucket`. `slots[i]` is request i's page-table row. O(B·N·H)
+/// for the hidden states, O(B) for everything else.
+pub fn pad_to_bucket(
+    plan: &Plan,
+    bucket: &BucketPlan,
+    x: &StepInputs,
+    slots: &[i32],
+    scratch_slot: i32,
+) -> BucketInputs {
     let (bb, b) = (bucket.batch as usize, x.batch);
     let n = plan.spec.num_draft_tokens as usize;
     let h = plan.model.hidden as usize;
-    let cols = plan.capture.max_pages_per_request as usize;
     let mut out = BucketInputs {
         input_ids: vec![0; bb * n],
         hidden_states: vec![0.0; bb * n * h],
         prefix_lens: vec![0; bb],
         accept_lens: vec![n as i32; bb],
-        page_table: vec![scratch_page; bb * cols],
+        req_slots: vec![scratch_slot; bb],
     };
     out.input_ids[..b * n].copy_from_slice(&x.input_ids);
     out.hidden_states[..b * n * h].copy_from_slice(&x.hidden_states);
     out.prefix_lens[..b].copy_from_slice(&x.prefix_lens);
     out.accept_lens[..b].copy_from_slice(&x.accept_lens);
-    let take = x.page_cols.min(cols);
-    for i in 0..b {
-        out.page_table[i * cols..i * cols + take]
-            .copy_from_slice(&x.page_table[i * x.page_cols..i * x.page_cols + take]);
-    }
+    out.req_slots[..b].copy_from_slice(&slots[..b]);
     out
 }

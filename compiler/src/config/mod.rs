@@ -53,6 +53,7 @@ pub struct Overrides {
     pub page_size: Option<u32>,
     pub max_context_len: Option<u32>,
     pub kv_pool_pages: Option<u32>,
+    pub max_requests: Option<u32>,
     pub dtype: Option<String>,
     pub sliding_window: Option<u32>,
     pub hot_vocab_size: Option<u32>,
@@ -65,6 +66,8 @@ pub struct CaptureConfig {
     pub page_size: u32,
     pub max_context_len: u32,
     pub kv_pool_pages: u32,
+    /// Request slots of the device page table (the scratch slot comes on top).
+    pub max_requests: u32,
     pub dtype: DType,
     pub hot_vocab_size: Option<u32>,
 }
@@ -372,11 +375,23 @@ fn read_capture(
             format!("{pool} must be at least 2 (one page for requests, one scratch page)"),
         );
     }
+    const REQS: &str = "capture.max_requests (--max-requests)";
+    let max_requests = o
+        .max_requests
+        .or_else(|| uint_field(v, "max_requests", REQS, e))
+        .unwrap_or(max_b);
+    if max_requests < max_b {
+        e.push(
+            REQS.into(),
+            format!("{max_requests} is below the largest bucket {max_b} (every request of a step needs a slot)"),
+        );
+    }
     Some(CaptureConfig {
         buckets,
         page_size,
         max_context_len: ctx,
         kv_pool_pages: pool,
+        max_requests,
         dtype,
         hot_vocab_size: hot,
     })

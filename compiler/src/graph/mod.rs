@@ -76,6 +76,9 @@ pub enum Storage {
     },
     /// One layer's K or V pool (outside the arena).
     KvCache { layer: u32, kind: KvKind },
+    /// The device page table `[max_requests + 1, pages_per_request]`, indexed by request
+    /// slot (outside the arena; the runtime updates it incrementally).
+    PageTable,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,9 +114,9 @@ pub enum OpKind {
     Add,
     /// ins: x [T, heads·D], prefix_lens [B] → out. Position of row r = prefix_lens[r/N] + r%N.
     Rope { heads: u32 },
-    /// ins: k [T,Hkv·D], v [T,Hkv·D], prefix_lens, page_table, k_cache, v_cache → out: k_cache', v_cache'.
+    /// ins: k [T,Hkv·D], v [T,Hkv·D], prefix_lens, req_slots, page_table, k_cache, v_cache → out: k_cache', v_cache'.
     KvAppend { layer: u32 },
-    /// ins: q [T,Hq·D] (row stride q_stride), k_cache, v_cache, page_table, prefix_lens → out [T,Hq·D].
+    /// ins: q [T,Hq·D] (row stride q_stride), k_cache, v_cache, req_slots, page_table, prefix_lens → out [T,Hq·D].
     Attention { layer: u32, window: Option<u32> },
     /// ins: x → out: x·sigmoid(x).
     Silu,
@@ -128,10 +131,11 @@ pub enum OpKind {
     /// ins: ids [B,K] i64, map [V_h] i64 → out [B,K] i64 (FR-Spec hot → full vocabulary).
     MapIds,
     // --- Fused (passes) ---
-    /// Embed ‖ hidden: ins ids, table, hidden [T,H] → out [T,2H].
-    EmbedConcat,
+    /// Embed ‖ hidden: ins ids, table, hidden [T,H] (, fc bias [H]) → out [T,2H]
+    /// (, the fc output [T,H] initialized to the bias, which the fc GEMM accumulates onto).
+    EmbedConcat { bias: bool },
     /// RoPE on q and k inside qkv (in place) + K/V append. ins: qkv, prefix_lens,
-    /// page_table, k_cache, v_cache → out: qkv', k_cache', v_cache'.
+    /// req_slots, page_table, k_cache, v_cache → out: qkv', k_cache', v_cache'.
     RopeAppend { layer: u32 },
     /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up.
     SiluMul,
@@ -156,7 +160,7 @@ impl OpKind {
             OpKind::Softmax => "softmax",
             OpKind::TopK { .. } => "topk",
             OpKind::MapIds => "map_ids",
-            OpKind::EmbedConcat => "embed_concat",
+            OpKind::EmbedConcat { .. } => "embed_concat",
             OpKind::RopeAppend { .. } => "rope_append",
             OpKind::SiluMul => "silu_mul",
             OpKind::SoftmaxTopK { .. } => "softmax_topk",
@@ -182,7 +186,7 @@ impl OpKind {
             | OpKind::Softmax
             | OpKind::TopK { .. }
             | OpKind::MapIds
-            | OpKind::EmbedConcat
+            | OpKind::EmbedConcat { .. }
             | OpKind::RopeAppend { .. }
             | OpKind::SiluMul
             | OpKind::SoftmaxTopK { .. } => false,

@@ -16,6 +16,7 @@ fn kind_args(k: &OpKind) -> String {
             )
         }
         OpKind::TopK { k } => format!("(k={k})"),
+        OpKind::EmbedConcat { bias } => format!("(bias={bias})"),
         OpKind::SoftmaxTopK { k, hot_map } => format!("(k={k}, hot_map={hot_map})"),
         _ => String::new(),
     }
@@ -40,6 +41,7 @@ pub fn print_graph(g: &OpGraph) -> String {
             Storage::Activation { output: false } => "activation".into(),
             Storage::Weight { sources, .. } => format!("weight <- {}", sources.join(",")),
             Storage::KvCache { layer, kind } => format!("kv_cache layer={layer} {kind:?}"),
+            Storage::PageTable => "page_table".into(),
         };
         let alias = t.alias_of.map_or(String::new(), |a| format!(" (in place over {a})"));
         let _ = writeln!(

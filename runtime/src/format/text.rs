@@ -147,8 +147,8 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
     fact(
         "capture".into(),
         format!(
-            "page_size={} max_context_len={} pages_per_request={} kv_pool_pages={} scratch_page={} dtype={} hot_vocab_size={}",
-            c.page_size, c.max_context_len, c.max_pages_per_request, c.kv_pool_pages, c.scratch_page, c.dtype.name(),
+            "page_size={} max_context_len={} pages_per_request={} kv_pool_pages={} scratch_page={} max_requests={} dtype={} hot_vocab_size={}",
+            c.page_size, c.max_context_len, c.max_pages_per_request, c.kv_pool_pages, c.scratch_page, c.max_requests, c.dtype.name(),
             opt(&c.hot_vocab_size)
         ),
     );
@@ -316,6 +316,7 @@ fn bucket_facts(p: &Plan, b: &BucketPlan, fact: &mut dyn FnMut(String, String)) 
                                 )
                             }
                             ArgValue::U32(x) => x.to_string(),
+                            ArgValue::PageTable => "page_table:r".into(),
                             ArgValue::Null => "null".into(),
                         };
                         format!("{}={v}", a.name)
@@ -334,13 +335,12 @@ fn bucket_facts(p: &Plan, b: &BucketPlan, fact: &mut dyn FnMut(String, String)) 
                 )
             }
             LaunchKind::Gemm(g) => format!(
-                "#{li} gemm m={} n={} k={} a={} w={} bias={} c={}{}",
+                "#{li} gemm m={} n={} k={} a={} w={} c={}{}",
                 g.m,
                 g.n,
                 g.k,
                 bname(g.a),
                 wname(g.w),
-                g.bias.map_or_else(|| "none".into(), wname),
                 bname(g.c),
                 if g.accumulate { " accumulate" } else { "" }
             ),

@@ -86,6 +86,9 @@ pub struct CaptureDesc {
     pub max_pages_per_request: u32,
     /// Pages in the KV pool, the scratch page included.
     pub kv_pool_pages: u32,
+    /// Request slots (rows) of the device page table; row `max_requests` is the scratch
+    /// slot whose every entry is the scratch page (padded requests point at it).
+    pub max_requests: u32,
     /// A pool page no request owns: padded rows of a bucket write their K/V here.
     pub scratch_page: u32,
     pub dtype: DType,
@@ -234,6 +237,8 @@ pub enum ArgValue {
     Weight {
         id: u32,
     },
+    /// Device address of the page table `[max_requests + 1, max_pages_per_request]` i32.
+    PageTable,
     /// Device address of one layer's K or V pool.
     KvCache {
         layer: u32,
@@ -251,7 +256,8 @@ pub struct KernelArg {
     pub value: ArgValue,
 }
 
-/// `C[m, n] (+)= A[m, k] · W[n, k]^T (+ bias[n])`, row-major, fp32 accumulation.
+/// `C[m, n] (+)= A[m, k] · W[n, k]^T`, row-major, fp32 accumulation. (A bias is folded
+/// by the compiler into a kernel that initializes C, so GEMMs carry none.)
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GemmDesc {
     pub m: u64,
@@ -259,7 +265,6 @@ pub struct GemmDesc {
     pub k: u64,
     pub a: u32,
     pub w: u32,
-    pub bias: Option<u32>,
     pub c: u32,
     /// `true`: C += A·Wᵀ (the residual add folded into the GEMM, beta = 1).
     pub accumulate: bool,
@@ -350,6 +355,11 @@ impl Plan {
         2 * self.model.layers as u64 * self.capture.kv_pool_pages as u64 * self.kv_page_bytes()
     }
 
+    /// Rows of the device page table: one per request slot plus the scratch slot.
+    pub fn page_table_rows(&self) -> u64 {
+        self.capture.max_requests as u64 + 1
+    }
+
     /// Largest arena over the buckets: what the runtime allocates.
     pub fn arena_bytes(&self) -> u64 {
         self.buckets.iter().map(|b| b.arena_bytes).max().unwrap_or(0)
@@ -377,10 +387,10 @@ pub mod io {
     pub const HIDDEN_STATES: &str = "hidden_states";
     pub const PREFIX_LENS: &str = "prefix_lens";
     pub const ACCEPT_LENS: &str = "accept_lens";
-    pub const PAGE_TABLE: &str = "page_table";
+    pub const REQ_SLOTS: &str = "req_slots";
     pub const HIDDEN_OUT: &str = "hidden_out";
     pub const TOPK_PROBS: &str = "topk_probs";
     pub const TOPK_IDS: &str = "topk_ids";
-    pub const INPUTS: [&str; 5] = [INPUT_IDS, HIDDEN_STATES, PREFIX_LENS, ACCEPT_LENS, PAGE_TABLE];
+    pub const INPUTS: [&str; 5] = [INPUT_IDS, HIDDEN_STATES, PREFIX_LENS, ACCEPT_LENS, REQ_SLOTS];
     pub const OUTPUTS: [&str; 3] = [HIDDEN_OUT, TOPK_PROBS, TOPK_IDS];
 }

@@ -177,6 +177,9 @@ fn capture(p: &Plan, e: &mut Errors) {
             c.max_pages_per_request
         )
     });
+    e.check(c.max_requests >= p.buckets.last().map_or(0, |b| b.batch), || {
+        format!("capture.max_requests: {} is below the largest bucket", c.max_requests)
+    });
     e.check(c.scratch_page < c.kv_pool_pages, || {
         format!(
             "capture.scratch_page: {} outside the pool of {} pages",
@@ -394,7 +397,7 @@ fn bucket(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) {
                         ArgValue::KvCache { layer, .. } => e.check(*layer < p.model.layers, || {
                             format!("{}: layer {layer} out of range", apath())
                         }),
-                        ArgValue::U32(_) | ArgValue::Null => {}
+                        ArgValue::U32(_) | ArgValue::Null | ArgValue::PageTable => {}
                     }
                 }
             }
@@ -452,11 +455,7 @@ fn io_shapes(p: &Plan, b: &BucketPlan, at: &dyn Fn(&str) -> String, e: &mut Erro
         (io::HIDDEN_STATES, act, vec![rows, h]),
         (io::PREFIX_LENS, DType::I32, vec![bb]),
         (io::ACCEPT_LENS, DType::I32, vec![bb]),
-        (
-            io::PAGE_TABLE,
-            DType::I32,
-            vec![bb, p.capture.max_pages_per_request as u64],
-        ),
+        (io::REQ_SLOTS, DType::I32, vec![bb]),
         (io::HIDDEN_OUT, act, vec![bb, h]),
         (io::TOPK_PROBS, DType::F32, vec![bb, k]),
         (io::TOPK_IDS, DType::I64, vec![bb, k]),
@@ -494,10 +493,4 @@ fn gemm_shapes(p: &Plan, b: &BucketPlan, g: &GemmDesc, lat: &dyn Fn(&str) -> Str
     e.check(w == Some((g.n, g.k)), || {
         lat(&format!(".w: shape {w:?} does not match n×k = {}×{}", g.n, g.k))
     });
-    if let Some(bias) = g.bias {
-        let shape = p.weights.get(bias as usize).map(|x| x.shape.clone());
-        e.check(shape == Some(vec![g.n]), || {
-            lat(&format!(".bias: shape {shape:?}, expected [{}]", g.n))
-        });
-    }
 }
