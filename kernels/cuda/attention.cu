@@ -4,7 +4,7 @@
 //
 // ----------------------------------------------------------------------------------------
 // Entry attn_partial
-//   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES,
+//   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, SLOTS,
 //              WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)), KV_TILE (64, 32 or 16)
 //   Launch:    grid (batch, KV_HEADS, splits), block (128, 1, 1),
 //              dynamic shared memory, in bytes, with ROWS = N * (HEADS / KV_HEADS):
@@ -18,7 +18,8 @@
 //     q           const act_t*  q of row r, head h at q[r*q_stride + h*HEAD_DIM + d]
 //     k_cache     const act_t*  this layer's K pages [pages, PAGE_SIZE, KV_HEADS, HEAD_DIM]
 //     v_cache     const act_t*  this layer's V pages, same layout
-//     page_table  const int*    [batch, MAX_PAGES]
+//     req_slots   const int*    [batch] page-table row of each request
+//     page_table  const int*    [SLOTS, MAX_PAGES] pool page ids of each slot
 //     prefix_lens const int*    [batch] (L: cached tokens before this step's N rows)
 //     out         act_t*        [batch*N, HEADS*HEAD_DIM]      (written when gridDim.z == 1)
 //     part_o      float*        [splits, batch*N, HEADS, HEAD_DIM] (written when gridDim.z > 1)
@@ -33,15 +34,16 @@
 //     kv_start = WINDOW > 0 ? max(0, L - WINDOW + 1) : 0,  total = kv_len - kv_start,
 //     chunk    = ceil(total / splits) rounded up to a multiple of KV_TILE,
 //     split s  = [kv_start + s*chunk, min(kv_len, kv_start + (s+1)*chunk))  (may be empty).
-//   K/V of position p: page = page_table[i*MAX_PAGES + p/PAGE_SIZE], slot = p % PAGE_SIZE,
-//   element ((page*PAGE_SIZE + slot)*KV_HEADS + g)*HEAD_DIM + d.
+//   K/V of position p: page = page_table[req_slots[i]*MAX_PAGES + p/PAGE_SIZE],
+//   slot = p % PAGE_SIZE, element ((page*PAGE_SIZE + slot)*KV_HEADS + g)*HEAD_DIM + d.
 //   score = SCALE * dot(q, k) in fp32; online softmax in fp32 (max m, sum l, acc o).
 //   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key).
 //   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
 //                   rows = batch*N.
-//   Positions with a page index >= MAX_PAGES or a negative page entry read as zero K/V:
-//   bad input never faults (the host validates).
+//   Positions with a page index >= MAX_PAGES, a negative page entry, or a request whose
+//   req_slots entry is outside [0, SLOTS) read as zero K/V: bad input never faults (the
+//   host validates).
 //
 // ----------------------------------------------------------------------------------------
 // Entry attn_merge
@@ -59,63 +61,27 @@
 // ----------------------------------------------------------------------------------------
 #include "common.cuh"
 
-// ---------------------------------------------------------------------------------------
-// Constants of attn_partial that an attn_merge-only prelude may leave out.
-//
-// Both entries live in this file, and an instance built only for attn_merge may be
-// given just HEADS and HEAD_DIM. So that such a source still compiles, each of these
-// names is also declared here as a class. C++ lets a class and a variable share a
-// name in one scope; the variable hides the class. So when the prelude declares
-// `constexpr unsigned KV_HEADS = 8u;`, the expression `(KV_HEADS)+0u` is 8u + 0u. When it
-// does not, the same text is a cast of +0u to the class, whose conversion yields the
-// sentinel ~0u (or 1.0f for SCALE). attn_partial traps if launched from an instance that
-// lacks any of them, and every derived constant below stays well defined in that case.
-// ---------------------------------------------------------------------------------------
-#define SPECPLAN_ATTN_OPTIONAL_U32(NAME)                                                  \
-    struct NAME {                                                                        \
-        __host__ __device__ constexpr NAME(unsigned) {}                                  \
-        __host__ __device__ constexpr operator unsigned() const { return 0xffffffffu; }  \
-    };
-SPECPLAN_ATTN_OPTIONAL_U32(KV_HEADS)
-SPECPLAN_ATTN_OPTIONAL_U32(N)
-SPECPLAN_ATTN_OPTIONAL_U32(PAGE_SIZE)
-SPECPLAN_ATTN_OPTIONAL_U32(MAX_PAGES)
-SPECPLAN_ATTN_OPTIONAL_U32(WINDOW)
-SPECPLAN_ATTN_OPTIONAL_U32(KV_TILE)
-#undef SPECPLAN_ATTN_OPTIONAL_U32
-struct SCALE {
-    __host__ __device__ constexpr SCALE(float) {}
-    __host__ __device__ constexpr operator float() const { return 1.0f; }
-};
-
 namespace attn {
 
-constexpr unsigned kAbsent = 0xffffffffu;
-constexpr unsigned kRawKvHeads = (KV_HEADS)+0u;
-constexpr unsigned kRawN = (N)+0u;
-constexpr unsigned kRawPage = (PAGE_SIZE)+0u;
-constexpr unsigned kRawMaxPages = (MAX_PAGES)+0u;
-constexpr unsigned kRawWindow = (WINDOW)+0u;
-constexpr unsigned kRawTile = (KV_TILE)+0u;
-constexpr float kScale = (SCALE)+0.0f;
-constexpr bool kPartialConfigured = kRawKvHeads != kAbsent && kRawN != kAbsent && kRawPage != kAbsent &&
-                                    kRawMaxPages != kAbsent && kRawWindow != kAbsent &&
-                                    kRawTile != kAbsent;
+constexpr float kScale = SCALE;
 
 constexpr int kHeads = (int)HEADS;
 constexpr int kD = (int)HEAD_DIM;
-constexpr int kKvHeads = kRawKvHeads != kAbsent ? (int)kRawKvHeads : kHeads;
-constexpr int kN = kRawN != kAbsent ? (int)kRawN : 1;
-constexpr long long kPage = kRawPage != kAbsent ? (long long)kRawPage : 1;
-constexpr long long kMaxPages = kRawMaxPages != kAbsent ? (long long)kRawMaxPages : 1;
-constexpr int kWindow = kRawWindow != kAbsent ? (int)kRawWindow : 0;
-constexpr int kTile = kRawTile != kAbsent ? (int)kRawTile : 16;
+// Both entries are compiled from one source with every constant (one prelude per template),
+// so these are always the instance's real values.
+constexpr int kKvHeads = (int)KV_HEADS;
+constexpr int kN = (int)N;
+constexpr long long kPage = (long long)PAGE_SIZE;
+constexpr long long kMaxPages = (long long)MAX_PAGES;
+constexpr long long kSlots = (long long)SLOTS;
+constexpr int kWindow = (int)WINDOW;
+constexpr int kTile = (int)KV_TILE;
 
 static_assert(kKvHeads > 0 && kHeads % kKvHeads == 0, "HEADS must be a multiple of KV_HEADS");
 static_assert(kD % 8 == 0 && kD <= 256, "HEAD_DIM must be a multiple of 8, at most 256");
 static_assert(kTile % 4 == 0 && (kTile >= 32 ? kTile % 32 == 0 : 32 % kTile == 0),
               "KV_TILE must divide 32 or be a multiple of 32 (and of 4)");
-static_assert(kN > 0 && kPage > 0 && kMaxPages > 0, "N, PAGE_SIZE and MAX_PAGES must be positive");
+static_assert(kN > 0 && kPage > 0 && kMaxPages > 0 && kSlots > 0, "N, PAGE_SIZE, MAX_PAGES, SLOTS must be positive");
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
@@ -126,7 +92,9 @@ constexpr int kRows = kN * kG;         // query rows per CTA (GQA folding)
 constexpr long long kQBytes = (long long)kRows * kD * 4;       // sQ [kRows][kD] fp32
 constexpr long long kKVBytes = (long long)kTile * kD * 2;      // sK, sV [kTile][kD] act_t (swizzled)
 constexpr long long kPBytes = (long long)kRows * kTile * 4;    // sP [kRows][kTile] fp32
+constexpr long long kSmemBytes = kQBytes + 2 * kKVBytes + kPBytes;
 static_assert(sizeof(act_t) == 2, "act_t is a 16-bit type");
+static_assert(kSmemBytes <= 227 * 1024, "attn_partial shared memory exceeds 227 KiB: use a smaller KV_TILE");
 
 // K/V tiles are stored as rows of kChunks 16-byte chunks (8 elements). Chunk c of key t is
 // stored at chunk position c ^ (t & kSwz). In the score phase the lanes of a warp read the
@@ -151,10 +119,27 @@ constexpr int kKPL = kTile / kTL;
 constexpr int kRC = imin((kRW + kRG - 1) / kRG, 8);
 // Softmax phase: lane holds scores lane + 32*k of one row, k < kST.
 constexpr int kST = (kTile + 31) / 32;
-// P·V phase: lane owns kDPL head dims of every row of its warp. With HEAD_DIM % 32 == 0
-// they are contiguous (one 4/8/16-byte shared load per key); otherwise strided by 32.
-constexpr bool kDimsContig = kD % 32 == 0;
+// P·V phase: lane owns kDPL = ceil(HEAD_DIM/32) head dims of every row of its warp. When
+// HEAD_DIM is 32, 64, 128 or 256 (kDPL in {1, 2, 4, 8}, dividing the 8-element chunk) they
+// are contiguous and lie in one swizzled chunk: one 2/4/8/16-byte shared load per key.
+// Otherwise (e.g. 96: 3 dims could straddle two chunks that the swizzle moves apart) they
+// are strided by 32 and loaded one by one.
 constexpr int kDPL = (kD + 31) / 32;
+constexpr bool kDimsContig = kD % 32 == 0 && 8 % kDPL == 0;
+
+// Occupancy hint for __launch_bounds__ (minimum CTAs per SM). Four CTAs leave 128
+// registers per thread (65536 / (4 * 128)). That pays off only when their shared memory
+// fits (228 KiB per SM, 1 KiB reserved per CTA) and the state held across the tile loop
+// is small. kLiveState counts o (kRW*kDPL), m and l (2*kRW) and the score tile (kRC*kKPL).
+// Otherwise no hint is given and ptxas picks the registers.
+// Measured on H200, bf16, B=16, L=4000, 4 splits: with 32/8 heads, HEAD_DIM 128, N 8 and
+// KV_TILE 64 (state 64, 32 bytes of spill) the hint cut 525 us to 387 us. With 28/4 heads
+// (7 rows a warp for N=4, 14 for N=8) any cap below the natural 168-248 registers spilled
+// and ran 5-60% slower (even at state 56), hence the conditions.
+constexpr int kFitSmem = (int)((228LL * 1024) / (kSmemBytes + 1024));
+constexpr int kLiveState = kRW * (kDPL + 2) + kRC * kKPL;
+constexpr bool kEvenRows = kRows % kWarps == 0 && (kRW & (kRW - 1)) == 0;  // 1, 2, 4, 8... rows a warp
+constexpr int kMinBlocks = (kFitSmem >= 4 && kEvenRows && kLiveState <= 64) ? 4 : 1;
 
 __device__ __forceinline__ int dim_of(int lane, int e) { return kDimsContig ? lane * kDPL + e : lane + 32 * e; }
 
@@ -166,7 +151,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     const unsigned long long g = (unsigned long long)__cvta_generic_to_global(gmem);
     const unsigned bytes = valid ? 16u : 0u;  // 0 source bytes: the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(bytes) : "memory");
+    // No "memory" clobber here: it would stop the compiler from batching the page-table
+    // loads of a tile ahead of the copies. Ordering against the shared memory reads is
+    // given by cp_async_wait (which has the clobber) and the barriers after it.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int Pending> __device__ __forceinline__ void cp_async_wait() {
@@ -176,7 +164,7 @@ template <int Pending> __device__ __forceinline__ void cp_async_wait() {
 // Element offset of (position p, kv head g, d = 0) in the cache, or -1 when p is outside
 // the split (p >= hi) or its page is out of range: such keys are zero-filled.
 __device__ __forceinline__ long long key_offset(int p, int hi, const int* pt_row, int g) {
-    if (p >= hi) return -1;
+    if (p >= hi || pt_row == nullptr) return -1;
     const long long pidx = (long long)p / kPage;
     if (pidx >= kMaxPages) return -1;
     const int page = pt_row[pidx];
@@ -185,20 +173,32 @@ __device__ __forceinline__ long long key_offset(int p, int hi, const int* pt_row
 }
 
 // Issues the cp.async copies of one K or V tile (keys [tile0, tile0 + kTile)) into `dst`.
+// Thread tid copies chunks tid + kThreads*it. All page-table lookups come first, so their
+// global loads are in flight together; the copies follow.
+constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
 __device__ __forceinline__ void load_tile_async(act_t* dst, const act_t* cache, int tile0, int hi,
                                                 const int* pt_row, int g) {
-    for (int q = threadIdx.x; q < kTile * kChunks; q += kThreads) {
-        const int t = q / kChunks, c = q % kChunks;
-        const long long off = key_offset(tile0 + t, hi, pt_row, g);
-        const act_t* src = off >= 0 ? cache + off + c * 8 : cache;
-        cp_async16(dst + t * kD + ((c ^ (t & kSwz)) << 3), src, off >= 0);
+    long long off[kLoadIters];
+#pragma unroll
+    for (int it = 0; it < kLoadIters; ++it) {
+        const int q = (int)threadIdx.x + it * kThreads;
+        off[it] = q < kTile * kChunks ? key_offset(tile0 + q / kChunks, hi, pt_row, g) : -1;
+    }
+#pragma unroll
+    for (int it = 0; it < kLoadIters; ++it) {
+        const int q = (int)threadIdx.x + it * kThreads;
+        if (q < kTile * kChunks) {
+            const int t = q / kChunks, c = q % kChunks;
+            const act_t* src = off[it] >= 0 ? cache + off[it] + c * 8 : cache;
+            cp_async16(dst + t * kD + ((c ^ (t & kSwz)) << 3), src, off[it] >= 0);
+        }
     }
 }
 
 // Loads the kDPL dims owned by `lane` of key t from a swizzled tile.
 __device__ __forceinline__ void load_v_dims(const act_t* sV, int t, int lane, float (&v)[kDPL]) {
     if constexpr (kDimsContig) {
-        // kDPL in {1, 2, 4, 8} divides 8: the lane's dims are in one chunk, aligned.
+        // kDPL divides 8: the lane's dims are in one chunk, aligned to kDPL elements.
         load_vec<kDPL>(sV + swz(t, lane * kDPL), v);
     } else {
 #pragma unroll
@@ -211,23 +211,11 @@ __device__ __forceinline__ void load_v_dims(const act_t* sV, int t, int lane, fl
 
 }  // namespace attn
 
-struct AttnPartialParams {
-    const act_t* q;
-    const act_t* k_cache;
-    const act_t* v_cache;
-    const int* page_table;
-    const int* prefix_lens;
-    act_t* out;
-    float* part_o;
-    float* part_lse;
-    unsigned batch;
-    unsigned splits;
-    unsigned q_stride;
-};
+// AttnPartialParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams p) {
+extern "C" __global__ void __launch_bounds__(128, attn::kMinBlocks) attn_partial(AttnPartialParams p) {
     using namespace attn;
-    if (!kPartialConfigured) __trap();  // instance compiled for attn_merge only
 
     extern __shared__ __align__(16) unsigned char attn_smem[];
     float* sQ = reinterpret_cast<float*>(attn_smem);
@@ -243,7 +231,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams
     if ((unsigned)i >= p.batch || g >= kKvHeads || (unsigned)s >= splits) return;
 
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int* pt_row = p.page_table + (long long)i * kMaxPages;
+    // This request's page-table row (null: a bad slot, every key then reads as zero).
+    const int req_slot = p.req_slots[i];
+    const int* pt_row = (req_slot >= 0 && req_slot < kSlots) ? p.page_table + (long long)req_slot * kMaxPages : nullptr;
 
     // ---- This split's key range ----------------------------------------------------------
     const int L = p.prefix_lens[i];
@@ -442,6 +432,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams
     // ---- Epilogue ------------------------------------------------------------------------
     const long long rows = (long long)p.batch * kN;
     const bool single = gridDim.z == 1u;
+    if (single ? p.out == nullptr : (p.part_o == nullptr || p.part_lse == nullptr)) return;
 #pragma unroll
     for (int x = 0; x < kRW; ++x) {
         const int rr = row0 + x;
@@ -471,13 +462,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams
     }
 }
 
-struct AttnMergeParams {
-    const float* part_o;
-    const float* part_lse;
-    act_t* out;
-    unsigned rows;
-    unsigned splits;
-};
+// AttnMergeParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 extern "C" __global__ void __launch_bounds__(256) attn_merge(AttnMergeParams p) {
     constexpr long long kH = (long long)HEADS;

@@ -71,12 +71,14 @@ __device__ __forceinline__ unsigned pack2(float a, float b) {
 }
 
 // ---------------------------------------------------------------------------------
-// Vector loads and stores of V consecutive activations (V = 1, 2, 4 or 8), converted
-// to and from fp32. The caller guarantees that `p` is aligned to V * 2 bytes. The
-// pointers may be global or shared (generic addressing).
+// Loads and stores of V consecutive activations, converted to and from fp32. V = 2, 4, 8
+// are single 32/64/128-bit accesses and need `p` aligned to V * 2 bytes; any other V is
+// done element by element. The pointers may be global or shared (generic addressing).
 // ---------------------------------------------------------------------------------
-template <int V> __device__ __forceinline__ void load_vec(const act_t* p, float (&f)[V]);
-template <> __device__ __forceinline__ void load_vec<1>(const act_t* p, float (&f)[1]) { f[0] = to_f(*p); }
+template <int V> __device__ __forceinline__ void load_vec(const act_t* p, float (&f)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) f[k] = to_f(p[k]);  // any width: element by element
+}
 template <> __device__ __forceinline__ void load_vec<2>(const act_t* p, float (&f)[2]) {
     unpack2(*reinterpret_cast<const unsigned*>(p), f[0], f[1]);
 }
@@ -93,8 +95,10 @@ template <> __device__ __forceinline__ void load_vec<8>(const act_t* p, float (&
     unpack2(r.w, f[6], f[7]);
 }
 
-template <int V> __device__ __forceinline__ void store_vec(act_t* p, const float (&f)[V]);
-template <> __device__ __forceinline__ void store_vec<1>(act_t* p, const float (&f)[1]) { *p = to_act(f[0]); }
+template <int V> __device__ __forceinline__ void store_vec(act_t* p, const float (&f)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = to_act(f[k]);  // any width: element by element
+}
 template <> __device__ __forceinline__ void store_vec<2>(act_t* p, const float (&f)[2]) {
     *reinterpret_cast<unsigned*>(p) = pack2(f[0], f[1]);
 }
@@ -107,8 +111,10 @@ template <> __device__ __forceinline__ void store_vec<8>(act_t* p, const float (
 }
 
 // Raw copy of V consecutive activations (bit exact, no conversion).
-template <int V> __device__ __forceinline__ void copy_vec(act_t* dst, const act_t* src);
-template <> __device__ __forceinline__ void copy_vec<1>(act_t* dst, const act_t* src) { *dst = *src; }
+template <int V> __device__ __forceinline__ void copy_vec(act_t* dst, const act_t* src) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) dst[k] = src[k];
+}
 template <> __device__ __forceinline__ void copy_vec<8>(act_t* dst, const act_t* src) {
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }

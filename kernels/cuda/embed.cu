@@ -1,29 +1,28 @@
 // embed.cu: token embedding lookup concatenated with the target model's hidden state
-// (the EAGLE draft input), one row per token.
+// (the EAGLE draft input), one row per token; optionally also initializes the fc output
+// rows with the fc bias (the fc GEMM then accumulates onto them with beta = 1).
 //
 //   out[r, 0:HIDDEN]        = table[ids[r], :]   (an id outside [0, VOCAB) reads row 0)
 //   out[r, HIDDEN:2*HIDDEN] = hidden[r, :]
+//   bias_out[r, :]          = bias[:]            (only when HAS_BIAS and both pointers are set)
 //
 // Entry:     embed_concat
-// Constants: act_t, HIDDEN, VOCAB
+// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS
 // Launch:    grid (rows, 1, 1), block (256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
-//   ids     const long long*  [rows]            token ids (int64)
-//   table   const act_t*      [VOCAB, HIDDEN]   embedding table
-//   hidden  const act_t*      [rows, HIDDEN]    target hidden states
-//   out     act_t*            [rows, 2*HIDDEN]
-//   rows    unsigned          number of rows; CTAs with blockIdx.x >= rows do nothing
+//   ids       const long long*  [rows]            token ids (int64)
+//   table     const act_t*      [VOCAB, HIDDEN]   embedding table
+//   hidden    const act_t*      [rows, HIDDEN]    target hidden states
+//   bias      const act_t*      [HIDDEN]          fc bias, or null when !HAS_BIAS
+//   out       act_t*            [rows, 2*HIDDEN]
+//   bias_out  act_t*            [rows, HIDDEN]    fc output rows to initialize, or null
+//   rows      unsigned          number of rows; CTAs with blockIdx.x >= rows do nothing
 // Pure copies: bit exact, 16-byte vectors where the row pointers are 16-byte aligned
 // (always the case when HIDDEN % 8 == 0 and the buffers are), any HIDDEN handled.
 #include "common.cuh"
 
-struct EmbedConcatParams {
-    const long long* ids;
-    const act_t* table;
-    const act_t* hidden;
-    act_t* out;
-    unsigned rows;
-};
+// EmbedConcatParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 extern "C" __global__ void __launch_bounds__(256) embed_concat(EmbedConcatParams p) {
     const unsigned r = blockIdx.x;
@@ -36,4 +35,7 @@ extern "C" __global__ void __launch_bounds__(256) embed_concat(EmbedConcatParams
     act_t* dst = p.out + (long long)r * (2 * H);
     block_copy_act(dst, p.table + id * H, H);
     block_copy_act(dst + H, p.hidden + (long long)r * H, H);
+    if constexpr (HAS_BIAS) {
+        if (p.bias != nullptr && p.bias_out != nullptr) block_copy_act(p.bias_out + (long long)r * H, p.bias, H);
+    }
 }

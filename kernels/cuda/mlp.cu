@@ -13,11 +13,8 @@
 // 16-byte vectors when INTER % 8 == 0 and the buffers are 16-byte aligned, else scalar.
 #include "common.cuh"
 
-struct SiluMulParams {
-    const act_t* gate_up;
-    act_t* out;
-    unsigned rows;
-};
+// SiluMulParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 __device__ __forceinline__ float silu_times(float g, float u) {
     // For g -> -inf, expf(-g) = inf and g / inf = -0: no NaN.

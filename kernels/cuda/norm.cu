@@ -18,12 +18,8 @@
 // The row is read twice (sum of squares, then scaling); the second read hits L1/L2.
 #include "common.cuh"
 
-struct RmsNormParams {
-    const act_t* x;
-    const act_t* weight;
-    act_t* out;
-    unsigned rows;
-};
+// RmsNormParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 extern "C" __global__ void __launch_bounds__(256) rmsnorm(RmsNormParams p) {
     __shared__ float scratch[32];

@@ -13,34 +13,31 @@
 //   * q heads are rotated in place in qkv;
 //   * k heads are rotated and written to k_cache (qkv's k part is left as it was);
 //   * v heads are copied, bit exact, to v_cache.
-// Cache layout of the layer: [pages, PAGE_SIZE, KV_HEADS, HEAD_DIM]. Position pos of
-// request i is in page page_table[i*MAX_PAGES + pos/PAGE_SIZE], slot pos % PAGE_SIZE:
+// Cache layout of the layer: [pages, PAGE_SIZE, KV_HEADS, HEAD_DIM]. Request i owns row
+// req_slots[i] of the device page table [SLOTS, MAX_PAGES]; position pos is in page
+// page_table[req_slots[i]*MAX_PAGES + pos/PAGE_SIZE], at slot pos % PAGE_SIZE:
 //   element ((page*PAGE_SIZE + slot)*KV_HEADS + kvh)*HEAD_DIM + d.
-// When pos < 0, pos/PAGE_SIZE >= MAX_PAGES or the page entry is negative, the cache write
-// is skipped (the host validates; this only keeps bad input from faulting). q is rotated
-// in every case.
+// When pos < 0, pos/PAGE_SIZE >= MAX_PAGES, req_slots[i] is outside [0, SLOTS) or the page
+// entry is negative, the cache write is skipped (the host validates; this only keeps bad
+// input from faulting). q is rotated in every case.
 //
 // Entry:     rope_append
-// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, INV_FREQ[HEAD_DIM/2]
+// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, SLOTS,
+//            INV_FREQ[HEAD_DIM/2]
 // Launch:    grid (rows, 1, 1), block (128, 1, 1), no dynamic shared memory
 //            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).
 // Params (by value, natural C alignment, fields in this order):
 //   qkv          act_t*      [rows, (HEADS + 2*KV_HEADS)*HEAD_DIM], q part rotated in place
 //   prefix_lens  const int*  [batch]              tokens already cached per request
-//   page_table   const int*  [batch, MAX_PAGES]   page ids of each request
+//   req_slots    const int*  [batch]              page-table row of each request
+//   page_table   const int*  [SLOTS, MAX_PAGES]   pool page ids of each slot
 //   k_cache      act_t*      this layer's K pages
 //   v_cache      act_t*      this layer's V pages
 //   rows         unsigned    batch*N; CTAs with blockIdx.x >= rows do nothing
 #include "common.cuh"
 
-struct RopeAppendParams {
-    act_t* qkv;
-    const int* prefix_lens;
-    const int* page_table;
-    act_t* k_cache;
-    act_t* v_cache;
-    unsigned rows;
-};
+// RopeAppendParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 namespace rope {
 
@@ -118,10 +115,11 @@ extern "C" __global__ void __launch_bounds__(128) rope_append(RopeAppendParams p
 
     // Cache slot of this position (or -1: skip the write).
     long long kbase = -1;
-    if (pos >= 0) {
+    const int req_slot = p.req_slots[i];
+    if (pos >= 0 && req_slot >= 0 && (unsigned)req_slot < SLOTS) {
         const long long pidx = (long long)pos / (long long)PAGE_SIZE;
         if (pidx < (long long)MAX_PAGES) {
-            const int page = p.page_table[(long long)i * (long long)MAX_PAGES + pidx];
+            const int page = p.page_table[(long long)req_slot * (long long)MAX_PAGES + pidx];
             if (page >= 0) {
                 const long long slot = (long long)pos % (long long)PAGE_SIZE;
                 kbase = ((long long)page * (long long)PAGE_SIZE + slot) * rope::kKvHeads * rope::kD;

@@ -28,13 +28,8 @@
 // head of the final list is the row maximum m, and S = sum_t s_t * exp(m_t - m).
 #include "common.cuh"
 
-struct SoftmaxTopKParams {
-    const float* logits;
-    const long long* hot_ids;
-    float* probs;
-    long long* ids;
-    unsigned batch;
-};
+// SoftmaxTopKParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 namespace topk {
 

@@ -14,12 +14,8 @@
 // Pure copy: bit exact, 16-byte vectors when the rows are 16-byte aligned.
 #include "common.cuh"
 
-struct SelectRowsParams {
-    const act_t* x;
-    const int* accept_lens;
-    act_t* out;
-    unsigned batch;
-};
+// SelectRowsParams is declared by the generated prelude, from specplan_kernels::params
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 extern "C" __global__ void __launch_bounds__(256) select_rows(SelectRowsParams p) {
     const unsigned i = blockIdx.x;

@@ -8,6 +8,12 @@
 //! This crate also owns the launch-geometry facts that host code must mirror exactly
 //! (block sizes, dynamic shared memory formulas), next to the sources that rely on them.
 
+// The derive's output names `::specplan_kernels`; make that path resolve here too.
+extern crate self as specplan_kernels;
+
+pub mod abi;
+pub mod params;
+
 use sha2::{Digest, Sha256};
 
 /// A `.cu` template and its entry points.

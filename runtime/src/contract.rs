@@ -28,6 +28,8 @@ pub enum ContractError {
     },
     #[error(transparent)]
     Exec(#[from] crate::cpu::ExecError),
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
     #[error("cannot write {path}: {message}")]
     Write { path: String, message: String },
 }
@@ -355,6 +357,88 @@ pub fn run_cpu(
             topk_ids: out.topk_ids[..b * k].to_vec(),
         },
         bucket: bucket.batch,
+    })
+}
+
+/// Runs the step on the GPU (graph replay unless `eager`), with the same files and the
+/// same semantics as [`run_cpu`]. Only the slots the real requests write are copied back
+/// into the caller's cache, so every other slot keeps its exact original value.
+pub fn run_gpu(
+    plan: &ValidatedPlan,
+    weights: Vec<WeightData>,
+    inputs: &mut InputsFile,
+    eager: bool,
+) -> Result<StepResult, ContractError> {
+    use crate::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
+    let x = &inputs.step;
+    let b = x.batch;
+    let file_pages = inputs.kv.pages - 1;
+    let opts = GpuOptions {
+        kv_pool_pages: Some(file_pages as u32 + 1),
+        build_graphs: !eager,
+    };
+    let mut rt = GpuRuntime::new(plan.clone(), &weights, opts)?;
+    let act = plan.capture.dtype;
+    let bits = |layers: &[Vec<f32>]| -> Vec<u16> {
+        let per = file_pages * plan.kv_page_bytes() as usize / 2;
+        layers
+            .iter()
+            .flat_map(|l| {
+                crate::gpu::to_act_bytes(&l[..per], act)
+                    .chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    rt.write_kv(&bits(&inputs.kv.k), &bits(&inputs.kv.v), file_pages)?;
+    let n = plan.spec.num_draft_tokens as usize;
+    let ps = plan.capture.page_size as usize;
+    for i in 0..b {
+        let used = (x.prefix_lens[i] as usize + n).div_ceil(ps);
+        rt.set_pages(i, &x.page_table[i * x.page_cols..i * x.page_cols + used])?;
+    }
+    let hidden: Vec<u16> = crate::gpu::to_act_bytes(&x.hidden_states, act)
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let slots: Vec<i32> = (0..b as i32).collect();
+    let req = StepRequest {
+        slots: &slots,
+        input_ids: &x.input_ids,
+        hidden: Hidden::Host(&hidden),
+        prefix_lens: &x.prefix_lens,
+        accept_lens: &x.accept_lens,
+    };
+    let info = rt.step(&req, eager)?;
+    let out = rt.read_outputs()?;
+    let (k, v) = rt.read_kv(file_pages)?;
+    let to_f = |u: u16| match act {
+        crate::format::DType::F16 => half::f16::from_bits(u).to_f32(),
+        _ => bf16::from_bits(u).to_f32(),
+    };
+    let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
+    let per = file_pages * ps * row;
+    for layer in 0..plan.model.layers as usize {
+        for i in 0..b {
+            for j in 0..n {
+                let pos = x.prefix_lens[i] as usize + j;
+                let page = x.page_table[i * x.page_cols + pos / ps] as usize;
+                let at = (page * ps + pos % ps) * row;
+                for t in at..at + row {
+                    inputs.kv.k[layer][t] = to_f(k[layer * per + t]);
+                    inputs.kv.v[layer][t] = to_f(v[layer * per + t]);
+                }
+            }
+        }
+    }
+    Ok(StepResult {
+        outputs: BucketOutputs {
+            hidden_out: out.hidden_out.iter().map(|&u| to_f(u)).collect(),
+            topk_probs: out.topk_probs,
+            topk_ids: out.topk_ids,
+        },
+        bucket: info.bucket,
     })
 }
 

@@ -207,18 +207,41 @@ impl Ctx<'_> {
         let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
         let (a, c, w) = (g.a as usize, g.c as usize, g.w as usize);
         let WeightData::F32(wv) = &self.weights[w] else { return };
-        let a_rows: Vec<Vec<f64>> = (0..m)
-            .map(|r| (0..k).map(|x| self.ld(a, r * k + x)).collect())
-            .collect();
+        let a_rows: Vec<f64> = (0..m * k).map(|i| self.ld(a, i)).collect();
+        // Output columns split across threads: the big heads' GEMMs would otherwise make
+        // the oracle the slowest part of a GPU check.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |t| t.get())
+            .min(n.div_ceil(64))
+            .max(1);
+        let per = n.div_ceil(threads);
         let mut out = vec![0f64; m * n];
-        for (r, ar) in a_rows.iter().enumerate() {
-            for col in 0..n {
-                let wr = &wv[col * k..(col + 1) * k];
-                let mut acc = 0f64;
-                for x in 0..k {
-                    acc += ar[x] * wr[x] as f64;
+        let parts: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (a_rows, wv) = (&a_rows, &wv);
+                    s.spawn(move || {
+                        let (lo, hi) = (t * per, ((t + 1) * per).min(n));
+                        let mut part = vec![0f64; m * hi.saturating_sub(lo)];
+                        for r in 0..m {
+                            let ar = &a_rows[r * k..(r + 1) * k];
+                            for col in lo..hi {
+                                let wr = &wv[col * k..(col + 1) * k];
+                                part[r * (hi - lo) + col - lo] = ar.iter().zip(wr).map(|(x, y)| x * *y as f64).sum();
+                            }
+                        }
+                        part
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+        });
+        for (t, part) in parts.iter().enumerate() {
+            let (lo, hi) = (t * per, ((t + 1) * per).min(n));
+            for r in 0..m {
+                for col in lo..hi {
+                    out[r * n + col] = part.get(r * (hi - lo) + col - lo).copied().unwrap_or(f64::NAN);
                 }
-                out[r * n + col] = acc;
             }
         }
         for (i, v) in out.into_iter().enumerate() {

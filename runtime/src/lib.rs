@@ -5,4 +5,5 @@
 pub mod contract;
 pub mod cpu;
 pub mod format;
+pub mod gpu;
 pub mod step;

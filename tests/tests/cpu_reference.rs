@@ -14,37 +14,7 @@ use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
 use specplan_runtime::contract::{load_inputs, load_weights, run_cpu, write_outputs};
 use specplan_runtime::format::ValidatedPlan;
-
-/// xorshift64*: no dependency, reproducible from the printed seed.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-fn seed() -> u64 {
-    let s = std::env::var("SPECPLAN_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-                | 1
-        });
-    println!("seed {s} (rerun with SPECPLAN_SEED={s})");
-    s
-}
+use specplan_tests::{seed, Rng};
 
 fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect()

@@ -17,7 +17,7 @@ pub use types::*;
 pub use validate::{validate, ValidatedPlan, MAX_SMEM_BYTES};
 
 /// Errors of loading or validating a plan. Each names what is wrong and where.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PlanError {
     #[error("cannot read plan {path}: {message}")]
     Io { path: String, message: String },

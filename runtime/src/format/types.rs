@@ -156,6 +156,23 @@ pub struct KernelBinary {
     pub ptx: String,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ParamKind {
+    /// An 8-byte device address.
+    Ptr,
+    /// A 4-byte unsigned integer.
+    U32,
+}
+
+/// One field of a kernel's parameter struct, at its C offset (from the kernels crate's
+/// `#[derive(KernelParams)]` struct, which also generated the C declaration).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamField {
+    pub name: String,
+    pub offset: u32,
+    pub kind: ParamKind,
+}
+
 /// One specialized kernel: a template file plus its constants.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KernelDesc {
@@ -168,6 +185,10 @@ pub struct KernelDesc {
     pub constants: Vec<(String, ConstValue)>,
     /// Hex SHA-256 of the full source NVRTC sees (prelude + template + includes).
     pub source_hash: String,
+    /// The parameter struct: name, size and fields (a launch's args follow this order).
+    pub params_name: String,
+    pub params_size: u32,
+    pub params: Vec<ParamField>,
     pub binary: Option<KernelBinary>,
 }
 

@@ -263,6 +263,26 @@ fn kernels(p: &Plan, e: &mut Errors) {
         e.check(names.insert(k.name.as_str()), || {
             format!("kernels[{i}]: duplicate name {}", k.name)
         });
+        let mut end = 0u32;
+        for f in &k.params {
+            let size = if f.kind == ParamKind::Ptr { 8 } else { 4 };
+            e.check(
+                f.offset >= end && f.offset % size == 0 && f.offset + size <= k.params_size,
+                || {
+                    format!(
+                        "kernels[{i}] ({}): parameter {} at offset {} breaks the C layout",
+                        k.name, f.name, f.offset
+                    )
+                },
+            );
+            end = f.offset + size;
+        }
+        e.check(k.params_size <= 4096, || {
+            format!(
+                "kernels[{i}] ({}): parameter struct of {} bytes exceeds 4 KiB",
+                k.name, k.params_size
+            )
+        });
         if let Some(b) = &k.binary {
             let want = format!("sm_{}", p.target.sm);
             e.check(b.arch == want, || {
@@ -387,6 +407,25 @@ fn bucket(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) {
                 e.check(*smem <= MAX_SMEM_BYTES, || {
                     lat(&format!(".smem: {smem} bytes exceeds {MAX_SMEM_BYTES}"))
                 });
+                if let Some(k) = p.kernels.get(*kernel as usize) {
+                    let names: Vec<&str> = args.iter().map(|a| a.name.as_str()).collect();
+                    let want: Vec<&str> = k.params.iter().map(|f| f.name.as_str()).collect();
+                    e.check(names == want, || {
+                        lat(&format!(
+                            ".args: {names:?} do not match {}'s parameter struct {want:?}",
+                            k.name
+                        ))
+                    });
+                    for (a, f) in args.iter().zip(&k.params) {
+                        let is_u32 = matches!(a.value, ArgValue::U32(_));
+                        e.check(is_u32 == (f.kind == ParamKind::U32), || {
+                            lat(&format!(
+                                ".args ({}): value kind does not match the field's {:?}",
+                                a.name, f.kind
+                            ))
+                        });
+                    }
+                }
                 for (ai, a) in args.iter().enumerate() {
                     let apath = || lat(&format!(".args[{ai}] ({})", a.name));
                     match &a.value {

@@ -1,0 +1,30 @@
+//! The embedded plan is byte-for-byte the plan the compiler produces for the same inputs.
+
+specplan_plan_macros::include_plan!(preset = "tiny", buckets = "1,2,4,8", sliding_window = 64);
+
+#[test]
+fn embedded_plan_equals_the_compiled_plan() {
+    use specplan_compiler::config::{resolve, Overrides, Source};
+    use specplan_compiler::jit::Jit;
+    let o = Overrides {
+        buckets: Some("1,2,4,8".into()),
+        sliding_window: Some(64),
+        ..Overrides::default()
+    };
+    let cfg = resolve(&Source::Preset("tiny".into()), &o).expect("config");
+    // Same environment as the build: kernels compiled iff NVRTC is available.
+    let jit = Jit::from_env().ok();
+    let compiled = specplan_compiler::compile(&cfg, &specplan_compiler::Target::default(), jit.as_ref(), &|_, _| {})
+        .expect("compile")
+        .plan;
+    let bytes = specplan_runtime::format::encode(&compiled).expect("encode");
+    assert_eq!(
+        plan::BYTES,
+        bytes.as_slice(),
+        "embedded plan differs from `specplan compile`'s"
+    );
+    let p = plan::get().expect("embedded plan decodes");
+    assert_eq!(p.plan(), compiled.plan());
+    assert_eq!(plan::BUCKETS, &[1, 2, 4, 8]);
+    assert_eq!(plan::NUM_DRAFT_TOKENS, 4);
+}

@@ -1,0 +1,2 @@
+specplan_plan_macros::include_plan!(preset = "tiny", config = "x.toml");
+fn main() {}

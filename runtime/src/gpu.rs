@@ -1,0 +1,1059 @@
+//! The GPU runtime: loads a validated plan, owns the device memory, builds one CUDA graph
+//! per bucket and replays it with host-only prep.
+//!
+//! Device memory is four allocations — the activation arena (the plan's largest bucket),
+//! the weight region, the KV pool `[layer][K|V][page][slot][kv_head][dim]` and the page
+//! table `[max_requests + 1][pages_per_request]` — and every kernel parameter is one of
+//! their base addresses plus a plan offset. Kernels take one parameter struct; it is
+//! packed here from the launch's argument list in order, with C alignment (pointers 8
+//! bytes, `u32` 4 bytes), which is the layout the `.cu` structs declare.
+//!
+//! Replay path invariants: no device-to-host copy, no synchronization, no allocation; host
+//! work is O(b·N + b) (plus copying the caller's host hidden states, O(b·N·H), which is the
+//! input itself); the page table is updated only by `set_pages` / `append_pages`.
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::cublas::sys as cublas;
+use cudarc::driver::sys;
+use cudarc::driver::{result, CudaContext, CudaGraph, CudaStream};
+
+use crate::cpu::WeightData;
+use crate::format::{
+    io, ArgValue, BucketPlan, DType, GemmDesc, KernelArg, KvKind, LaunchKind, Plan, Replay, ValidatedPlan,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver (libcuda.so.1) on this machine")]
+    NoDriver,
+    #[error("CUDA call {call} failed: {message}")]
+    Cuda { call: &'static str, message: String },
+    #[error("cuBLAS call {call} failed with status {status}")]
+    Cublas { call: &'static str, status: String },
+    #[error("the plan's kernels were built for sm_{plan}, this GPU is sm_{device} ({name})")]
+    Arch { plan: u32, device: u32, name: String },
+    #[error("kernel {kernel} has no binary (the plan was compiled with --no-kernels)")]
+    NoBinary { kernel: String },
+    #[error("kernel {kernel}: neither the CUBIN nor the PTX loads: {message}")]
+    Load { kernel: String, message: String },
+    #[error("{0}")]
+    Input(#[from] crate::step::InputError),
+    #[error("weights: {0}")]
+    Weights(String),
+}
+
+fn cuda<T>(call: &'static str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
+    r.map_err(|e| GpuError::Cuda {
+        call,
+        message: format!("{e:?}"),
+    })
+}
+
+fn cublas_ok(call: &'static str, s: cublas::cublasStatus_t) -> Result<(), GpuError> {
+    if s == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cublas {
+            call,
+            status: format!("{s:?}"),
+        })
+    }
+}
+
+/// One raw device allocation, freed on drop.
+struct DevMem {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DevMem {
+    fn new(bytes: usize) -> Result<DevMem, GpuError> {
+        // SAFETY: a plain allocation; the context is current (bound by the caller).
+        let ptr = cuda("cuMemAlloc", unsafe { result::malloc_sync(bytes.max(256)) })?;
+        Ok(DevMem { ptr, bytes })
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemAlloc and is freed once.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// Page-locked host memory, freed on drop.
+struct Pinned {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl Pinned {
+    fn new(bytes: usize) -> Result<Pinned, GpuError> {
+        // SAFETY: a plain page-locked allocation.
+        let ptr = cuda("cuMemHostAlloc", unsafe { result::malloc_host(bytes.max(64), 0) })? as *mut u8;
+        Ok(Pinned {
+            ptr,
+            bytes: bytes.max(64),
+        })
+    }
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `bytes` bytes we own exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+struct Module(sys::CUmodule);
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: loaded by cuModuleLoadData, unloaded once.
+        let _ = unsafe { sys::cuModuleUnload(self.0) };
+    }
+}
+
+struct BlasHandle(cublas::cublasHandle_t);
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasCreate, destroyed once.
+        let _ = unsafe { cublas::cublasDestroy_v2(self.0) };
+    }
+}
+
+struct Event(sys::CUevent);
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by cuEventCreate, destroyed once.
+        let _ = unsafe { result::event::destroy(self.0) };
+    }
+}
+
+/// Where the caller's hidden states for a step are.
+pub enum Hidden<'a> {
+    /// `[b, N, H]` as raw bf16/f16 bits in host memory.
+    Host(&'a [u16]),
+    /// A device address of `[b, N, H]` activations (copied device to device).
+    Device(sys::CUdeviceptr),
+}
+
+/// One step's request data (b real requests).
+pub struct StepRequest<'a> {
+    /// Page-table row of each request (assigned with `set_pages`).
+    pub slots: &'a [i32],
+    /// `[b, N]`.
+    pub input_ids: &'a [i64],
+    pub hidden: Hidden<'a>,
+    /// `[b]`.
+    pub prefix_lens: &'a [i32],
+    /// `[b]`.
+    pub accept_lens: &'a [i32],
+}
+
+/// What a step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepInfo {
+    pub bucket: u32,
+    pub graph: bool,
+    /// Host time spent before the replay was issued (checks, staging, copies), µs.
+    pub prep_us: f64,
+}
+
+/// Outputs of the last step, copied to the host (not on the replay path).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostOutputs {
+    pub hidden_out: Vec<u16>,
+    pub topk_probs: Vec<f32>,
+    pub topk_ids: Vec<i64>,
+}
+
+pub struct GpuOptions {
+    /// Pool pages, the scratch page (the last) included; default the plan's.
+    pub kv_pool_pages: Option<u32>,
+    /// Build the CUDA graphs at load (else only eager launches work).
+    pub build_graphs: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            kv_pool_pages: None,
+            build_graphs: true,
+        }
+    }
+}
+
+/// Offsets of one input inside the pinned staging block.
+#[derive(Clone, Copy, Default)]
+struct StageLayout {
+    ids: usize,
+    prefix: usize,
+    accept: usize,
+    slots: usize,
+    hidden: usize,
+    total: usize,
+}
+
+pub struct GpuRuntime {
+    plan: ValidatedPlan,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    _modules: Vec<Module>,
+    funcs: Vec<sys::CUfunction>,
+    arena: DevMem,
+    weights: DevMem,
+    kv: DevMem,
+    table: DevMem,
+    blas: BlasHandle,
+    _blas_ws: DevMem,
+    pool_pages: u32,
+    graphs: Vec<Option<CudaGraph>>,
+    /// Graph build time per bucket, ms (capture + instantiate + upload).
+    pub graph_build_ms: Vec<f64>,
+    staging: [Pinned; 2],
+    staging_done: [Event; 2],
+    stage_layout: StageLayout,
+    next_stage: usize,
+    /// Host mirror of how many pages each slot has (for O(b) bounds checks).
+    slot_pages: Vec<u32>,
+    logged: HashSet<String>,
+    last_batch: usize,
+}
+
+fn dtype_cuda(d: DType) -> cublas::cudaDataType {
+    match d {
+        DType::Bf16 => cublas::cudaDataType::CUDA_R_16BF,
+        DType::F16 => cublas::cudaDataType::CUDA_R_16F,
+        _ => cublas::cudaDataType::CUDA_R_32F,
+    }
+}
+
+impl GpuRuntime {
+    /// Whether a CUDA driver and at least one device are present.
+    pub fn available() -> bool {
+        // SAFETY: only probes dlopen candidates.
+        if !unsafe { sys::is_culib_present() } {
+            return false;
+        }
+        CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+    }
+
+    /// Loads a plan and its weights onto device 0 and builds every bucket's graph.
+    pub fn new(plan: ValidatedPlan, weights: &[WeightData], opts: GpuOptions) -> Result<GpuRuntime, GpuError> {
+        if !Self::available() {
+            return Err(GpuError::NoDriver);
+        }
+        let ctx = cuda("cuCtx", CudaContext::new(0))?;
+        let (maj, min) = cuda("cuDeviceGetAttribute", ctx.compute_capability())?;
+        let sm = (maj * 10 + min) as u32;
+        if sm != plan.target.sm {
+            let name = ctx.name().unwrap_or_default();
+            return Err(GpuError::Arch {
+                plan: plan.target.sm,
+                device: sm,
+                name,
+            });
+        }
+        // SAFETY: we never use cudarc's own slices across streams; event tracking would
+        // insert waits that break stream capture.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = cuda("cuStreamCreate", ctx.new_stream())?;
+        let (modules, funcs) = load_kernels(&plan)?;
+
+        let pool_pages = opts.kv_pool_pages.unwrap_or(plan.capture.kv_pool_pages).max(2);
+        let kv_bytes = 2 * plan.model.layers as usize * pool_pages as usize * plan.kv_page_bytes() as usize;
+        let arena = DevMem::new(plan.arena_bytes() as usize)?;
+        let wmem = DevMem::new(plan.weight_bytes as usize)?;
+        let kv = DevMem::new(kv_bytes)?;
+        let table_bytes = plan.page_table_rows() as usize * plan.capture.max_pages_per_request as usize * 4;
+        let table = DevMem::new(table_bytes)?;
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        cublas_ok("cublasCreate", unsafe { cublas::cublasCreate_v2(&mut handle) })?;
+        let blas = BlasHandle(handle);
+        // A fixed workspace set before capture: cuBLAS then never allocates in a graph.
+        let ws = DevMem::new(32 << 20)?;
+        // SAFETY: handle and workspace are live for the runtime's lifetime.
+        unsafe {
+            cublas_ok(
+                "cublasSetStream",
+                cublas::cublasSetStream_v2(blas.0, stream.cu_stream() as _),
+            )?;
+            cublas_ok(
+                "cublasSetWorkspace",
+                cublas::cublasSetWorkspace_v2(blas.0, ws.ptr as *mut c_void, ws.bytes),
+            )?;
+        }
+        let stage_layout = stage_layout(&plan);
+        let staging = [Pinned::new(stage_layout.total)?, Pinned::new(stage_layout.total)?];
+        let ev = || -> Result<Event, GpuError> {
+            Ok(Event(cuda(
+                "cuEventCreate",
+                result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+            )?))
+        };
+        let staging_done = [ev()?, ev()?];
+        let nb = plan.buckets.len();
+        let rows = plan.page_table_rows() as usize;
+        let mut rt = GpuRuntime {
+            plan,
+            ctx,
+            stream,
+            _modules: modules,
+            funcs,
+            arena,
+            weights: wmem,
+            kv,
+            table,
+            blas,
+            _blas_ws: ws,
+            pool_pages,
+            graphs: (0..nb).map(|_| None).collect(),
+            graph_build_ms: vec![0.0; nb],
+            staging,
+            staging_done,
+            stage_layout,
+            next_stage: 0,
+            slot_pages: vec![0; rows],
+            logged: HashSet::new(),
+            last_batch: 0,
+        };
+        rt.upload_weights(weights)?;
+        rt.reset_page_table()?;
+        // Zero the pool once so padded rows never read uninitialized pages.
+        // SAFETY: the allocation is kv.bytes long.
+        cuda("cuMemsetD8", unsafe {
+            result::memset_d8_async(rt.kv.ptr, 0, rt.kv.bytes, rt.stream.cu_stream())
+        })?;
+        if opts.build_graphs {
+            rt.build_graphs()?;
+        }
+        cuda("cuStreamSynchronize", rt.stream.synchronize())?;
+        Ok(rt)
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn pool_pages(&self) -> u32 {
+        self.pool_pages
+    }
+
+    pub fn scratch_page(&self) -> i32 {
+        self.pool_pages as i32 - 1
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.bytes
+    }
+
+    pub fn arena_bytes(&self) -> usize {
+        self.arena.bytes
+    }
+
+    fn upload_weights(&mut self, weights: &[WeightData]) -> Result<(), GpuError> {
+        if weights.len() != self.plan.weights.len() {
+            return Err(GpuError::Weights(format!(
+                "{} weights, the plan has {}",
+                weights.len(),
+                self.plan.weights.len()
+            )));
+        }
+        let act = self.plan.capture.dtype;
+        for (w, d) in self.plan.weights.iter().zip(weights) {
+            let bytes: Vec<u8> = match (d, w.dtype) {
+                (WeightData::I64(v), DType::I64) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                (WeightData::F32(v), DType::Bf16 | DType::F16) => to_act_bytes(v, act),
+                _ => {
+                    return Err(GpuError::Weights(format!(
+                        "{}: data does not match dtype {}",
+                        w.name,
+                        w.dtype.name()
+                    )))
+                }
+            };
+            if bytes.len() as u64 != w.bytes {
+                return Err(GpuError::Weights(format!(
+                    "{}: {} bytes, expected {}",
+                    w.name,
+                    bytes.len(),
+                    w.bytes
+                )));
+            }
+            // SAFETY: destination range [offset, offset + bytes) is inside the weight
+            // region (validated plan); the copy is synchronous on the source.
+            cuda("cuMemcpyHtoD", unsafe {
+                result::memcpy_htod_sync(self.weights.ptr + w.offset, &bytes)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Every slot row points at the scratch page until `set_pages` assigns it.
+    fn reset_page_table(&mut self) -> Result<(), GpuError> {
+        let n = self.table.bytes / 4;
+        let scratch = self.scratch_page();
+        let v = vec![scratch; n];
+        // SAFETY: exactly the table's size.
+        cuda("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(self.table.ptr, &v) })?;
+        self.slot_pages.iter_mut().for_each(|p| *p = 0);
+        Ok(())
+    }
+
+    /// Sets a request slot's pages from column 0 (a new request). Not on the replay path.
+    pub fn set_pages(&mut self, slot: usize, pages: &[i32]) -> Result<(), GpuError> {
+        if let Some(p) = self.slot_pages.get_mut(slot) {
+            *p = 0;
+        }
+        self.append_pages(slot, pages)
+    }
+
+    /// Appends pages to a slot's row (a growing request): copies only the new entries.
+    pub fn append_pages(&mut self, slot: usize, pages: &[i32]) -> Result<(), GpuError> {
+        let cols = self.plan.capture.max_pages_per_request as usize;
+        let max_req = self.plan.capture.max_requests as usize;
+        let bad = |msg: String| GpuError::Input(crate::step::input_error("page_table", format!("[{slot}]"), msg));
+        if slot >= max_req {
+            return Err(bad(format!("slot {slot} is outside [0, {max_req})")));
+        }
+        let have = self.slot_pages[slot] as usize;
+        if have + pages.len() > cols {
+            return Err(bad(format!(
+                "{} pages exceed the {cols} columns of a row",
+                have + pages.len()
+            )));
+        }
+        if let Some(p) = pages.iter().find(|&&p| p < 0 || p >= self.scratch_page()) {
+            return Err(bad(format!(
+                "page {p} is outside the request pages [0, {})",
+                self.scratch_page()
+            )));
+        }
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let at = self.table.ptr + ((slot * cols + have) * 4) as u64;
+        // SAFETY: [at, at + 4·len) lies inside row `slot` (checked above). Stream-ordered
+        // after earlier replays, so a running step never sees a half-updated row.
+        cuda("cuMemcpyHtoDAsync", unsafe {
+            result::memcpy_htod_async(at, pages, self.stream.cu_stream())
+        })?;
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        self.slot_pages[slot] += pages.len() as u32;
+        Ok(())
+    }
+
+    fn arg_ptr(&self, b: &BucketPlan, v: &ArgValue) -> u64 {
+        match v {
+            ArgValue::Buffer { id, .. } => self.arena.ptr + b.buffers[*id as usize].offset,
+            ArgValue::Weight { id } => self.weights.ptr + self.plan.weights[*id as usize].offset,
+            ArgValue::KvCache { layer, kind, .. } => {
+                let which = *layer as u64 * 2 + (*kind == KvKind::V) as u64;
+                self.kv.ptr + which * self.pool_pages as u64 * self.plan.kv_page_bytes()
+            }
+            ArgValue::PageTable => self.table.ptr,
+            ArgValue::Null | ArgValue::U32(_) => 0,
+        }
+    }
+
+    /// Packs a kernel's parameter struct: each argument at its field's offset (the plan
+    /// carries the layout the kernels crate's `#[derive(KernelParams)]` computed, which the
+    /// C side asserts with `static_assert`s).
+    fn pack(&self, b: &BucketPlan, k: &crate::format::KernelDesc, args: &[KernelArg]) -> Vec<u8> {
+        let mut out = vec![0u8; k.params_size as usize];
+        for (a, f) in args.iter().zip(&k.params) {
+            let at = f.offset as usize;
+            match &a.value {
+                ArgValue::U32(x) => out[at..at + 4].copy_from_slice(&x.to_le_bytes()),
+                v => out[at..at + 8].copy_from_slice(&self.arg_ptr(b, v).to_le_bytes()),
+            }
+        }
+        out
+    }
+
+    fn gemm(&self, b: &BucketPlan, g: &GemmDesc) -> Result<(), GpuError> {
+        let a = &b.buffers[g.a as usize];
+        let c = &b.buffers[g.c as usize];
+        let w = &self.plan.weights[g.w as usize];
+        let (alpha, beta) = (1.0f32, if g.accumulate { 1.0f32 } else { 0.0f32 });
+        // Row-major C[m,n] = A[m,k]·W[n,k]ᵀ is column-major Cᵀ[n,m] = Wᵀ·Aᵀ with W and A
+        // read as k-major: op(W) = T, op(A) = N.
+        // SAFETY: all three operands lie inside their regions (validated plan: shapes match
+        // m, n, k); alpha/beta are host scalars read at call (or capture) time.
+        let s = unsafe {
+            cublas::cublasGemmEx(
+                self.blas.0,
+                cublas::cublasOperation_t::CUBLAS_OP_T,
+                cublas::cublasOperation_t::CUBLAS_OP_N,
+                g.n as i32,
+                g.m as i32,
+                g.k as i32,
+                &alpha as *const f32 as *const c_void,
+                (self.weights.ptr + w.offset) as *const c_void,
+                dtype_cuda(w.dtype),
+                g.k as i32,
+                (self.arena.ptr + a.offset) as *const c_void,
+                dtype_cuda(a.dtype),
+                g.k as i32,
+                &beta as *const f32 as *const c_void,
+                (self.arena.ptr + c.offset) as *mut c_void,
+                dtype_cuda(c.dtype),
+                g.n as i32,
+                cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        cublas_ok("cublasGemmEx", s)
+    }
+
+    /// Issues every launch of a bucket on the stream (used eagerly and under capture).
+    fn issue(&self, bi: usize) -> Result<(), GpuError> {
+        let b = &self.plan.buckets[bi];
+        for l in &b.launches {
+            match &l.kind {
+                LaunchKind::Gemm(g) => self.gemm(b, g)?,
+                LaunchKind::Kernel {
+                    kernel,
+                    grid,
+                    block,
+                    smem,
+                    args,
+                } => {
+                    let mut blob = self.pack(b, &self.plan.kernels[*kernel as usize], args);
+                    let mut params = [blob.as_mut_ptr() as *mut c_void];
+                    // SAFETY: the function belongs to a loaded module; `params` points at a
+                    // struct laid out as the kernel declares (see `pack`), alive until the
+                    // call returns (the driver copies it); every address inside is within
+                    // an allocation of this runtime.
+                    cuda("cuLaunchKernel", unsafe {
+                        result::launch_kernel(
+                            self.funcs[*kernel as usize],
+                            (grid[0], grid[1], grid[2]),
+                            (block[0], block[1], block[2]),
+                            *smem,
+                            self.stream.cu_stream(),
+                            &mut params,
+                        )
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Captures every replayable bucket into a graph, largest first.
+    pub fn build_graphs(&mut self) -> Result<(), GpuError> {
+        for bi in (0..self.plan.buckets.len()).rev() {
+            if self.plan.buckets[bi].replay != Replay::Graph {
+                continue;
+            }
+            let t0 = Instant::now();
+            cuda(
+                "cuStreamBeginCapture",
+                self.stream
+                    .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            )?;
+            let issued = self.issue(bi);
+            let graph = cuda(
+                "cuStreamEndCapture",
+                self.stream
+                    .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD),
+            )?;
+            issued?;
+            let graph = graph.ok_or(GpuError::Cuda {
+                call: "cuStreamEndCapture",
+                message: "empty graph".into(),
+            })?;
+            cuda("cuGraphUpload", graph.upload())?;
+            self.graph_build_ms[bi] = t0.elapsed().as_secs_f64() * 1e3;
+            self.graphs[bi] = Some(graph);
+        }
+        Ok(())
+    }
+
+    fn log_once(&mut self, msg: String) {
+        if self.logged.insert(msg.clone()) {
+            eprintln!("specplan: {msg}");
+        }
+    }
+
+    /// One draft-extend step. Batches above the largest bucket run as several eager chunks.
+    pub fn step(&mut self, req: &StepRequest, eager: bool) -> Result<StepInfo, GpuError> {
+        let b = req.slots.len();
+        let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
+        if b > max_b {
+            self.log_once(format!(
+                "batch {b} exceeds the largest bucket {max_b}: running in eager chunks"
+            ));
+            let n = self.plan.spec.num_draft_tokens as usize;
+            let h = self.plan.model.hidden as usize;
+            let mut info = StepInfo {
+                bucket: max_b as u32,
+                graph: false,
+                prep_us: 0.0,
+            };
+            for start in (0..b).step_by(max_b) {
+                let end = (start + max_b).min(b);
+                let hidden = match req.hidden {
+                    Hidden::Host(v) => Hidden::Host(&v[start * n * h..end * n * h]),
+                    Hidden::Device(p) => Hidden::Device(p + (start * n * h * 2) as u64),
+                };
+                let chunk = StepRequest {
+                    slots: &req.slots[start..end],
+                    input_ids: &req.input_ids[start * n..end * n],
+                    hidden,
+                    prefix_lens: &req.prefix_lens[start..end],
+                    accept_lens: &req.accept_lens[start..end],
+                };
+                let i = self.step_one(&chunk, true)?;
+                info.prep_us += i.prep_us;
+            }
+            return Ok(info);
+        }
+        self.step_one(req, eager)
+    }
+
+    fn check(&self, req: &StepRequest) -> Result<(), GpuError> {
+        let p = &self.plan;
+        let (b, n) = (req.slots.len(), p.spec.num_draft_tokens as usize);
+        let e = |t: &str, i: String, m: String| GpuError::Input(crate::step::input_error(t, i, m));
+        if b == 0 {
+            return Err(e(
+                "req_slots",
+                String::new(),
+                "a step needs at least one request".into(),
+            ));
+        }
+        if req.input_ids.len() != b * n || req.prefix_lens.len() != b || req.accept_lens.len() != b {
+            return Err(e(
+                "input_ids",
+                String::new(),
+                format!("lengths do not match {b} requests of {n} rows"),
+            ));
+        }
+        if let Hidden::Host(v) = req.hidden {
+            if v.len() != b * n * p.model.hidden as usize {
+                return Err(e(
+                    "hidden_states",
+                    String::new(),
+                    format!("{} values, expected [{b}, {n}, {}]", v.len(), p.model.hidden),
+                ));
+            }
+        }
+        let vocab = p.model.vocab as i64;
+        if let Some(r) = req.input_ids.iter().position(|&x| x < 0 || x >= vocab) {
+            return Err(e(
+                "input_ids",
+                format!("[{}][{}]", r / n, r % n),
+                format!("{} is outside [0, {vocab})", req.input_ids[r]),
+            ));
+        }
+        let ps = p.capture.page_size as i64;
+        let ctx = p.capture.max_context_len as i64;
+        // Slots must be distinct: two rows of one step writing one slot's pages would race.
+        let mut seen: HashSet<i32> = HashSet::with_capacity(b);
+        for i in 0..b {
+            let s = req.slots[i];
+            if s < 0 || s as u32 >= p.capture.max_requests {
+                return Err(e(
+                    "req_slots",
+                    format!("[{i}]"),
+                    format!("{s} is outside [0, {})", p.capture.max_requests),
+                ));
+            }
+            if !seen.insert(s) {
+                return Err(e(
+                    "req_slots",
+                    format!("[{i}]"),
+                    format!("slot {s} appears twice in one step"),
+                ));
+            }
+            let l = req.prefix_lens[i] as i64;
+            if l < 0 || l + n as i64 > ctx {
+                return Err(e(
+                    "prefix_lens",
+                    format!("[{i}]"),
+                    format!("{l} + {n} must be in [{n}, {ctx}]"),
+                ));
+            }
+            let need = (l + n as i64 + ps - 1) / ps;
+            if need > self.slot_pages[s as usize] as i64 {
+                return Err(e(
+                    "prefix_lens",
+                    format!("[{i}]"),
+                    format!(
+                        "positions up to {} need {need} pages, slot {s} has {}",
+                        l + n as i64 - 1,
+                        self.slot_pages[s as usize]
+                    ),
+                ));
+            }
+            let a = req.accept_lens[i];
+            if a < 1 || a as usize > n {
+                return Err(e("accept_lens", format!("[{i}]"), format!("{a} is outside [1, {n}]")));
+            }
+        }
+        Ok(())
+    }
+
+    fn step_one(&mut self, req: &StepRequest, eager: bool) -> Result<StepInfo, GpuError> {
+        let t0 = Instant::now();
+        self.check(req)?;
+        let b = req.slots.len();
+        let bi = self
+            .plan
+            .buckets
+            .iter()
+            .position(|x| x.batch as usize >= b)
+            .unwrap_or(0);
+        let bucket = &self.plan.buckets[bi];
+        let (bb, n) = (bucket.batch as usize, self.plan.spec.num_draft_tokens as usize);
+        let h = self.plan.model.hidden as usize;
+        let act = self.plan.capture.dtype.size() as usize;
+        let lay = self.stage_layout;
+        let k = self.next_stage;
+        self.next_stage ^= 1;
+        // The staging block we are about to overwrite was last read by the copies of the
+        // step before the previous one; those are long done, so this query normally
+        // returns at once and never waits on the GPU's compute.
+        // SAFETY: the event is live.
+        if unsafe { result::event::query(self.staging_done[k].0) }.is_err() {
+            // SAFETY: as above.
+            cuda("cuEventSynchronize", unsafe {
+                result::event::synchronize(self.staging_done[k].0)
+            })?;
+        }
+        let scratch_slot = self.plan.capture.max_requests as i32;
+        {
+            let s = self.staging[k].as_mut();
+            let put = |s: &mut [u8], at: usize, bytes: &[u8]| s[at..at + bytes.len()].copy_from_slice(bytes);
+            for (r, id) in req.input_ids.iter().enumerate() {
+                put(s, lay.ids + r * 8, &id.to_le_bytes());
+            }
+            s[lay.ids + b * n * 8..lay.ids + bb * n * 8].fill(0);
+            for i in 0..bb {
+                let (l, a, slot) = if i < b {
+                    (req.prefix_lens[i], req.accept_lens[i], req.slots[i])
+                } else {
+                    (0, n as i32, scratch_slot)
+                };
+                put(s, lay.prefix + i * 4, &l.to_le_bytes());
+                put(s, lay.accept + i * 4, &a.to_le_bytes());
+                put(s, lay.slots + i * 4, &slot.to_le_bytes());
+            }
+            if let Hidden::Host(v) = req.hidden {
+                let dst = &mut s[lay.hidden..lay.hidden + bb * n * h * act];
+                for (i, x) in v.iter().enumerate() {
+                    dst[i * 2..i * 2 + 2].copy_from_slice(&x.to_le_bytes());
+                }
+                dst[b * n * h * act..].fill(0);
+            }
+        }
+        let base = self.staging[k].ptr;
+        let stream = self.stream.cu_stream();
+        let copy = |name: &str, off: usize, bytes: usize| -> Result<(), GpuError> {
+            let Some((_, buf)) = bucket.buffer(name) else {
+                return Ok(());
+            };
+            // SAFETY: the staging block is pinned and `bytes` ≤ its section; the arena
+            // buffer is exactly `bytes` long (bucket shape).
+            cuda("cuMemcpyHtoDAsync", unsafe {
+                let src = std::slice::from_raw_parts(base.add(off), bytes);
+                result::memcpy_htod_async(self.arena.ptr + buf.offset, src, stream)
+            })
+        };
+        copy(io::INPUT_IDS, lay.ids, bb * n * 8)?;
+        copy(io::PREFIX_LENS, lay.prefix, bb * 4)?;
+        copy(io::ACCEPT_LENS, lay.accept, bb * 4)?;
+        copy(io::REQ_SLOTS, lay.slots, bb * 4)?;
+        match req.hidden {
+            Hidden::Host(_) => copy(io::HIDDEN_STATES, lay.hidden, bb * n * h * act)?,
+            Hidden::Device(p) => {
+                if let Some((_, buf)) = bucket.buffer(io::HIDDEN_STATES) {
+                    // SAFETY: the caller's pointer holds b·N·H activations; the arena
+                    // buffer holds B·N·H ≥ that. Padded rows keep stale (finite) values.
+                    cuda("cuMemcpyDtoDAsync", unsafe {
+                        result::memcpy_dtod_async(self.arena.ptr + buf.offset, p, b * n * h * act, stream)
+                    })?;
+                }
+            }
+        }
+        // SAFETY: event and stream are live.
+        cuda("cuEventRecord", unsafe {
+            result::event::record(self.staging_done[k].0, stream)
+        })?;
+        let prep_us = t0.elapsed().as_secs_f64() * 1e6;
+        let graph = !eager && self.graphs[bi].is_some();
+        if graph {
+            if let Some(g) = &self.graphs[bi] {
+                cuda("cuGraphLaunch", g.launch())?;
+            }
+        } else {
+            if !eager {
+                if let Replay::Eager(reason) = &self.plan.buckets[bi].replay {
+                    let msg = format!("bucket {} runs eagerly: {reason:?}", self.plan.buckets[bi].batch);
+                    self.log_once(msg);
+                }
+            }
+            self.issue(bi)?;
+        }
+        self.last_batch = b;
+        Ok(StepInfo {
+            bucket: self.plan.buckets[bi].batch,
+            graph,
+            prep_us,
+        })
+    }
+
+    /// Device address of an output buffer of the last step's bucket (stays valid until the
+    /// next step).
+    pub fn output_ptr(&self, name: &str) -> Option<u64> {
+        let bi = self
+            .plan
+            .buckets
+            .iter()
+            .position(|x| x.batch as usize >= self.last_batch)?;
+        self.plan.buckets[bi]
+            .buffer(name)
+            .map(|(_, b)| self.arena.ptr + b.offset)
+    }
+
+    /// Copies the last step's outputs to the host (synchronizes; not on the replay path).
+    pub fn read_outputs(&self) -> Result<HostOutputs, GpuError> {
+        let b = self.last_batch;
+        let (h, k) = (self.plan.model.hidden as usize, self.plan.spec.topk as usize);
+        let mut out = HostOutputs {
+            hidden_out: vec![0; b * h],
+            topk_probs: vec![0.0; b * k],
+            topk_ids: vec![0; b * k],
+        };
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let ptr = |n: &str| {
+            self.output_ptr(n).ok_or(GpuError::Cuda {
+                call: "outputs",
+                message: format!("no buffer {n}"),
+            })
+        };
+        // SAFETY: each source buffer holds at least b rows (bucket ≥ b); destinations are
+        // sized exactly; the stream is synchronized.
+        unsafe {
+            cuda(
+                "cuMemcpyDtoH",
+                result::memcpy_dtoh_sync(&mut out.hidden_out, ptr(io::HIDDEN_OUT)?),
+            )?;
+            cuda(
+                "cuMemcpyDtoH",
+                result::memcpy_dtoh_sync(&mut out.topk_probs, ptr(io::TOPK_PROBS)?),
+            )?;
+            cuda(
+                "cuMemcpyDtoH",
+                result::memcpy_dtoh_sync(&mut out.topk_ids, ptr(io::TOPK_IDS)?),
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Uploads K/V pages for the caller's pages `[0, pages)` (layer-major, raw act bits).
+    pub fn write_kv(&mut self, k: &[u16], v: &[u16], pages: usize) -> Result<(), GpuError> {
+        self.kv_copy(pages, |dst, layer, which| {
+            let src = if which == 0 { k } else { v };
+            let per = src.len() / self.plan.model.layers as usize;
+            // SAFETY: dst is inside the pool (pages ≤ pool pages checked by the caller).
+            cuda("cuMemcpyHtoD", unsafe {
+                result::memcpy_htod_sync(dst, &src[layer * per..(layer + 1) * per])
+            })
+        })
+    }
+
+    /// Reads K/V pages `[0, pages)` back (layer-major, raw act bits). Synchronizes.
+    pub fn read_kv(&self, pages: usize) -> Result<(Vec<u16>, Vec<u16>), GpuError> {
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let per = pages * self.plan.kv_page_bytes() as usize / 2;
+        let layers = self.plan.model.layers as usize;
+        let mut k = vec![0u16; layers * per];
+        let mut v = vec![0u16; layers * per];
+        for layer in 0..layers {
+            for which in 0..2 {
+                let src =
+                    self.kv.ptr + ((layer * 2 + which) as u64) * self.pool_pages as u64 * self.plan.kv_page_bytes();
+                let dst = if which == 0 {
+                    &mut k[layer * per..(layer + 1) * per]
+                } else {
+                    &mut v[layer * per..(layer + 1) * per]
+                };
+                // SAFETY: `per` elements from the start of this layer's pool.
+                cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(dst, src) })?;
+            }
+        }
+        Ok((k, v))
+    }
+
+    /// Reads the scratch page of every layer (to check what padding wrote). Synchronizes.
+    pub fn read_scratch_page(&self) -> Result<Vec<u16>, GpuError> {
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let per = self.plan.kv_page_bytes() as usize / 2;
+        let mut out = vec![0u16; self.plan.model.layers as usize * 2 * per];
+        for (i, chunk) in out.chunks_mut(per).enumerate() {
+            let src = self.kv.ptr
+                + i as u64 * self.pool_pages as u64 * self.plan.kv_page_bytes()
+                + self.scratch_page() as u64 * self.plan.kv_page_bytes();
+            // SAFETY: one page inside pool `i`.
+            cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(chunk, src) })?;
+        }
+        Ok(out)
+    }
+
+    fn kv_copy(
+        &self,
+        pages: usize,
+        mut f: impl FnMut(u64, usize, usize) -> Result<(), GpuError>,
+    ) -> Result<(), GpuError> {
+        if pages >= self.pool_pages as usize {
+            return Err(GpuError::Weights(format!(
+                "{pages} cache pages do not fit a pool of {} (+1 scratch)",
+                self.pool_pages - 1
+            )));
+        }
+        for layer in 0..self.plan.model.layers as usize {
+            for which in 0..2 {
+                let dst =
+                    self.kv.ptr + ((layer * 2 + which) as u64) * self.pool_pages as u64 * self.plan.kv_page_bytes();
+                f(dst, layer, which)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills the arena with 0xFF bytes (NaN in every float type), so a check sees any
+    /// output a step failed to write. Tests only.
+    pub fn poison(&self) -> Result<(), GpuError> {
+        // SAFETY: the whole arena allocation.
+        cuda("cuMemsetD8", unsafe {
+            result::memset_d8_async(self.arena.ptr, 0xff, self.arena.bytes, self.stream.cu_stream())
+        })
+    }
+
+    /// Blocks until the stream is idle (benchmarks and tests only).
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        cuda("cuStreamSynchronize", self.stream.synchronize())
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Whether a bucket has a built graph.
+    pub fn has_graph(&self, batch: u32) -> bool {
+        self.plan
+            .buckets
+            .iter()
+            .position(|b| b.batch == batch)
+            .is_some_and(|i| self.graphs[i].is_some())
+    }
+}
+
+fn stage_layout(p: &Plan) -> StageLayout {
+    let bb = p.buckets.last().map_or(0, |b| b.batch as usize);
+    let n = p.spec.num_draft_tokens as usize;
+    let h = p.model.hidden as usize;
+    let act = p.capture.dtype.size() as usize;
+    let align = |x: usize| x.div_ceil(64) * 64;
+    let ids = 0;
+    let prefix = align(ids + bb * n * 8);
+    let accept = align(prefix + bb * 4);
+    let slots = align(accept + bb * 4);
+    let hidden = align(slots + bb * 4);
+    let total = align(hidden + bb * n * h * act);
+    StageLayout {
+        ids,
+        prefix,
+        accept,
+        slots,
+        hidden,
+        total,
+    }
+}
+
+pub fn to_act_bytes(v: &[f32], act: DType) -> Vec<u8> {
+    match act {
+        DType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        _ => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+    }
+}
+
+/// Loads every kernel: the CUBIN, or the PTX when the CUBIN does not load.
+fn load_kernels(plan: &Plan) -> Result<(Vec<Module>, Vec<sys::CUfunction>), GpuError> {
+    let mut modules = Vec::new();
+    let mut funcs = Vec::new();
+    for k in &plan.kernels {
+        let bin = k
+            .binary
+            .as_ref()
+            .ok_or_else(|| GpuError::NoBinary { kernel: k.name.clone() })?;
+        // SAFETY: the CUBIN is an ELF image produced by NVRTC for this arch; the driver
+        // validates it and returns an error (not UB) on a bad image.
+        let loaded = unsafe { result::module::load_data(bin.cubin.as_ptr() as *const c_void) };
+        let module = match loaded {
+            Ok(m) => m,
+            Err(e1) => {
+                let mut ptx = bin.ptx.clone().into_bytes();
+                ptx.push(0);
+                // SAFETY: a NUL-terminated PTX string.
+                unsafe { result::module::load_data(ptx.as_ptr() as *const c_void) }.map_err(|e2| GpuError::Load {
+                    kernel: k.name.clone(),
+                    message: format!("CUBIN: {e1:?}; PTX: {e2:?}"),
+                })?
+            }
+        };
+        modules.push(Module(module));
+        let name = std::ffi::CString::new(k.entry.clone()).map_err(|e| GpuError::Load {
+            kernel: k.name.clone(),
+            message: e.to_string(),
+        })?;
+        // SAFETY: the module is loaded; the name is NUL-terminated.
+        let f = cuda("cuModuleGetFunction", unsafe {
+            result::module::get_function(module, name)
+        })?;
+        funcs.push(f);
+    }
+    // Kernels whose dynamic shared memory exceeds the 48 KiB default opt in to more.
+    for b in &plan.buckets {
+        for l in &b.launches {
+            if let LaunchKind::Kernel { kernel, smem, .. } = &l.kind {
+                if *smem > 48 * 1024 {
+                    // SAFETY: a loaded function; the value is ≤ the validated 227 KiB limit.
+                    let r = unsafe {
+                        sys::cuFuncSetAttribute(
+                            funcs[*kernel as usize],
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            *smem as i32,
+                        )
+                    };
+                    if r != sys::CUresult::CUDA_SUCCESS {
+                        return Err(GpuError::Cuda {
+                            call: "cuFuncSetAttribute",
+                            message: format!("{r:?}"),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok((modules, funcs))
+}

@@ -1,0 +1,544 @@
+//! GPU correctness check: every plan in a folder, replayed on the GPU as a graph and
+//! eagerly, against the CPU reference executor, on fresh random weights and inputs.
+//!
+//! Usage: `gpucheck PLAN_DIR OUT_DIR [--quick]`. Prints SKIP and exits 0 where there is no
+//! CUDA driver. Exits 1 when any check fails. Writes `OUT_DIR/gpucheck.json`.
+//!
+//! Per plan and batch size b (bucket sizes and sizes in between, so padding is exercised):
+//! - outputs are poisoned (0xFF) before every run;
+//! - graph vs CPU: hidden_out relative error ≤ 1e-2, identical top-K ids wherever the
+//!   reference probabilities of neighbours differ by more than 1e-3, probabilities within
+//!   1e-2·p + 1e-4, written K/V within bf16 rounding of the reference;
+//! - graph == eager bitwise (outputs and the whole cache);
+//! - every cache slot no request writes is bit-identical to before (padding included),
+//!   and padded rows wrote only the scratch page.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use specplan_runtime::cpu::{CpuExecutor, KvPool, WeightData};
+use specplan_runtime::format::{load_file, ValidatedPlan};
+use specplan_runtime::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
+use specplan_runtime::step::{pad_to_bucket, PageTable, StepInputs};
+use specplan_tests::{seed, Rng};
+
+fn bf16_bits(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+fn from_bits(b: u16, f16: bool) -> f32 {
+    if f16 {
+        half::f16::from_bits(b).to_f32()
+    } else {
+        half::bf16::from_bits(b).to_f32()
+    }
+}
+
+/// Random packed weights for every plan weight (scaled so activations stay O(1)).
+fn random_weights(plan: &ValidatedPlan, rng: &mut Rng) -> Vec<WeightData> {
+    let vocab = plan.model.vocab as usize;
+    plan.weights
+        .iter()
+        .map(|w| {
+            let n: u64 = w.shape.iter().product();
+            if w.name == "hot_token_ids" {
+                let mut p = rng.permutation(vocab);
+                p.truncate(n as usize);
+                return WeightData::I64(p.into_iter().map(|x| x as i64).collect());
+            }
+            let cols = w.shape.get(1).copied().unwrap_or(1) as f32;
+            let norm = w.shape.len() == 1 && !w.name.contains("bias");
+            let scale = if w.name.contains("embed") {
+                1.0
+            } else if w.name.contains("lm_head") {
+                4.0 / cols.sqrt()
+            } else if w.shape.len() == 1 {
+                0.1
+            } else {
+                1.0 / cols.sqrt()
+            };
+            let v = (0..n)
+                .map(|_| {
+                    let x = if norm {
+                        1.0 + 0.2 * rng.uniform()
+                    } else {
+                        rng.uniform() * scale
+                    };
+                    half::bf16::from_f32(x).to_f32()
+                })
+                .collect();
+            WeightData::F32(v)
+        })
+        .collect()
+}
+
+struct Case {
+    b: usize,
+    slots: Vec<i32>,
+    pages: Vec<Vec<i32>>,
+    used_pages: usize,
+    step: StepInputs,
+    hidden_bits: Vec<u16>,
+    k0: Vec<u16>,
+    v0: Vec<u16>,
+}
+
+fn make_case(plan: &ValidatedPlan, rng: &mut Rng, b: usize, max_prefix: usize) -> Case {
+    let n = plan.spec.num_draft_tokens as usize;
+    let h = plan.model.hidden as usize;
+    let ps = plan.capture.page_size as usize;
+    let prefix: Vec<i32> = (0..b).map(|_| rng.below(max_prefix + 1) as i32).collect();
+    let need: Vec<usize> = prefix.iter().map(|&l| (l as usize + n).div_ceil(ps)).collect();
+    let used_pages: usize = need.iter().sum();
+    let perm = rng.permutation(used_pages);
+    let mut next = 0;
+    let pages: Vec<Vec<i32>> = need
+        .iter()
+        .map(|&c| {
+            let v = perm[next..next + c].iter().map(|&p| p as i32).collect();
+            next += c;
+            v
+        })
+        .collect();
+    let slots: Vec<i32> = rng.permutation(plan.capture.max_requests as usize)[..b]
+        .iter()
+        .map(|&s| s as i32)
+        .collect();
+    let cols = need.iter().copied().max().unwrap_or(1);
+    let mut table = vec![0i32; b * cols];
+    for i in 0..b {
+        table[i * cols..i * cols + pages[i].len()].copy_from_slice(&pages[i]);
+    }
+    let hidden: Vec<f32> = (0..b * n * h)
+        .map(|_| half::bf16::from_f32(rng.uniform()).to_f32())
+        .collect();
+    let per = used_pages * plan.kv_page_bytes() as usize / 2 * plan.model.layers as usize;
+    let rand_bits = |rng: &mut Rng| (0..per).map(|_| bf16_bits(rng.uniform())).collect::<Vec<u16>>();
+    let (k0, v0) = (rand_bits(rng), rand_bits(rng));
+    let step = StepInputs {
+        batch: b,
+        input_ids: (0..b * n)
+            .map(|_| rng.below(plan.model.vocab as usize) as i64)
+            .collect(),
+        hidden_states: hidden.clone(),
+        prefix_lens: prefix,
+        accept_lens: (0..b).map(|_| 1 + rng.below(n) as i32).collect(),
+        page_table: table,
+        page_cols: cols,
+    };
+    let hidden_bits = hidden.iter().map(|&x| bf16_bits(x)).collect();
+    Case {
+        b,
+        slots,
+        pages,
+        used_pages,
+        step,
+        hidden_bits,
+        k0,
+        v0,
+    }
+}
+
+#[derive(Default, Debug)]
+struct Errors {
+    hidden_rel: f64,
+    prob_abs: f64,
+    id_mismatch: usize,
+    kv_max_ulp: u32,
+    kv_untouched_changed: usize,
+    graph_vs_eager_diff: usize,
+    failures: Vec<String>,
+}
+
+fn ulp_diff(a: u16, b: u16) -> u32 {
+    let key = |x: u16| {
+        if x & 0x8000 != 0 {
+            0x8000i32 - (x & 0x7fff) as i32
+        } else {
+            0x8000 + x as i32
+        }
+    };
+    (key(a) - key(b)).unsigned_abs()
+}
+
+fn check_case(plan: &ValidatedPlan, rt: &mut GpuRuntime, weights: &[WeightData], c: &Case) -> Result<Errors, String> {
+    let n = plan.spec.num_draft_tokens as usize;
+    let h = plan.model.hidden as usize;
+    let k = plan.spec.topk as usize;
+    let f16 = plan.capture.dtype == specplan_runtime::format::DType::F16;
+    let g = |e: specplan_runtime::gpu::GpuError| e.to_string();
+    for (i, &s) in c.slots.iter().enumerate() {
+        rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
+    }
+    let req = StepRequest {
+        slots: &c.slots,
+        input_ids: &c.step.input_ids,
+        hidden: Hidden::Host(&c.hidden_bits),
+        prefix_lens: &c.step.prefix_lens,
+        accept_lens: &c.step.accept_lens,
+    };
+    let mut run = |eager: bool| -> Result<(_, Vec<u16>, Vec<u16>), String> {
+        rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
+        rt.poison().map_err(g)?;
+        let info = rt.step(&req, eager).map_err(g)?;
+        let out = rt.read_outputs().map_err(g)?;
+        let (kk, vv) = rt.read_kv(c.used_pages).map_err(g)?;
+        if !eager
+            && !info.graph
+            && plan
+                .bucket_for(c.b as u32)
+                .is_some_and(|b| b.replay == specplan_runtime::format::Replay::Graph)
+        {
+            return Err(format!("b={}: expected a graph replay", c.b));
+        }
+        Ok((out, kk, vv))
+    };
+    let (og, kg, vg) = run(false)?;
+    let (oe, ke, ve) = run(true)?;
+    let mut e = Errors::default();
+    let diff = |a: &[u16], b: &[u16]| a.iter().zip(b).filter(|(x, y)| x != y).count();
+    e.graph_vs_eager_diff = diff(&og.hidden_out, &oe.hidden_out)
+        + og.topk_probs
+            .iter()
+            .zip(&oe.topk_probs)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count()
+        + og.topk_ids.iter().zip(&oe.topk_ids).filter(|(a, b)| a != b).count()
+        + diff(&kg, &ke)
+        + diff(&vg, &ve);
+
+    // CPU reference on the same inputs, pages and initial cache.
+    let per_layer = c.used_pages * plan.kv_page_bytes() as usize / 2;
+    let scratch_cpu = c.used_pages;
+    let to_pool = |bits: &[u16]| -> Vec<Vec<f32>> {
+        bits.chunks_exact(per_layer)
+            .map(|l| {
+                let mut v: Vec<f32> = l.iter().map(|&x| from_bits(x, f16)).collect();
+                v.extend(std::iter::repeat_n(0.0, plan.kv_page_bytes() as usize / 2));
+                v
+            })
+            .collect()
+    };
+    let mut pool = KvPool {
+        pages: c.used_pages + 1,
+        k: to_pool(&c.k0),
+        v: to_pool(&c.v0),
+    };
+    let mut table = PageTable::new(plan, scratch_cpu as i32);
+    for (i, &s) in c.slots.iter().enumerate() {
+        table.set_row(s as usize, &c.pages[i]);
+    }
+    let bucket = plan.bucket_for(c.b as u32).ok_or("no bucket")?;
+    let padded = pad_to_bucket(plan, bucket, &c.step, &c.slots, table.scratch_slot());
+    let exec = CpuExecutor::new(plan, weights.to_vec()).map_err(|e| e.to_string())?;
+    let r = exec
+        .run(bucket, &padded, &table, &mut pool)
+        .map_err(|e| e.to_string())?;
+
+    for i in 0..c.b {
+        let (mut num, mut den) = (0f64, 0f64);
+        for col in 0..h {
+            let got = from_bits(og.hidden_out[i * h + col], f16) as f64;
+            let want = r.hidden_out[i * h + col] as f64;
+            if !got.is_finite() {
+                e.failures
+                    .push(format!("b={} req {i}: hidden_out[{col}] is {got}", c.b));
+                break;
+            }
+            num += (got - want).powi(2);
+            den += want.powi(2);
+        }
+        e.hidden_rel = e.hidden_rel.max((num / den.max(1e-30)).sqrt());
+        for s in 0..k {
+            let want_p = r.topk_probs[i * k + s] as f64;
+            let got_p = og.topk_probs[i * k + s] as f64;
+            e.prob_abs = e.prob_abs.max((got_p - want_p).abs());
+            if (got_p - want_p).abs() > 1e-2 * want_p + 1e-4 || !got_p.is_finite() {
+                e.failures
+                    .push(format!("b={} req {i} slot {s}: prob {got_p} vs {want_p}", c.b));
+            }
+            let prev = if s > 0 {
+                r.topk_probs[i * k + s - 1] as f64 - want_p
+            } else {
+                1.0
+            };
+            let next = if s + 1 < k {
+                want_p - r.topk_probs[i * k + s + 1] as f64
+            } else {
+                1.0
+            };
+            if prev > 1e-3 && next > 1e-3 && og.topk_ids[i * k + s] != r.topk_ids[i * k + s] {
+                e.id_mismatch += 1;
+                e.failures.push(format!(
+                    "b={} req {i} slot {s}: id {} vs {} (p = {want_p:.5})",
+                    c.b,
+                    og.topk_ids[i * k + s],
+                    r.topk_ids[i * k + s]
+                ));
+            }
+        }
+    }
+    if e.hidden_rel > 1e-2 {
+        e.failures.push(format!(
+            "b={}: hidden_out relative error {:.3e} > 1e-2",
+            c.b, e.hidden_rel
+        ));
+    }
+    // Cache: slots written by real requests vs the reference (bf16 of it); everything else
+    // bit-identical to the initial contents.
+    let written = {
+        let mut w = vec![false; per_layer];
+        let ps = plan.capture.page_size as usize;
+        let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
+        for i in 0..c.b {
+            for j in 0..n {
+                let pos = c.step.prefix_lens[i] as usize + j;
+                let at = (c.pages[i][pos / ps] as usize * ps + pos % ps) * row;
+                w[at..at + row].iter_mut().for_each(|x| *x = true);
+            }
+        }
+        w
+    };
+    for (which, got, init, refp) in [("k", &kg, &c.k0, &pool.k), ("v", &vg, &c.v0, &pool.v)] {
+        for (layer, refl) in refp.iter().enumerate() {
+            for idx in 0..per_layer {
+                let gi = layer * per_layer + idx;
+                if written[idx] {
+                    let want = if f16 {
+                        half::f16::from_f32(refl[idx]).to_bits()
+                    } else {
+                        bf16_bits(refl[idx])
+                    };
+                    let u = ulp_diff(got[gi], want);
+                    e.kv_max_ulp = e.kv_max_ulp.max(u);
+                    let (gv, wv) = (from_bits(got[gi], f16), from_bits(want, f16));
+                    if (gv - wv).abs() > 2e-2 * wv.abs().max(0.25) {
+                        e.failures.push(format!(
+                            "b={} {which}_cache layer {layer} elem {idx}: {gv} vs {wv}",
+                            c.b
+                        ));
+                    }
+                } else if got[gi] != init[gi] {
+                    e.kv_untouched_changed += 1;
+                }
+            }
+        }
+    }
+    if e.kv_untouched_changed > 0 {
+        e.failures.push(format!(
+            "b={}: {} cache elements outside the written slots changed",
+            c.b, e.kv_untouched_changed
+        ));
+    }
+    if e.graph_vs_eager_diff > 0 {
+        e.failures.push(format!(
+            "b={}: graph and eager differ in {} values",
+            c.b, e.graph_vs_eager_diff
+        ));
+    }
+    e.failures.truncate(12);
+    Ok(e)
+}
+
+/// Median replay time of a bucket's graph with CUDA events, µs (after warm-up).
+fn replay_us(
+    rt: &mut GpuRuntime,
+    plan: &ValidatedPlan,
+    rng: &mut Rng,
+    b: usize,
+    prefix: usize,
+) -> Result<(f64, f64), String> {
+    let c = make_case(plan, rng, b, prefix);
+    let g = |e: specplan_runtime::gpu::GpuError| e.to_string();
+    for (i, &s) in c.slots.iter().enumerate() {
+        rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
+    }
+    let req = StepRequest {
+        slots: &c.slots,
+        input_ids: &c.step.input_ids,
+        hidden: Hidden::Host(&c.hidden_bits),
+        prefix_lens: &c.step.prefix_lens,
+        accept_lens: &c.step.accept_lens,
+    };
+    use cudarc::driver::result::event;
+    use cudarc::driver::sys::CUevent_flags;
+    let start = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| format!("{e:?}"))?;
+    let end = event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| format!("{e:?}"))?;
+    for _ in 0..20 {
+        rt.step(&req, false).map_err(g)?;
+    }
+    rt.synchronize().map_err(g)?;
+    let mut times = Vec::new();
+    let mut preps = Vec::new();
+    let stream = rt.stream().cu_stream();
+    for _ in 0..200 {
+        // SAFETY: live events on the runtime's stream.
+        unsafe { event::record(start, stream) }.map_err(|e| format!("{e:?}"))?;
+        let info = rt.step(&req, false).map_err(g)?;
+        // SAFETY: as above.
+        unsafe { event::record(end, stream) }.map_err(|e| format!("{e:?}"))?;
+        // SAFETY: as above; waiting here is the benchmark, not the replay path.
+        unsafe { event::synchronize(end) }.map_err(|e| format!("{e:?}"))?;
+        // SAFETY: both events recorded and complete.
+        times.push(unsafe { event::elapsed(start, end) }.map_err(|e| format!("{e:?}"))? as f64 * 1e3);
+        preps.push(info.prep_us);
+    }
+    times.sort_by(f64::total_cmp);
+    preps.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], preps[preps.len() / 2]))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() < 3 {
+        eprintln!("usage: gpucheck PLAN_DIR OUT_DIR [--quick]");
+        return ExitCode::from(2);
+    }
+    if !GpuRuntime::available() {
+        println!("SKIP: no CUDA driver or device on this machine");
+        return ExitCode::SUCCESS;
+    }
+    let quick = args.iter().any(|a| a == "--quick");
+    let mut files: Vec<_> = match std::fs::read_dir(&args[1]) {
+        Ok(d) => d
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "plan"))
+            .collect(),
+        Err(e) => {
+            eprintln!("cannot read {}: {e}", args[1]);
+            return ExitCode::from(2);
+        }
+    };
+    files.sort();
+    let mut rng = Rng(seed());
+    let mut report = Vec::new();
+    let mut failed = false;
+    println!(
+        "{:<28} {:>5} {:>6} {:>10} {:>9} {:>7} {:>8} {:>9}  verdict",
+        "plan", "b", "bucket", "hidden_rel", "prob_abs", "kv_ulp", "ids_bad", "g!=eager"
+    );
+    for f in files {
+        let name = f
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let plan = match load_file(&f) {
+            Ok(p) => p,
+            Err(e) => {
+                println!("{name}: cannot load: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        let weights = random_weights(&plan, &mut rng);
+        let t0 = Instant::now();
+        let mut rt = match GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()) {
+            Ok(r) => r,
+            Err(e) => {
+                println!("{name}: runtime: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let buckets: Vec<u32> = plan.buckets.iter().map(|b| b.batch).collect();
+        let max_b = *buckets.last().unwrap_or(&1) as usize;
+        let mut bs: Vec<usize> = vec![1, 3, max_b.min(8), max_b.min(5)];
+        if !quick {
+            bs.push(max_b);
+            if max_b > 8 {
+                bs.push(max_b - 1);
+                bs.push(max_b + 3);
+            }
+        }
+        bs.sort_unstable();
+        bs.dedup();
+        let max_prefix = (plan.capture.max_context_len as usize - plan.spec.num_draft_tokens as usize).min(700);
+        let mut cases = Vec::new();
+        for &b in &bs {
+            if b > max_b {
+                // Above the largest bucket: eager chunks, checked for equality with graphs only
+                // through the same comparisons (CPU reference per chunk is not applicable).
+                continue;
+            }
+            let c = make_case(&plan, &mut rng, b, max_prefix);
+            let bucket = plan.bucket_for(b as u32).map_or(0, |x| x.batch);
+            match check_case(&plan, &mut rt, &weights, &c) {
+                Ok(e) => {
+                    let ok = e.failures.is_empty();
+                    failed |= !ok;
+                    println!(
+                        "{:<28} {:>5} {:>6} {:>10.2e} {:>9.1e} {:>7} {:>8} {:>9}  {}",
+                        name,
+                        b,
+                        bucket,
+                        e.hidden_rel,
+                        e.prob_abs,
+                        e.kv_max_ulp,
+                        e.id_mismatch,
+                        e.graph_vs_eager_diff,
+                        if ok { "ok" } else { "FAIL" }
+                    );
+                    for f in &e.failures {
+                        println!("    {f}");
+                    }
+                    cases.push(format!(
+                        "{{\"b\":{b},\"bucket\":{bucket},\"hidden_rel\":{:e},\"prob_abs\":{:e},\"kv_max_ulp\":{},\"id_mismatch\":{},\"graph_vs_eager_diff\":{},\"ok\":{ok}}}",
+                        e.hidden_rel, e.prob_abs, e.kv_max_ulp, e.id_mismatch, e.graph_vs_eager_diff
+                    ));
+                }
+                Err(msg) => {
+                    failed = true;
+                    println!("{name:<28} {b:>5} {bucket:>6}  ERROR {msg}");
+                }
+            }
+        }
+        let mut lat = Vec::new();
+        for b in [1usize, 8, 32, 64] {
+            if buckets.contains(&(b as u32)) {
+                match replay_us(&mut rt, &plan, &mut rng, b, 1024.min(max_prefix)) {
+                    Ok((us, prep)) => lat.push(format!(
+                        "{{\"bucket\":{b},\"replay_us\":{us:.1},\"prep_us\":{prep:.2}}}"
+                    )),
+                    Err(e) => {
+                        failed = true;
+                        println!("{name}: replay timing b={b}: {e}");
+                    }
+                }
+            }
+        }
+        let builds: Vec<String> = plan
+            .buckets
+            .iter()
+            .zip(&rt.graph_build_ms)
+            .map(|(b, ms)| format!("{{\"bucket\":{},\"ms\":{ms:.3}}}", b.batch))
+            .collect();
+        println!(
+            "{name}: load+build {load_ms:.1} ms, graphs {:.1} ms total, arena {} B, kv {} B; latency {}",
+            rt.graph_build_ms.iter().sum::<f64>(),
+            rt.arena_bytes(),
+            rt.kv_bytes(),
+            lat.join(" ")
+        );
+        report.push(format!(
+            "{{\"plan\":\"{name}\",\"load_ms\":{load_ms:.1},\"arena_bytes\":{},\"kv_bytes\":{},\"graph_build\":[{}],\"cases\":[{}],\"latency\":[{}]}}",
+            rt.arena_bytes(),
+            rt.kv_bytes(),
+            builds.join(","),
+            cases.join(","),
+            lat.join(",")
+        ));
+    }
+    let json = format!("[\n{}\n]\n", report.join(",\n"));
+    if let Err(e) =
+        std::fs::create_dir_all(&args[2]).and_then(|_| std::fs::write(format!("{}/gpucheck.json", args[2]), json))
+    {
+        eprintln!("cannot write the report: {e}");
+    }
+    if failed {
+        println!("gpucheck: FAILED");
+        ExitCode::from(1)
+    } else {
+        println!("gpucheck: all checks passed");
+        ExitCode::SUCCESS
+    }
+}
