@@ -350,6 +350,12 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot create a file in {}", dir.display()))?;
     tmp.write_all(bytes)
         .with_context(|| format!("cannot write {}", path.display()))?;
+    // NamedTempFile creates 0600; a plan is an ordinary artifact.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        tmp.as_file().set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    }
     tmp.as_file().sync_all()?;
     tmp.persist(path)
         .with_context(|| format!("cannot write {}", path.display()))?;

@@ -568,8 +568,7 @@ impl GpuRuntime {
             let issued = self.issue(bi);
             let graph = cuda(
                 "cuStreamEndCapture",
-                self.stream
-                    .end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD),
+                self.stream.end_capture(sys::CUgraphInstantiate_flags_enum(0)), // UPLOAD needs cuGraphInstantiateWithParams; uploaded below
             )?;
             issued?;
             let graph = graph.ok_or(GpuError::Cuda {
@@ -739,9 +738,7 @@ impl GpuRuntime {
         {
             let s = self.staging[k].as_mut();
             let put = |s: &mut [u8], at: usize, bytes: &[u8]| s[at..at + bytes.len()].copy_from_slice(bytes);
-            for (r, id) in req.input_ids.iter().enumerate() {
-                put(s, lay.ids + r * 8, &id.to_le_bytes());
-            }
+            put(s, lay.ids, as_bytes(req.input_ids));
             s[lay.ids + b * n * 8..lay.ids + bb * n * 8].fill(0);
             for i in 0..bb {
                 let (l, a, slot) = if i < b {
@@ -753,12 +750,10 @@ impl GpuRuntime {
                 put(s, lay.accept + i * 4, &a.to_le_bytes());
                 put(s, lay.slots + i * 4, &slot.to_le_bytes());
             }
+            // Padded rows keep whatever the staging held (finite activations of an earlier
+            // step, or zeros): rows never mix, so their values cannot reach a real request.
             if let Hidden::Host(v) = req.hidden {
-                let dst = &mut s[lay.hidden..lay.hidden + bb * n * h * act];
-                for (i, x) in v.iter().enumerate() {
-                    dst[i * 2..i * 2 + 2].copy_from_slice(&x.to_le_bytes());
-                }
-                dst[b * n * h * act..].fill(0);
+                put(s, lay.hidden, as_bytes(v));
             }
         }
         let base = self.staging[k].ptr;
@@ -966,6 +961,17 @@ impl GpuRuntime {
             .position(|b| b.batch == batch)
             .is_some_and(|i| self.graphs[i].is_some())
     }
+}
+
+/// The bytes of a slice of plain integers, as the device reads them (little-endian hosts).
+fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    const _: () = assert!(
+        cfg!(target_endian = "little"),
+        "the staging copies assume a little-endian host"
+    );
+    // SAFETY: T is a plain integer type here (i64, i32, u16): every byte is initialized and
+    // any alignment is valid for u8; the length covers exactly the slice.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
 fn stage_layout(p: &Plan) -> StageLayout {
