@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use petgraph::stable_graph::NodeIndex;
 use specplan_kernels::geometry;
 use specplan_runtime::format::{
-    Access, ArgValue, BucketPlan, BufferDesc, BufferRole, DType, GemmDesc, KernelArg, Launch, LaunchKind, Replay,
+    io, Access, ArgValue, BucketPlan, BufferDesc, BufferRole, DType, GemmDesc, KernelArg, Launch, LaunchKind, Replay,
 };
 
 use crate::codegen::{attn_kv_tile, kernel_specs, KernelTable};
@@ -20,6 +20,15 @@ use crate::config::Config;
 use crate::graph::{OpGraph, OpKind, Storage, TensorId};
 
 const ALIGN: u64 = 256;
+
+/// Where the inputs sit at the start of the arena (see step 2 of `schedule_bucket`).
+pub const INPUT_ORDER: [&str; 5] = [
+    io::INPUT_IDS,
+    io::PREFIX_LENS,
+    io::ACCEPT_LENS,
+    io::REQ_SLOTS,
+    io::HIDDEN_STATES,
+];
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
@@ -148,13 +157,27 @@ pub fn schedule_bucket(
         }
     }
 
-    // 2. Greedy packing: largest first, lowest offset clear of every intersecting range.
+    // 2. Inputs first, contiguous at the arena's start in the order host prep stages them
+    // (the integer inputs, then the hidden states), so one copy moves them all. They are
+    // live for the whole step anyway, so this costs no reuse.
     let bytes = |it: &Item| it.shape.iter().product::<u64>() * it.dtype.size();
-    let mut by_size: Vec<usize> = (0..items.len()).collect();
-    by_size.sort_by_key(|&i| (std::cmp::Reverse(bytes(&items[i])), items[i].first, i));
     let mut offsets = vec![0u64; items.len()];
     let mut placed: Vec<usize> = Vec::new();
     let mut arena = 0u64;
+    for name in INPUT_ORDER {
+        if let Some(i) = items
+            .iter()
+            .position(|it| it.name == name && it.role == BufferRole::Input)
+        {
+            offsets[i] = arena;
+            arena += bytes(&items[i]).div_ceil(ALIGN) * ALIGN;
+            placed.push(i);
+        }
+    }
+    // 3. Greedy packing of the rest: largest first, lowest offset clear of every
+    // intersecting live range.
+    let mut by_size: Vec<usize> = (0..items.len()).filter(|i| !placed.contains(i)).collect();
+    by_size.sort_by_key(|&i| (std::cmp::Reverse(bytes(&items[i])), items[i].first, i));
     for &i in &by_size {
         let size = bytes(&items[i]).div_ceil(ALIGN) * ALIGN;
         let mut busy: Vec<(u64, u64)> = placed
@@ -187,7 +210,7 @@ pub fn schedule_bucket(
         })
         .collect();
 
-    // 3. Launches.
+    // 4. Launches.
     let mut launches = Vec::new();
     let buf = |t: TensorId, access: Access| -> ArgValue {
         let r = root(g, t);

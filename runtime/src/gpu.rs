@@ -194,15 +194,22 @@ impl Default for GpuOptions {
     }
 }
 
-/// Offsets of one input inside the pinned staging block.
-#[derive(Clone, Copy, Default)]
+/// Where a bucket's inputs sit in the arena, and the copies that move them. The pinned
+/// staging block mirrors the arena's first bytes, so host prep writes each input at its
+/// arena offset and adjacent inputs travel in one copy (the compiler places them
+/// contiguously; gaps are merged only where no other buffer lives in them).
+#[derive(Clone, Default)]
 struct StageLayout {
     ids: usize,
     prefix: usize,
     accept: usize,
     slots: usize,
     hidden: usize,
-    total: usize,
+    hidden_bytes: usize,
+    /// Copy ranges (offset, bytes) for the integer inputs alone (hidden from the device).
+    ints: Vec<(usize, usize)>,
+    /// Copy ranges for every input (hidden from the host).
+    all: Vec<(usize, usize)>,
 }
 
 pub struct GpuRuntime {
@@ -223,12 +230,18 @@ pub struct GpuRuntime {
     pub graph_build_ms: Vec<f64>,
     staging: [Pinned; 2],
     staging_done: [Event; 2],
-    stage_layout: StageLayout,
+    stage_layouts: Vec<StageLayout>,
     next_stage: usize,
     /// Host mirror of how many pages each slot has (for O(b) bounds checks).
     slot_pages: Vec<u32>,
     logged: HashSet<String>,
     last_batch: usize,
+    slot_seen: Vec<u32>,
+    stamp: u32,
+    /// Outputs of a batch run in chunks (above the largest bucket), and whether the last
+    /// step was one.
+    chunk_out: Option<DevMem>,
+    chunked: bool,
 }
 
 fn dtype_cuda(d: DType) -> cublas::cudaDataType {
@@ -295,8 +308,13 @@ impl GpuRuntime {
                 cublas::cublasSetWorkspace_v2(blas.0, ws.ptr as *mut c_void, ws.bytes),
             )?;
         }
-        let stage_layout = stage_layout(&plan);
-        let staging = [Pinned::new(stage_layout.total)?, Pinned::new(stage_layout.total)?];
+        let stage_layouts: Vec<StageLayout> = plan.buckets.iter().map(stage_layout).collect();
+        let stage_bytes = stage_layouts
+            .iter()
+            .map(|l| l.hidden + l.hidden_bytes)
+            .max()
+            .unwrap_or(0);
+        let staging = [Pinned::new(stage_bytes)?, Pinned::new(stage_bytes)?];
         let ev = || -> Result<Event, GpuError> {
             Ok(Event(cuda(
                 "cuEventCreate",
@@ -323,11 +341,15 @@ impl GpuRuntime {
             graph_build_ms: vec![0.0; nb],
             staging,
             staging_done,
-            stage_layout,
+            stage_layouts,
             next_stage: 0,
             slot_pages: vec![0; rows],
             logged: HashSet::new(),
             last_batch: 0,
+            slot_seen: vec![0; rows],
+            stamp: 0,
+            chunk_out: None,
+            chunked: false,
         };
         rt.upload_weights(weights)?;
         rt.reset_page_table()?;
@@ -618,13 +640,66 @@ impl GpuRuntime {
                 };
                 let i = self.step_one(&chunk, true)?;
                 info.prep_us += i.prep_us;
+                self.gather_chunk_outputs(start, end, b)?;
             }
+            self.last_batch = b;
+            self.chunked = true;
             return Ok(info);
         }
+        self.chunked = false;
         self.step_one(req, eager)
     }
 
-    fn check(&self, req: &StepRequest) -> Result<(), GpuError> {
+    /// Chunks share the arena, so each chunk's outputs move (device to device, stream
+    /// ordered) into a runtime-owned block holding the whole batch's outputs.
+    fn gather_chunk_outputs(&mut self, start: usize, end: usize, total: usize) -> Result<(), GpuError> {
+        let (h, k) = (self.plan.model.hidden as usize, self.plan.spec.topk as usize);
+        let act = self.plan.capture.dtype.size() as usize;
+        let per = [h * act, k * 4, k * 8];
+        let need: usize = per.iter().map(|p| p * total).sum();
+        if self.chunk_out.as_ref().is_none_or(|m| m.bytes < need) {
+            cuda("cuStreamSynchronize", self.stream.synchronize())?;
+            self.chunk_out = Some(DevMem::new(need)?);
+        }
+        let Some(dst) = self.chunk_out.as_ref().map(|m| m.ptr) else {
+            return Ok(());
+        };
+        let mut base = 0u64;
+        for (name, row) in [
+            (io::HIDDEN_OUT, per[0]),
+            (io::TOPK_PROBS, per[1]),
+            (io::TOPK_IDS, per[2]),
+        ] {
+            let src = self.bucket_output_ptr(name, end - start)?;
+            // SAFETY: source rows [0, end - start) exist in the chunk's bucket; destination
+            // rows [start, end) lie inside a block sized for `total` rows.
+            cuda("cuMemcpyDtoDAsync", unsafe {
+                result::memcpy_dtod_async(
+                    dst + base + (start * row) as u64,
+                    src,
+                    (end - start) * row,
+                    self.stream.cu_stream(),
+                )
+            })?;
+            base += (total * row) as u64;
+        }
+        Ok(())
+    }
+
+    fn bucket_output_ptr(&self, name: &str, b: usize) -> Result<u64, GpuError> {
+        self.plan
+            .buckets
+            .iter()
+            .find(|x| x.batch as usize >= b)
+            .and_then(|bk| bk.buffer(name))
+            .map(|(_, x)| self.arena.ptr + x.offset)
+            .ok_or(GpuError::Cuda {
+                call: "outputs",
+                message: format!("no buffer {name}"),
+            })
+    }
+
+    fn check(&mut self, req: &StepRequest) -> Result<(), GpuError> {
         let p = &self.plan;
         let (b, n) = (req.slots.len(), p.spec.num_draft_tokens as usize);
         let e = |t: &str, i: String, m: String| GpuError::Input(crate::step::input_error(t, i, m));
@@ -662,7 +737,12 @@ impl GpuRuntime {
         let ps = p.capture.page_size as i64;
         let ctx = p.capture.max_context_len as i64;
         // Slots must be distinct: two rows of one step writing one slot's pages would race.
-        let mut seen: HashSet<i32> = HashSet::with_capacity(b);
+        // A stamped table (no allocation, no clearing) keeps this O(b).
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.slot_seen.iter_mut().for_each(|x| *x = 0);
+            self.stamp = 1;
+        }
         for i in 0..b {
             let s = req.slots[i];
             if s < 0 || s as u32 >= p.capture.max_requests {
@@ -672,7 +752,7 @@ impl GpuRuntime {
                     format!("{s} is outside [0, {})", p.capture.max_requests),
                 ));
             }
-            if !seen.insert(s) {
+            if std::mem::replace(&mut self.slot_seen[s as usize], self.stamp) == self.stamp {
                 return Err(e(
                     "req_slots",
                     format!("[{i}]"),
@@ -721,7 +801,7 @@ impl GpuRuntime {
         let (bb, n) = (bucket.batch as usize, self.plan.spec.num_draft_tokens as usize);
         let h = self.plan.model.hidden as usize;
         let act = self.plan.capture.dtype.size() as usize;
-        let lay = self.stage_layout;
+        let lay = &self.stage_layouts[bi];
         let k = self.next_stage;
         self.next_stage ^= 1;
         // The staging block we are about to overwrite was last read by the copies of the
@@ -758,32 +838,25 @@ impl GpuRuntime {
         }
         let base = self.staging[k].ptr;
         let stream = self.stream.cu_stream();
-        let copy = |name: &str, off: usize, bytes: usize| -> Result<(), GpuError> {
-            let Some((_, buf)) = bucket.buffer(name) else {
-                return Ok(());
-            };
-            // SAFETY: the staging block is pinned and `bytes` ≤ its section; the arena
-            // buffer is exactly `bytes` long (bucket shape).
-            cuda("cuMemcpyHtoDAsync", unsafe {
-                let src = std::slice::from_raw_parts(base.add(off), bytes);
-                result::memcpy_htod_async(self.arena.ptr + buf.offset, src, stream)
-            })
+        let ranges = match req.hidden {
+            Hidden::Host(_) => &lay.all,
+            Hidden::Device(_) => &lay.ints,
         };
-        copy(io::INPUT_IDS, lay.ids, bb * n * 8)?;
-        copy(io::PREFIX_LENS, lay.prefix, bb * 4)?;
-        copy(io::ACCEPT_LENS, lay.accept, bb * 4)?;
-        copy(io::REQ_SLOTS, lay.slots, bb * 4)?;
-        match req.hidden {
-            Hidden::Host(_) => copy(io::HIDDEN_STATES, lay.hidden, bb * n * h * act)?,
-            Hidden::Device(p) => {
-                if let Some((_, buf)) = bucket.buffer(io::HIDDEN_STATES) {
-                    // SAFETY: the caller's pointer holds b·N·H activations; the arena
-                    // buffer holds B·N·H ≥ that. Padded rows keep stale (finite) values.
-                    cuda("cuMemcpyDtoDAsync", unsafe {
-                        result::memcpy_dtod_async(self.arena.ptr + buf.offset, p, b * n * h * act, stream)
-                    })?;
-                }
-            }
+        for &(off, len) in ranges {
+            // SAFETY: the staging block mirrors the arena's first bytes and [off, off + len)
+            // lies inside both (ranges come from this bucket's input buffers, merged only
+            // across gaps no other buffer occupies).
+            cuda("cuMemcpyHtoDAsync", unsafe {
+                let src = std::slice::from_raw_parts(base.add(off), len);
+                result::memcpy_htod_async(self.arena.ptr + off as u64, src, stream)
+            })?;
+        }
+        if let Hidden::Device(p) = req.hidden {
+            // SAFETY: the caller's pointer holds b·N·H activations; the arena buffer holds
+            // B·N·H ≥ that. Padded rows keep stale (finite) values.
+            cuda("cuMemcpyDtoDAsync", unsafe {
+                result::memcpy_dtod_async(self.arena.ptr + lay.hidden as u64, p, b * n * h * act, stream)
+            })?;
         }
         // SAFETY: event and stream are live.
         cuda("cuEventRecord", unsafe {
@@ -815,14 +888,18 @@ impl GpuRuntime {
     /// Device address of an output buffer of the last step's bucket (stays valid until the
     /// next step).
     pub fn output_ptr(&self, name: &str) -> Option<u64> {
-        let bi = self
-            .plan
-            .buckets
-            .iter()
-            .position(|x| x.batch as usize >= self.last_batch)?;
-        self.plan.buckets[bi]
-            .buffer(name)
-            .map(|(_, b)| self.arena.ptr + b.offset)
+        if self.chunked {
+            let (h, k) = (self.plan.model.hidden as u64, self.plan.spec.topk as u64);
+            let (b, act) = (self.last_batch as u64, self.plan.capture.dtype.size());
+            let base = self.chunk_out.as_ref()?.ptr;
+            return match name {
+                io::HIDDEN_OUT => Some(base),
+                io::TOPK_PROBS => Some(base + b * h * act),
+                io::TOPK_IDS => Some(base + b * h * act + b * k * 4),
+                _ => None,
+            };
+        }
+        self.bucket_output_ptr(name, self.last_batch).ok()
     }
 
     /// Copies the last step's outputs to the host (synchronizes; not on the replay path).
@@ -974,26 +1051,45 @@ fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
 
-fn stage_layout(p: &Plan) -> StageLayout {
-    let bb = p.buckets.last().map_or(0, |b| b.batch as usize);
-    let n = p.spec.num_draft_tokens as usize;
-    let h = p.model.hidden as usize;
-    let act = p.capture.dtype.size() as usize;
-    let align = |x: usize| x.div_ceil(64) * 64;
-    let ids = 0;
-    let prefix = align(ids + bb * n * 8);
-    let accept = align(prefix + bb * 4);
-    let slots = align(accept + bb * 4);
-    let hidden = align(slots + bb * 4);
-    let total = align(hidden + bb * n * h * act);
-    StageLayout {
-        ids,
-        prefix,
-        accept,
-        slots,
-        hidden,
-        total,
+fn stage_layout(b: &BucketPlan) -> StageLayout {
+    let find = |name: &str| b.buffer(name).map(|(_, x)| (x.offset as usize, x.bytes as usize));
+    let (mut l, mut ranges) = (StageLayout::default(), Vec::new());
+    for (name, slot) in [
+        (io::INPUT_IDS, &mut l.ids),
+        (io::PREFIX_LENS, &mut l.prefix),
+        (io::ACCEPT_LENS, &mut l.accept),
+        (io::REQ_SLOTS, &mut l.slots),
+    ] {
+        if let Some((off, len)) = find(name) {
+            *slot = off;
+            ranges.push((off, len));
+        }
     }
+    if let Some((off, len)) = find(io::HIDDEN_STATES) {
+        l.hidden = off;
+        l.hidden_bytes = len;
+    }
+    // Merge sorted ranges across gaps that no non-input buffer touches.
+    let free = |lo: usize, hi: usize| {
+        b.buffers.iter().all(|x| {
+            x.role == crate::format::BufferRole::Input || x.offset as usize >= hi || (x.offset + x.bytes) as usize <= lo
+        })
+    };
+    let merge = |mut v: Vec<(usize, usize)>| -> Vec<(usize, usize)> {
+        v.sort_unstable();
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for (off, len) in v {
+            match out.last_mut() {
+                Some((o, l)) if *o + *l <= off && free(*o + *l, off) => *l = off + len - *o,
+                _ => out.push((off, len)),
+            }
+        }
+        out
+    };
+    l.ints = merge(ranges.clone());
+    ranges.push((l.hidden, l.hidden_bytes));
+    l.all = merge(ranges);
+    l
 }
 
 pub fn to_act_bytes(v: &[f32], act: DType) -> Vec<u8> {

@@ -225,12 +225,37 @@ fn check_case(plan: &ValidatedPlan, rt: &mut GpuRuntime, weights: &[WeightData],
     for (i, &s) in c.slots.iter().enumerate() {
         table.set_row(s as usize, &c.pages[i]);
     }
-    let bucket = plan.bucket_for(c.b as u32).ok_or("no bucket")?;
-    let padded = pad_to_bucket(plan, bucket, &c.step, &c.slots, table.scratch_slot());
+    // Batches above the largest bucket run as chunks of at most that size, in order; the
+    // reference does the same (requests are independent, so chunking changes nothing).
     let exec = CpuExecutor::new(plan, weights.to_vec()).map_err(|e| e.to_string())?;
-    let r = exec
-        .run(bucket, &padded, &table, &mut pool)
-        .map_err(|e| e.to_string())?;
+    let max_b = plan.buckets.last().map_or(1, |x| x.batch as usize);
+    let (kk, hh) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    let mut r = specplan_runtime::cpu::BucketOutputs {
+        hidden_out: vec![],
+        topk_probs: vec![],
+        topk_ids: vec![],
+    };
+    for start in (0..c.b).step_by(max_b) {
+        let end = (start + max_b).min(c.b);
+        let x = &c.step;
+        let chunk = StepInputs {
+            batch: end - start,
+            input_ids: x.input_ids[start * n..end * n].to_vec(),
+            hidden_states: x.hidden_states[start * n * hh..end * n * hh].to_vec(),
+            prefix_lens: x.prefix_lens[start..end].to_vec(),
+            accept_lens: x.accept_lens[start..end].to_vec(),
+            page_table: x.page_table[start * x.page_cols..end * x.page_cols].to_vec(),
+            page_cols: x.page_cols,
+        };
+        let bucket = plan.bucket_for((end - start) as u32).ok_or("no bucket")?;
+        let padded = pad_to_bucket(plan, bucket, &chunk, &c.slots[start..end], table.scratch_slot());
+        let o = exec
+            .run(bucket, &padded, &table, &mut pool)
+            .map_err(|e| e.to_string())?;
+        r.hidden_out.extend_from_slice(&o.hidden_out[..(end - start) * hh]);
+        r.topk_probs.extend_from_slice(&o.topk_probs[..(end - start) * kk]);
+        r.topk_ids.extend_from_slice(&o.topk_ids[..(end - start) * kk]);
+    }
 
     for i in 0..c.b {
         let (mut num, mut den) = (0f64, 0f64);
@@ -402,8 +427,215 @@ fn time_steps(rt: &mut GpuRuntime, req: &StepRequest) -> Result<(f64, f64), Stri
     Ok((times[times.len() / 2], preps[preps.len() / 2]))
 }
 
+/// Writes a plan's weights and one step's inputs as the `run` contract's safetensors files.
+fn write_contract_files(plan: &ValidatedPlan, rng: &mut Rng, dir: &std::path::Path, b: usize) -> Result<(), String> {
+    use safetensors::tensor::{Dtype, TensorView};
+    let weights = random_weights(plan, rng);
+    let bf = |v: &[f32]| {
+        v.iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    // Unpack the plan's packed weights back into the file tensors they came from.
+    let m = &plan.model;
+    let mut files: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (w, d) in plan.weights.iter().zip(&weights) {
+        match (d, &w.packing) {
+            (WeightData::I64(ids), _) => files.push((
+                w.name.clone(),
+                Dtype::I64,
+                vec![ids.len()],
+                ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            )),
+            (WeightData::F32(v), specplan_runtime::format::Packing::Single) => files.push((
+                w.sources[0].clone(),
+                Dtype::BF16,
+                w.shape.iter().map(|&x| x as usize).collect(),
+                bf(v),
+            )),
+            (WeightData::F32(v), specplan_runtime::format::Packing::ConcatRows) => {
+                let cols = w.shape[1] as usize;
+                let mut row = 0;
+                for src in &w.sources {
+                    let rows = if src.contains("q_proj") {
+                        (m.heads * m.head_dim) as usize
+                    } else if src.contains("k_proj") || src.contains("v_proj") {
+                        (m.kv_heads * m.head_dim) as usize
+                    } else {
+                        m.intermediate as usize
+                    };
+                    files.push((
+                        src.clone(),
+                        Dtype::BF16,
+                        vec![rows, cols],
+                        bf(&v[row * cols..(row + rows) * cols]),
+                    ));
+                    row += rows;
+                }
+            }
+            (WeightData::F32(_), specplan_runtime::format::Packing::GatherRows) => {
+                return Err("the contract check uses plans without FR-Spec".into());
+            }
+        }
+    }
+    let st = |path: &std::path::Path, t: &[(String, Dtype, Vec<usize>, Vec<u8>)]| -> Result<(), String> {
+        let views: Vec<(String, TensorView)> = t
+            .iter()
+            .map(|(n, d, s, b)| {
+                TensorView::new(*d, s.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| e.to_string())
+            })
+            .collect::<Result<_, _>>()?;
+        std::fs::write(path, safetensors::serialize(views, None).map_err(|e| e.to_string())?).map_err(|e| e.to_string())
+    };
+    st(&dir.join("weights.safetensors"), &files)?;
+    let c = make_case(plan, rng, b, 100);
+    let layers = m.layers as usize;
+    let kv_shape = vec![
+        layers,
+        c.used_pages,
+        plan.capture.page_size as usize,
+        m.kv_heads as usize,
+        m.head_dim as usize,
+    ];
+    let u16b = |v: &[u16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let n = plan.spec.num_draft_tokens as usize;
+    let inputs = vec![
+        (
+            "input_ids".to_string(),
+            Dtype::I64,
+            vec![b, n],
+            c.step.input_ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
+        (
+            "hidden_states".to_string(),
+            Dtype::BF16,
+            vec![b, n, m.hidden as usize],
+            u16b(&c.hidden_bits),
+        ),
+        (
+            "prefix_lens".to_string(),
+            Dtype::I32,
+            vec![b],
+            c.step.prefix_lens.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
+        (
+            "accept_lens".to_string(),
+            Dtype::I32,
+            vec![b],
+            c.step.accept_lens.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
+        (
+            "page_table".to_string(),
+            Dtype::I32,
+            vec![b, c.step.page_cols],
+            c.step.page_table.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        ),
+        ("k_cache".to_string(), Dtype::BF16, kv_shape.clone(), u16b(&c.k0)),
+        ("v_cache".to_string(), Dtype::BF16, kv_shape, u16b(&c.v0)),
+    ];
+    st(&dir.join("inputs.safetensors"), &inputs)
+}
+
+/// `specplan run` on the CPU, the GPU graph and the GPU eagerly, on the same files.
+fn contract_check(plan_path: &str, specplan: &str, dir: &str) -> Result<String, String> {
+    let plan = load_file(std::path::Path::new(plan_path)).map_err(|e| e.to_string())?;
+    let dir = std::path::Path::new(dir);
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let mut rng = Rng(seed());
+    write_contract_files(&plan, &mut rng, dir, 3)?;
+    let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
+    let mut outs = Vec::new();
+    for (dev, eager, out) in [
+        ("cpu", false, "cpu.safetensors"),
+        ("cuda", false, "graph.safetensors"),
+        ("cuda", true, "eager.safetensors"),
+    ] {
+        let mut args = vec!["run", "--plan", plan_path, "--device", dev];
+        let (w, i, o) = (p("weights.safetensors"), p("inputs.safetensors"), p(out));
+        args.extend(["--weights", &w, "--inputs", &i, "--out", &o]);
+        if eager {
+            args.push("--eager");
+        }
+        let r = std::process::Command::new(specplan)
+            .args(&args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !r.status.success() {
+            return Err(format!("specplan {args:?}: {}", String::from_utf8_lossy(&r.stderr)));
+        }
+        outs.push(std::fs::read(dir.join(out)).map_err(|e| e.to_string())?);
+    }
+    if outs[1] != outs[2] {
+        return Err("graph and eager output files differ".into());
+    }
+    let read = |b: &[u8], name: &str| -> Result<Vec<f32>, String> {
+        let st = safetensors::SafeTensors::deserialize(b).map_err(|e| e.to_string())?;
+        let t = st.tensor(name).map_err(|e| e.to_string())?;
+        Ok(match t.dtype() {
+            safetensors::Dtype::F32 => t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            safetensors::Dtype::I64 => t
+                .data()
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as f32)
+                .collect(),
+            _ => t
+                .data()
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        })
+    };
+    let rel = |a: &[f32], b: &[f32]| {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (num / den.max(1e-30)).sqrt()
+    };
+    let mut report = Vec::new();
+    for name in ["hidden_out", "topk_probs", "k_cache", "v_cache"] {
+        let (g, c) = (read(&outs[1], name)?, read(&outs[0], name)?);
+        let e = rel(&g, &c);
+        report.push(format!("{name} rel {e:.2e}"));
+        if e > 1e-2 {
+            return Err(format!("{name}: cuda vs cpu relative error {e:.3e}"));
+        }
+    }
+    let (gi, ci) = (read(&outs[1], "topk_ids")?, read(&outs[0], "topk_ids")?);
+    report.push(format!(
+        "topk_ids equal {}/{}",
+        gi.iter().zip(&ci).filter(|(a, b)| a == b).count(),
+        gi.len()
+    ));
+    Ok(report.join(", "))
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("contract") {
+        if !GpuRuntime::available() {
+            println!("SKIP: no CUDA driver or device on this machine");
+            return ExitCode::SUCCESS;
+        }
+        if args.len() < 5 {
+            eprintln!("usage: gpucheck contract PLAN SPECPLAN_BIN WORK_DIR");
+            return ExitCode::from(2);
+        }
+        return match contract_check(&args[2], &args[3], &args[4]) {
+            Ok(r) => {
+                println!("contract (specplan run, cpu vs cuda graph vs cuda eager): ok: {r}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("contract: FAILED: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     if args.len() < 3 {
         eprintln!("usage: gpucheck PLAN_DIR OUT_DIR [--quick]");
         return ExitCode::from(2);
@@ -470,13 +702,11 @@ fn main() -> ExitCode {
         let max_prefix = (plan.capture.max_context_len as usize - plan.spec.num_draft_tokens as usize).min(700);
         let mut cases = Vec::new();
         for &b in &bs {
-            if b > max_b {
-                // Above the largest bucket: eager chunks, checked for equality with graphs only
-                // through the same comparisons (CPU reference per chunk is not applicable).
+            if b > plan.capture.max_requests as usize {
                 continue;
             }
             let c = make_case(&plan, &mut rng, b, max_prefix);
-            let bucket = plan.bucket_for(b as u32).map_or(0, |x| x.batch);
+            let bucket = plan.bucket_for(b as u32).map_or(max_b as u32, |x| x.batch);
             match check_case(&plan, &mut rt, &weights, &c) {
                 Ok(e) => {
                     let ok = e.failures.is_empty();
