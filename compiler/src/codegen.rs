@@ -76,6 +76,18 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
         }
     };
     let n = cfg.spec.num_draft_tokens;
+    // The geometry every kernel that walks the paged KV cache shares.
+    let paged_kv = || {
+        vec![
+            u("HEADS", m.heads),
+            u("KV_HEADS", m.kv_heads),
+            u("HEAD_DIM", m.head_dim),
+            u("N", n),
+            u("PAGE_SIZE", c.page_size),
+            u("MAX_PAGES", c.pages_per_request()),
+            u("SLOTS", c.max_requests + 1),
+        ]
+    };
     match kind {
         OpKind::EmbedConcat { bias } => vec![spec(
             "embed.cu",
@@ -91,36 +103,21 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
             "rmsnorm",
             vec![u("HIDDEN", m.hidden), ("EPS".into(), ConstValue::F32(m.rms_norm_eps))],
         )],
-        OpKind::RopeAppend { .. } => vec![spec(
-            "rope_append.cu",
-            "rope_append",
-            vec![
-                u("HEADS", m.heads),
-                u("KV_HEADS", m.kv_heads),
-                u("HEAD_DIM", m.head_dim),
-                u("N", n),
-                u("PAGE_SIZE", c.page_size),
-                u("MAX_PAGES", c.pages_per_request()),
-                u("SLOTS", c.max_requests + 1),
-                ("INV_FREQ".into(), ConstValue::F32Array(crate::config::rope_inv_freq(m))),
-            ],
-        )],
+        OpKind::RopeAppend { .. } => vec![spec("rope_append.cu", "rope_append", {
+            let mut v = paged_kv();
+            v.push(("INV_FREQ".into(), ConstValue::F32Array(crate::config::rope_inv_freq(m))));
+            v
+        })],
         OpKind::Attention { window, .. } => {
             // Both entries come from one source, so they share every constant (and one
             // prelude declaring both parameter structs).
             let tile = attn_kv_tile(cfg).unwrap_or(16);
-            let consts = vec![
-                u("HEADS", m.heads),
-                u("KV_HEADS", m.kv_heads),
-                u("HEAD_DIM", m.head_dim),
-                u("N", n),
-                u("PAGE_SIZE", c.page_size),
-                u("MAX_PAGES", c.pages_per_request()),
-                u("SLOTS", c.max_requests + 1),
+            let mut consts = paged_kv();
+            consts.extend([
                 u("WINDOW", window.unwrap_or(0)),
                 ("SCALE".into(), ConstValue::F32(1.0 / (m.head_dim as f32).sqrt())),
                 u("KV_TILE", tile),
-            ];
+            ]);
             vec![
                 spec("attention.cu", "attn_partial", consts.clone()),
                 spec("attention.cu", "attn_merge", consts),

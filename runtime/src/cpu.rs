@@ -145,6 +145,16 @@ fn c_u32(k: &KernelDesc, name: &str) -> Result<usize, String> {
     }
 }
 
+/// (HEADS, KV_HEADS, HEAD_DIM, N) of a kernel that walks the paged cache.
+fn heads(k: &KernelDesc) -> Result<(usize, usize, usize, usize), String> {
+    Ok((
+        c_u32(k, "HEADS")?,
+        c_u32(k, "KV_HEADS")?,
+        c_u32(k, "HEAD_DIM")?,
+        c_u32(k, "N")?,
+    ))
+}
+
 fn c_f32(k: &KernelDesc, name: &str) -> Result<f32, String> {
     match k.constants.iter().find(|(n, _)| n == name) {
         Some((_, ConstValue::F32(v))) => Ok(*v),
@@ -438,12 +448,7 @@ impl Ctx<'_> {
         ptr: &dyn Fn(&str) -> Result<Ptr, String>,
         scalar: &dyn Fn(&str) -> Result<usize, String>,
     ) -> Result<(), String> {
-        let (hq, hkv, d, n) = (
-            c_u32(k, "HEADS")?,
-            c_u32(k, "KV_HEADS")?,
-            c_u32(k, "HEAD_DIM")?,
-            c_u32(k, "N")?,
-        );
+        let (hq, hkv, d, n) = heads(k)?;
         let (ps, max_pages) = (c_u32(k, "PAGE_SIZE")?, c_u32(k, "MAX_PAGES")?);
         let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
         let (Ptr::Buf(qkv), Ptr::Buf(prefix), Ptr::Buf(slots), Ptr::Table) =
@@ -507,12 +512,7 @@ impl Ctx<'_> {
         ptr: &dyn Fn(&str) -> Result<Ptr, String>,
         scalar: &dyn Fn(&str) -> Result<usize, String>,
     ) -> Result<(), String> {
-        let (hq, hkv, d, n) = (
-            c_u32(k, "HEADS")?,
-            c_u32(k, "KV_HEADS")?,
-            c_u32(k, "HEAD_DIM")?,
-            c_u32(k, "N")?,
-        );
+        let (hq, hkv, d, n) = heads(k)?;
         let (ps, window) = (c_u32(k, "PAGE_SIZE")?, c_u32(k, "WINDOW")?);
         let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_u32(k, "KV_TILE")?);
         let (Ptr::Buf(q), Ptr::Buf(slots), Ptr::Table, Ptr::Buf(prefix)) =
