@@ -180,6 +180,15 @@ impl InputArgs {
     }
 }
 
+/// stdout writes that return errors instead of panicking (a closed pipe, as in
+/// `specplan show p.plan | head`, ends the command quietly).
+macro_rules! outln {
+    ($($t:tt)*) => { writeln!(std::io::stdout(), $($t)*)? };
+}
+macro_rules! out {
+    ($($t:tt)*) => { write!(std::io::stdout(), $($t)*)? };
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
@@ -227,39 +236,38 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 p.push(".txt");
                 write_atomic(Path::new(&p), format::to_text(&compiled.plan).as_bytes())?;
             }
-            print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64());
+            print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64())?;
             match compiled.jit {
-                Some(st) => println!(
+                Some(st) => outln!(
                     "kernels: {} compiled by NVRTC {}, {} from the cache",
                     st.compiled,
                     compiled.plan.target.nvrtc.as_deref().unwrap_or("?"),
                     st.cached
                 ),
-                None => println!("kernels: not compiled (--no-kernels)"),
+                None => outln!("kernels: not compiled (--no-kernels)"),
             }
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Show { plan } => {
             let p = load(&plan)?;
-            let mut stdout = std::io::stdout().lock();
-            stdout.write_all(format::to_text(&p).as_bytes())?;
+            std::io::stdout().lock().write_all(format::to_text(&p).as_bytes())?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Diff { a, b, summary } => {
             let (pa, pb) = (load(&a)?, load(&b)?);
             let d = format::diff(&pa, &pb);
             if d.is_empty() {
-                println!("plans are equal");
+                outln!("plans are equal");
                 return Ok(ExitCode::SUCCESS);
             }
             if !summary {
                 for e in &d.entries {
-                    println!("{e}");
+                    outln!("{e}");
                 }
-                println!();
+                outln!();
             }
             for line in d.summary() {
-                println!("{line}");
+                outln!("{line}");
             }
             Ok(ExitCode::from(1))
         }
@@ -274,7 +282,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     )
                 })?,
             };
-            print!("{}", plan_dot(&p, b));
+            out!("{}", plan_dot(&p, b));
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Graph { input, unfused, dot } => {
@@ -282,9 +290,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let compiled = compile(&cfg, &Target::default(), None, &|_, _| {})?;
             let g = if unfused { &compiled.unfused } else { &compiled.fused };
             if dot {
-                print!("{}", graph::to_dot(g, &cfg.name));
+                out!("{}", graph::to_dot(g, &cfg.name));
             } else {
-                print!("{}", graph::print_graph(g));
+                out!("{}", graph::print_graph(g));
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -308,7 +316,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 Device::Cuda => contract::run_gpu(&p, w, &mut x, eager)?,
             };
             contract::write_outputs(&p, &out, &res, &x)?;
-            println!(
+            outln!(
                 "ran {} requests in bucket {} on the {} in {:.3} s; wrote {}",
                 x.step.batch,
                 res.bucket,
@@ -324,7 +332,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Presets => {
             for p in PRESETS {
-                println!("{:<16} {}", p.name, p.summary);
+                outln!("{:<16} {}", p.name, p.summary);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -366,8 +374,8 @@ fn mib(b: u64) -> String {
     format!("{:.2} MiB", b as f64 / (1024.0 * 1024.0))
 }
 
-fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) {
-    println!(
+fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> Result<()> {
+    outln!(
         "wrote {} ({} bytes): {} buckets, {} kernels, {} launches per bucket, compiled in {:.3} s",
         out.display(),
         file_bytes,
@@ -376,20 +384,20 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) {
         p.buckets.first().map_or(0, |b| b.launches.len()),
         secs
     );
-    println!(
+    outln!(
         "weights {}  kv pool {} ({} pages)  arena (max) {}",
         mib(p.weight_bytes),
         mib(p.kv_pool_bytes()),
         p.capture.kv_pool_pages,
         mib(p.arena_bytes())
     );
-    println!("{:>6} {:>7} {:>12} {:>7} replay", "bucket", "rows", "arena", "splits");
+    outln!("{:>6} {:>7} {:>12} {:>7} replay", "bucket", "rows", "arena", "splits");
     for b in &p.buckets {
         let replay = match &b.replay {
             format::Replay::Graph => "graph".to_string(),
             other => format!("{other:?}"),
         };
-        println!(
+        outln!(
             "{:>6} {:>7} {:>12} {:>7} {}",
             b.batch,
             b.rows,
@@ -398,6 +406,7 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) {
             replay
         );
     }
+    Ok(())
 }
 
 /// Launch-level dataflow of one bucket: launches as boxes, buffers as ellipses.
