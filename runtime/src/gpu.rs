@@ -542,8 +542,13 @@ impl GpuRuntime {
 
     /// Issues every launch of a bucket on the stream (used eagerly and under capture).
     fn issue(&self, bi: usize) -> Result<(), GpuError> {
+        self.issue_where(bi, &|_| true)
+    }
+
+    /// Issues the launches of a bucket whose op name passes `keep`, eagerly.
+    fn issue_where(&self, bi: usize, keep: &dyn Fn(&str) -> bool) -> Result<(), GpuError> {
         let b = &self.plan.buckets[bi];
-        for l in &b.launches {
+        for l in b.launches.iter().filter(|l| keep(&l.op)) {
             match &l.kind {
                 LaunchKind::Gemm(g) => self.gemm(b, g)?,
                 LaunchKind::Kernel {
@@ -1028,6 +1033,20 @@ impl GpuRuntime {
 
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// Benchmarks: replays a bucket's graph on the inputs already in the arena (no host
+    /// prep, no copies), or issues the launches whose op name contains `filter` eagerly.
+    pub fn replay_only(&self, batch: u32, filter: Option<&str>) -> Result<(), GpuError> {
+        let bi = self.plan.buckets.iter().position(|b| b.batch == batch).ok_or(GpuError::Cuda {
+            call: "replay_only",
+            message: format!("no bucket {batch}"),
+        })?;
+        match (filter, &self.graphs[bi]) {
+            (None, Some(g)) => cuda("cuGraphLaunch", g.launch()),
+            (None, None) => self.issue(bi),
+            (Some(f), _) => self.issue_where(bi, &|op| op.contains(f)),
+        }
     }
 
     /// Whether a bucket has a built graph.
