@@ -25,7 +25,9 @@ pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32) -> Replay {
             limit: i32::MAX as u64,
         });
     }
-    let pages_per_req = (cfg.spec.num_draft_tokens as u64).div_ceil(c.page_size as u64);
+    // N new positions can straddle one more page boundary than N / page_size suggests.
+    let ps = c.page_size as u64;
+    let pages_per_req = (cfg.spec.num_draft_tokens as u64 + ps - 1).div_ceil(ps);
     let need = batch as u64 * pages_per_req + 1;
     if need > pool {
         return Replay::Eager(ReplayBlocker::PoolTooSmall {

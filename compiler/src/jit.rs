@@ -140,7 +140,16 @@ impl Jit {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Ok(JitStats::default())))
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(JitError::Nvrtc {
+                            kernel: "(worker)".into(),
+                            what: "compile thread",
+                            message: "panicked".into(),
+                            hint: String::new(),
+                        })
+                    })
+                })
                 .collect()
         });
         let mut total = JitStats::default();
@@ -171,6 +180,7 @@ impl Jit {
             .cache_dir
             .as_ref()
             .and_then(|d| read_cache(&d.join(format!("{key}.bin")), &real))
+            .filter(|b| check_ptx_version(&k.name, &b.ptx).is_ok())
         {
             return Ok((bin, true));
         }

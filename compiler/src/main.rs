@@ -230,12 +230,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             })?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
-            write_atomic(&out, &bytes)?;
+            // With --text, the text goes first: if it fails, the plan is not replaced either.
             if text {
                 let mut p = out.clone().into_os_string();
                 p.push(".txt");
                 write_atomic(Path::new(&p), format::to_text(&compiled.plan).as_bytes())?;
             }
+            write_atomic(&out, &bytes)?;
             print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64())?;
             match compiled.jit {
                 Some(st) => outln!(

@@ -511,13 +511,22 @@ pub fn write_outputs(
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
+    // A temporary name unique to this process, synced, then renamed over the target: a
+    // reader sees the old file or the whole new one, and a failure leaves no partial file.
     let tmp = dir.join(format!(
-        ".{}.partial",
+        ".{}.{}.partial",
         path.file_name()
-            .map_or("out".into(), |f| f.to_string_lossy().into_owned())
+            .map_or("out".into(), |f| f.to_string_lossy().into_owned()),
+        std::process::id()
     ));
-    std::fs::write(&tmp, bytes).map_err(|e| werr(e.to_string()))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
+    let written = (|| -> std::io::Result<()> {
+        use std::io::Write as _;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    written.map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         werr(e.to_string())
     })

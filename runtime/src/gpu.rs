@@ -238,6 +238,10 @@ pub struct GpuRuntime {
     last_batch: usize,
     slot_seen: Vec<u32>,
     stamp: u32,
+    /// Host mirror of the device page table (for the O(b·N) write-conflict check).
+    table_host: Vec<i32>,
+    /// Stamp per pool (page, slot) written in the current step.
+    write_seen: Vec<u32>,
     /// Outputs of a batch run in chunks (above the largest bucket), and whether the last
     /// step was one.
     chunk_out: Option<DevMem>,
@@ -324,6 +328,7 @@ impl GpuRuntime {
         let staging_done = [ev()?, ev()?];
         let nb = plan.buckets.len();
         let rows = plan.page_table_rows() as usize;
+        let page_size = plan.capture.page_size as usize;
         let mut rt = GpuRuntime {
             plan,
             ctx,
@@ -348,6 +353,8 @@ impl GpuRuntime {
             last_batch: 0,
             slot_seen: vec![0; rows],
             stamp: 0,
+            table_host: Vec::new(),
+            write_seen: vec![0; pool_pages as usize * page_size],
             chunk_out: None,
             chunked: false,
         };
@@ -427,9 +434,11 @@ impl GpuRuntime {
     fn reset_page_table(&mut self) -> Result<(), GpuError> {
         let n = self.table.bytes / 4;
         let scratch = self.scratch_page();
-        let v = vec![scratch; n];
+        self.table_host = vec![scratch; n];
         // SAFETY: exactly the table's size.
-        cuda("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(self.table.ptr, &v) })?;
+        cuda("cuMemcpyHtoD", unsafe {
+            result::memcpy_htod_sync(self.table.ptr, &self.table_host)
+        })?;
         self.slot_pages.iter_mut().for_each(|p| *p = 0);
         Ok(())
     }
@@ -466,13 +475,20 @@ impl GpuRuntime {
         if pages.is_empty() {
             return Ok(());
         }
-        let at = self.table.ptr + ((slot * cols + have) * 4) as u64;
-        // SAFETY: [at, at + 4·len) lies inside row `slot` (checked above). Stream-ordered
-        // after earlier replays, so a running step never sees a half-updated row.
+        let first = slot * cols + have;
+        self.table_host[first..first + pages.len()].copy_from_slice(pages);
+        let at = self.table.ptr + (first * 4) as u64;
+        // SAFETY: [at, at + 4·len) lies inside row `slot` (checked above). The source is
+        // pageable host memory, which the driver stages before the call returns, so no
+        // synchronization is needed; the copy is stream-ordered after earlier replays, so
+        // a running step never sees a half-updated row.
         cuda("cuMemcpyHtoDAsync", unsafe {
-            result::memcpy_htod_async(at, pages, self.stream.cu_stream())
+            result::memcpy_htod_async(
+                at,
+                &self.table_host[first..first + pages.len()],
+                self.stream.cu_stream(),
+            )
         })?;
-        cuda("cuStreamSynchronize", self.stream.synchronize())?;
         self.slot_pages[slot] += pages.len() as u32;
         Ok(())
     }
@@ -619,6 +635,7 @@ impl GpuRuntime {
     pub fn step(&mut self, req: &StepRequest, eager: bool) -> Result<StepInfo, GpuError> {
         let b = req.slots.len();
         let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
+        self.check_lengths(req)?;
         if b > max_b {
             self.log_once(format!(
                 "batch {b} exceeds the largest bucket {max_b}: running in eager chunks"
@@ -704,6 +721,41 @@ impl GpuRuntime {
             })
     }
 
+    /// The shapes of a request's slices (before anything is sliced by them).
+    fn check_lengths(&self, req: &StepRequest) -> Result<(), GpuError> {
+        let p = &self.plan;
+        let (b, n, h) = (
+            req.slots.len(),
+            p.spec.num_draft_tokens as usize,
+            p.model.hidden as usize,
+        );
+        let e = |t: &str, m: String| GpuError::Input(crate::step::input_error(t, String::new(), m));
+        if b == 0 {
+            return Err(e("req_slots", "a step needs at least one request".into()));
+        }
+        if req.input_ids.len() != b * n {
+            return Err(e(
+                "input_ids",
+                format!("{} values, expected [{b}, {n}]", req.input_ids.len()),
+            ));
+        }
+        if req.prefix_lens.len() != b || req.accept_lens.len() != b {
+            return Err(e(
+                "prefix_lens",
+                format!("prefix_lens and accept_lens need {b} values each"),
+            ));
+        }
+        if let Hidden::Host(v) = req.hidden {
+            if v.len() != b * n * h {
+                return Err(e(
+                    "hidden_states",
+                    format!("{} values, expected [{b}, {n}, {h}]", v.len()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn check(&mut self, req: &StepRequest) -> Result<(), GpuError> {
         let p = &self.plan;
         let (b, n) = (req.slots.len(), p.spec.num_draft_tokens as usize);
@@ -746,6 +798,7 @@ impl GpuRuntime {
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
             self.slot_seen.iter_mut().for_each(|x| *x = 0);
+            self.write_seen.iter_mut().for_each(|x| *x = 0);
             self.stamp = 1;
         }
         for i in 0..b {
@@ -783,6 +836,22 @@ impl GpuRuntime {
                         self.slot_pages[s as usize]
                     ),
                 ));
+            }
+            // No two requests of a step may write one cache slot (their K/V writes would race).
+            let row = s as usize * self.plan.capture.max_pages_per_request as usize;
+            for j in 0..n as i64 {
+                let pos = l + j;
+                let page = self.table_host[row + (pos / ps) as usize] as i64;
+                let key = (page * ps + pos % ps) as usize;
+                if let Some(seen) = self.write_seen.get_mut(key) {
+                    if std::mem::replace(seen, self.stamp) == self.stamp {
+                        return Err(e(
+                            "page_table",
+                            format!("[{i}]"),
+                            format!("request {i} writes page {page} slot {}, which another request of this step also writes", pos % ps),
+                        ));
+                    }
+                }
             }
             let a = req.accept_lens[i];
             if a < 1 || a as usize > n {
@@ -1038,10 +1107,15 @@ impl GpuRuntime {
     /// Benchmarks: replays a bucket's graph on the inputs already in the arena (no host
     /// prep, no copies), or issues the launches whose op name contains `filter` eagerly.
     pub fn replay_only(&self, batch: u32, filter: Option<&str>) -> Result<(), GpuError> {
-        let bi = self.plan.buckets.iter().position(|b| b.batch == batch).ok_or(GpuError::Cuda {
-            call: "replay_only",
-            message: format!("no bucket {batch}"),
-        })?;
+        let bi = self
+            .plan
+            .buckets
+            .iter()
+            .position(|b| b.batch == batch)
+            .ok_or(GpuError::Cuda {
+                call: "replay_only",
+                message: format!("no bucket {batch}"),
+            })?;
         match (filter, &self.graphs[bi]) {
             (None, Some(g)) => cuda("cuGraphLaunch", g.launch()),
             (None, None) => self.issue(bi),

@@ -126,6 +126,35 @@ fn inconsistent_plans_name_the_bad_field() {
             g.k += 1;
         }
     });
+    case("rows argument past the bucket", &|p| {
+        for l in &mut p.buckets[0].launches {
+            if let LaunchKind::Kernel { args, .. } = &mut l.kind {
+                if let Some(a) = args.iter_mut().find(|a| a.name == "rows") {
+                    a.value = ArgValue::U32(1_000_000);
+                    return;
+                }
+            }
+        }
+    });
+    case("kernel constant not the plan's", &|p| {
+        if let Some((_, v)) = p.kernels[0].constants.iter_mut().find(|(n, _)| n == "HIDDEN") {
+            *v = specplan_runtime::format::ConstValue::U32(4096);
+        }
+    });
+    case("scratch buffer smaller than the kernel touches", &|p| {
+        let b = &mut p.buckets[1];
+        if let Some(x) = b.buffers.iter_mut().find(|x| x.name == "fc_in") {
+            x.shape = vec![1, 512];
+            x.bytes = 1024;
+        }
+    });
+    case("truncated CUBIN", &|p| {
+        p.kernels[0].binary = Some(specplan_runtime::format::KernelBinary {
+            arch: "sm_90".into(),
+            cubin: b"\x7fELF\x02".to_vec(),
+            ptx: String::new(),
+        });
+    });
     insta::assert_snapshot!(out);
 }
 

@@ -127,3 +127,45 @@ fn auto_buckets_follow_sglang() {
     assert_eq!(*b.last().expect("non-empty"), 288);
     assert_eq!(specplan_compiler::config::auto_buckets(64).len(), 27);
 }
+
+#[test]
+fn out_of_range_flags_are_errors_not_panics() {
+    let cases: Vec<Overrides> = vec![
+        Overrides {
+            topk: Some(40),
+            num_steps: Some(1),
+            num_draft_tokens: Some(2),
+            ..Default::default()
+        },
+        Overrides {
+            topk: Some(1),
+            num_steps: Some(u32::MAX),
+            num_draft_tokens: Some(3),
+            ..Default::default()
+        },
+        Overrides {
+            max_requests: Some(u32::MAX),
+            ..Default::default()
+        },
+        Overrides {
+            max_bs: Some(u32::MAX),
+            buckets: Some("auto".into()),
+            ..Default::default()
+        },
+    ];
+    for o in cases {
+        let e = resolve(&Source::Preset("tiny".into()), &o).expect_err("must be rejected");
+        assert!(!e.0.is_empty());
+    }
+    let huge = r#"{"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 1000000000,
+                   "vocab_size": 10, "rms_norm_eps": 1e-50, "max_position_embeddings": 64}"#;
+    let e = resolve(
+        &Source::HfConfig {
+            name: "x".into(),
+            text: huge.into(),
+        },
+        &Overrides::default(),
+    )
+    .expect_err("huge");
+    assert!(e.to_string().contains("num_hidden_layers"), "{e}");
+}

@@ -169,6 +169,14 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
         .as_ref()
         .and_then(|m| read_capture(cap_v, o, m, spec.as_ref(), &mut e));
     let mut model = model;
+    if let Some(m) = &model {
+        if rope_inv_freq(&m.desc).iter().any(|f| !f.is_finite() || *f <= 0.0) {
+            e.push(
+                "model.rope_scaling".into(),
+                "gives non-finite or zero RoPE frequencies (check factor, low_freq_factor, high_freq_factor)".into(),
+            );
+        }
+    }
     if let (Some(m), Some(w)) = (model.as_mut(), o.sliding_window) {
         if w == 0 {
             e.push(
@@ -236,6 +244,18 @@ fn read_spec(v: &Value, o: &Overrides, e: &mut Errors) -> Option<SpecDesc> {
     if k == 0 || s == 0 || n == 0 {
         return None;
     }
+    let max_topk = specplan_kernels::geometry::MAX_TOPK;
+    if k > max_topk {
+        e.push(
+            TOPK.into(),
+            format!("{k} exceeds the {max_topk} candidates the sampling kernel keeps per request"),
+        );
+        return None;
+    }
+    if s > 64 {
+        e.push(STEPS.into(), format!("{s} exceeds 64 draft steps"));
+        return None;
+    }
     if k == 1 && n != s + 1 {
         e.push(
             DRAFT.into(),
@@ -283,10 +303,12 @@ fn read_capture(
         .or_else(|| uint_field(v, "max_bs", "capture.max_bs (--max-bs)", e))
         .unwrap_or(DEFAULT_MAX_BS);
     if max_bs == 0 || max_bs > 4096 {
+        // Checked before the bucket list is built from it.
         e.push(
             "capture.max_bs (--max-bs)".into(),
             format!("{max_bs} must be in [1, 4096]"),
         );
+        return None;
     }
     let bucket_text = match (&o.buckets, v.get("buckets")) {
         (Some(s), _) => Some(s.clone()),
@@ -380,6 +402,15 @@ fn read_capture(
         .max_requests
         .or_else(|| uint_field(v, "max_requests", REQS, e))
         .unwrap_or(max_b);
+    let pages_cols = ctx.div_ceil(page_size.max(1)) as u64;
+    if (max_requests as u64 + 1) * pages_cols > i32::MAX as u64 {
+        e.push(
+            REQS.into(),
+            format!(
+                "{max_requests} request slots × {pages_cols} pages each exceed the 2^31 entries a page table may hold"
+            ),
+        );
+    }
     if max_requests < max_b {
         e.push(
             REQS.into(),

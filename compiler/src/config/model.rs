@@ -150,6 +150,13 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
         }
     }
     let layers_n = layers?;
+    if layers_n > 256 {
+        e.push(
+            r.path("num_hidden_layers"),
+            format!("{layers_n} exceeds 256 (a draft head has a few layers)"),
+        );
+        return None;
+    }
     let windows = match (window, r.present("layer_types")) {
         (w, None) => vec![w; layers_n as usize],
         (w, Some(Value::Array(types))) => {
@@ -197,7 +204,13 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             head_dim: head_dim?,
             layers: layers_n,
             vocab: vocab?,
-            rms_norm_eps: eps? as f32,
+            rms_norm_eps: match eps? as f32 {
+                x if x > 0.0 && x.is_finite() => x,
+                _ => {
+                    e.push(r.path("rms_norm_eps"), "not representable as a positive f32".into());
+                    return None;
+                }
+            },
             rope_theta: theta as f32,
             rope_scaling: rope_scaling?,
             max_position_embeddings: max_pos?,

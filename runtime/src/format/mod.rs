@@ -6,6 +6,7 @@
 
 mod codec;
 mod diff;
+mod kernel_rules;
 mod text;
 mod types;
 mod validate;

@@ -16,9 +16,15 @@
 //!    buffers that share arena bytes are never live at the same time.
 //! 7. Def before use: inputs are written by host prep; every other buffer is written by a
 //!    launch before any launch reads it.
+//! 8. Kernels (`kernel_rules.rs`): every specialization constant equals the plan fact it
+//!    encodes; every `u32` argument (rows, batch, splits) equals the bucket's; every buffer
+//!    or weight argument has the dtype the entry reads and at least the bytes it touches;
+//!    launch arguments match the parameter struct's names, order and kinds; CUBINs are
+//!    ELF images whose header tables lie inside them.
 
 use std::collections::HashSet;
 
+use super::kernel_rules;
 use super::types::*;
 use super::PlanError;
 
@@ -146,7 +152,7 @@ pub fn spec_rule_violation(s: &SpecDesc) -> Option<String> {
             ));
         }
     } else {
-        let max = 1 + k + (st - 1) * k * k;
+        let max = (st - 1).saturating_mul(k).saturating_mul(k).saturating_add(1 + k);
         if n < 2 || n > max {
             return Some(format!(
                 "with topk = {k} and num_steps = {st}, num_draft_tokens must be in [2, 1 + topk + (num_steps - 1)·topk² = {max}] (got {n})"
@@ -205,6 +211,13 @@ fn capture(p: &Plan, e: &mut Errors) {
 fn weights(p: &Plan, e: &mut Errors) {
     let mut spans: Vec<(u64, u64, usize)> = Vec::new();
     for (i, w) in p.weights.iter().enumerate() {
+        e.check(!w.shape.is_empty() && w.shape.len() <= 2, || {
+            format!(
+                "weights[{i}] ({}): rank {} (weights are vectors or matrices)",
+                w.name,
+                w.shape.len()
+            )
+        });
         let elems = w.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let want = elems.and_then(|n| n.checked_mul(w.dtype.size()));
         e.check(want == Some(w.bytes) && w.bytes > 0, || {
@@ -267,7 +280,9 @@ fn kernels(p: &Plan, e: &mut Errors) {
         for f in &k.params {
             let size = if f.kind == ParamKind::Ptr { 8 } else { 4 };
             e.check(
-                f.offset >= end && f.offset % size == 0 && f.offset + size <= k.params_size,
+                f.offset >= end
+                    && f.offset % size == 0
+                    && f.offset.checked_add(size).is_some_and(|x| x <= k.params_size),
                 || {
                     format!(
                         "kernels[{i}] ({}): parameter {} at offset {} breaks the C layout",
@@ -275,7 +290,7 @@ fn kernels(p: &Plan, e: &mut Errors) {
                     )
                 },
             );
-            end = f.offset + size;
+            end = f.offset.saturating_add(size);
         }
         e.check(k.params_size <= 4096, || {
             format!(
@@ -288,9 +303,17 @@ fn kernels(p: &Plan, e: &mut Errors) {
             e.check(b.arch == want, || {
                 format!("kernels[{i}] ({}): binary for {}, plan targets {want}", k.name, b.arch)
             });
-            e.check(!b.cubin.is_empty() || !b.ptx.is_empty(), || {
-                format!("kernels[{i}] ({}): empty binary", k.name)
+            // The driver reads the image's header tables without a length.
+            e.check(kernel_rules::cubin_ok(&b.cubin), || {
+                format!("kernels[{i}] ({}): the CUBIN is not a well-formed ELF image", k.name)
             });
+        }
+        e.check(
+            k.source_hash.len() == 64 && k.source_hash.bytes().all(|c| c.is_ascii_hexdigit()),
+            || format!("kernels[{i}] ({}): source_hash is not 64 hex digits", k.name),
+        );
+        for msg in kernel_rules::kernel_constants(p, k) {
+            e.check(false, || msg);
         }
     }
 }
@@ -426,6 +449,11 @@ fn bucket(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) {
                         });
                     }
                 }
+                if let Some(k) = p.kernels.get(*kernel as usize) {
+                    for msg in kernel_rules::launch_args(p, b, k, args) {
+                        e.check(false, || lat(&format!(".{msg}")));
+                    }
+                }
                 for (ai, a) in args.iter().enumerate() {
                     let apath = || lat(&format!(".args[{ai}] ({})", a.name));
                     match &a.value {
@@ -458,7 +486,7 @@ fn bucket(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) {
     for i in 0..b.buffers.len() {
         for j in i + 1..b.buffers.len() {
             let (x, y) = (&b.buffers[i], &b.buffers[j]);
-            let overlap = x.offset < y.offset + y.bytes && y.offset < x.offset + x.bytes;
+            let overlap = x.offset < y.offset.saturating_add(y.bytes) && y.offset < x.offset.saturating_add(x.bytes);
             if !overlap {
                 continue;
             }

@@ -40,7 +40,11 @@ struct Timer {
 impl Timer {
     fn new(stream: CUstream) -> Result<Timer, String> {
         let e = || event::create(CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| format!("{e:?}"));
-        Ok(Timer { start: e()?, end: e()?, stream })
+        Ok(Timer {
+            start: e()?,
+            end: e()?,
+            stream,
+        })
     }
     /// Median µs of `f` between two events on the stream.
     fn time(&self, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
@@ -130,7 +134,12 @@ fn pattern_weights(plan: &ValidatedPlan) -> Vec<WeightData> {
                 WeightData::I64((0..n as i64).collect())
             } else {
                 let scale = 1.0 / (*w.shape.last().unwrap_or(&1) as f32).sqrt();
-                WeightData::F32((0..n).map(|i| ((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0).map(|x| x * scale).collect())
+                WeightData::F32(
+                    (0..n)
+                        .map(|i| ((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
+                        .map(|x| x * scale)
+                        .collect(),
+                )
             }
         })
         .collect()
@@ -191,19 +200,30 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
     let mut json = Vec::new();
     let mut ceil: Option<(f64, f64)> = None;
     for f in files {
-        let name = f.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = f
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         let plan = load_file(&f).map_err(|e| format!("{name}: {e}"))?;
         let weights = pattern_weights(&plan);
         let t0 = Instant::now();
-        let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(|e| format!("{name}: {e}"))?;
+        let mut rt =
+            GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(|e| format!("{name}: {e}"))?;
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
         let stream = rt.stream().cu_stream();
         let (bw, rate) = match ceil {
             Some(c) => c,
             None => {
                 let c = ceilings(stream)?;
-                println!("ceilings: copy {:.2} TB/s, bf16 matmul {:.0} TFLOP/s", c.0 / 1e12, c.1 / 1e12);
-                json.push(format!("{{\"copy_bytes_per_s\":{:e},\"bf16_flops_per_s\":{:e}}}", c.0, c.1));
+                println!(
+                    "ceilings: copy {:.2} TB/s, bf16 matmul {:.0} TFLOP/s",
+                    c.0 / 1e12,
+                    c.1 / 1e12
+                );
+                json.push(format!(
+                    "{{\"copy_bytes_per_s\":{:e},\"bf16_flops_per_s\":{:e}}}",
+                    c.0, c.1
+                ));
                 ceil = Some(c);
                 c
             }
@@ -239,7 +259,13 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
                 unsafe { result::memset_d8_async(dev, 0x3c, bytes, stream) }.map_err(|e| format!("{e:?}"))?;
                 let prefix = vec![l as i32; b];
                 let accept = vec![n as i32; b];
-                let req = StepRequest { slots: &slots, input_ids: &ids, hidden: Hidden::Device(dev), prefix_lens: &prefix, accept_lens: &accept };
+                let req = StepRequest {
+                    slots: &slots,
+                    input_ids: &ids,
+                    hidden: Hidden::Device(dev),
+                    prefix_lens: &prefix,
+                    accept_lens: &accept,
+                };
                 let g = |e: specplan_runtime::gpu::GpuError| e.to_string();
                 // Full step: host wall clock from prep to completion.
                 let mut preps = Vec::new();
@@ -282,7 +308,12 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
                 ));
             }
         }
-        println!("{name}: plan+weights load {load_ms:.0} ms, graphs {builds:.1} ms for {} buckets, arena {} B, kv {} B", plan.buckets.len(), rt.arena_bytes(), rt.kv_bytes());
+        println!(
+            "{name}: plan+weights load {load_ms:.0} ms, graphs {builds:.1} ms for {} buckets, arena {} B, kv {} B",
+            plan.buckets.len(),
+            rt.arena_bytes(),
+            rt.kv_bytes()
+        );
     }
     let table = format!(
         "| plan | B | L | prep µs | replay µs | step µs | eager µs | floor µs | step/floor | attn µs | attn TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n{}\n",
@@ -290,7 +321,8 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
     );
     std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
     std::fs::write(format!("{out}/specbench.md"), &table).map_err(|e| e.to_string())?;
-    std::fs::write(format!("{out}/specbench.json"), format!("[\n{}\n]\n", json.join(",\n"))).map_err(|e| e.to_string())?;
+    std::fs::write(format!("{out}/specbench.json"), format!("[\n{}\n]\n", json.join(",\n")))
+        .map_err(|e| e.to_string())?;
     println!("\n{table}");
     Ok(())
 }
