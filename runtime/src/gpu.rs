@@ -792,7 +792,6 @@ impl GpuRuntime {
             ));
         }
         let ps = p.capture.page_size as i64;
-        let ctx = p.capture.max_context_len as i64;
         // Slots must be distinct: two rows of one step writing one slot's pages would race.
         // A stamped table (no allocation, no clearing) keeps this O(b).
         self.stamp = self.stamp.wrapping_add(1);
@@ -817,14 +816,8 @@ impl GpuRuntime {
                     format!("slot {s} appears twice in one step"),
                 ));
             }
+            crate::step::check_lengths_of(p, i, req.prefix_lens[i], req.accept_lens[i])?;
             let l = req.prefix_lens[i] as i64;
-            if l < 0 || l + n as i64 > ctx {
-                return Err(e(
-                    "prefix_lens",
-                    format!("[{i}]"),
-                    format!("{l} + {n} must be in [{n}, {ctx}]"),
-                ));
-            }
             let need = (l + n as i64 + ps - 1) / ps;
             if need > self.slot_pages[s as usize] as i64 {
                 return Err(e(
@@ -852,10 +845,6 @@ impl GpuRuntime {
                         ));
                     }
                 }
-            }
-            let a = req.accept_lens[i];
-            if a < 1 || a as usize > n {
-                return Err(e("accept_lens", format!("[{i}]"), format!("{a} is outside [1, {n}]")));
             }
         }
         Ok(())

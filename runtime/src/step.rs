@@ -105,27 +105,12 @@ impl StepInputs {
                 format!("{x} is not finite"),
             ));
         }
-        let ctx = plan.capture.max_context_len as i64;
         let ps = plan.capture.page_size as usize;
         // (page, slot) → request that writes it, to reject two requests writing one slot.
         let mut writers: HashMap<(i32, usize), usize> = HashMap::with_capacity(b * n);
         for i in 0..b {
+            check_lengths_of(plan, i, self.prefix_lens[i], self.accept_lens[i])?;
             let l = self.prefix_lens[i] as i64;
-            if l < 0 || l + n as i64 > ctx {
-                return Err(input_error(
-                    "prefix_lens",
-                    format!("[{i}]"),
-                    format!("{l} + num_draft_tokens {n} must be in [{n}, max_context_len {ctx}]"),
-                ));
-            }
-            let a = self.accept_lens[i];
-            if a < 1 || a as usize > n {
-                return Err(input_error(
-                    "accept_lens",
-                    format!("[{i}]"),
-                    format!("{a} is outside [1, {n}]"),
-                ));
-            }
             let used = (l as usize + n).div_ceil(ps);
             if used > self.page_cols {
                 return Err(input_error(
@@ -162,6 +147,29 @@ impl StepInputs {
         }
         Ok(())
     }
+}
+
+/// Request `i`'s prefix and accept lengths against the plan: `0 ≤ L`, `L + N ≤ max
+/// context`, `1 ≤ A ≤ N`. Shared by the file contract and the GPU step API.
+pub(crate) fn check_lengths_of(plan: &Plan, i: usize, prefix: i32, accept: i32) -> Result<(), InputError> {
+    let n = plan.spec.num_draft_tokens as i64;
+    let ctx = plan.capture.max_context_len as i64;
+    let l = prefix as i64;
+    if l < 0 || l + n > ctx {
+        return Err(input_error(
+            "prefix_lens",
+            format!("[{i}]"),
+            format!("{l} + num_draft_tokens {n} must be in [{n}, max_context_len {ctx}]"),
+        ));
+    }
+    if accept < 1 || accept as i64 > n {
+        return Err(input_error(
+            "accept_lens",
+            format!("[{i}]"),
+            format!("{accept} is outside [1, {n}]"),
+        ));
+    }
+    Ok(())
 }
 
 /// The page table the kernels read: `[max_requests + 1, max_pages_per_request]`, row =
