@@ -491,6 +491,7 @@ fn check(o: Overrides, batches: &[usize]) {
                 den += want.hidden_out[i][c].powi(2);
             }
             let rel = (num / den).sqrt();
+            println!("b={b} request {i}: hidden_out relative error {rel:.2e}");
             assert!(rel < 8e-3, "b={b} request {i}: hidden_out relative error {rel}");
             for s in 0..k_top {
                 let (p, id) = want.probs[i][s];
