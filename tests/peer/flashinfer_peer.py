@@ -15,8 +15,11 @@ the contract's outputs (so they can be compared with `specplan run --device cuda
 steps with CUDA events (median of 100 after 10 warm-up), plan() host time separately.
 
 FlashInfer travels as wheels (see shared/domain/flashinfer.md §5): flashinfer-python
-0.7.2.post1 (62 MB) + apache-tvm-ffi; together with our bundle they exceed the 64 MiB a
-device call carries, so the peer needs a call of its own.
+0.7.2.post1 (62 MB) + apache-tvm-ffi. `tests/peer/prepare_wheels.py .whl` downloads them
+and slims flashinfer's to 31 MB (unrelated kernel sources dropped), so `.whl` (34 MB) and
+`target/gpu-bundle` (12 MB) fit in one device call's 64 MiB: carry both, then
+`pip install --no-index --no-deps --target /tmp/site .whl/*.whl`, `PYTHONPATH=/tmp/site`,
+`FLASHINFER_CUDA_ARCH_LIST=9.0a`, and budget ~25 s for FlashInfer's fa2 JIT.
 """
 import argparse
 import json
