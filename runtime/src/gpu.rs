@@ -893,8 +893,9 @@ impl GpuRuntime {
                 put(s, lay.accept + i * 4, &a.to_le_bytes());
                 put(s, lay.slots + i * 4, &slot.to_le_bytes());
             }
-            // Padded rows keep whatever the staging held (finite activations of an earlier
-            // step, or zeros): rows never mix, so their values cannot reach a real request.
+            // Padded rows keep whatever the staging held (an earlier step's rows, or
+            // uninitialized pinned memory): rows never mix, so those values cannot reach a
+            // real request, whatever they are.
             if let Hidden::Host(v) = req.hidden {
                 put(s, lay.hidden, as_bytes(v));
             }

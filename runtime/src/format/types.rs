@@ -89,7 +89,9 @@ pub struct CaptureDesc {
     /// Request slots (rows) of the device page table; row `max_requests` is the scratch
     /// slot whose every entry is the scratch page (padded requests point at it).
     pub max_requests: u32,
-    /// A pool page no request owns: padded rows of a bucket write their K/V here.
+    /// A pool page no request owns: padded rows of a bucket write their K/V here. It is
+    /// always the pool's last page; a runtime that sizes its pool differently (the `run`
+    /// contract uses the caller's pages plus one) uses its own last page.
     pub scratch_page: u32,
     pub dtype: DType,
     /// FR-Spec: the lm_head keeps this many hot rows; ids are mapped back.
