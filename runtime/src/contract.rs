@@ -383,12 +383,7 @@ pub fn run_gpu(
         let per = file_pages * plan.kv_page_bytes() as usize / 2;
         layers
             .iter()
-            .flat_map(|l| {
-                crate::gpu::to_act_bytes(&l[..per], act)
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                    .collect::<Vec<_>>()
-            })
+            .flat_map(|l| crate::gpu::to_act_bits(&l[..per], act))
             .collect()
     };
     rt.write_kv(&bits(&inputs.kv.k), &bits(&inputs.kv.v), file_pages)?;
@@ -398,10 +393,7 @@ pub fn run_gpu(
         let used = (x.prefix_lens[i] as usize + n).div_ceil(ps);
         rt.set_pages(i, &x.page_table[i * x.page_cols..i * x.page_cols + used])?;
     }
-    let hidden: Vec<u16> = crate::gpu::to_act_bytes(&x.hidden_states, act)
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect();
+    let hidden = crate::gpu::to_act_bits(&x.hidden_states, act);
     let slots: Vec<i32> = (0..b as i32).collect();
     let req = StepRequest {
         slots: &slots,
@@ -413,10 +405,7 @@ pub fn run_gpu(
     let info = rt.step(&req, eager)?;
     let out = rt.read_outputs()?;
     let (k, v) = rt.read_kv(file_pages)?;
-    let to_f = |u: u16| match act {
-        crate::format::DType::F16 => half::f16::from_bits(u).to_f32(),
-        _ => bf16::from_bits(u).to_f32(),
-    };
+    let to_f = |u: u16| crate::gpu::from_act_bits(u, act);
     let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
     let per = file_pages * ps * row;
     for layer in 0..plan.model.layers as usize {

@@ -1175,11 +1175,24 @@ fn stage_layout(b: &BucketPlan) -> StageLayout {
     l
 }
 
-pub fn to_act_bytes(v: &[f32], act: DType) -> Vec<u8> {
+/// f32 values as the activation type's raw bits (round to nearest).
+pub fn to_act_bits(v: &[f32], act: DType) -> Vec<u16> {
     match act {
-        DType::F16 => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
-        _ => v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect(),
+        DType::F16 => v.iter().map(|x| half::f16::from_f32(*x).to_bits()).collect(),
+        _ => v.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect(),
     }
+}
+
+/// One activation value's raw bits as f32 (exact).
+pub fn from_act_bits(u: u16, act: DType) -> f32 {
+    match act {
+        DType::F16 => half::f16::from_bits(u).to_f32(),
+        _ => half::bf16::from_bits(u).to_f32(),
+    }
+}
+
+fn to_act_bytes(v: &[f32], act: DType) -> Vec<u8> {
+    to_act_bits(v, act).iter().flat_map(|u| u.to_le_bytes()).collect()
 }
 
 /// Loads every kernel: the CUBIN, or the PTX when the CUBIN does not load.
