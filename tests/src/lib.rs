@@ -1,6 +1,10 @@
 //! Shared test support: a small reproducible random generator.
 //!
 //! Integration tests live in `tests/`; the GPU check binary is `src/bin/gpucheck.rs`.
+//! [`contract_files`] writes the `run` contract's files and a plan's facts for the peer
+//! benchmark (`src/bin/peerprep.rs`).
+
+pub mod contract_files;
 
 /// xorshift64*: no dependency, reproducible from the printed seed.
 pub struct Rng(pub u64);
