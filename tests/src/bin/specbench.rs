@@ -10,7 +10,11 @@
 //!   measured here; every time is also reported as a ratio to it.
 //!
 //! Each number is a median of 100 runs after 10 warm-up runs. Weights are a fixed pattern
-//! (timing does not depend on values). Prints SKIP without a GPU.
+//! (timing does not depend on values). Pages are dealt in a fixed random order (scattered,
+//! as a pool that has served other requests hands them out, and as the peer benchmark
+//! deals them); `--contiguous` gives every request consecutive pages instead. Results are
+//! rewritten after every plan, so a run cut short keeps what it measured. Prints SKIP
+//! without a GPU.
 
 use std::ffi::c_void;
 use std::process::ExitCode;
@@ -172,15 +176,16 @@ fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    if args.len() < 3 {
-        eprintln!("usage: specbench PLAN_DIR OUT_DIR");
+    if args.len() < 3 || args[3..].iter().any(|a| a != "--contiguous") {
+        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous]");
         return ExitCode::from(2);
     }
+    let contiguous = args[3..].iter().any(|a| a == "--contiguous");
     if !GpuRuntime::available() {
         println!("SKIP: no CUDA driver or device on this machine");
         return ExitCode::SUCCESS;
     }
-    match run(&args[1], &args[2]) {
+    match run(&args[1], &args[2], contiguous) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             println!("specbench: FAILED: {e}");
@@ -189,7 +194,20 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(dir: &str, out: &str) -> Result<(), String> {
+/// Writes the markdown table and the JSON of the rows so far.
+fn write_results(out: &str, rows: &[String], json: &[String]) -> Result<String, String> {
+    let table = format!(
+        "| plan | B | L | prep µs | replay µs | step µs | eager µs | floor µs | step/floor | attn µs | attn TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n{}\n",
+        rows.join("\n")
+    );
+    std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
+    std::fs::write(format!("{out}/specbench.md"), &table).map_err(|e| e.to_string())?;
+    std::fs::write(format!("{out}/specbench.json"), format!("[\n{}\n]\n", json.join(",\n")))
+        .map_err(|e| e.to_string())?;
+    Ok(table)
+}
+
+fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .map_err(|e| e.to_string())?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -247,8 +265,13 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
                     continue;
                 }
                 let slots: Vec<i32> = (0..b as i32).collect();
+                let order: Vec<usize> = if contiguous {
+                    (0..b * per).collect()
+                } else {
+                    specplan_tests::Rng(0x5eed_0000 + (b * per) as u64).permutation(b * per)
+                };
                 for i in 0..b {
-                    let pages: Vec<i32> = (0..per).map(|p| (i * per + p) as i32).collect();
+                    let pages: Vec<i32> = order[i * per..(i + 1) * per].iter().map(|&p| p as i32).collect();
                     rt.set_pages(i, &pages).map_err(|e| e.to_string())?;
                 }
                 let ids: Vec<i64> = (0..b * n).map(|i| (i % 1000) as i64).collect();
@@ -302,7 +325,8 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
                 println!("{row}");
                 rows.push(row);
                 json.push(format!(
-                    "{{\"plan\":\"{name}\",\"batch\":{b},\"prefix\":{l},\"prep_us\":{prep:.2},\"replay_us\":{replay:.1},\"full_us\":{full:.1},\"eager_us\":{eager:.1},\"floor_us\":{floor:.1},\"attn_us\":{attn:.1},\"attn_tb_s\":{attn_tbs:.3},\"graph_build_ms_all\":{builds:.1},\"load_ms\":{load_ms:.0},\"arena_bytes\":{},\"kv_bytes\":{}}}",
+                    "{{\"plan\":\"{name}\",\"batch\":{b},\"prefix\":{l},\"pages\":\"{}\",\"prep_us\":{prep:.2},\"replay_us\":{replay:.1},\"full_us\":{full:.1},\"eager_us\":{eager:.1},\"floor_us\":{floor:.1},\"attn_us\":{attn:.1},\"attn_tb_s\":{attn_tbs:.3},\"graph_build_ms_all\":{builds:.1},\"load_ms\":{load_ms:.0},\"arena_bytes\":{},\"kv_bytes\":{}}}",
+                    if contiguous { "contiguous" } else { "scattered" },
                     rt.arena_bytes(),
                     rt.kv_bytes()
                 ));
@@ -314,15 +338,9 @@ fn run(dir: &str, out: &str) -> Result<(), String> {
             rt.arena_bytes(),
             rt.kv_bytes()
         );
+        write_results(out, &rows, &json)?;
     }
-    let table = format!(
-        "| plan | B | L | prep µs | replay µs | step µs | eager µs | floor µs | step/floor | attn µs | attn TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n{}\n",
-        rows.join("\n")
-    );
-    std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
-    std::fs::write(format!("{out}/specbench.md"), &table).map_err(|e| e.to_string())?;
-    std::fs::write(format!("{out}/specbench.json"), format!("[\n{}\n]\n", json.join(",\n")))
-        .map_err(|e| e.to_string())?;
+    let table = write_results(out, &rows, &json)?;
     println!("\n{table}");
     Ok(())
 }
