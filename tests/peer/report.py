@@ -1,0 +1,403 @@
+#!/usr/bin/env python3
+"""The benchmark report of issue 5: specbench (specplan) beside the PyTorch + FlashInfer peer and
+the bandwidth/compute floor, from the JSON the two write. Python standard library only.
+
+  report.py --specbench specbench.json [--peer peer-a.json ...] [--device device.txt]
+            [--commit SHA] --out DIR
+
+Writes DIR/report.md (tables), DIR/report.json (the rows joined by model, N, L, B) and
+DIR/report.svg (step time vs bucket, specplan vs peer vs floor, one panel per model, N, L),
+and prints the main table. Without specbench.json, the rows of specbench.txt beside it are
+read (a run cut short prints them as it goes). Missing values show as "—".
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+# The peer figures the benchmark issue quotes (H200, PyTorch + FlashInfer graphs), µs.
+ISSUE_PEER = {
+    ("llama2-7b-eagle", 4, 1024, 1): 449,
+    ("llama2-7b-eagle", 4, 1024, 64): 896,
+    ("llama2-7b-eagle", 16, 1024, 1): 459,
+    ("llama2-7b-eagle", 16, 1024, 64): 1577,
+    ("llama2-7b-eagle", 4, 4096, 1): 457,
+    ("llama2-7b-eagle", 4, 4096, 64): 1612,
+    ("llama3-8b-eagle", 8, 1024, 1): 673,
+    ("llama3-8b-eagle", 8, 1024, 64): 1242,
+}
+
+
+def split_plan(name):
+    """'llama2-7b-eagle-8k-n16' -> ('llama2-7b-eagle-8k', 16)."""
+    m = re.match(r"^(.*)-n(\d+)$", name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
+
+
+def load_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_specbench(path):
+    """(ceilings or None, rows) from specbench.json, or from the table rows of specbench.txt."""
+    if path and os.path.exists(path):
+        doc = load_json(path)
+        ceil = next((d for d in doc if "copy_bytes_per_s" in d), None)
+        return ceil, [d for d in doc if "plan" in d], path
+    txt = os.path.splitext(path or "specbench.json")[0] + ".txt"
+    rows, ceil = [], None
+    if os.path.exists(txt):
+        keys = ["plan", "batch", "prefix", "prep_us", "replay_us", "full_us", "eager_us", "floor_us", "ratio", "attn_us", "attn_tb_s"]
+        seen = set()
+        with open(txt) as f:
+            for line in f:
+                m = re.match(r"ceilings: copy ([\d.]+) TB/s, bf16 matmul ([\d.]+) TFLOP/s", line)
+                if m:
+                    ceil = {"copy_bytes_per_s": float(m.group(1)) * 1e12, "bf16_flops_per_s": float(m.group(2)) * 1e12}
+                cells = [c.strip() for c in line.strip().strip("|").split("|")]
+                if len(cells) != len(keys) or not cells[1].isdigit():
+                    continue
+                d = {}
+                for k, c in zip(keys, cells):
+                    if k == "plan":
+                        d[k] = c
+                    elif k in ("batch", "prefix"):
+                        d[k] = int(c)
+                    elif k != "ratio":
+                        d[k] = float(c)
+                if (d["plan"], d["batch"], d["prefix"]) not in seen:
+                    seen.add((d["plan"], d["batch"], d["prefix"]))
+                    rows.append(d)
+        return ceil, rows, txt if rows else None
+    return None, [], None
+
+
+def fmt(x, nd=1, suffix=""):
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}{suffix}"
+    return f"{x}{suffix}"
+
+
+def ratio(a, b):
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def join(spec_rows, peer_docs):
+    """Rows keyed by (model, N, L, B) with specplan's and the peer's numbers."""
+    table = {}
+    for r in spec_rows:
+        model, n = split_plan(r["plan"])
+        key = (model, n, r["prefix"], r["batch"])
+        table.setdefault(key, {"model": model, "n": n, "prefix": r["prefix"], "batch": r["batch"], "plan": r["plan"]})
+        table[key]["specplan"] = r
+    for doc in peer_docs:
+        for r in doc.get("rows", []):
+            model, n = split_plan(r["plan"])
+            n = r.get("n", n)
+            key = (model, n, r["prefix"], r["batch"])
+            table.setdefault(key, {"model": model, "n": n, "prefix": r["prefix"], "batch": r["batch"], "plan": r["plan"]})
+            table[key]["peer"] = r
+            table[key]["heads"] = r.get("heads", "")
+    out = []
+    for key in sorted(table, key=lambda k: (k[0], k[1] or 0, k[2], k[3])):
+        e = table[key]
+        s, p = e.get("specplan", {}), e.get("peer", {})
+        floor = s.get("floor_us")
+        e["floor_us"] = floor
+        e["specplan_step_us"] = s.get("full_us")
+        e["specplan_replay_us"] = s.get("replay_us")
+        e["specplan_prep_us"] = s.get("prep_us")
+        e["peer_step_us"] = p.get("step_us")
+        e["peer_replay_us"] = p.get("replay_us")
+        e["peer_plan_us"] = p.get("plan_us")
+        e["specplan_step_per_floor"] = ratio(e["specplan_step_us"], floor)
+        e["peer_step_per_floor"] = ratio(e["peer_step_us"], floor)
+        e["specplan_per_peer_step"] = ratio(e["specplan_step_us"], e["peer_step_us"])
+        e["specplan_per_peer_replay"] = ratio(e["specplan_replay_us"], e["peer_replay_us"])
+        e["specplan_attn_us"] = s.get("attn_us")
+        e["specplan_attn_tb_s"] = s.get("attn_tb_s")
+        e["peer_attn_us"] = p.get("attn_us")
+        e["peer_attn_tb_s"] = p.get("attn_tb_s")
+        e["specplan_per_peer_attn"] = ratio(e["specplan_attn_us"], e["peer_attn_us"])
+        base = re.sub(r"-8k$", "", e["model"])
+        e["issue_peer_step_us"] = ISSUE_PEER.get((base, e["n"], e["prefix"], e["batch"]))
+        out.append(e)
+    return out
+
+
+def main_table(rows):
+    head = (
+        "| model | N | L | B | floor µs | specplan step µs | peer step µs (plan + replay) | peer plan µs "
+        "| specplan replay µs | peer replay µs | specplan/floor | peer/floor | specplan/peer step | specplan/peer replay |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for e in rows:
+        lines.append(
+            f"| {e['model']} | {fmt(e['n'])} | {e['prefix']} | {e['batch']} | {fmt(e['floor_us'])} "
+            f"| {fmt(e['specplan_step_us'])} | {fmt(e['peer_step_us'])} | {fmt(e['peer_plan_us'])} "
+            f"| {fmt(e['specplan_replay_us'])} | {fmt(e['peer_replay_us'])} "
+            f"| {fmt(e['specplan_step_per_floor'], 2, '×')} | {fmt(e['peer_step_per_floor'], 2, '×')} "
+            f"| {fmt(e['specplan_per_peer_step'], 2, '×')} | {fmt(e['specplan_per_peer_replay'], 2, '×')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def attn_table(rows):
+    head = (
+        "| model | Hq/Hkv | N | L | B | specplan attn µs | specplan TB/s | FlashInfer attn µs | FlashInfer TB/s | specplan/FlashInfer |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for e in rows:
+        if e["specplan_attn_us"] is None and e["peer_attn_us"] is None:
+            continue
+        heads = e.get("heads", "")
+        lines.append(
+            f"| {e['model']} | {heads} | {fmt(e['n'])} | {e['prefix']} | {e['batch']} | {fmt(e['specplan_attn_us'])} "
+            f"| {fmt(e['specplan_attn_tb_s'], 2)} | {fmt(e['peer_attn_us'])} | {fmt(e['peer_attn_tb_s'], 2)} "
+            f"| {fmt(e['specplan_per_peer_attn'], 2, '×')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def check_table(checks):
+    head = (
+        "| plan | inputs | b | hidden rel peer/specplan | peer/fp32 | specplan/fp32 | top-K p max abs Δ | top-K ids equal | ties | "
+        "mismatched | K/V rel | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for c in checks:
+        lines.append(
+            f"| {c.get('plan')} | {c.get('inputs')} | {c.get('batch')} | {_e(c.get('hidden_rel_peer_vs_specplan'))} "
+            f"| {_e(c.get('hidden_rel_peer_vs_f32'))} | {_e(c.get('hidden_rel_specplan_vs_f32'))} | {_e(c.get('prob_abs_max'))} "
+            f"| {c.get('ids_equal')}/{c.get('ids_total')} | {c.get('ids_tied')} | {c.get('ids_mismatch')} "
+            f"| {_e(c.get('kv_rel_peer_vs_specplan'))} | {'ok' if c.get('ok') else 'MISMATCH'} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _e(x):
+    return "—" if x is None else f"{x:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# SVG: one panel per (model, N, L): step µs vs bucket (categorical x), lines for specplan's
+# step, the peer's step, the peer's replay and the floor.
+
+SERIES = [
+    ("specplan step", "specplan_step_us", "#1f77b4", ""),
+    ("peer step (plan + replay)", "peer_step_us", "#d62728", ""),
+    ("peer replay", "peer_replay_us", "#d62728", "5,4"),
+    ("floor", "floor_us", "#555555", "2,3"),
+]
+
+
+def esc(s):
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def nice_max(v):
+    if v <= 0:
+        return 1.0
+    import math
+
+    e = 10 ** math.floor(math.log10(v))
+    for m in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
+        if m * e >= v:
+            return m * e
+    return 10 * e
+
+
+def svg(rows, title):
+    panels = {}
+    for e in rows:
+        panels.setdefault((e["model"], e["n"], e["prefix"]), []).append(e)
+    keys = sorted(panels, key=lambda k: (k[0], k[2], k[1] or 0))
+    if not keys:
+        return '<svg xmlns="http://www.w3.org/2000/svg" width="400" height="60"><text x="10" y="30">no data</text></svg>\n'
+    ns = sorted({k[1] or 0 for k in keys})
+    groups = sorted({(k[0], k[2]) for k in keys})
+    cols, nrows = len(ns), len(groups)
+    pw, ph = 300, 210  # panel size
+    ml, mt, gap = 60, 70, 40
+    W = ml + cols * (pw + gap)
+    H = mt + nrows * (ph + gap + 20) + 20
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+        'font-family="Helvetica, Arial, sans-serif" font-size="11">',
+        f'<rect width="{W}" height="{H}" fill="white"/>',
+        f'<text x="{ml}" y="22" font-size="15" font-weight="bold">{esc(title)}</text>',
+    ]
+    lx = ml
+    for name, _, color, dash in SERIES:
+        d = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<line x1="{lx}" y1="42" x2="{lx + 28}" y2="42" stroke="{color}" stroke-width="2"{d}/>')
+        out.append(f'<text x="{lx + 34}" y="46">{esc(name)}</text>')
+        lx += 40 + 7 * len(name)
+    for gi, (model, prefix) in enumerate(groups):
+        for ci, n in enumerate(ns):
+            k = (model, n if n else None, prefix)
+            k = k if k in panels else (model, n, prefix)
+            if k not in panels:
+                continue
+            pts = sorted(panels[k], key=lambda e: e["batch"])
+            x0 = ml + ci * (pw + gap)
+            y0 = mt + gi * (ph + gap + 20)
+            bs = [e["batch"] for e in pts]
+            vmax = max([e.get(s[1]) or 0 for e in pts for s in SERIES] + [1])
+            top = nice_max(vmax * 1.05)
+            px = lambda i: x0 + 20 + i * (pw - 40) / max(1, len(bs) - 1)  # noqa: E731
+            py = lambda v: y0 + ph - v / top * ph  # noqa: E731
+            out.append(f'<text x="{x0}" y="{y0 - 8}" font-weight="bold">{esc(model)}  N={n}  L={prefix}</text>')
+            out.append(f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+            for t in range(5):
+                v = top * t / 4
+                y = py(v)
+                out.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + pw}" y2="{y:.1f}" stroke="#eee"/>')
+                out.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+            for i, b in enumerate(bs):
+                out.append(f'<text x="{px(i):.1f}" y="{y0 + ph + 14}" text-anchor="middle">{b}</text>')
+            out.append(f'<text x="{x0 + pw / 2}" y="{y0 + ph + 28}" text-anchor="middle" fill="#555">bucket B</text>')
+            if ci == 0:
+                out.append(
+                    f'<text x="{x0 - 44}" y="{y0 + ph / 2}" transform="rotate(-90 {x0 - 44} {y0 + ph / 2})" '
+                    f'text-anchor="middle" fill="#555">µs</text>'
+                )
+            for _, field, color, dash in SERIES:
+                xy = [(px(i), py(e[field])) for i, e in enumerate(pts) if e.get(field) is not None]
+                if not xy:
+                    continue
+                d = f' stroke-dasharray="{dash}"' if dash else ""
+                if len(xy) > 1:
+                    path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+                    out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{d}/>')
+                for x, y in xy:
+                    out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{color}"/>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--specbench", help="specbench.json (specbench.txt beside it is the fallback)")
+    ap.add_argument("--peer", nargs="*", default=[], help="peer JSON files (flashinfer_peer.py run --json)")
+    ap.add_argument("--device", help="a text file describing the device (nvidia-smi output, date)")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    ceil, spec_rows, spec_src = read_specbench(a.specbench)
+    peers, notes = [], []
+    for p in a.peer:
+        try:
+            peers.append(load_json(p))
+        except Exception as e:  # a missing or cut file: report it, keep going
+            notes.append(f"peer file {p}: {type(e).__name__}: {e}")
+    rows = join(spec_rows, peers)
+    device = ""
+    if a.device and os.path.exists(a.device):
+        with open(a.device) as f:
+            device = f.read().strip()
+    checks = [c for d in peers for c in d.get("checks", [])]
+    errors = [x for d in peers for x in d.get("errors", [])]
+    versions = sorted({f"torch {d.get('torch')}, FlashInfer {d.get('flashinfer', '?')}, CUDA {d.get('cuda')}" for d in peers})
+    settings = next((d.get("settings") for d in peers if d.get("settings")), {})
+
+    md = ["# specplan vs PyTorch + FlashInfer vs the floor", ""]
+    if device:
+        md += ["```", device, "```", ""]
+    if a.commit:
+        md.append(f"Commit: `{a.commit}`.")
+    if versions:
+        md.append("Peer: " + "; ".join(versions) + ".")
+    if ceil:
+        md.append(
+            f"Ceilings measured in the run: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; floor = max(bytes / copy, FLOPs / matmul)."
+        )
+    if settings:
+        md.append(
+            f"Peer settings: backend {settings.get('backend')}, CUDA graph with uniform_q_len = N, plan() in every step, "
+            f"pages {settings.get('pages')}; medians of {settings.get('runs')} runs after {settings.get('warmup')} warm-up"
+            + (
+                f"; replay and attention timed with L2 flushed ({settings['l2_flush_mb']} MiB written) before each run."
+                if settings.get("l2_flush_mb")
+                else "."
+            )
+        )
+    md.append(
+        "specplan: `specbench` (step = host wall clock of `step()` until done; replay = graph alone, CUDA events; "
+        "medians of 100 after 10 warm-up). Peer step = host wall clock of the input copies + plan() + replay until done."
+    )
+    if spec_src and spec_src.endswith(".txt"):
+        md.append(f"(specplan rows read from {os.path.basename(spec_src)}: specbench.json was missing.)")
+    md.append("")
+    if checks:
+        ok = all(c.get("ok") for c in checks)
+        md += ["## Equal outputs (same files, `specplan run --device cuda` vs the peer's graph)", ""]
+        md.append("All checks passed." if ok else "**Some checks FAILED** (details in the peer logs).")
+        md += ["", check_table(checks)]
+    elif peers:
+        md += ["## Equal outputs", "", "No check ran (see errors).", ""]
+    md += ["## Draft-extend step", "", main_table(rows)]
+    issue = [e for e in rows if e["issue_peer_step_us"] is not None]
+    if issue:
+        md += ["### The peer figures the benchmark issue quotes, beside this run", ""]
+        md.append("| model | N | L | B | issue's peer µs | peer step µs here | specplan step µs here |")
+        md.append("|---|---|---|---|---|---|---|")
+        for e in issue:
+            md.append(
+                f"| {e['model']} | {e['n']} | {e['prefix']} | {e['batch']} | {e['issue_peer_step_us']} "
+                f"| {fmt(e['peer_step_us'])} | {fmt(e['specplan_step_us'])} |"
+            )
+        md.append("")
+    md += ["## Attention alone", "", "Useful bytes: K/V read (L + N rows), q read, o written, every layer.", "",
+           attn_table(rows)]
+    if errors or notes:
+        md += ["## Errors", ""] + [f"- {esc(x)}" for x in errors + notes] + [""]
+    md += ["![step time vs bucket](report.svg)", ""]
+
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "report.md"), "w") as f:
+        f.write("\n".join(md))
+    doc = {
+        "device": device,
+        "commit": a.commit,
+        "ceilings": ceil,
+        "peer_versions": versions,
+        "peer_settings": settings,
+        "checks": checks,
+        "errors": errors + notes,
+        "rows": [{k: v for k, v in e.items() if k not in ("specplan", "peer")} for e in rows],
+    }
+    with open(os.path.join(a.out, "report.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    with open(os.path.join(a.out, "report.svg"), "w") as f:
+        f.write(svg(rows, "draft-extend step vs bucket: specplan, PyTorch + FlashInfer, floor"))
+
+    # The short table last.
+    print(f"{'plan':<26} {'L':>5} {'B':>3} {'floor':>8} {'specplan':>9} {'peer':>9} {'peer rpl':>9} {'sp/peer':>8}")
+    for e in rows:
+        print(
+            f"{e['plan']:<26} {e['prefix']:>5} {e['batch']:>3} {fmt(e['floor_us']):>8} {fmt(e['specplan_step_us']):>9} "
+            f"{fmt(e['peer_step_us']):>9} {fmt(e['peer_replay_us']):>9} {fmt(e['specplan_per_peer_step'], 2, 'x'):>8}"
+        )
+    if checks:
+        bad = [c for c in checks if not c.get("ok")]
+        print(f"equal-output checks: {len(checks) - len(bad)}/{len(checks)} passed")
+    for x in errors + notes:
+        print("error:", x)
+    print(f"wrote {os.path.join(a.out, 'report.md')}, report.json, report.svg")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
