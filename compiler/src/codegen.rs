@@ -51,14 +51,24 @@ pub fn act_type(d: DType) -> &'static str {
     }
 }
 
-/// Attention KV tile: the largest of 64, 32, 16 whose shared memory fits.
-pub fn attn_kv_tile(cfg: &Config) -> Option<u32> {
+/// Attention tiling fixed at plan time: (KV_TILE, STAGES). STAGES K/V tiles are resident
+/// (STAGES - 1 loads in flight while one tile is computed); the tile is the largest of 64,
+/// 32, 16 keys whose shared memory fits.
+///
+/// Measured on the H200 (docs/perf-notes.md, 2026-11-30): 3 stages of 64 keys matched or
+/// beat 2×64, 3×32 and 4×32 on the large MHA shapes (4.15–4.22 TB/s at B 32–64, L 4096)
+/// and on B 8, L 4096 (3.58 against 3.08 TB/s for 2×64); 3×32 was better only for GQA at
+/// B 8 and 29–36% slower at B 32–64; 2×64 was 15% faster only at B 1, L 1024 (20 µs).
+pub fn attn_geometry(cfg: &Config) -> Option<(u32, u32)> {
+    const STAGES: u32 = 3;
     let m = &cfg.model.desc;
     let rows = cfg.spec.num_draft_tokens * (m.heads / m.kv_heads);
-    [64u32, 32, 16].into_iter().find(|&t| {
-        geometry::attn_smem_bytes(rows, m.head_dim, t, cfg.capture.dtype.size() as u32)
-            <= specplan_runtime::format::MAX_SMEM_BYTES as u64
-    })
+    [(64u32, STAGES), (32, STAGES), (16, STAGES), (16, 2)]
+        .into_iter()
+        .find(|&(t, st)| {
+            geometry::attn_smem_bytes(rows, m.head_dim, t, st, cfg.capture.dtype.size() as u32)
+                <= specplan_runtime::format::MAX_SMEM_BYTES as u64
+        })
 }
 
 /// The kernels an op lowers to (empty for GEMMs, which are cuBLAS calls).
@@ -111,12 +121,13 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
         OpKind::Attention { window, .. } => {
             // Both entries come from one source, so they share every constant (and one
             // prelude declaring both parameter structs).
-            let tile = attn_kv_tile(cfg).unwrap_or(16);
+            let (tile, stages) = attn_geometry(cfg).unwrap_or((16, 2));
             let mut consts = paged_kv();
             consts.extend([
                 u("WINDOW", window.unwrap_or(0)),
                 ("SCALE".into(), ConstValue::F32(1.0 / (m.head_dim as f32).sqrt())),
                 u("KV_TILE", tile),
+                u("STAGES", stages),
             ]);
             vec![
                 spec("attention.cu", "attn_partial", consts.clone()),

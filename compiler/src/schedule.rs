@@ -15,7 +15,7 @@ use specplan_runtime::format::{
     io, Access, ArgValue, BucketPlan, BufferDesc, BufferRole, DType, GemmDesc, KernelArg, Launch, LaunchKind, Replay,
 };
 
-use crate::codegen::{attn_kv_tile, kernel_specs, KernelTable};
+use crate::codegen::{attn_geometry, kernel_specs, KernelTable};
 use crate::config::Config;
 use crate::graph::{OpGraph, OpKind, Storage, TensorId};
 
@@ -343,11 +343,12 @@ pub fn schedule_bucket(
             ),
             OpKind::Attention { .. } => {
                 let group = m.heads / m.kv_heads;
-                let tile = attn_kv_tile(cfg).ok_or(ScheduleError::AttentionSmem {
+                let (tile, stages) = attn_geometry(cfg).ok_or(ScheduleError::AttentionSmem {
                     rows: n * group,
                     head_dim: m.head_dim,
                 })?;
-                let smem = geometry::attn_smem_bytes(n * group, m.head_dim, tile, cfg.capture.dtype.size() as u32);
+                let smem =
+                    geometry::attn_smem_bytes(n * group, m.head_dim, tile, stages, cfg.capture.dtype.size() as u32);
                 let q_stride = g.tensor(ins[0]).shape[1].at(bb) as u32;
                 let ws = workspace.get(&node).copied();
                 let part = |i: Option<u32>, access| i.map_or(ArgValue::Null, |id| ArgValue::Buffer { id, access });

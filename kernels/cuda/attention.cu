@@ -1,16 +1,21 @@
 // attention.cu: causal (optionally sliding-window) attention of the N draft rows of each
 // request over its paged KV cache, split along the keys (split-KV / flash-decoding),
-// with GQA folding: one CTA serves all G = HEADS / KV_HEADS query heads of a kv head.
+// with GQA folding: one CTA serves all G = HEADS / KV_HEADS query heads of a kv head, so
+// the N·G "packed rows" share every K/V byte it loads. QKᵀ and P·V run on tensor cores
+// (mma.sync m16n8k16, fp32 accumulation); softmax statistics stay in fp32.
 //
 // ----------------------------------------------------------------------------------------
 // Entry attn_partial
-//   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, SLOTS,
-//              WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)), KV_TILE (64, 32 or 16)
-//   Launch:    grid (batch, KV_HEADS, splits), block (128, 1, 1),
-//              dynamic shared memory, in bytes, with ROWS = N * (HEADS / KV_HEADS):
+//   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM (multiple of 16, <= 256), N, PAGE_SIZE,
+//              MAX_PAGES, SLOTS, WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
+//              KV_TILE (keys per pipeline stage: 64, 32 or 16), STAGES (2..4: tiles in
+//              shared memory, STAGES - 1 of them in flight while one is computed)
+//   Launch:    grid (batch, KV_HEADS, splits), block (128, 1, 1), dynamic shared memory,
+//              in bytes, with ROWS = N * (HEADS / KV_HEADS), GR = min(ceil16(ROWS), 64)
+//              (packed rows per pass) and a = sizeof(act_t):
 //
-//                ROWS*HEAD_DIM*4  +  2*KV_TILE*HEAD_DIM*sizeof(act_t)  +  ROWS*KV_TILE*4
-//                (q rows, fp32)      (one K and one V tile)                (score tile, fp32)
+//                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4)
+//                (q rows)           (K and V tiles of each stage)  (cross-warp merge, aliased)
 //
 //              (mirrored by specplan_kernels::geometry::attn_smem_bytes; no static
 //              shared memory is used, so this is the CTA's whole footprint).
@@ -36,7 +41,8 @@
 //     split s  = [kv_start + s*chunk, min(kv_len, kv_start + (s+1)*chunk))  (may be empty).
 //   K/V of position p: page = page_table[req_slots[i]*MAX_PAGES + p/PAGE_SIZE],
 //   slot = p % PAGE_SIZE, element ((page*PAGE_SIZE + slot)*KV_HEADS + g)*HEAD_DIM + d.
-//   score = SCALE * dot(q, k) in fp32; online softmax in fp32 (max m, sum l, acc o).
+//   score = SCALE * dot(q, k) (bf16/fp16 products, fp32 sums); online softmax in fp32
+//   (max m, sum l, acc o); the probabilities are rounded to act_t for the P·V product.
 //   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key).
 //   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
@@ -78,73 +84,59 @@ constexpr int kWindow = (int)WINDOW;
 constexpr int kTile = (int)KV_TILE;
 
 static_assert(kKvHeads > 0 && kHeads % kKvHeads == 0, "HEADS must be a multiple of KV_HEADS");
-static_assert(kD % 8 == 0 && kD <= 256, "HEAD_DIM must be a multiple of 8, at most 256");
-static_assert(kTile % 4 == 0 && (kTile >= 32 ? kTile % 32 == 0 : 32 % kTile == 0),
-              "KV_TILE must divide 32 or be a multiple of 32 (and of 4)");
+static_assert(kD % 16 == 0 && kD <= 256, "HEAD_DIM must be a multiple of 16, at most 256 (MMA k-steps)");
+static_assert(kTile == 16 || kTile == 32 || kTile == 64, "KV_TILE must be 16, 32 or 64");
 static_assert(kN > 0 && kPage > 0 && kMaxPages > 0 && kSlots > 0, "N, PAGE_SIZE, MAX_PAGES, SLOTS must be positive");
+static_assert(sizeof(act_t) == 2, "act_t is a 16-bit type");
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kG = kHeads / kKvHeads;  // query heads per kv head
-constexpr int kRows = kN * kG;         // query rows per CTA (GQA folding)
+constexpr int kRows = kN * kG;         // packed query rows per CTA (GQA folding)
 
-// Shared memory layout (bytes), matching the formula in the header comment:
-constexpr long long kQBytes = (long long)kRows * kD * 4;       // sQ [kRows][kD] fp32
-constexpr long long kKVBytes = (long long)kTile * kD * 2;      // sK, sV [kTile][kD] act_t (swizzled)
-constexpr long long kPBytes = (long long)kRows * kTile * 4;    // sP [kRows][kTile] fp32
-constexpr long long kSmemBytes = kQBytes + 2 * kKVBytes + kPBytes;
-static_assert(sizeof(act_t) == 2, "act_t is a 16-bit type");
-static_assert(kSmemBytes <= 227 * 1024, "attn_partial shared memory exceeds 227 KiB: use a smaller KV_TILE");
+// Row passes. A warp owns one 16-row MMA tile; a pass covers up to 4 of them (64 packed
+// rows). Larger N·G runs several passes over the same keys (the K/V bytes are then read
+// again, mostly from L2), which keeps the accumulators of a warp at one row tile.
+constexpr int kRowsPad = (kRows + 15) / 16 * 16;
+constexpr int kGR = kRowsPad < 64 ? kRowsPad : 64;   // packed rows per pass
+constexpr int kPasses = (kRowsPad + kGR - 1) / kGR;
+constexpr int kMT = kGR / 16;                         // row tiles per pass (1..4)
+// Warps: kWQ along rows (one row tile each), kWK along the keys of a tile (each takes
+// kKW keys; their softmax states are merged at the end). Small N·G (the MHA draft-extend
+// case, 4-16 rows) thus still keeps all four warps busy.
+constexpr int kWQ = kMT;
+constexpr int kWK = imin(kWarps / kWQ, kTile / 16);
+constexpr int kKW = kTile / kWK;                      // keys per warp per tile (multiple of 16)
+constexpr int kActive = kWQ * kWK;                    // warps doing MMA work (3 of 4 for kMT = 3)
+static_assert(kKW % 16 == 0 && kWK >= 1, "keys per warp must be a multiple of 16");
 
-// K/V tiles are stored as rows of kChunks 16-byte chunks (8 elements). Chunk c of key t is
-// stored at chunk position c ^ (t & kSwz). In the score phase the lanes of a warp read the
-// same logical chunk of consecutive keys; without the XOR all of them would hit the same
-// banks (a row is 128 or 256 bytes); with it, 8 consecutive keys cover 8 distinct 16-byte
-// bank groups. Within one key the map is a permutation of chunks, so the P·V phase
-// (lanes reading one key's row) stays conflict free too.
-constexpr int kChunks = kD / 8;
+constexpr int kStages = (int)STAGES;  // K/V pipeline depth (tiles in shared memory)
+static_assert(kStages >= 2 && kStages <= 4, "STAGES must be 2, 3 or 4");
+constexpr int kChunks = kD / 8;      // 16-byte chunks per K/V/q row
+constexpr int kKS = kD / 16;         // MMA k-steps over the head dim
+constexpr int kNTS = kKW / 8;        // score n-tiles (8 keys) per warp
+constexpr int kNTO = kD / 8;         // output n-tiles (8 dims)
+// q fragments stay in registers across the key loop when that fits comfortably
+// (HEAD_DIM <= 128: 32 registers); wider heads reload them from shared memory.
+constexpr bool kQRegs = kD <= 128;
+
+// Shared memory layout (bytes), matching the formula in the header comment.
+constexpr int kQBytes = kGR * kD * 2;
+constexpr int kTileBytes = kTile * kD * 2;
+constexpr int kStageBytes = kStages * 2 * kTileBytes;
+constexpr int kMergeBytes = kWarps * 16 * kD * 4 + kWarps * 16 * 2 * 4;
+constexpr int kSmemBytes = kQBytes + imax(kStageBytes, kMergeBytes);
+static_assert(kSmemBytes <= 227 * 1024, "attn_partial shared memory exceeds 227 KiB");
+
+// Rows of q, K and V tiles are kChunks 16-byte chunks; chunk c of row t is stored at chunk
+// c ^ (t & kSwz). ldmatrix reads one logical chunk of 8 consecutive rows per 8x8 matrix;
+// without the XOR those eight 16-byte reads would share banks (rows are 2*HEAD_DIM bytes,
+// a multiple of 128 for HEAD_DIM 64/128/256); with it they cover all 32 banks.
 constexpr int kSwz = (kChunks % 8 == 0) ? 7 : (kChunks % 4 == 0) ? 3 : (kChunks % 2 == 0) ? 1 : 0;
+__device__ __forceinline__ int chunk_at(int row, int c) { return row * kD + ((c ^ (row & kSwz)) << 3); }
 
-// Work split inside a warp. Warp w owns query rows [w*kRW, (w+1)*kRW) ∩ [0, kRows) for the
-// whole CTA: it computes their scores, keeps their softmax state (m, l) and their output
-// accumulators. Only that warp ever touches those rows of sP, so the score, softmax and
-// P·V phases of a warp need no block barrier between them, just __syncwarp.
-constexpr int kRW = (kRows + kWarps - 1) / kWarps;
-// Score phase: lane = (row group rg, key lane kl); kl covers keys kl + kTL*k, k < kKPL;
-// rg covers the warp's rows rg, rg + kRG, ... in passes of kRC rows (register tile
-// kRC x kKPL per lane, q reads are warp broadcasts).
-constexpr int kTL = kTile < 32 ? kTile : 32;
-constexpr int kRG = 32 / kTL;
-constexpr int kKPL = kTile / kTL;
-constexpr int kRC = imin((kRW + kRG - 1) / kRG, 8);
-// Softmax phase: lane holds scores lane + 32*k of one row, k < kST.
-constexpr int kST = (kTile + 31) / 32;
-// P·V phase: lane owns kDPL = ceil(HEAD_DIM/32) head dims of every row of its warp. When
-// HEAD_DIM is 32, 64, 128 or 256 (kDPL in {1, 2, 4, 8}, dividing the 8-element chunk) they
-// are contiguous and lie in one swizzled chunk: one 2/4/8/16-byte shared load per key.
-// Otherwise (e.g. 96: 3 dims could straddle two chunks that the swizzle moves apart) they
-// are strided by 32 and loaded one by one.
-constexpr int kDPL = (kD + 31) / 32;
-constexpr bool kDimsContig = kD % 32 == 0 && 8 % kDPL == 0;
-
-// Occupancy hint for __launch_bounds__ (minimum CTAs per SM). Four CTAs leave 128
-// registers per thread (65536 / (4 * 128)). That pays off only when their shared memory
-// fits (228 KiB per SM, 1 KiB reserved per CTA) and the state held across the tile loop
-// is small. kLiveState counts o (kRW*kDPL), m and l (2*kRW) and the score tile (kRC*kKPL).
-// Otherwise no hint is given and ptxas picks the registers.
-// Measured on H200, bf16, B=16, L=4000, 4 splits: with 32/8 heads, HEAD_DIM 128, N 8 and
-// KV_TILE 64 (state 64, 32 bytes of spill) the hint cut 525 us to 387 us. With 28/4 heads
-// (7 rows a warp for N=4, 14 for N=8) any cap below the natural 168-248 registers spilled
-// and ran 5-60% slower (even at state 56), hence the conditions.
-constexpr int kFitSmem = (int)((228LL * 1024) / (kSmemBytes + 1024));
-constexpr int kLiveState = kRW * (kDPL + 2) + kRC * kKPL;
-constexpr bool kEvenRows = kRows % kWarps == 0 && (kRW & (kRW - 1)) == 0;  // 1, 2, 4, 8... rows a warp
-constexpr int kMinBlocks = (kFitSmem >= 4 && kEvenRows && kLiveState <= 64) ? 4 : 1;
-
-__device__ __forceinline__ int dim_of(int lane, int e) { return kDimsContig ? lane * kDPL + e : lane + 32 * e; }
-
-// Element index of (key t, dim d) in a swizzled K/V tile.
-__device__ __forceinline__ int swz(int t, int d) { return t * kD + ((((d >> 3) ^ (t & kSwz))) << 3) + (d & 7); }
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- cp.async (sm_80+): global -> shared copies that bypass registers -----------------
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -161,52 +153,88 @@ template <int Pending> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 
-// Element offset of (position p, kv head g, d = 0) in the cache, or -1 when p is outside
-// the split (p >= hi) or its page is out of range: such keys are zero-filled.
-__device__ __forceinline__ long long key_offset(int p, int hi, const int* pt_row, int g) {
-    if (p >= hi || pt_row == nullptr) return -1;
-    const long long pidx = (long long)p / kPage;
-    if (pidx >= kMaxPages) return -1;
-    const int page = pt_row[pidx];
-    if (page < 0) return -1;
-    return (((long long)page * kPage + (long long)p % kPage) * kKvHeads + g) * kD;
+// ---- Tensor-core fragments -------------------------------------------------------------
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const act_t* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const act_t* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// d += a (16x16, row major) * b (16x8, column major), fp32 accumulators; the operand type
+// follows act_t.
+template <typename T> struct IsHalf { static constexpr bool value = false; };
+template <> struct IsHalf<__half> { static constexpr bool value = true; };
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    if constexpr (IsHalf<act_t>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
 }
 
-// Issues the cp.async copies of one K or V tile (keys [tile0, tile0 + kTile)) into `dst`.
-// Thread tid copies chunks tid + kThreads*it. All page-table lookups come first, so their
-// global loads are in flight together; the copies follow.
+// Loading one tile (keys [tile0, tile0 + kTile)) takes two steps, so that the page-table
+// reads (a dependent global load before every copy) are off the critical path:
+//   tile_pages: thread tid looks up the pages of its chunks tid + kThreads*it (registers);
+//   issue_tile: it issues the cp.async copies of those chunks, of K and of V, from them.
+// The main loop looks up tile t+kStages's pages right after issuing tile t+kStages-1's
+// copies, so the lookups are in flight while tile t is computed.
 constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
-__device__ __forceinline__ void load_tile_async(act_t* dst, const act_t* cache, int tile0, int hi,
-                                                const int* pt_row, int g) {
-    long long off[kLoadIters];
+
+// The pool page of each of this thread's chunks, or -1 when the key is outside the split
+// (p >= hi) or its page is out of range: such keys are zero-filled.
+__device__ __forceinline__ void tile_pages(int (&page)[kLoadIters], int tile0, int hi, const int* pt_row) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
-        off[it] = q < kTile * kChunks ? key_offset(tile0 + q / kChunks, hi, pt_row, g) : -1;
+        const int p = tile0 + q / kChunks;
+        int pg = -1;
+        if (q < kTile * kChunks && p < hi && pt_row != nullptr) {
+            const long long pidx = (long long)p / kPage;
+            if (pidx < kMaxPages) pg = pt_row[pidx];
+        }
+        page[it] = pg;
     }
+}
+
+// Issues the copies of one tile into dK and dV. Keys without a page are zero-filled: a
+// masked key has probability 0, and 0 * (stale NaN bits) would poison o.
+__device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
+                                           const int (&page)[kLoadIters], int tile0, int g) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
         if (q < kTile * kChunks) {
             const int t = q / kChunks, c = q % kChunks;
-            const act_t* src = off[it] >= 0 ? cache + off[it] + c * 8 : cache;
-            cp_async16(dst + t * kD + ((c ^ (t & kSwz)) << 3), src, off[it] >= 0);
+            const bool valid = page[it] >= 0;
+            const long long p = (long long)tile0 + t;
+            const long long off =
+                valid ? (((long long)page[it] * kPage + p % kPage) * kKvHeads + g) * kD + c * 8 : 0;
+            cp_async16(dK + chunk_at(t, c), k_cache + off, valid);
+            cp_async16(dV + chunk_at(t, c), v_cache + off, valid);
         }
     }
 }
 
-// Loads the kDPL dims owned by `lane` of key t from a swizzled tile.
-__device__ __forceinline__ void load_v_dims(const act_t* sV, int t, int lane, float (&v)[kDPL]) {
-    if constexpr (kDimsContig) {
-        // kDPL divides 8: the lane's dims are in one chunk, aligned to kDPL elements.
-        load_vec<kDPL>(sV + swz(t, lane * kDPL), v);
-    } else {
-#pragma unroll
-        for (int e = 0; e < kDPL; ++e) {
-            const int d = lane + 32 * e;
-            v[e] = d < kD ? to_f(sV[swz(t, d)]) : 0.0f;
-        }
-    }
+// Stage st of the pipeline: its K tile, then its V tile.
+__device__ __forceinline__ act_t* stage_k(unsigned char* base, int st) {
+    return reinterpret_cast<act_t*>(base + st * 2 * kTileBytes);
+}
+__device__ __forceinline__ act_t* stage_v(unsigned char* base, int st) {
+    return reinterpret_cast<act_t*>(base + st * 2 * kTileBytes + kTileBytes);
 }
 
 }  // namespace attn
@@ -214,14 +242,16 @@ __device__ __forceinline__ void load_v_dims(const act_t* sV, int t, int lane, fl
 // AttnPartialParams is declared by the generated prelude, from specplan_kernels::params
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(128, attn::kMinBlocks) attn_partial(AttnPartialParams p) {
+extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams p) {
     using namespace attn;
 
-    extern __shared__ __align__(16) unsigned char attn_smem[];
-    float* sQ = reinterpret_cast<float*>(attn_smem);
-    act_t* sK = reinterpret_cast<act_t*>(attn_smem + kQBytes);
-    act_t* sV = reinterpret_cast<act_t*>(attn_smem + kQBytes + kKVBytes);
-    float* sP = reinterpret_cast<float*>(attn_smem + kQBytes + 2 * kKVBytes);
+    extern __shared__ __align__(128) unsigned char attn_smem[];
+    act_t* sQ = reinterpret_cast<act_t*>(attn_smem);
+    unsigned char* stage_base = attn_smem + kQBytes;
+    // After the key loop the stage area holds each warp's unnormalized o, m and l.
+    float* sO = reinterpret_cast<float*>(stage_base);                // [kWarps][16][kD]
+    float* sM = sO + kWarps * 16 * kD;                               // [kWarps][16]
+    float* sL = sM + kWarps * 16;                                    // [kWarps][16]
 
     const int i = (int)blockIdx.x;  // request
     const int g = (int)blockIdx.y;  // kv head
@@ -231,6 +261,8 @@ extern "C" __global__ void __launch_bounds__(128, attn::kMinBlocks) attn_partial
     if ((unsigned)i >= p.batch || g >= kKvHeads || (unsigned)s >= splits) return;
 
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wq = warp % kWQ, wk = warp / kWQ;  // row tile, key slice (warp < kActive)
+    const bool active = warp < kActive;
     // This request's page-table row (null: a bad slot, every key then reads as zero).
     const int req_slot = p.req_slots[i];
     const int* pt_row = (req_slot >= 0 && req_slot < kSlots) ? p.page_table + (long long)req_slot * kMaxPages : nullptr;
@@ -252,213 +284,254 @@ extern "C" __global__ void __launch_bounds__(128, attn::kMinBlocks) attn_partial
     const int lo = (int)lo_ll;
     const int hi = hi_ll > lo_ll ? (int)hi_ll : lo;
     const int num_tiles = (int)ceil_div(hi - lo, kTile);
+    // Keys every row of this request sees without a mask test: [lo, L] minus the window.
+    const int no_mask_end = kWindow > 0 ? lo : L + 1;  // with a window every tile is tested
 
-    // ---- q rows -> sQ (fp32), row rr = j*G + hh ------------------------------------------
-    {
-        const act_t* qbase = p.q + (long long)i * kN * p.q_stride + (long long)g * kG * kD;
-        if (aligned16(p.q) && p.q_stride % 8u == 0u) {
-            for (int v = tid; v < kRows * kChunks; v += kThreads) {
-                const int rr = v / kChunks, d = (v % kChunks) * 8;
-                const int j = rr / kG, hh = rr % kG;
-                float f[8];
-                load_vec<8>(qbase + (long long)j * p.q_stride + (long long)hh * kD + d, f);
-                float4* dst = reinterpret_cast<float4*>(sQ + rr * kD + d);
-                dst[0] = make_float4(f[0], f[1], f[2], f[3]);
-                dst[1] = make_float4(f[4], f[5], f[6], f[7]);
-            }
-        } else {
-            for (int e = tid; e < kRows * kD; e += kThreads) {
-                const int rr = e / kD, d = e % kD;
-                const int j = rr / kG, hh = rr % kG;
-                sQ[e] = to_f(qbase[(long long)j * p.q_stride + (long long)hh * kD + d]);
-            }
-        }
-    }
-
-    // ---- Per-warp state: rows w*kRW + x, x < kRW (rows >= kRows are padding) -------------
-    const int row0 = warp * kRW;
-    float m[kRW], l[kRW], o[kRW][kDPL];
-#pragma unroll
-    for (int x = 0; x < kRW; ++x) {
-        m[x] = neg_inf();
-        l[x] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kDPL; ++e) o[x][e] = 0.0f;
-    }
-    const int kl = lane % kTL, rg = lane / kTL;  // score-phase lane coordinates
-
-    // ---- Main loop over KV tiles -----------------------------------------------------------
-    // Pipeline (cp.async groups, at most two in flight):
-    //   K(t) is issued before the previous tile's P·V; V(t) at the top of iteration t, so
-    //   V(t) streams in during the score phase of tile t and K(t+1) during its P·V phase.
-    if (num_tiles > 0) {
-        load_tile_async(sK, p.k_cache, lo, hi, pt_row, g);
-        cp_async_commit();
-    }
-    for (int tile = 0; tile < num_tiles; ++tile) {
-        const int tile0 = lo + tile * kTile;
-        load_tile_async(sV, p.v_cache, tile0, hi, pt_row, g);
-        cp_async_commit();
-        cp_async_wait<1>();  // this thread's K(tile) copies have landed ...
-        __syncthreads();     // ... and everyone's (also publishes sQ on the first tile)
-
-        // -- Scores: sP[rr][t] = SCALE * q[rr]·k[t], or -inf where masked -----------------
-#pragma unroll
-        for (int x0 = 0; x0 < kRW; x0 += kRC * kRG) {
-            int qrow[kRC];  // sQ row per register-tile row (clamped: padding rows compute junk)
-#pragma unroll
-            for (int y = 0; y < kRC; ++y) qrow[y] = imin(row0 + imin(x0 + rg + kRG * y, kRW - 1), kRows - 1);
-            float acc[kRC][kKPL];
-#pragma unroll
-            for (int y = 0; y < kRC; ++y)
-#pragma unroll
-                for (int k = 0; k < kKPL; ++k) acc[y][k] = 0.0f;
-
-#pragma unroll 2
-            for (int c = 0; c < kChunks; ++c) {
-                float kf[kKPL][8];
-#pragma unroll
-                for (int k = 0; k < kKPL; ++k) {
-                    const int t = kl + kTL * k;
-                    load_vec<8>(sK + t * kD + ((c ^ (t & kSwz)) << 3), kf[k]);
-                }
-#pragma unroll
-                for (int y = 0; y < kRC; ++y) {
-                    const float4* q4 = reinterpret_cast<const float4*>(sQ + qrow[y] * kD + c * 8);
-                    const float4 a = q4[0], b = q4[1];
-#pragma unroll
-                    for (int k = 0; k < kKPL; ++k) {
-                        float sacc = acc[y][k];
-                        sacc = fmaf(a.x, kf[k][0], sacc);
-                        sacc = fmaf(a.y, kf[k][1], sacc);
-                        sacc = fmaf(a.z, kf[k][2], sacc);
-                        sacc = fmaf(a.w, kf[k][3], sacc);
-                        sacc = fmaf(b.x, kf[k][4], sacc);
-                        sacc = fmaf(b.y, kf[k][5], sacc);
-                        sacc = fmaf(b.z, kf[k][6], sacc);
-                        sacc = fmaf(b.w, kf[k][7], sacc);
-                        acc[y][k] = sacc;
-                    }
-                }
-            }
-#pragma unroll
-            for (int y = 0; y < kRC; ++y) {
-                const int x = x0 + rg + kRG * y;
-                const int rr = row0 + x;
-                if (x < kRW && rr < kRows) {
-                    const int qpos = L + rr / kG;  // causal limit of row j = rr / G
-#pragma unroll
-                    for (int k = 0; k < kKPL; ++k) {
-                        const int t = kl + kTL * k;
-                        const int kp = tile0 + t;
-                        const bool visible = kp < hi && kp <= qpos && (kWindow == 0 || kp + kWindow > qpos);
-                        sP[rr * kTile + t] = visible ? kScale * acc[y][k] : neg_inf();
-                    }
-                }
-            }
-        }
-        __syncwarp();
-
-        // -- Online softmax, one row at a time over the warp -----------------------------
-#pragma unroll
-        for (int x = 0; x < kRW; ++x) {
-            const int rr = row0 + x;
-            if (rr < kRows) {  // warp uniform
-                float sv[kST];
-                float tmax = neg_inf();
-#pragma unroll
-                for (int k = 0; k < kST; ++k) {
-                    const int t = lane + 32 * k;
-                    sv[k] = t < kTile ? sP[rr * kTile + t] : neg_inf();
-                    tmax = fmaxf(tmax, sv[k]);
-                }
-                tmax = warp_max(tmax);
-                const float m_new = fmaxf(m[x], tmax);
-                // Guards: while a row has seen no visible key m is -inf and l, o are 0;
-                // exp(-inf - -inf) would be NaN, so such factors are forced to 0.
-                const float alpha = m[x] == neg_inf() ? 0.0f : expf(m[x] - m_new);
-                float psum = 0.0f;
-#pragma unroll
-                for (int k = 0; k < kST; ++k) {
-                    const int t = lane + 32 * k;
-                    const float pk = m_new == neg_inf() ? 0.0f : expf(sv[k] - m_new);  // masked: exp(-inf) = 0
-                    if (t < kTile) sP[rr * kTile + t] = pk;
-                    psum += pk;
-                }
-                psum = warp_sum(psum);
-                l[x] = l[x] * alpha + psum;
-                m[x] = m_new;
-#pragma unroll
-                for (int e = 0; e < kDPL; ++e) o[x][e] *= alpha;
-            }
-        }
-
-        cp_async_wait<0>();  // this thread's V(tile) copies have landed ...
-        __syncthreads();     // ... and everyone's; every warp is also done reading sK
-        if (tile + 1 < num_tiles) {
-            load_tile_async(sK, p.k_cache, tile0 + kTile, hi, pt_row, g);
-            cp_async_commit();
-        }
-
-        // -- o[rr] += sum_t P[rr][t] * V[t] ------------------------------------------------
-        // (sP rows of this warp were written by this warp; the barrier above ordered them.)
-#pragma unroll 2
-        for (int t = 0; t < kTile; t += 4) {
-            float v0[kDPL], v1[kDPL], v2[kDPL], v3[kDPL];
-            load_v_dims(sV, t + 0, lane, v0);
-            load_v_dims(sV, t + 1, lane, v1);
-            load_v_dims(sV, t + 2, lane, v2);
-            load_v_dims(sV, t + 3, lane, v3);
-#pragma unroll
-            for (int x = 0; x < kRW; ++x) {
-                const int rr = row0 + x;
-                if (rr < kRows) {
-                    const float4 pp = *reinterpret_cast<const float4*>(sP + rr * kTile + t);
-#pragma unroll
-                    for (int e = 0; e < kDPL; ++e) {
-                        float acc = o[x][e];
-                        acc = fmaf(pp.x, v0[e], acc);
-                        acc = fmaf(pp.y, v1[e], acc);
-                        acc = fmaf(pp.z, v2[e], acc);
-                        acc = fmaf(pp.w, v3[e], acc);
-                        o[x][e] = acc;
-                    }
-                }
-            }
-        }
-        __syncthreads();  // every warp is done reading sV before V(tile+1) is issued
-    }
-
-    // ---- Epilogue ------------------------------------------------------------------------
     const long long rows = (long long)p.batch * kN;
     const bool single = gridDim.z == 1u;
-    if (single ? p.out == nullptr : (p.part_o == nullptr || p.part_lse == nullptr)) return;
+    const bool can_write = single ? p.out != nullptr : (p.part_o != nullptr && p.part_lse != nullptr);
+    const float scale2 = kScale * kLog2e;  // scores in log2 units: exp2 instead of exp
+
+    for (int pass = 0; pass < kPasses; ++pass) {
+        const int prow0 = pass * kGR;  // first packed row of this pass
+
+        // ---- Pipeline prologue: tiles 0 .. kStages-2, then the pages of tile kStages-1 ------
+        // (issued before the q rows are read, so the first K/V bytes are already on the way)
+        int pages[kLoadIters];
 #pragma unroll
-    for (int x = 0; x < kRW; ++x) {
-        const int rr = row0 + x;
-        if (rr < kRows) {
-            const int j = rr / kG, hh = rr % kG;
-            const long long r = (long long)i * kN + j;
-            const int h = g * kG + hh;
-            const bool any = l[x] > 0.0f;
-            if (single) {
-                act_t* dst = p.out + r * ((long long)kHeads * kD) + (long long)h * kD;
+        for (int st = 0; st < kStages - 1; ++st) {
+            if (st < num_tiles) {
+                tile_pages(pages, lo + st * kTile, hi, pt_row);
+                issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache, pages,
+                           lo + st * kTile, g);
+            }
+            cp_async_commit();  // (possibly empty: keeps the group count uniform)
+        }
+        if (kStages - 1 < num_tiles) tile_pages(pages, lo + (kStages - 1) * kTile, hi, pt_row);
+
+        // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
+        {
+            const act_t* qbase = p.q + (long long)i * kN * p.q_stride + (long long)g * kG * kD;
+            const bool vec = aligned16(p.q) && p.q_stride % 8u == 0u;
+            for (int v = tid; v < kGR * kChunks; v += kThreads) {
+                const int rl = v / kChunks, c = v % kChunks;
+                const int rr = prow0 + rl;
+                act_t* dst = sQ + chunk_at(rl, c);
+                if (rr < kRows) {
+                    const act_t* src = qbase + (long long)(rr / kG) * p.q_stride + (long long)(rr % kG) * kD + c * 8;
+                    if (vec) {
+                        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+                    } else {
 #pragma unroll
-                for (int e = 0; e < kDPL; ++e) {
-                    const int d = dim_of(lane, e);
-                    if (d < kD) dst[d] = to_act(any ? o[x][e] / l[x] : 0.0f);
+                        for (int e = 0; e < 8; ++e) dst[e] = src[e];
+                    }
+                } else {
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
                 }
-            } else {
-                const long long sr = ((long long)s * rows + r) * kHeads + h;
-                float* dst = p.part_o + sr * kD;
-#pragma unroll
-                for (int e = 0; e < kDPL; ++e) {
-                    const int d = dim_of(lane, e);
-                    if (d < kD) dst[d] = any ? o[x][e] / l[x] : 0.0f;
-                }
-                if (lane == 0) p.part_lse[sr] = any ? m[x] + logf(l[x]) : neg_inf();
             }
         }
+        __syncthreads();  // sQ is written
+
+        // Packed rows of this thread's accumulator halves: rows rA (c0, c1) and rA + 8 (c2, c3).
+        const int rA = prow0 + wq * 16 + (lane >> 2);
+        const int qposA = L + rA / kG, qposB = L + (rA + 8) / kG;  // causal limits
+        const bool realA = rA < kRows, realB = rA + 8 < kRows;
+
+        unsigned qf[kQRegs ? kKS : 1][4];
+        if constexpr (kQRegs) {
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) {
+                const int mi = lane >> 3;
+                ldsm_x4(qf[ks], sQ + chunk_at(wq * 16 + (lane & 7) + (mi & 1) * 8, ks * 2 + (mi >> 1)));
+            }
+        }
+
+        float o[kNTO][4];
+#pragma unroll
+        for (int nt = 0; nt < kNTO; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+        float mA = neg_inf(), mB = neg_inf(), lA = 0.0f, lB = 0.0f;  // l: this lane's columns only
+
+        // ---- Key loop ---------------------------------------------------------------------
+        for (int tile = 0; tile < num_tiles; ++tile) {
+            cp_async_wait<kStages - 2>();  // this thread's copies of tile `tile` have landed ...
+            __syncthreads();               // ... and everyone's; stage (tile-1) is free again
+            {
+                const int nxt = tile + kStages - 1;
+                if (nxt < num_tiles) {
+                    issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
+                               p.v_cache, pages, lo + nxt * kTile, g);
+                }
+                cp_async_commit();
+                if (nxt + 1 < num_tiles) tile_pages(pages, lo + (nxt + 1) * kTile, hi, pt_row);
+            }
+            if (!active) continue;  // warp uniform; such warps only help with the copies
+
+            const act_t* K = stage_k(stage_base, tile % kStages);
+            const act_t* V = stage_v(stage_base, tile % kStages);
+            const int kb = wk * kKW;                      // this warp's keys within the tile
+            const int key0 = lo + tile * kTile + kb;      // position of its first key
+
+            // -- S = q Kᵀ for 16 rows x kKW keys ---------------------------------------------
+            float sc[kNTS][4];
+#pragma unroll
+            for (int nt = 0; nt < kNTS; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) {
+                unsigned a[4];
+                if constexpr (kQRegs) {
+                    a[0] = qf[ks][0], a[1] = qf[ks][1], a[2] = qf[ks][2], a[3] = qf[ks][3];
+                } else {
+                    const int mi = lane >> 3;
+                    ldsm_x4(a, sQ + chunk_at(wq * 16 + (lane & 7) + (mi & 1) * 8, ks * 2 + (mi >> 1)));
+                }
+#pragma unroll
+                for (int np = 0; np < kKW / 16; ++np) {
+                    // Matrices: keys +0..7 / dims lo, keys +0..7 / dims hi, keys +8..15 / lo, +8..15 / hi.
+                    const int mi = lane >> 3;
+                    unsigned b[4];
+                    ldsm_x4(b, K + chunk_at(kb + np * 16 + (lane & 7) + (mi >> 1) * 8, ks * 2 + (mi & 1)));
+                    mma16816(sc[2 * np], a, b[0], b[1]);
+                    mma16816(sc[2 * np + 1], a, b[2], b[3]);
+                }
+            }
+
+            // -- Mask and online softmax (rows rA, rA + 8; 4 lanes share a row) -------------
+            const bool full = key0 + kKW <= no_mask_end && key0 + kKW <= hi;
+            float tmaxA = neg_inf(), tmaxB = neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < kNTS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kp = key0 + nt * 8 + (lane & 3) * 2 + e;
+                    float va = sc[nt][e] * scale2, vb = sc[nt][2 + e] * scale2;
+                    if (!full) {
+                        const bool in = kp < hi;
+                        const bool visA = realA && in && kp <= qposA && (kWindow == 0 || kp + kWindow > qposA);
+                        const bool visB = realB && in && kp <= qposB && (kWindow == 0 || kp + kWindow > qposB);
+                        va = visA ? va : neg_inf();
+                        vb = visB ? vb : neg_inf();
+                    }
+                    sc[nt][e] = va;
+                    sc[nt][2 + e] = vb;
+                    tmaxA = fmaxf(tmaxA, va);
+                    tmaxB = fmaxf(tmaxB, vb);
+                }
+            }
+            tmaxA = fmaxf(tmaxA, __shfl_xor_sync(0xffffffffu, tmaxA, 1));
+            tmaxA = fmaxf(tmaxA, __shfl_xor_sync(0xffffffffu, tmaxA, 2));
+            tmaxB = fmaxf(tmaxB, __shfl_xor_sync(0xffffffffu, tmaxB, 1));
+            tmaxB = fmaxf(tmaxB, __shfl_xor_sync(0xffffffffu, tmaxB, 2));
+            const float mA_new = fmaxf(mA, tmaxA), mB_new = fmaxf(mB, tmaxB);
+            // While a row has seen no visible key m is -inf and l, o are 0; exp2(-inf - -inf)
+            // would be NaN, so such factors are forced to 0.
+            const float alphaA = mA == neg_inf() ? 0.0f : exp2f(mA - mA_new);
+            const float alphaB = mB == neg_inf() ? 0.0f : exp2f(mB - mB_new);
+            mA = mA_new;
+            mB = mB_new;
+            const float subA = mA == neg_inf() ? 0.0f : mA, subB = mB == neg_inf() ? 0.0f : mB;
+            float sumA = 0.0f, sumB = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < kNTS; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    sc[nt][e] = exp2f(sc[nt][e] - subA);  // masked: exp2(-inf) = 0
+                    sc[nt][2 + e] = exp2f(sc[nt][2 + e] - subB);
+                    sumA += sc[nt][e];
+                    sumB += sc[nt][2 + e];
+                }
+            }
+            lA = lA * alphaA + sumA;
+            lB = lB * alphaB + sumB;
+#pragma unroll
+            for (int nt = 0; nt < kNTO; ++nt) {
+                o[nt][0] *= alphaA;
+                o[nt][1] *= alphaA;
+                o[nt][2] *= alphaB;
+                o[nt][3] *= alphaB;
+            }
+
+            // -- o += P V: P (16 x kKW) from the score registers, V via transposed ldmatrix --
+#pragma unroll
+            for (int kk = 0; kk < kKW / 16; ++kk) {
+                unsigned a[4];
+                a[0] = pack2(sc[2 * kk][0], sc[2 * kk][1]);
+                a[1] = pack2(sc[2 * kk][2], sc[2 * kk][3]);
+                a[2] = pack2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+                a[3] = pack2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < kD / 16; ++dp) {
+                    // Matrices: keys +0..7 / dims lo, keys +8..15 / lo, keys +0..7 / hi, +8..15 / hi.
+                    const int mi = lane >> 3;
+                    unsigned b[4];
+                    ldsm_x4_trans(b, V + chunk_at(kb + kk * 16 + (lane & 7) + (mi & 1) * 8, dp * 2 + (mi >> 1)));
+                    mma16816(o[2 * dp], a, b[0], b[1]);
+                    mma16816(o[2 * dp + 1], a, b[2], b[3]);
+                }
+            }
+        }
+        cp_async_wait<0>();  // no copy may land in the stage area once it holds the merge
+        __syncthreads();     // every warp is done reading the stages
+
+        // ---- Each warp's state -> shared memory -------------------------------------------
+        if (active) {
+            lA += __shfl_xor_sync(0xffffffffu, lA, 1);
+            lA += __shfl_xor_sync(0xffffffffu, lA, 2);
+            lB += __shfl_xor_sync(0xffffffffu, lB, 1);
+            lB += __shfl_xor_sync(0xffffffffu, lB, 2);
+            const int ra = lane >> 2;
+            float* so = sO + warp * 16 * kD;
+#pragma unroll
+            for (int nt = 0; nt < kNTO; ++nt) {
+                const int d = nt * 8 + (lane & 3) * 2;
+                *reinterpret_cast<float2*>(so + ra * kD + d) = make_float2(o[nt][0], o[nt][1]);
+                *reinterpret_cast<float2*>(so + (ra + 8) * kD + d) = make_float2(o[nt][2], o[nt][3]);
+            }
+            if ((lane & 3) == 0) {
+                sM[warp * 16 + ra] = mA;
+                sM[warp * 16 + ra + 8] = mB;
+                sL[warp * 16 + ra] = lA;
+                sL[warp * 16 + ra + 8] = lB;
+            }
+        }
+        __syncthreads();
+
+        // ---- Merge the kWK key slices of each row and write -------------------------------
+        if (can_write) {
+            for (int e = tid; e < kGR * kD; e += kThreads) {
+                const int rl = e / kD, d = e % kD;
+                const int rr = prow0 + rl;
+                if (rr >= kRows) continue;
+                const int t = rl >> 4, x = rl & 15;
+                float mx = neg_inf();
+#pragma unroll
+                for (int w = 0; w < kWK; ++w) mx = fmaxf(mx, sM[(t + w * kWQ) * 16 + x]);
+                float num = 0.0f, den = 0.0f;
+                if (mx != neg_inf()) {
+#pragma unroll
+                    for (int w = 0; w < kWK; ++w) {
+                        const int ww = t + w * kWQ;
+                        const float mw = sM[ww * 16 + x];
+                        if (mw != neg_inf()) {
+                            const float f = exp2f(mw - mx);
+                            den = fmaf(f, sL[ww * 16 + x], den);
+                            num = fmaf(f, sO[(ww * 16 + x) * kD + d], num);
+                        }
+                    }
+                }
+                const bool any = den > 0.0f;
+                const int j = rr / kG, hh = rr % kG;
+                const long long r = (long long)i * kN + j;
+                const int h = g * kG + hh;
+                if (single) {
+                    p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(any ? num / den : 0.0f);
+                } else {
+                    const long long sr = ((long long)s * rows + r) * kHeads + h;
+                    p.part_o[sr * kD + d] = any ? num / den : 0.0f;
+                    if (d == 0) p.part_lse[sr] = any ? (mx + log2f(den)) * kLn2 : neg_inf();
+                }
+            }
+        }
+        if (pass + 1 < kPasses) __syncthreads();  // the merge area becomes stages (and sQ) again
     }
 }
 

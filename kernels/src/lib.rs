@@ -96,11 +96,16 @@ pub mod geometry {
     /// Largest top-K the sampling kernel's shared memory is sized for.
     pub const MAX_TOPK: u32 = 32;
 
-    /// Dynamic shared memory of `attn_partial` (mirrors the formula in attention.cu):
-    /// q rows in fp32, one K and one V tile, and the score tile.
-    pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, act_bytes: u32) -> u64 {
-        let (r, d, t, a) = (rows_per_cta as u64, head_dim as u64, kv_tile as u64, act_bytes as u64);
-        r * d * 4 + 2 * t * d * a + r * t * 4
+    /// Dynamic shared memory of `attn_partial` (mirrors the formula in attention.cu): the q
+    /// rows of one pass (at most 64 packed rows, padded to 16), then the larger of the K/V
+    /// pipeline stages and the cross-warp merge area that aliases them after the key loop.
+    pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u32, act_bytes: u32) -> u64 {
+        let (d, t, a) = (head_dim as u64, kv_tile as u64, act_bytes as u64);
+        let rows_per_pass = (rows_per_cta as u64).div_ceil(16).clamp(1, 4) * 16;
+        let warps = ATTN_THREADS as u64 / 32;
+        let stages = stages as u64 * 2 * t * d * a;
+        let merge = warps * 16 * d * 4 + warps * 16 * 2 * 4;
+        rows_per_pass * d * a + stages.max(merge)
     }
 
     /// Dynamic shared memory of `softmax_topk` (mirrors sample.cu).

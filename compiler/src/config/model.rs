@@ -142,10 +142,10 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
         }
     }
     if let Some(d) = head_dim {
-        if d % 2 != 0 || d > 256 {
+        if d % 16 != 0 || d == 0 || d > 256 {
             e.push(
                 r.path("head_dim"),
-                format!("{d} is not supported (RoPE needs an even head_dim, the attention kernel at most 256)"),
+                format!("{d} is not supported (the attention kernel's tensor-core steps need a multiple of 16, at most 256)"),
             );
         }
     }

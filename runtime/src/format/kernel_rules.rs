@@ -33,6 +33,7 @@ pub(super) fn kernel_constants(p: &Plan, k: &KernelDesc) -> Vec<String> {
     for (name, v) in &k.constants {
         let bad = match (name.as_str(), v) {
             ("KV_TILE", ConstValue::U32(t)) => ![16, 32, 64].contains(t),
+            ("STAGES", ConstValue::U32(t)) => !(2..=4).contains(t),
             ("WINDOW", ConstValue::U32(w)) => *w != 0 && !p.layers.iter().any(|l| l.window == Some(*w)),
             ("EPS", ConstValue::F32(x)) => x.to_bits() != m.rms_norm_eps.to_bits(),
             ("SCALE", ConstValue::F32(x)) => !(x.is_finite() && *x > 0.0),
