@@ -1113,6 +1113,80 @@ impl GpuRuntime {
         }
     }
 
+    /// Kernel tests and debugging: the address and size of a named arena buffer of the
+    /// bucket `batch` (exact bucket size). The arena is shared by every bucket and packed by
+    /// liveness, so after a step a buffer holds its value only until a later op reuses it.
+    pub fn buffer_ptr(&self, batch: u32, name: &str) -> Option<(u64, usize)> {
+        let bk = self.plan.buckets.iter().find(|b| b.batch == batch)?;
+        let (_, x) = bk.buffer(name)?;
+        Some((self.arena.ptr + x.offset, x.bytes as usize))
+    }
+
+    /// Kernel tests: overwrites a named arena buffer of bucket `batch` (synchronously).
+    pub fn write_buffer(&self, batch: u32, name: &str, bytes: &[u8]) -> Result<(), GpuError> {
+        let (ptr, len) = self.buffer_ptr(batch, name).ok_or(GpuError::Cuda {
+            call: "write_buffer",
+            message: format!("bucket {batch} has no buffer {name}"),
+        })?;
+        if bytes.len() != len {
+            return Err(GpuError::Cuda {
+                call: "write_buffer",
+                message: format!("{name} holds {len} bytes, got {}", bytes.len()),
+            });
+        }
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        // SAFETY: the destination range lies inside the arena allocation (the plan was
+        // validated against the arena size) and its length equals the source's; the
+        // stream is idle, so no kernel reads it concurrently.
+        unsafe { cuda("cuMemcpyHtoD", result::memcpy_htod_sync(ptr, bytes)) }
+    }
+
+    /// Kernel tests: copies a named arena buffer of bucket `batch` to the host (synchronizes).
+    pub fn read_buffer(&self, batch: u32, name: &str) -> Result<Vec<u8>, GpuError> {
+        let (ptr, len) = self.buffer_ptr(batch, name).ok_or(GpuError::Cuda {
+            call: "read_buffer",
+            message: format!("bucket {batch} has no buffer {name}"),
+        })?;
+        let mut out = vec![0u8; len];
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        // SAFETY: the source range lies inside the arena allocation; the destination has
+        // exactly `len` bytes; the stream is synchronized.
+        unsafe { cuda("cuMemcpyDtoH", result::memcpy_dtoh_sync(&mut out, ptr))? };
+        Ok(out)
+    }
+
+    /// Benchmarks: captures the launches of bucket `batch` whose op name contains `filter`
+    /// as a graph of their own (e.g. the attention launches, timed without the host
+    /// launch overhead that dominates eager issue of microsecond kernels).
+    pub fn capture_where(&self, batch: u32, filter: &str) -> Result<CudaGraph, GpuError> {
+        let bi = self
+            .plan
+            .buckets
+            .iter()
+            .position(|b| b.batch == batch)
+            .ok_or(GpuError::Cuda {
+                call: "capture_where",
+                message: format!("no bucket {batch}"),
+            })?;
+        cuda(
+            "cuStreamBeginCapture",
+            self.stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        )?;
+        let issued = self.issue_where(bi, &|op| op.contains(filter));
+        let graph = cuda(
+            "cuStreamEndCapture",
+            self.stream.end_capture(sys::CUgraphInstantiate_flags_enum(0)),
+        )?;
+        issued?;
+        let graph = graph.ok_or(GpuError::Cuda {
+            call: "cuStreamEndCapture",
+            message: format!("no launch of bucket {batch} matches {filter}"),
+        })?;
+        cuda("cuGraphUpload", graph.upload())?;
+        Ok(graph)
+    }
+
     /// Whether a bucket has a built graph.
     pub fn has_graph(&self, batch: u32) -> bool {
         self.plan

@@ -370,6 +370,112 @@ fn check_case(plan: &ValidatedPlan, rt: &mut GpuRuntime, weights: &[WeightData],
 }
 
 /// Median replay time of a bucket's graph with CUDA events, µs (after warm-up).
+/// The attention kernels alone (attn_partial, and attn_merge when the bucket splits), on
+/// random q and cache contents with long prefixes: layer 0's launches are replayed over
+/// buffers this check writes, and the output is compared with an f64 softmax attention
+/// computed here from the same bf16/fp16 values. Returns (relative RMS error, max abs error
+/// / output RMS).
+fn attention_check(
+    plan: &ValidatedPlan,
+    rt: &mut GpuRuntime,
+    rng: &mut Rng,
+    b: usize,
+    max_prefix: usize,
+) -> Result<(f64, f64), String> {
+    use specplan_runtime::format::io;
+    let g = |e: specplan_runtime::gpu::GpuError| e.to_string();
+    let is_f16 = plan.capture.dtype == specplan_runtime::format::DType::F16;
+    let bucket = plan.bucket_for(b as u32).ok_or("no bucket")?.batch;
+    let (n, ps) = (plan.spec.num_draft_tokens as usize, plan.capture.page_size as usize);
+    let (hq, hkv, d) = (
+        plan.model.heads as usize,
+        plan.model.kv_heads as usize,
+        plan.model.head_dim as usize,
+    );
+    let group = hq / hkv;
+    let window = plan.layers.first().and_then(|l| l.window).map(|w| w as usize);
+    let c = make_case(plan, rng, b, max_prefix);
+    for (i, &s) in c.slots.iter().enumerate() {
+        rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
+    }
+    rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
+    let bu = bucket as usize;
+    let ints = |v: Vec<i32>| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut prefix = c.step.prefix_lens.clone();
+    prefix.resize(bu, 0);
+    let mut slots = c.slots.clone();
+    slots.resize(bu, plan.capture.max_requests as i32); // padding rows: the scratch slot
+    rt.write_buffer(bucket, io::PREFIX_LENS, &ints(prefix)).map_err(g)?;
+    rt.write_buffer(bucket, io::REQ_SLOTS, &ints(slots)).map_err(g)?;
+    let (_, qkv_bytes) = rt.buffer_ptr(bucket, "l0.qkv").ok_or("no l0.qkv buffer")?;
+    let stride = qkv_bytes / 2 / (bu * n);
+    let q: Vec<u16> = (0..qkv_bytes / 2).map(|_| act_bits(rng.uniform(), is_f16)).collect();
+    rt.write_buffer(
+        bucket,
+        "l0.qkv",
+        &q.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
+    )
+    .map_err(g)?;
+    let (_, out_bytes) = rt.buffer_ptr(bucket, "l0.attn").ok_or("no l0.attn buffer")?;
+    rt.write_buffer(bucket, "l0.attn", &vec![0xffu8; out_bytes])
+        .map_err(g)?; // NaN poison
+    rt.replay_only(bucket, Some("l0.attention")).map_err(g)?;
+    let raw = rt.read_buffer(bucket, "l0.attn").map_err(g)?;
+    let got: Vec<f32> = raw
+        .chunks_exact(2)
+        .map(|x| from_bits(u16::from_le_bytes([x[0], x[1]]), is_f16))
+        .collect();
+    let (kc, vc) = rt.read_kv(c.used_pages).map_err(g)?; // layer 0 comes first
+    let kv_at = |page: i32, pos: usize, head: usize| ((page as usize * ps + pos % ps) * hkv + head) * d;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+    let (mut logits, mut acc) = (Vec::new(), vec![0f64; d]);
+    for i in 0..b {
+        let l = c.step.prefix_lens[i] as usize;
+        for j in 0..n {
+            let qpos = l + j;
+            let start = window.map_or(0, |w| (qpos + 1).saturating_sub(w));
+            for h in 0..hq {
+                let kvh = h / group;
+                let qrow = &q[(i * n + j) * stride + h * d..][..d];
+                logits.clear();
+                for p in start..=qpos {
+                    let at = kv_at(c.pages[i][p / ps], p, kvh);
+                    let dot: f64 = (0..d)
+                        .map(|e| from_bits(qrow[e], is_f16) as f64 * from_bits(kc[at + e], is_f16) as f64)
+                        .sum();
+                    logits.push(dot * scale);
+                }
+                let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = logits.iter().map(|x| (x - mx).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                acc.iter_mut().for_each(|x| *x = 0.0);
+                for (t, p) in (start..=qpos).enumerate() {
+                    let at = kv_at(c.pages[i][p / ps], p, kvh);
+                    for (e, a) in acc.iter_mut().enumerate() {
+                        *a += w[t] * from_bits(vc[at + e], is_f16) as f64;
+                    }
+                }
+                for (e, &a) in acc.iter().enumerate() {
+                    let want = a / sum;
+                    let have = got[(i * n + j) * hq * d + h * d + e] as f64;
+                    if !have.is_finite() {
+                        return Err(format!(
+                            "b={b}: attention output row {} head {h} dim {e} is {have}",
+                            i * n + j
+                        ));
+                    }
+                    num += (have - want).powi(2);
+                    den += want.powi(2);
+                    max_abs = max_abs.max((have - want).abs());
+                }
+            }
+        }
+    }
+    let rms = (den / (b * n * hq * d) as f64).sqrt();
+    Ok(((num / den.max(1e-30)).sqrt(), max_abs / rms.max(1e-30)))
+}
+
 fn replay_us(
     rt: &mut GpuRuntime,
     plan: &ValidatedPlan,
@@ -742,6 +848,31 @@ fn main() -> ExitCode {
                 }
             }
         }
+        // The attention kernels alone, at long prefixes (splits, several key tiles).
+        let attn_prefix = (plan.capture.max_context_len as usize - plan.spec.num_draft_tokens as usize).min(3000);
+        let mut attn = Vec::new();
+        for b in [1usize, 3, max_b.min(8)] {
+            if b > plan.capture.max_requests as usize || plan.bucket_for(b as u32).is_none() {
+                continue;
+            }
+            match attention_check(&plan, &mut rt, &mut rng, b, attn_prefix) {
+                Ok((rel, max_rel)) => {
+                    let ok = rel <= 1e-2 && max_rel <= 5e-2;
+                    failed |= !ok;
+                    println!(
+                        "{name:<28} {b:>5} attention alone (prefix <= {attn_prefix}): rel {rel:.2e}, max abs / rms {max_rel:.2e}  {}",
+                        if ok { "ok" } else { "FAIL (bounds 1e-2, 5e-2)" }
+                    );
+                    attn.push(format!(
+                        "{{\"b\":{b},\"rel\":{rel:e},\"max_abs_over_rms\":{max_rel:e},\"ok\":{ok}}}"
+                    ));
+                }
+                Err(msg) => {
+                    failed = true;
+                    println!("{name:<28} {b:>5} attention alone: ERROR {msg}");
+                }
+            }
+        }
         let mut lat = Vec::new();
         for b in [1usize, 8, 32, 64] {
             if buckets.contains(&(b as u32)) {
@@ -770,11 +901,12 @@ fn main() -> ExitCode {
             lat.join(" ")
         );
         report.push(format!(
-            "{{\"plan\":\"{name}\",\"load_ms\":{load_ms:.1},\"arena_bytes\":{},\"kv_bytes\":{},\"graph_build\":[{}],\"cases\":[{}],\"latency\":[{}]}}",
+            "{{\"plan\":\"{name}\",\"load_ms\":{load_ms:.1},\"arena_bytes\":{},\"kv_bytes\":{},\"graph_build\":[{}],\"cases\":[{}],\"attention\":[{}],\"latency\":[{}]}}",
             rt.arena_bytes(),
             rt.kv_bytes(),
             builds.join(","),
             cases.join(","),
+            attn.join(","),
             lat.join(",")
         ));
     }
