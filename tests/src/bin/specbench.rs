@@ -51,14 +51,27 @@ impl Timer {
         })
     }
     /// Median µs of `f` between two events on the stream.
-    fn time(&self, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+    fn time(&self, f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+        self.time_with(None, f)
+    }
+    /// Median µs of `f` between two events, with L2 flushed before each run (a memset of
+    /// `flush` bytes at `buf`, outside the events): a B1 step's K/V fits in L2 and would
+    /// otherwise be timed from cache, not from HBM as in a running engine.
+    fn time_flushed(&self, flush: (u64, usize), f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+        self.time_with(Some(flush), f)
+    }
+    fn time_with(&self, flush: Option<(u64, usize)>, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
         for _ in 0..WARMUP {
             f()?;
         }
         let mut v = Vec::with_capacity(RUNS);
-        for _ in 0..RUNS {
-            // SAFETY: live events on a live stream; the sync is the measurement itself.
+        for i in 0..RUNS {
+            // SAFETY: live events on a live stream; the sync is the measurement itself; the
+            // flush buffer is a live allocation of at least `len` bytes.
             unsafe {
+                if let Some((buf, len)) = flush {
+                    result::memset_d8_async(buf, i as u8, len, self.stream).map_err(|e| format!("{e:?}"))?;
+                }
                 event::record(self.start, self.stream).map_err(|e| format!("{e:?}"))?;
                 f()?;
                 event::record(self.end, self.stream).map_err(|e| format!("{e:?}"))?;
@@ -195,7 +208,7 @@ fn main() -> ExitCode {
 }
 
 /// Writes the markdown table and the JSON of the rows so far.
-fn write_results(out: &str, rows: &[String], json: &[String]) -> Result<String, String> {
+fn write_results(out: &str, rows: &[String], json: &[String], ops: &[String]) -> Result<String, String> {
     let table = format!(
         "| plan | B | L | prep µs | replay µs | step µs | eager µs | floor µs | step/floor | attn µs | attn TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n{}\n",
         rows.join("\n")
@@ -204,6 +217,11 @@ fn write_results(out: &str, rows: &[String], json: &[String]) -> Result<String, 
     std::fs::write(format!("{out}/specbench.md"), &table).map_err(|e| e.to_string())?;
     std::fs::write(format!("{out}/specbench.json"), format!("[\n{}\n]\n", json.join(",\n")))
         .map_err(|e| e.to_string())?;
+    std::fs::write(
+        format!("{out}/specbench-ops.json"),
+        format!("[\n{}\n]\n", ops.join(",\n")),
+    )
+    .map_err(|e| e.to_string())?;
     Ok(table)
 }
 
@@ -215,6 +233,7 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
         .collect();
     files.sort();
     let mut rows = Vec::new();
+    let mut breakdown: Vec<String> = Vec::new();
     let mut json = Vec::new();
     let mut ceil: Option<(f64, f64)> = None;
     for f in files {
@@ -247,6 +266,13 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
             }
         };
         let timer = Timer::new(stream)?;
+        // L2 flush buffer (256 MiB, several times the H200's L2), freed after this plan.
+        let flush_len = 256usize << 20;
+        // SAFETY: a plain allocation, freed at the end of this plan's measurements.
+        let flush = (
+            unsafe { result::malloc_sync(flush_len) }.map_err(|e| format!("{e:?}"))?,
+            flush_len,
+        );
         let n = plan.spec.num_draft_tokens as usize;
         let h = plan.model.hidden as usize;
         let ps = plan.capture.page_size as usize;
@@ -306,9 +332,37 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
                         preps.push(info.prep_us);
                     }
                 }
-                let replay = timer.time(|| rt.replay_only(b as u32, None).map_err(g))?;
+                let replay = timer.time_flushed(flush, || rt.replay_only(b as u32, None).map_err(g))?;
                 let eager = timer.time(|| rt.step(&req, true).map(|_| ()).map_err(g))?;
-                let attn = timer.time(|| rt.replay_only(b as u32, Some("attention")).map_err(g))?;
+                // Attention alone: its launches captured as a graph of their own, L2 flushed.
+                let attn_graph = rt.capture_where(b as u32, "attention").map_err(g)?;
+                let attn = timer.time_flushed(flush, || {
+                    attn_graph
+                        .launch()
+                        .map_err(|e| format!("attention graph launch: {e:?}"))
+                })?;
+                drop(attn_graph);
+                // Where the replay goes: each op's launches alone (own graph, L2 flushed),
+                // at L 1024 for the smallest and largest bucket.
+                if l == 1024 && (b == 1 || b == 64) {
+                    let bk = plan.buckets.iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
+                    let mut ops: Vec<&str> = Vec::new();
+                    for launch in &bk.launches {
+                        if !ops.contains(&launch.op.as_str()) {
+                            ops.push(&launch.op);
+                        }
+                    }
+                    let mut parts = Vec::new();
+                    for op in ops {
+                        let graph = rt.capture_where(b as u32, op).map_err(g)?;
+                        let us = timer.time_flushed(flush, || graph.launch().map_err(|e| format!("{op}: {e:?}")))?;
+                        parts.push(format!("{op} {us:.1}"));
+                        breakdown.push(format!(
+                            "{{\"plan\":\"{name}\",\"batch\":{b},\"prefix\":{l},\"op\":\"{op}\",\"us\":{us:.2}}}"
+                        ));
+                    }
+                    println!("  ops ({name}, B {b}, L {l}, µs): {}", parts.join(", "));
+                }
                 // SAFETY: the stream is idle after the timed runs.
                 unsafe {
                     let _ = result::stream::synchronize(stream);
@@ -338,9 +392,13 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
             rt.arena_bytes(),
             rt.kv_bytes()
         );
-        write_results(out, &rows, &json)?;
+        // SAFETY: the stream is idle (every measurement synchronized); allocated above.
+        unsafe {
+            let _ = result::free_sync(flush.0);
+        }
+        write_results(out, &rows, &json, &breakdown)?;
     }
-    let table = write_results(out, &rows, &json)?;
+    let table = write_results(out, &rows, &json, &breakdown)?;
     println!("\n{table}");
     Ok(())
 }
