@@ -240,8 +240,11 @@ pub struct GpuRuntime {
     stamp: u32,
     /// Host mirror of the device page table (for the O(b·N) write-conflict check).
     table_host: Vec<i32>,
-    /// Stamp per pool (page, slot) written in the current step.
-    write_seen: Vec<u32>,
+    /// The cache slots (page·page_size + offset) the current step writes, as a stamped
+    /// open-addressing set sized for the largest bucket's rows. A per-slot table of the
+    /// whole pool (2 MiB for llama3's) cost one host cache miss per row, 30–40 µs at
+    /// B 64, N 16; this set stays in L1.
+    write_seen: Vec<(u64, u32)>,
     /// Outputs of a batch run in chunks (above the largest bucket), and whether the last
     /// step was one.
     chunk_out: Option<DevMem>,
@@ -328,7 +331,7 @@ impl GpuRuntime {
         let staging_done = [ev()?, ev()?];
         let nb = plan.buckets.len();
         let rows = plan.page_table_rows() as usize;
-        let page_size = plan.capture.page_size as usize;
+        let plan_rows_max = plan.buckets.last().map_or(1, |b| b.batch as usize) * plan.spec.num_draft_tokens as usize;
         let mut rt = GpuRuntime {
             plan,
             ctx,
@@ -354,7 +357,7 @@ impl GpuRuntime {
             slot_seen: vec![0; rows],
             stamp: 0,
             table_host: Vec::new(),
-            write_seen: vec![0; pool_pages as usize * page_size],
+            write_seen: vec![(0, 0); write_set_capacity(plan_rows_max)],
             chunk_out: None,
             chunked: false,
         };
@@ -797,7 +800,7 @@ impl GpuRuntime {
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
             self.slot_seen.iter_mut().for_each(|x| *x = 0);
-            self.write_seen.iter_mut().for_each(|x| *x = 0);
+            self.write_seen.iter_mut().for_each(|x| *x = (0, 0));
             self.stamp = 1;
         }
         for i in 0..b {
@@ -835,15 +838,16 @@ impl GpuRuntime {
             for j in 0..n as i64 {
                 let pos = l + j;
                 let page = self.table_host[row + (pos / ps) as usize] as i64;
-                let key = (page * ps + pos % ps) as usize;
-                if let Some(seen) = self.write_seen.get_mut(key) {
-                    if std::mem::replace(seen, self.stamp) == self.stamp {
-                        return Err(e(
-                            "page_table",
-                            format!("[{i}]"),
-                            format!("request {i} writes page {page} slot {}, which another request of this step also writes", pos % ps),
-                        ));
-                    }
+                let key = (page * ps + pos % ps) as u64;
+                if !insert_write(&mut self.write_seen, self.stamp, key) {
+                    return Err(e(
+                        "page_table",
+                        format!("[{i}]"),
+                        format!(
+                            "request {i} writes page {page} slot {}, which another request of this step also writes",
+                            pos % ps
+                        ),
+                    ));
                 }
             }
         }
@@ -1197,6 +1201,30 @@ impl GpuRuntime {
     }
 }
 
+/// Slots of the write set: a power of two at least 4× the rows a step can have.
+fn write_set_capacity(max_rows: usize) -> usize {
+    (4 * max_rows.max(16)).next_power_of_two()
+}
+
+/// Inserts `key` into the stamped open-addressing set (linear probing; entries with an
+/// older stamp are free). Returns false when the key is already there for this stamp.
+/// The set holds at most a quarter of its slots per step, so probing always ends.
+fn insert_write(set: &mut [(u64, u32)], stamp: u32, key: u64) -> bool {
+    let mask = set.len() - 1;
+    let mut at = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & mask;
+    loop {
+        let e = &mut set[at];
+        if e.1 != stamp {
+            *e = (key, stamp);
+            return true;
+        }
+        if e.0 == key {
+            return false;
+        }
+        at = (at + 1) & mask;
+    }
+}
+
 /// The bytes of a slice of plain integers, as the device reads them (little-endian hosts).
 fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
     const _: () = assert!(
@@ -1328,4 +1356,29 @@ fn load_kernels(plan: &Plan) -> Result<(Vec<Module>, Vec<sys::CUfunction>), GpuE
         }
     }
     Ok((modules, funcs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{insert_write, write_set_capacity};
+
+    #[test]
+    fn write_set_finds_duplicates_within_a_step_only() {
+        let cap = write_set_capacity(64 * 16);
+        assert!(cap.is_power_of_two() && cap >= 4 * 64 * 16);
+        let mut set = vec![(0u64, 0u32); cap];
+        // Keys that collide in the low bits probe past each other.
+        let keys: Vec<u64> = (0..1024u64).map(|i| i * cap as u64).collect();
+        for &k in &keys {
+            assert!(insert_write(&mut set, 1, k), "first insert of {k}");
+        }
+        for &k in &keys {
+            assert!(!insert_write(&mut set, 1, k), "second insert of {k} in one step");
+        }
+        // A new stamp frees every entry.
+        for &k in &keys {
+            assert!(insert_write(&mut set, 2, k), "{k} in the next step");
+        }
+        assert!(!insert_write(&mut set, 2, keys[17]));
+    }
 }
