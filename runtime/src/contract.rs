@@ -376,6 +376,7 @@ pub fn run_gpu(
     let opts = GpuOptions {
         kv_pool_pages: Some(file_pages as u32 + 1),
         build_graphs: !eager,
+        tune_gemms: true,
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts)?;
     let act = plan.capture.dtype;

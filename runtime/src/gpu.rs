@@ -183,6 +183,9 @@ pub struct GpuOptions {
     pub kv_pool_pages: Option<u32>,
     /// Build the CUDA graphs at load (else only eager launches work).
     pub build_graphs: bool,
+    /// Time cuBLASLt's candidate algorithms for every GEMM shape of the plan at load and
+    /// keep the fastest (else cublasGemmEx with its default heuristic).
+    pub tune_gemms: bool,
 }
 
 impl Default for GpuOptions {
@@ -190,6 +193,7 @@ impl Default for GpuOptions {
         GpuOptions {
             kv_pool_pages: None,
             build_graphs: true,
+            tune_gemms: true,
         }
     }
 }
@@ -223,8 +227,12 @@ pub struct GpuRuntime {
     kv: DevMem,
     table: DevMem,
     blas: BlasHandle,
+    /// cuBLASLt with a measured algorithm per GEMM shape (None: not tuned).
+    lt: Option<crate::lt::Lt>,
     _blas_ws: DevMem,
     pool_pages: u32,
+    /// Time spent choosing GEMM algorithms at load, ms.
+    pub gemm_tune_ms: f64,
     graphs: Vec<Option<CudaGraph>>,
     /// Graph build time per bucket, ms (capture + instantiate + upload).
     pub graph_build_ms: Vec<f64>,
@@ -343,7 +351,9 @@ impl GpuRuntime {
             kv,
             table,
             blas,
+            lt: None,
             _blas_ws: ws,
+            gemm_tune_ms: 0.0,
             pool_pages,
             graphs: (0..nb).map(|_| None).collect(),
             graph_build_ms: vec![0.0; nb],
@@ -368,6 +378,9 @@ impl GpuRuntime {
         cuda("cuMemsetD8", unsafe {
             result::memset_d8_async(rt.kv.ptr, 0, rt.kv.bytes, rt.stream.cu_stream())
         })?;
+        if opts.tune_gemms {
+            rt.tune_gemms()?;
+        }
         if opts.build_graphs {
             rt.build_graphs()?;
         }
@@ -524,7 +537,78 @@ impl GpuRuntime {
         out
     }
 
+    fn gemm_shape(&self, b: &BucketPlan, g: &GemmDesc) -> (crate::lt::GemmShape, crate::lt::GemmPtrs) {
+        let (a, c, w) = (
+            &b.buffers[g.a as usize],
+            &b.buffers[g.c as usize],
+            &self.plan.weights[g.w as usize],
+        );
+        (
+            crate::lt::GemmShape {
+                m: g.m as u32,
+                n: g.n as u32,
+                k: g.k as u32,
+                accumulate: g.accumulate,
+                w: w.dtype,
+                a: a.dtype,
+                c: c.dtype,
+            },
+            crate::lt::GemmPtrs {
+                w: self.weights.ptr + w.offset,
+                a: self.arena.ptr + a.offset,
+                c: self.arena.ptr + c.offset,
+            },
+        )
+    }
+
+    /// Chooses a cuBLASLt algorithm for every GEMM shape of the plan by timing the
+    /// candidates (see `lt.rs`). Runs at load, before any graph exists and before any step
+    /// has put data in the arena (the timed calls overwrite their outputs).
+    fn tune_gemms(&mut self) -> Result<(), GpuError> {
+        let t0 = Instant::now();
+        let mut lt = crate::lt::Lt::new((self._blas_ws.ptr, self._blas_ws.bytes))?;
+        for b in &self.plan.buckets {
+            for l in &b.launches {
+                if let LaunchKind::Gemm(g) = &l.kind {
+                    let (shape, ptrs) = self.gemm_shape(b, g);
+                    lt.tune(shape, ptrs, self.stream.cu_stream())?;
+                }
+            }
+        }
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        self.lt = Some(lt);
+        self.gemm_tune_ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
+    }
+
+    /// What GEMM tuning chose, per (m, n, k) of each bucket's GEMMs (benchmark reports).
+    pub fn gemm_choices(&self) -> Vec<(u64, u64, u64, crate::lt::GemmChoice)> {
+        let mut v = Vec::new();
+        let Some(lt) = &self.lt else { return v };
+        for b in &self.plan.buckets {
+            for l in &b.launches {
+                if let LaunchKind::Gemm(g) = &l.kind {
+                    if let Some(c) = lt.choice(&self.gemm_shape(b, g).0) {
+                        if !v
+                            .iter()
+                            .any(|x: &(u64, u64, u64, _)| (x.0, x.1, x.2) == (g.m, g.n, g.k))
+                        {
+                            v.push((g.m, g.n, g.k, c));
+                        }
+                    }
+                }
+            }
+        }
+        v
+    }
+
     fn gemm(&self, b: &BucketPlan, g: &GemmDesc) -> Result<(), GpuError> {
+        if let Some(lt) = &self.lt {
+            let (shape, ptrs) = self.gemm_shape(b, g);
+            if let Some(r) = lt.run(&shape, ptrs, self.stream.cu_stream()) {
+                return r;
+            }
+        }
         let a = &b.buffers[g.a as usize];
         let c = &b.buffers[g.c as usize];
         let w = &self.plan.weights[g.w as usize];

@@ -6,4 +6,5 @@ pub mod contract;
 pub mod cpu;
 pub mod format;
 pub mod gpu;
+pub mod lt;
 pub mod step;

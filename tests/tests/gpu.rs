@@ -56,6 +56,7 @@ fn tiny_on_the_gpu_matches_the_cpu_reference() {
     let opts = GpuOptions {
         kv_pool_pages: Some(pages as u32 + 1),
         build_graphs: true,
+        tune_gemms: true,
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts).expect("runtime");
     let slots: Vec<i32> = (0..b as i32).collect();

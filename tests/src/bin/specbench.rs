@@ -208,7 +208,13 @@ fn main() -> ExitCode {
 }
 
 /// Writes the markdown table and the JSON of the rows so far.
-fn write_results(out: &str, rows: &[String], json: &[String], ops: &[String]) -> Result<String, String> {
+fn write_results(
+    out: &str,
+    rows: &[String],
+    json: &[String],
+    ops: &[String],
+    gemms: &[String],
+) -> Result<String, String> {
     let table = format!(
         "| plan | B | L | prep µs | replay µs | step µs | eager µs | floor µs | step/floor | attn µs | attn TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n{}\n",
         rows.join("\n")
@@ -220,6 +226,11 @@ fn write_results(out: &str, rows: &[String], json: &[String], ops: &[String]) ->
     std::fs::write(
         format!("{out}/specbench-ops.json"),
         format!("[\n{}\n]\n", ops.join(",\n")),
+    )
+    .map_err(|e| e.to_string())?;
+    std::fs::write(
+        format!("{out}/specbench-gemm.json"),
+        format!("[\n{}\n]\n", gemms.join(",\n")),
     )
     .map_err(|e| e.to_string())?;
     Ok(table)
@@ -234,6 +245,7 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
     files.sort();
     let mut rows = Vec::new();
     let mut breakdown: Vec<String> = Vec::new();
+    let mut gemms: Vec<String> = Vec::new();
     let mut json = Vec::new();
     let mut ceil: Option<(f64, f64)> = None;
     for f in files {
@@ -278,6 +290,22 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
         let ps = plan.capture.page_size as usize;
         let max_l = plan.capture.max_context_len as usize - n;
         let builds: f64 = rt.graph_build_ms.iter().sum();
+        // GEMM algorithm choice at load: the heuristic's first cuBLASLt candidate against the
+        // fastest measured one, per shape of the benchmarked buckets.
+        let mut tuned = Vec::new();
+        for (m, gn, k, c) in rt.gemm_choices() {
+            if [1u64, 8, 32, 64].iter().any(|&b| m == b * n as u64) || m <= 64 {
+                tuned.push(format!(
+                    "m{m} n{gn} k{k}: {:.1} -> {:.1} µs (#{} of {})",
+                    c.first_us, c.best_us, c.rank, c.candidates
+                ));
+                gemms.push(format!(
+                    "{{\"plan\":\"{name}\",\"m\":{m},\"n\":{gn},\"k\":{k},\"first_us\":{:.2},\"best_us\":{:.2},\"rank\":{},\"candidates\":{}}}",
+                    c.first_us, c.best_us, c.rank, c.candidates
+                ));
+            }
+        }
+        println!("{name}: GEMM tuning {:.0} ms; {}", rt.gemm_tune_ms, tuned.join("; "));
         for &b in &[1usize, 8, 32, 64] {
             if !plan.buckets.iter().any(|x| x.batch as usize == b) {
                 continue;
@@ -379,8 +407,9 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
                 println!("{row}");
                 rows.push(row);
                 json.push(format!(
-                    "{{\"plan\":\"{name}\",\"batch\":{b},\"prefix\":{l},\"pages\":\"{}\",\"prep_us\":{prep:.2},\"replay_us\":{replay:.1},\"full_us\":{full:.1},\"eager_us\":{eager:.1},\"floor_us\":{floor:.1},\"attn_us\":{attn:.1},\"attn_tb_s\":{attn_tbs:.3},\"graph_build_ms_all\":{builds:.1},\"load_ms\":{load_ms:.0},\"arena_bytes\":{},\"kv_bytes\":{}}}",
+                    "{{\"plan\":\"{name}\",\"batch\":{b},\"prefix\":{l},\"pages\":\"{}\",\"prep_us\":{prep:.2},\"replay_us\":{replay:.1},\"full_us\":{full:.1},\"eager_us\":{eager:.1},\"floor_us\":{floor:.1},\"attn_us\":{attn:.1},\"attn_tb_s\":{attn_tbs:.3},\"graph_build_ms_all\":{builds:.1},\"gemm_tune_ms\":{:.0},\"load_ms\":{load_ms:.0},\"arena_bytes\":{},\"kv_bytes\":{}}}",
                     if contiguous { "contiguous" } else { "scattered" },
+                    rt.gemm_tune_ms,
                     rt.arena_bytes(),
                     rt.kv_bytes()
                 ));
@@ -396,9 +425,9 @@ fn run(dir: &str, out: &str, contiguous: bool) -> Result<(), String> {
         unsafe {
             let _ = result::free_sync(flush.0);
         }
-        write_results(out, &rows, &json, &breakdown)?;
+        write_results(out, &rows, &json, &breakdown, &gemms)?;
     }
-    let table = write_results(out, &rows, &json, &breakdown)?;
+    let table = write_results(out, &rows, &json, &breakdown, &gemms)?;
     println!("\n{table}");
     Ok(())
 }
