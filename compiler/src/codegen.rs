@@ -58,7 +58,7 @@ pub fn act_type(d: DType) -> &'static str {
 /// Measured on the H200 (docs/perf-notes.md, 2026-11-30): 3 stages of 64 keys matched or
 /// beat 2×64, 3×32 and 4×32 on the large MHA shapes (4.15–4.22 TB/s at B 32–64, L 4096)
 /// and on B 8, L 4096 (3.58 against 3.08 TB/s for 2×64); 3×32 was better only for GQA at
-/// B 8 and 29–36% slower at B 32–64; 2×64 was 15% faster only at B 1, L 1024 (20 µs).
+/// B 8 and 14–36% slower at B 32–64; 2×64 was 15% faster only at B 1, L 1024 (20 µs).
 pub fn attn_geometry(cfg: &Config) -> Option<(u32, u32)> {
     const STAGES: u32 = 3;
     let m = &cfg.model.desc;
