@@ -67,13 +67,33 @@ struct Tuned {
 
 impl Drop for Tuned {
     fn drop(&mut self) {
-        // SAFETY: created in `Lt::tune`, destroyed once here.
+        // SAFETY: created in `Lt::tune`, destroyed once here; a layout whose creation
+        // failed (tune returned early) is still null and is skipped.
         unsafe {
             let _ = lt::destroy_matmul_desc(self.desc);
-            for l in self.layouts {
+            for l in self.layouts.into_iter().filter(|l| !l.is_null()) {
                 let _ = lt::destroy_matrix_layout(l);
             }
         }
+    }
+}
+
+/// A timing event, destroyed on drop (also when tuning returns early with an error).
+struct Event(sys::CUevent);
+
+impl Event {
+    fn new() -> Result<Event, GpuError> {
+        Ok(Event(cuda(
+            "cuEventCreate",
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
+        )?))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by cuEventCreate in `Event::new`, destroyed once here.
+        let _ = unsafe { result::event::destroy(self.0) };
     }
 }
 
@@ -227,16 +247,8 @@ impl Lt {
             return Ok(()); // no candidate: cublasGemmEx serves this shape
         }
         found.truncate(count as usize);
-        let (e0, e1) = (
-            cuda(
-                "cuEventCreate",
-                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
-            )?,
-            cuda(
-                "cuEventCreate",
-                result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT),
-            )?,
-        );
+        let (ev0, ev1) = (Event::new()?, Event::new()?);
+        let (e0, e1) = (ev0.0, ev1.0);
         let mut timed = Vec::new();
         for (i, h) in found.iter().enumerate() {
             if h.state != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || h.workspaceSize > self.ws.1 {
@@ -262,11 +274,8 @@ impl Lt {
                 timed.push((i, us));
             }
         }
-        // SAFETY: created above, destroyed once; the stream was synchronized.
-        unsafe {
-            let _ = result::event::destroy(e0);
-            let _ = result::event::destroy(e1);
-        }
+        // The events are destroyed here; the stream was synchronized on the last of them.
+        drop((ev0, ev1));
         let Some(&(rank, best_us)) = timed.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
             return Ok(());
         };
