@@ -369,7 +369,6 @@ fn check_case(plan: &ValidatedPlan, rt: &mut GpuRuntime, weights: &[WeightData],
     Ok(e)
 }
 
-/// Median replay time of a bucket's graph with CUDA events, µs (after warm-up).
 /// The attention kernels alone (attn_partial, and attn_merge when the bucket splits), on
 /// random q and cache contents with long prefixes: layer 0's launches are replayed over
 /// buffers this check writes, and the output is compared with an f64 softmax attention
@@ -476,6 +475,7 @@ fn attention_check(
     Ok(((num / den.max(1e-30)).sqrt(), max_abs / rms.max(1e-30)))
 }
 
+/// Median replay time of a bucket's graph with CUDA events, µs (after warm-up).
 fn replay_us(
     rt: &mut GpuRuntime,
     plan: &ValidatedPlan,
