@@ -406,6 +406,12 @@ fn attention_check(
     slots.resize(bu, plan.capture.max_requests as i32); // padding rows: the scratch slot
     rt.write_buffer(bucket, io::PREFIX_LENS, &ints(prefix)).map_err(g)?;
     rt.write_buffer(bucket, io::REQ_SLOTS, &ints(slots)).map_err(g)?;
+    // The NaN poison goes in before q: when the bucket splits, l0.qkv (last read by
+    // attn_partial) and l0.attn (first written by attn_merge) have disjoint live ranges and
+    // may share arena bytes, and the poison must not overwrite q.
+    let (_, out_bytes) = rt.buffer_ptr(bucket, "l0.attn").ok_or("no l0.attn buffer")?;
+    rt.write_buffer(bucket, "l0.attn", &vec![0xffu8; out_bytes])
+        .map_err(g)?; // NaN poison
     let (_, qkv_bytes) = rt.buffer_ptr(bucket, "l0.qkv").ok_or("no l0.qkv buffer")?;
     let stride = qkv_bytes / 2 / (bu * n);
     let q: Vec<u16> = (0..qkv_bytes / 2).map(|_| act_bits(rng.uniform(), is_f16)).collect();
@@ -415,9 +421,6 @@ fn attention_check(
         &q.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>(),
     )
     .map_err(g)?;
-    let (_, out_bytes) = rt.buffer_ptr(bucket, "l0.attn").ok_or("no l0.attn buffer")?;
-    rt.write_buffer(bucket, "l0.attn", &vec![0xffu8; out_bytes])
-        .map_err(g)?; // NaN poison
     rt.replay_only(bucket, Some("l0.attention")).map_err(g)?;
     let raw = rt.read_buffer(bucket, "l0.attn").map_err(g)?;
     let got: Vec<f32> = raw
