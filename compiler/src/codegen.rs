@@ -136,16 +136,24 @@ pub fn kernel_specs(kind: &OpKind, cfg: &Config) -> Vec<KernelSpec> {
         }
         OpKind::SiluMul => vec![spec("mlp.cu", "silu_mul", vec![u("INTER", m.intermediate)])],
         OpKind::SelectRows => vec![spec("select.cu", "select_rows", vec![u("HIDDEN", m.hidden), u("N", n)])],
-        OpKind::SoftmaxTopK { k, hot_map } => vec![spec(
-            "sample.cu",
-            "softmax_topk",
-            vec![
-                u("COLS", c.hot_vocab_size.unwrap_or(m.vocab)),
+        OpKind::SoftmaxTopK { k, hot_map } => {
+            let cols = c.hot_vocab_size.unwrap_or(m.vocab);
+            let consts = vec![
+                u("COLS", cols),
                 u("TOPK", *k),
                 ("HOT_MAP".into(), ConstValue::Bool(*hot_map)),
                 u("FULL_VOCAB", m.vocab),
-            ],
-        )],
+            ];
+            // Long rows are split across CTAs (partial + merge); one CTA per row otherwise.
+            if geometry::topk_chunks(cols) > 1 {
+                vec![
+                    spec("sample.cu", "topk_partial", consts.clone()),
+                    spec("sample.cu", "topk_merge", consts),
+                ]
+            } else {
+                vec![spec("sample.cu", "softmax_topk", consts)]
+            }
+        }
         // GEMMs go to cuBLAS; unfused ops never reach scheduling (verified before).
         _ => Vec::new(),
     }

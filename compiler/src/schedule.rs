@@ -157,6 +157,28 @@ pub fn schedule_bucket(
         }
     }
 
+    // Top-K workspaces (per-chunk records of split rows), live only during their op.
+    let topk_chunks = geometry::topk_chunks(cfg.capture.hot_vocab_size.unwrap_or(m.vocab));
+    if topk_chunks > 1 {
+        for (s, &node) in sh.order.iter().enumerate() {
+            if let OpKind::SoftmaxTopK { .. } = g.graph[node].kind {
+                workspace.insert(node, (items.len() as u32, u32::MAX));
+                items.push(Item {
+                    name: "topk_part".into(),
+                    dtype: DType::F32,
+                    shape: vec![
+                        bb,
+                        topk_chunks as u64,
+                        geometry::topk_record_floats(cfg.spec.topk) as u64,
+                    ],
+                    role: BufferRole::Scratch,
+                    first: s + 1,
+                    last: s + 1,
+                });
+            }
+        }
+    }
+
     // 2. Inputs first, contiguous at the arena's start in the order host prep stages them
     // (the integer inputs, then the hidden states), so one copy moves them all. They are
     // live for the whole step anyway, so this costs no reuse.
@@ -430,26 +452,59 @@ pub fn schedule_bucket(
                     u32a("batch", batch),
                 ],
             ),
-            OpKind::SoftmaxTopK { k, hot_map } => kernel(
-                0,
-                [batch, 1, 1],
-                geometry::TOPK_THREADS,
-                geometry::topk_smem_bytes(*k),
-                vec![
-                    arg("logits", buf(ins[0], Access::Read)),
-                    arg(
-                        "hot_ids",
-                        if *hot_map {
-                            buf(ins[1], Access::Read)
-                        } else {
-                            ArgValue::Null
-                        },
+            OpKind::SoftmaxTopK { k, hot_map } => {
+                let hot = || {
+                    if *hot_map {
+                        buf(ins[1], Access::Read)
+                    } else {
+                        ArgValue::Null
+                    }
+                };
+                match workspace.get(&node).copied() {
+                    None => kernel(
+                        0,
+                        [batch, 1, 1],
+                        geometry::TOPK_THREADS,
+                        geometry::topk_smem_bytes(*k),
+                        vec![
+                            arg("logits", buf(ins[0], Access::Read)),
+                            arg("hot_ids", hot()),
+                            arg("probs", buf(outs[0], Access::Write)),
+                            arg("ids", buf(outs[1], Access::Write)),
+                            u32a("batch", batch),
+                        ],
                     ),
-                    arg("probs", buf(outs[0], Access::Write)),
-                    arg("ids", buf(outs[1], Access::Write)),
-                    u32a("batch", batch),
-                ],
-            ),
+                    Some((part, _)) => {
+                        let ws = |access| ArgValue::Buffer { id: part, access };
+                        kernel(
+                            0,
+                            [batch, topk_chunks, 1],
+                            geometry::TOPK_THREADS,
+                            geometry::topk_smem_bytes(*k),
+                            vec![
+                                arg("logits", buf(ins[0], Access::Read)),
+                                arg("part", ws(Access::Write)),
+                                u32a("batch", batch),
+                                u32a("chunks", topk_chunks),
+                            ],
+                        );
+                        kernel(
+                            1,
+                            [batch, 1, 1],
+                            geometry::TOPK_MERGE_THREADS,
+                            0,
+                            vec![
+                                arg("part", ws(Access::Read)),
+                                arg("hot_ids", hot()),
+                                arg("probs", buf(outs[0], Access::Write)),
+                                arg("ids", buf(outs[1], Access::Write)),
+                                u32a("batch", batch),
+                                u32a("chunks", topk_chunks),
+                            ],
+                        );
+                    }
+                }
+            }
             other => {
                 return Err(ScheduleError::NoKernel {
                     node: format!("n{} {}", node.index(), op.name),

@@ -9,27 +9,47 @@
 //   ids[i*TOPK + k]   = HOT_MAP ? hot_ids[c_k] : c_k
 // NaN free for finite inputs. If COLS < TOPK, the missing entries get prob 0, id -1.
 //
-// Entry:     softmax_topk
 // Constants: COLS, TOPK (1..32), HOT_MAP, FULL_VOCAB (act_t is not used)
-// Launch:    grid (batch, 1, 1), block (512, 1, 1),
+//
+// Entry softmax_topk: the whole row in one CTA (used when the plan does not split rows).
+//   Launch:  grid (batch, 1, 1), block (512, 1, 1),
 //            dynamic shared memory = 512 * TOPK * 8 bytes
 //            (one sorted list of TOPK (value fp32, column int32) pairs per thread;
 //            mirrored by specplan_kernels::geometry::topk_smem_bytes).
-// Params (by value, natural C alignment, fields in this order):
-//   logits   const float*      [batch, COLS]
-//   hot_ids  const long long*  [COLS] hot column -> full-vocabulary id (read only when HOT_MAP)
-//   probs    float*            [batch, TOPK]
-//   ids      long long*        [batch, TOPK]
-//   batch    unsigned          CTAs with blockIdx.x >= batch do nothing
+//   Params (by value, natural C alignment, fields in this order):
+//     logits   const float*      [batch, COLS]
+//     hot_ids  const long long*  [COLS] hot column -> full-vocabulary id (read only when HOT_MAP)
+//     probs    float*            [batch, TOPK]
+//     ids      long long*        [batch, TOPK]
+//     batch    unsigned          CTAs with blockIdx.x >= batch do nothing
 //
-// Method: one pass over the row. Each thread keeps an online (max, sum of exp) pair and a
-// sorted top-TOPK list of its columns in shared memory. Then the 512 lists are merged
-// pairwise in a 9-level tree (each merge keeps the best TOPK of two sorted lists). The
-// head of the final list is the row maximum m, and S = sum_t s_t * exp(m_t - m).
+// Entries topk_partial + topk_merge: the row split in `chunks` column ranges, one CTA each
+// (one CTA streaming a 128k-column row is bound by one SM's issue rate: 60 µs on an H200).
+//   Chunk ch of a row covers columns [ch*W, min(COLS, (ch+1)*W)), W = ceil(COLS/chunks)
+//   rounded up to a multiple of 4 (may be empty).
+//   Record of (row i, chunk ch): part[(i*chunks + ch)*R ...], R = 2 + 2*TOPK floats:
+//     [0] = the chunk's max m_ch (-inf if empty), [1] = sum over its columns of
+//     expf(x - m_ch) (0 if empty), [2 .. 2+TOPK) = its TOPK largest values in the order
+//     above, [2+TOPK .. 2+2*TOPK) = their columns as floats (exact: COLS < 2^24), -1 where
+//     the chunk has fewer than TOPK columns (value -inf).
+//   topk_partial: grid (batch, chunks, 1), block (512, 1, 1), shared memory as softmax_topk.
+//     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
+//             batch unsigned, chunks unsigned (1..32)
+//   topk_merge: grid (batch, 1, 1), block (32, 1, 1), no shared memory.
+//     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
+//             batch unsigned, chunks unsigned
+//     m = max_ch m_ch, S = sum_ch S_ch * expf(m_ch - m), the TOPK best of all records'
+//     candidates (same order), then probs and ids exactly as softmax_topk's.
+//
+// Method (one CTA over a column range): each thread keeps an online (max, sum of exp)
+// pair and a sorted top-TOPK list of its columns in shared memory. Then the 512 lists are
+// merged pairwise in a 9-level tree (each merge keeps the best TOPK of two sorted lists).
+// The head of the final list is the range maximum m, and S = sum_t s_t * exp(m_t - m).
 #include "common.cuh"
 
-// SoftmaxTopKParams is declared by the generated prelude, from specplan_kernels::params
-// (#[derive(KernelParams)]): the Rust and C sides share one definition.
+// SoftmaxTopKParams, TopkPartialParams and TopkMergeParams are declared by the generated
+// prelude, from specplan_kernels::params (#[derive(KernelParams)]): the Rust and C sides
+// share one definition.
 
 namespace topk {
 
@@ -39,7 +59,7 @@ constexpr long long kCols = (long long)COLS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
 static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
 static_assert(COLS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
-static_assert(COLS < 0x7fffffffu, "column indices are int32");
+static_assert(COLS < (1u << 24), "column indices travel as exact floats between the split kernels");
 
 // Strict order "a ranks before b": larger value, then lower column.
 __device__ __forceinline__ bool better(float av, int ai, float bv, int bi) {
@@ -88,19 +108,13 @@ __device__ __forceinline__ void merge_into(const Lists& L, int a, int b) {
     }
 }
 
-}  // namespace topk
 
-extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams p) {
-    using namespace topk;
-    extern __shared__ __align__(16) unsigned char topk_smem[];
-    const Lists lists{reinterpret_cast<float*>(topk_smem),
-                      reinterpret_cast<int*>(topk_smem + (long long)kK * kThreads * 4)};
-
-    const unsigned i = blockIdx.x;
-    if (i >= p.batch) return;  // uniform per CTA
+// Scans columns [c0, c1) of `row` with the whole CTA. On return (after a barrier) list 0
+// holds the range's best kK (value, column) pairs in order and every thread has the range
+// max `m` and sum `sum` of exp(x - m) (m = -inf, sum = 0 for an empty range).
+__device__ __forceinline__ void scan_range(const float* row, long long c0, long long c1, const Lists& lists,
+                                           float& m_out, float& sum_out) {
     const int t = (int)threadIdx.x;
-    const float* row = p.logits + (long long)i * kCols;
-
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
         lists.val(k, t) = neg_inf();
@@ -133,16 +147,16 @@ extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams
         }
     };
 
-    // Each thread visits its columns in increasing order: float4 t, t+512, ... when the
-    // row is 16-byte aligned, else single columns t, t+512, ... The float4 loads go in
-    // batches of kBatch issued before any is used: `consider` branches on every value, so
-    // without the batching each load waited for the previous one and one CTA streamed a
-    // 128k-column row at one memory latency per 8 KiB (80 µs from HBM on the H200).
+    // Each thread visits its columns in increasing order: float4 c0/4 + t, + 512, ... when
+    // the range is 16-byte aligned, else single columns. The float4 loads go in batches of
+    // kBatch issued before any is used: `consider` branches on every value, so without the
+    // batching each load waited for the previous one (80 µs for a 128k-column row from HBM
+    // on the H200, one memory latency per 8 KiB).
     constexpr int kBatch = 8;
-    long long done = 0;
-    if (aligned16(row)) {
-        const long long nv = kCols / 4;
-        const float4* row4 = reinterpret_cast<const float4*>(row);
+    long long done = c0;
+    if (aligned16(row + c0)) {
+        const long long nv = (c1 - c0) / 4;
+        const float4* row4 = reinterpret_cast<const float4*>(row + c0);
         long long v0 = t;
         for (; v0 + (kBatch - 1) * kThreads < nv; v0 += kBatch * kThreads) {
             float4 x4[kBatch];
@@ -150,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams
             for (int u = 0; u < kBatch; ++u) x4[u] = __ldg(row4 + v0 + u * kThreads);
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
-                const int c = (int)((v0 + u * kThreads) * 4);
+                const int c = (int)(c0 + (v0 + u * kThreads) * 4);
                 consider(x4[u].x, c);
                 consider(x4[u].y, c + 1);
                 consider(x4[u].z, c + 2);
@@ -159,15 +173,15 @@ extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams
         }
         for (long long v = v0; v < nv; v += kThreads) {
             const float4 x4 = row4[v];
-            const int c = (int)(v * 4);
+            const int c = (int)(c0 + v * 4);
             consider(x4.x, c);
             consider(x4.y, c + 1);
             consider(x4.z, c + 2);
             consider(x4.w, c + 3);
         }
-        done = nv * 4;
+        done = c0 + nv * 4;
     }
-    for (long long c = done + t; c < kCols; c += kThreads) consider(row[c], (int)c);
+    for (long long c = done + t; c < c1; c += kThreads) consider(row[c], (int)c);
 
     // Tree merge of the 512 lists into list 0.
     for (int half = kThreads / 2; half >= 1; half >>= 1) {
@@ -176,23 +190,114 @@ extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams
     }
     __syncthreads();
 
-    const float m = lists.val(0, 0);  // row maximum (head of the merged list)
+    const float m = lists.val(0, 0);  // range maximum (head of the merged list)
     const float part = (tm == neg_inf() || m == neg_inf()) ? 0.0f : ts * expf(tm - m);
     // Lists 1..511 are dead now: their first entries serve as the reduction scratch.
-    const float sum = block_sum(part, &lists.val(0, 1));
+    m_out = m;
+    sum_out = block_sum(part, &lists.val(0, 1));
+}
 
+// Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.
+__device__ __forceinline__ void emit(float v, int c, float m, float sum, const long long* hot_ids, float* probs,
+                                     long long* ids, long long at) {
+    const bool valid = c >= 0 && (long long)c < kCols;
+    float prob = 0.0f;
+    if (valid && m != neg_inf() && sum > 0.0f) prob = expf(v - m) / sum;
+    long long id = -1;
+    if (valid) {
+        if constexpr (HOT_MAP) id = hot_ids[c];
+        else id = c;
+    }
+    probs[at] = prob;
+    ids[at] = id;
+}
+
+}  // namespace topk
+
+extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams p) {
+    using namespace topk;
+    extern __shared__ __align__(16) unsigned char topk_smem[];
+    const Lists lists{reinterpret_cast<float*>(topk_smem),
+                      reinterpret_cast<int*>(topk_smem + (long long)kK * kThreads * 4)};
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch) return;  // uniform per CTA
+    float m, sum;
+    scan_range(p.logits + (long long)i * kCols, 0, kCols, lists, m, sum);
+    const int t = (int)threadIdx.x;
+    if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
+}
+
+extern "C" __global__ void __launch_bounds__(512) topk_partial(TopkPartialParams p) {
+    using namespace topk;
+    extern __shared__ __align__(16) unsigned char topk_smem[];
+    const Lists lists{reinterpret_cast<float*>(topk_smem),
+                      reinterpret_cast<int*>(topk_smem + (long long)kK * kThreads * 4)};
+    const unsigned i = blockIdx.x, ch = blockIdx.y;
+    if (i >= p.batch || ch >= p.chunks) return;  // uniform per CTA
+    const long long w = (kCols + p.chunks - 1) / p.chunks;
+    const long long width = (w + 3) / 4 * 4;
+    const long long c0 = (long long)ch * width < kCols ? (long long)ch * width : kCols;
+    const long long c1 = c0 + width < kCols ? c0 + width : kCols;
+    float m, sum;
+    scan_range(p.logits + (long long)i * kCols, c0, c1, lists, m, sum);
+    float* rec = p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kK);
+    const int t = (int)threadIdx.x;
+    if (t == 0) {
+        rec[0] = m;
+        rec[1] = sum;
+    }
     if (t < kK) {
-        const float v = lists.val(t, 0);
         const int c = lists.col(t, 0);
         const bool valid = c >= 0 && (long long)c < kCols;
-        float prob = 0.0f;
-        if (valid && m != neg_inf() && sum > 0.0f) prob = expf(v - m) / sum;
-        long long id = -1;
-        if (valid) {
-            if constexpr (HOT_MAP) id = p.hot_ids[c];
-            else id = c;
+        rec[2 + t] = valid ? lists.val(t, 0) : neg_inf();
+        rec[2 + kK + t] = valid ? (float)c : -1.0f;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32) topk_merge(TopkMergeParams p) {
+    using namespace topk;
+    const unsigned i = blockIdx.x;
+    const int lane = (int)threadIdx.x;
+    if (i >= p.batch || p.chunks == 0u || p.chunks > 32u) return;  // uniform per CTA
+    const int chunks = (int)p.chunks;
+    const float* part = p.part + (long long)i * chunks * (2 + 2 * kK);
+    // Lane l owns chunk l's record.
+    const float* rec = part + (long long)lane * (2 + 2 * kK);
+    const bool mine = lane < chunks;
+    const float ml = mine ? rec[0] : neg_inf();
+    const float sl = mine ? rec[1] : 0.0f;
+    const float m = warp_max(ml);
+    const float sum = warp_sum((ml == neg_inf() || m == neg_inf()) ? 0.0f : sl * expf(ml - m));
+    // K rounds: every lane offers the head of its (sorted) candidate list; the best head
+    // wins (larger value, then lower column) and its lane advances.
+    int head = 0;
+    for (int k = 0; k < kK; ++k) {
+        float v = neg_inf();
+        int c = kNoCol;
+        if (mine && head < kK) {
+            const float cf = rec[2 + kK + head];
+            if (cf >= 0.0f) {
+                v = rec[2 + head];
+                c = (int)cf;
+            }
         }
-        p.probs[(long long)i * kK + t] = prob;
-        p.ids[(long long)i * kK + t] = id;
+        float bv = v;
+        int bc = c, bl = lane;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oc = __shfl_xor_sync(0xffffffffu, bc, o);
+            const int ol = __shfl_xor_sync(0xffffffffu, bl, o);
+            if (better(ov, oc, bv, bc) || (ov == bv && oc == bc && ol < bl)) {
+                bv = ov;
+                bc = oc;
+                bl = ol;
+            }
+        }
+        if (lane == bl) ++head;
+        if (lane == 0) {
+            const int col = bc == kNoCol ? -1 : bc;
+            emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
+        }
     }
 }

@@ -61,7 +61,7 @@ pub const TEMPLATES: &[Template] = &[
     Template {
         file: "sample.cu",
         source: include_str!("../cuda/sample.cu"),
-        entries: &["softmax_topk"],
+        entries: &["softmax_topk", "topk_partial", "topk_merge"],
     },
 ];
 
@@ -93,6 +93,23 @@ pub mod geometry {
     pub const SILU_THREADS: u32 = 256;
     pub const SELECT_THREADS: u32 = 256;
     pub const TOPK_THREADS: u32 = 512;
+    /// `topk_merge`: one warp per row; lane l owns chunk l's record.
+    pub const TOPK_MERGE_THREADS: u32 = 32;
+    /// Largest number of column chunks a row of `softmax_topk` is split into.
+    pub const MAX_TOPK_CHUNKS: u32 = 32;
+    /// Columns per chunk the plan aims at when splitting a row (one CTA streams about
+    /// this many fp32 logits in a few microseconds).
+    pub const TOPK_CHUNK_COLS: u32 = 8192;
+
+    /// Column chunks (one CTA each) of a logits row of `cols` columns; 1 = no split.
+    pub fn topk_chunks(cols: u32) -> u32 {
+        cols.div_ceil(TOPK_CHUNK_COLS).clamp(1, MAX_TOPK_CHUNKS)
+    }
+
+    /// Floats per chunk record of `topk_partial`: max, sum, TOPK values, TOPK columns.
+    pub fn topk_record_floats(topk: u32) -> u32 {
+        2 + 2 * topk
+    }
     /// Largest top-K the sampling kernel's shared memory is sized for.
     pub const MAX_TOPK: u32 = 32;
 

@@ -103,6 +103,29 @@ pub struct SoftmaxTopKParams {
     pub batch: u32,
 }
 
+/// `topk_partial` (sample.cu): per-chunk max, sum and top-K candidates of each row.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct TopkPartialParams {
+    pub logits: DevPtr<f32>,
+    pub part: DevPtrMut<f32>,
+    pub batch: u32,
+    pub chunks: u32,
+}
+
+/// `topk_merge` (sample.cu): the row's probabilities and ids from its chunk records.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct TopkMergeParams {
+    pub part: DevPtr<f32>,
+    /// FR-Spec hot → full id map, or null.
+    pub hot_ids: DevPtr<i64>,
+    pub probs: DevPtrMut<f32>,
+    pub ids: DevPtrMut<i64>,
+    pub batch: u32,
+    pub chunks: u32,
+}
+
 /// The ABI of a kernel entry point.
 pub fn params_for(entry: &str) -> Option<ParamsInfo> {
     Some(match entry {
@@ -114,6 +137,8 @@ pub fn params_for(entry: &str) -> Option<ParamsInfo> {
         "silu_mul" => ParamsInfo::of::<SiluMulParams>(),
         "select_rows" => ParamsInfo::of::<SelectRowsParams>(),
         "softmax_topk" => ParamsInfo::of::<SoftmaxTopKParams>(),
+        "topk_partial" => ParamsInfo::of::<TopkPartialParams>(),
+        "topk_merge" => ParamsInfo::of::<TopkMergeParams>(),
         _ => return None,
     })
 }

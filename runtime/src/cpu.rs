@@ -416,6 +416,83 @@ impl Ctx<'_> {
                     }
                 }
             }
+            "topk_partial" => {
+                let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
+                let (logits, part) = (buf(ptr("logits")?, "logits")?, buf(ptr("part")?, "part")?);
+                let chunks = scalar("chunks")?;
+                let rec = 2 + 2 * topk;
+                // Chunk ch: columns [ch·W, min(cols, (ch+1)·W)), W = ceil(cols/chunks)
+                // rounded up to a multiple of 4 (sample.cu's contract).
+                let width = cols.div_ceil(chunks.max(1)).div_ceil(4) * 4;
+                for i in 0..scalar("batch")? {
+                    for ch in 0..chunks {
+                        let (c0, c1) = ((ch * width).min(cols), ((ch + 1) * width).min(cols));
+                        let vals: Vec<f64> = (c0..c1).map(|c| self.ld(logits, i * cols + c)).collect();
+                        let m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let sum: f64 = if m == f64::NEG_INFINITY {
+                            0.0
+                        } else {
+                            vals.iter().map(|x| (x - m).exp()).sum()
+                        };
+                        let mut order: Vec<usize> = (0..vals.len()).collect();
+                        order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a])); // stable: ties to lower column
+                        let base = (i * chunks + ch) * rec;
+                        self.st(part, base, m as f32 as f64);
+                        self.st(part, base + 1, sum as f32 as f64);
+                        for slot in 0..topk {
+                            let (v, c) = match order.get(slot) {
+                                Some(&j) => (vals[j], (c0 + j) as f64),
+                                None => (f64::NEG_INFINITY, -1.0),
+                            };
+                            self.st(part, base + 2 + slot, v);
+                            self.st(part, base + 2 + topk + slot, c);
+                        }
+                    }
+                }
+            }
+            "topk_merge" => {
+                let (topk, hot) = (c_u32(k, "TOPK")?, c_u32(k, "HOT_MAP")? == 1);
+                let (part, probs, ids) = (
+                    buf(ptr("part")?, "part")?,
+                    buf(ptr("probs")?, "probs")?,
+                    buf(ptr("ids")?, "ids")?,
+                );
+                let map = ptr("hot_ids")?;
+                let chunks = scalar("chunks")?;
+                let rec = 2 + 2 * topk;
+                for i in 0..scalar("batch")? {
+                    let base = |ch: usize| (i * chunks + ch) * rec;
+                    let m = (0..chunks)
+                        .map(|ch| self.ld(part, base(ch)))
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    let sum: f64 = (0..chunks)
+                        .map(|ch| (self.ld(part, base(ch)), self.ld(part, base(ch) + 1)))
+                        .filter(|&(mc, _)| mc != f64::NEG_INFINITY)
+                        .map(|(mc, sc)| sc * (mc - m).exp())
+                        .sum();
+                    // Every chunk's candidates with a column, best first (ties: lower column).
+                    let mut cand: Vec<(f64, f64)> = (0..chunks)
+                        .flat_map(|ch| (0..topk).map(move |s| (ch, s)))
+                        .map(|(ch, s)| (self.ld(part, base(ch) + 2 + s), self.ld(part, base(ch) + 2 + topk + s)))
+                        .filter(|&(_, c)| c >= 0.0)
+                        .collect();
+                    cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
+                    for slot in 0..topk {
+                        let (p, id) = match cand.get(slot) {
+                            Some(&(v, c)) if sum > 0.0 => {
+                                let id = match (hot, map) {
+                                    (true, Ptr::Weight(w)) => self.wf(w, c as usize),
+                                    _ => c,
+                                };
+                                (((v - m).exp() / sum) as f32 as f64, id)
+                            }
+                            _ => (0.0, -1.0),
+                        };
+                        self.st(probs, i * topk + slot, p);
+                        self.st(ids, i * topk + slot, id);
+                    }
+                }
+            }
             other => return Err(format!("no CPU implementation of kernel entry {other}")),
         }
         Ok(())

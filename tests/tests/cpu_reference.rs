@@ -462,8 +462,12 @@ fn read_out(path: &Path) -> Outputs {
 }
 
 fn check(o: Overrides, batches: &[usize]) {
+    check_source(Source::Preset("tiny".into()), o, batches);
+}
+
+fn check_source(src: Source, o: Overrides, batches: &[usize]) {
     let mut rng = Rng(seed());
-    let cfg = resolve(&Source::Preset("tiny".into()), &o).expect("config");
+    let cfg = resolve(&src, &o).expect("config");
     let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
         .expect("compile")
         .plan;
@@ -569,4 +573,40 @@ fn topk1_plan_matches_naive_forward() {
         },
         &[4],
     );
+}
+
+/// `tiny` with a 20,000-token vocabulary: its logits rows are split across CTAs
+/// (topk_partial + topk_merge), with and without an FR-Spec hot map.
+#[test]
+fn split_topk_rows_match_naive_forward() {
+    let text = include_str!("../../compiler/presets/tiny.toml").replace("vocab_size = 1000", "vocab_size = 20000");
+    assert!(
+        text.contains("vocab_size = 20000"),
+        "tiny.toml changed: update this test"
+    );
+    let src = || Source::Toml {
+        name: "tiny-v20000".into(),
+        text: text.clone(),
+    };
+    let plan = specplan_tests_common_compile(src());
+    assert!(
+        plan.kernels.iter().any(|k| k.entry == "topk_partial") && plan.kernels.iter().any(|k| k.entry == "topk_merge"),
+        "a 20,000-column row should be split"
+    );
+    check_source(src(), Overrides::default(), &[1, 3]);
+    check_source(
+        src(),
+        Overrides {
+            hot_vocab_size: Some(17000),
+            ..Overrides::default()
+        },
+        &[2],
+    );
+}
+
+fn specplan_tests_common_compile(src: Source) -> specplan_runtime::format::ValidatedPlan {
+    let cfg = resolve(&src, &Overrides::default()).expect("config");
+    compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan
 }

@@ -99,6 +99,11 @@ fn needs(p: &Plan, entry: &str, arg: &str, u: &dyn Fn(&str) -> u64) -> Option<(u
         ("softmax_topk", "hot_ids") => (cols, i64),
         ("softmax_topk", "probs") => (batch * k, f32),
         ("softmax_topk", "ids") => (batch * k, i64),
+        ("topk_partial", "logits") => (batch * cols, f32),
+        ("topk_partial", "part") | ("topk_merge", "part") => (batch * u("chunks") * (2 + 2 * k), f32),
+        ("topk_merge", "hot_ids") => (cols, i64),
+        ("topk_merge", "probs") => (batch * k, f32),
+        ("topk_merge", "ids") => (batch * k, i64),
         _ => return None,
     })
 }
@@ -131,6 +136,11 @@ pub(super) fn launch_args(p: &Plan, b: &BucketPlan, k: &KernelDesc, args: &[Kern
             }
             if a.name == "q_stride" && (x as u64) < (p.model.heads * p.model.head_dim) as u64 {
                 errs.push(format!("args (q_stride): {x} is below heads · head_dim"));
+            }
+            if a.name == "chunks" && !(1..=32).contains(&x) {
+                errs.push(format!(
+                    "args (chunks): {x} is outside [1, 32] (topk_merge has one lane per chunk)"
+                ));
             }
         }
     }
