@@ -207,6 +207,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes a file through a temporary one renamed into place, so a run killed mid-write
+/// (`.ci/gpu-bench` runs specbench under `timeout`) leaves the previous complete file, never
+/// a truncated JSON the report cannot parse.
+fn write_atomic(path: &str, text: &str) -> Result<(), String> {
+    let tmp = format!("{path}.partial");
+    std::fs::write(&tmp, text).map_err(|e| format!("{tmp}: {e}"))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{path}: {e}"))
+}
+
 /// Writes the markdown table and the JSON of the rows so far.
 fn write_results(
     out: &str,
@@ -220,19 +229,19 @@ fn write_results(
         rows.join("\n")
     );
     std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
-    std::fs::write(format!("{out}/specbench.md"), &table).map_err(|e| e.to_string())?;
-    std::fs::write(format!("{out}/specbench.json"), format!("[\n{}\n]\n", json.join(",\n")))
-        .map_err(|e| e.to_string())?;
-    std::fs::write(
-        format!("{out}/specbench-ops.json"),
-        format!("[\n{}\n]\n", ops.join(",\n")),
-    )
-    .map_err(|e| e.to_string())?;
-    std::fs::write(
-        format!("{out}/specbench-gemm.json"),
-        format!("[\n{}\n]\n", gemms.join(",\n")),
-    )
-    .map_err(|e| e.to_string())?;
+    write_atomic(&format!("{out}/specbench.md"), &table)?;
+    write_atomic(
+        &format!("{out}/specbench.json"),
+        &format!("[\n{}\n]\n", json.join(",\n")),
+    )?;
+    write_atomic(
+        &format!("{out}/specbench-ops.json"),
+        &format!("[\n{}\n]\n", ops.join(",\n")),
+    )?;
+    write_atomic(
+        &format!("{out}/specbench-gemm.json"),
+        &format!("[\n{}\n]\n", gemms.join(",\n")),
+    )?;
     Ok(table)
 }
 
