@@ -376,7 +376,9 @@ pub fn run_gpu(
     let opts = GpuOptions {
         kv_pool_pages: Some(file_pages as u32 + 1),
         build_graphs: !eager,
-        tune_gemms: true,
+        // One step: timing every bucket's GEMM candidates (0.1–0.6 s) would cost more than
+        // it could save; cublasGemmEx's default choice serves this run.
+        tune_gemms: false,
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts)?;
     let act = plan.capture.dtype;
