@@ -1182,18 +1182,22 @@ impl GpuRuntime {
         &self.ctx
     }
 
-    /// Benchmarks: replays a bucket's graph on the inputs already in the arena (no host
-    /// prep, no copies), or issues the launches whose op name contains `filter` eagerly.
-    pub fn replay_only(&self, batch: u32, filter: Option<&str>) -> Result<(), GpuError> {
-        let bi = self
-            .plan
+    /// Index of the bucket of exactly `batch` rows (benchmark and test entry points).
+    fn bucket_index(&self, batch: u32, call: &'static str) -> Result<usize, GpuError> {
+        self.plan
             .buckets
             .iter()
             .position(|b| b.batch == batch)
             .ok_or(GpuError::Cuda {
-                call: "replay_only",
+                call,
                 message: format!("no bucket {batch}"),
-            })?;
+            })
+    }
+
+    /// Benchmarks: replays a bucket's graph on the inputs already in the arena (no host
+    /// prep, no copies), or issues the launches whose op name contains `filter` eagerly.
+    pub fn replay_only(&self, batch: u32, filter: Option<&str>) -> Result<(), GpuError> {
+        let bi = self.bucket_index(batch, "replay_only")?;
         match (filter, &self.graphs[bi]) {
             (None, Some(g)) => cuda("cuGraphLaunch", g.launch()),
             (None, None) => self.issue(bi),
@@ -1247,15 +1251,7 @@ impl GpuRuntime {
     /// as a graph of their own (e.g. the attention launches, timed without the host
     /// launch overhead that dominates eager issue of microsecond kernels).
     pub fn capture_where(&self, batch: u32, filter: &str) -> Result<CudaGraph, GpuError> {
-        let bi = self
-            .plan
-            .buckets
-            .iter()
-            .position(|b| b.batch == batch)
-            .ok_or(GpuError::Cuda {
-                call: "capture_where",
-                message: format!("no bucket {batch}"),
-            })?;
+        let bi = self.bucket_index(batch, "capture_where")?;
         cuda(
             "cuStreamBeginCapture",
             self.stream

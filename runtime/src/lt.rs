@@ -189,26 +189,16 @@ impl Lt {
         t.layouts[2] = mk(dtype(s.c), n, m, n as i64)?;
         // cublasOperation_t values (the attribute is an int32): CUBLAS_OP_T = 1, CUBLAS_OP_N = 0.
         let (op_t, op_n) = (1i32, 0i32);
-        // SAFETY: live descriptor; each value is the attribute's documented type and size.
-        unsafe {
-            lt_ok(
-                "cublasLtMatmulDescSetAttribute",
-                lt::set_matmul_desc_attribute(
-                    t.desc,
-                    lsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    &op_t as *const _ as *const c_void,
-                    std::mem::size_of_val(&op_t),
-                ),
-            )?;
-            lt_ok(
-                "cublasLtMatmulDescSetAttribute",
-                lt::set_matmul_desc_attribute(
-                    t.desc,
-                    lsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    &op_n as *const _ as *const c_void,
-                    std::mem::size_of_val(&op_n),
-                ),
-            )?;
+        use lsys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB};
+        for (attr, op) in [
+            (CUBLASLT_MATMUL_DESC_TRANSA, &op_t),
+            (CUBLASLT_MATMUL_DESC_TRANSB, &op_n),
+        ] {
+            // SAFETY: live descriptor; the value is the attribute's documented type (int32)
+            // and size, read during the call.
+            lt_ok("cublasLtMatmulDescSetAttribute", unsafe {
+                lt::set_matmul_desc_attribute(t.desc, attr, op as *const i32 as *const c_void, 4)
+            })?;
         }
         let pref = lt_ok("cublasLtMatmulPreferenceCreate", lt::create_matmul_pref())?;
         let ws_bytes = self.ws.1 as u64;
