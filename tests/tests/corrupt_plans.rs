@@ -116,6 +116,26 @@ fn inconsistent_plans_name_the_bad_field() {
             *block = [2048, 1, 1];
         }
     });
+    case("attention shared memory below its formula", &|p| {
+        for l in &mut p.buckets[0].launches {
+            if let LaunchKind::Kernel { smem, .. } = &mut l.kind {
+                if l.op.ends_with("attn_partial") || l.op.contains("attention") {
+                    *smem = 1024;
+                    return;
+                }
+            }
+        }
+    });
+    case("top-K block not its thread count", &|p| {
+        for l in &mut p.buckets[0].launches {
+            if let LaunchKind::Kernel { block, .. } = &mut l.kind {
+                if l.op.contains("topk") {
+                    *block = [256, 1, 1];
+                    return;
+                }
+            }
+        }
+    });
     case("gemm shape", &|p| {
         if let Some(LaunchKind::Gemm(g)) = p.buckets[0]
             .launches

@@ -60,6 +60,57 @@ pub(super) fn kernel_constants(p: &Plan, k: &KernelDesc) -> Vec<String> {
     errs
 }
 
+/// What an entry's code assumes about its launch: the exact block (kernels index their
+/// shared memory and loops by compile-time thread counts) and the least dynamic shared
+/// memory. These mirror `specplan_kernels::geometry` (the runtime does not depend on the
+/// kernels crate); a plan the compiler wrote meets them exactly.
+pub(super) fn launch_shape(p: &Plan, k: &KernelDesc, block: [u32; 3], smem: u32) -> Vec<String> {
+    let m = &p.model;
+    let c = |name: &str| -> u64 {
+        k.constants
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| {
+                if let ConstValue::U32(x) = v {
+                    Some(*x as u64)
+                } else {
+                    None
+                }
+            })
+            .unwrap_or(0)
+    };
+    let act = p.capture.dtype.size();
+    let topk_smem = 512 * p.spec.topk as u64 * 8;
+    let (threads, least_smem): (u32, u64) = match k.entry.as_str() {
+        "embed_concat" | "rmsnorm" | "silu_mul" | "select_rows" => (256, 0),
+        "rope_append" => (128, 0),
+        "attn_partial" => {
+            // q rows of one pass (≤ 64 packed rows, padded to 16), then the larger of the
+            // K/V stages and the cross-warp merge area (attention.cu's header).
+            let rows = p.spec.num_draft_tokens as u64 * (m.heads / m.kv_heads.max(1)) as u64;
+            let (d, tile, stages) = (m.head_dim as u64, c("KV_TILE"), c("STAGES"));
+            let pass = rows.div_ceil(16).clamp(1, 4) * 16;
+            let merge = 4 * 16 * d * 4 + 4 * 16 * 2 * 4;
+            (128, pass * d * act + (stages * 2 * tile * d * act).max(merge))
+        }
+        "attn_merge" => (m.head_dim, 0),
+        "softmax_topk" | "topk_partial" => (512, topk_smem),
+        "topk_merge" => (32, 0),
+        _ => return Vec::new(),
+    };
+    let mut errs = Vec::new();
+    if block != [threads, 1, 1] {
+        errs.push(format!("block: {block:?}, but {} runs with ({threads}, 1, 1)", k.entry));
+    }
+    if (smem as u64) < least_smem {
+        errs.push(format!(
+            "smem: {smem} bytes, but {} needs at least {least_smem}",
+            k.entry
+        ));
+    }
+    errs
+}
+
 /// Minimum elements and dtype of each pointer argument of an entry, given the launch's
 /// u32 arguments. `None` dtype = the activation type.
 fn needs(p: &Plan, entry: &str, arg: &str, u: &dyn Fn(&str) -> u64) -> Option<(u64, Option<DType>)> {

@@ -453,6 +453,9 @@ fn bucket(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) {
                     for msg in kernel_rules::launch_args(p, b, k, args) {
                         e.check(false, || lat(&format!(".{msg}")));
                     }
+                    for msg in kernel_rules::launch_shape(p, k, *block, *smem) {
+                        e.check(false, || lat(&format!(".{msg}")));
+                    }
                 }
                 for (ai, a) in args.iter().enumerate() {
                     let apath = || lat(&format!(".args[{ai}] ({})", a.name));
