@@ -727,6 +727,10 @@ impl GpuRuntime {
             self.log_once(format!(
                 "batch {b} exceeds the largest bucket {max_b}: running in eager chunks"
             ));
+            // The whole batch is checked before any chunk runs: a bad request in a later
+            // chunk must not leave the earlier chunks' K/V written, and two requests in
+            // different chunks must not write one cache slot either.
+            self.check(req)?;
             let n = self.plan.spec.num_draft_tokens as usize;
             let h = self.plan.model.hidden as usize;
             let mut info = StepInfo {
@@ -879,6 +883,12 @@ impl GpuRuntime {
             ));
         }
         let ps = p.capture.page_size as i64;
+        // The write set is sized for the largest bucket; a batch run in chunks is checked
+        // whole, so grow it then (off the replay path: such batches run eagerly anyway).
+        let need = write_set_capacity(b * n);
+        if self.write_seen.len() < need {
+            self.write_seen = vec![(0, 0); need];
+        }
         // Slots must be distinct: two rows of one step writing one slot's pages would race.
         // A stamped table (no allocation, no clearing) keeps this O(b).
         self.stamp = self.stamp.wrapping_add(1);
