@@ -720,17 +720,18 @@ impl GpuRuntime {
 
     /// One draft-extend step. Batches above the largest bucket run as several eager chunks.
     pub fn step(&mut self, req: &StepRequest, eager: bool) -> Result<StepInfo, GpuError> {
+        let t0 = Instant::now(); // host prep is timed from here: the checks are part of it
         let b = req.slots.len();
         let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
-        self.check_lengths(req)?;
+        // Every step is checked whole before anything is staged or launched. For a batch
+        // above the largest bucket this also means a bad request in a later chunk cannot
+        // leave the earlier chunks' K/V written, and two requests in different chunks
+        // cannot write one cache slot.
+        self.check(req)?;
         if b > max_b {
             self.log_once(format!(
                 "batch {b} exceeds the largest bucket {max_b}: running in eager chunks"
             ));
-            // The whole batch is checked before any chunk runs: a bad request in a later
-            // chunk must not leave the earlier chunks' K/V written, and two requests in
-            // different chunks must not write one cache slot either.
-            self.check(req)?;
             let n = self.plan.spec.num_draft_tokens as usize;
             let h = self.plan.model.hidden as usize;
             let mut info = StepInfo {
@@ -751,7 +752,9 @@ impl GpuRuntime {
                     prefix_lens: &req.prefix_lens[start..end],
                     accept_lens: &req.accept_lens[start..end],
                 };
-                let i = self.step_one(&chunk, true)?;
+                // The first chunk's prep includes the whole batch's checks.
+                let from = if start == 0 { t0 } else { Instant::now() };
+                let i = self.step_one(&chunk, true, from)?;
                 info.prep_us += i.prep_us;
                 self.gather_chunk_outputs(start, end, b)?;
             }
@@ -760,7 +763,7 @@ impl GpuRuntime {
             return Ok(info);
         }
         self.chunked = false;
-        self.step_one(req, eager)
+        self.step_one(req, eager, t0)
     }
 
     /// Chunks share the arena, so each chunk's outputs move (device to device, stream
@@ -851,29 +854,7 @@ impl GpuRuntime {
         let p = &self.plan;
         let (b, n) = (req.slots.len(), p.spec.num_draft_tokens as usize);
         let e = |t: &str, i: String, m: String| GpuError::Input(crate::step::input_error(t, i, m));
-        if b == 0 {
-            return Err(e(
-                "req_slots",
-                String::new(),
-                "a step needs at least one request".into(),
-            ));
-        }
-        if req.input_ids.len() != b * n || req.prefix_lens.len() != b || req.accept_lens.len() != b {
-            return Err(e(
-                "input_ids",
-                String::new(),
-                format!("lengths do not match {b} requests of {n} rows"),
-            ));
-        }
-        if let Hidden::Host(v) = req.hidden {
-            if v.len() != b * n * p.model.hidden as usize {
-                return Err(e(
-                    "hidden_states",
-                    String::new(),
-                    format!("{} values, expected [{b}, {n}, {}]", v.len(), p.model.hidden),
-                ));
-            }
-        }
+        self.check_lengths(req)?;
         let vocab = p.model.vocab as i64;
         if let Some(r) = req.input_ids.iter().position(|&x| x < 0 || x >= vocab) {
             return Err(e(
@@ -948,9 +929,9 @@ impl GpuRuntime {
         Ok(())
     }
 
-    fn step_one(&mut self, req: &StepRequest, eager: bool) -> Result<StepInfo, GpuError> {
-        let t0 = Instant::now();
-        self.check(req)?;
+    /// One bucket's step on a request `step` has checked (the whole batch, for chunks);
+    /// `t0` is when its host prep began.
+    fn step_one(&mut self, req: &StepRequest, eager: bool, t0: Instant) -> Result<StepInfo, GpuError> {
         let b = req.slots.len();
         let bi = self
             .plan
