@@ -6,7 +6,7 @@
 //! that padded rows write to, and every index the kernels keep in 32 bits fits. Otherwise
 //! the verdict carries the typed reason and the runtime runs that bucket eagerly.
 
-use specplan_runtime::format::{Replay, ReplayBlocker};
+use specplan_format::{Replay, ReplayBlocker};
 
 use crate::config::Config;
 use crate::graph::OpGraph;

@@ -3,7 +3,7 @@
 use crate::config::ConfigError;
 use crate::schedule::ScheduleError;
 use crate::verify::VerifyError;
-use specplan_runtime::format::PlanError;
+use specplan_format::PlanError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {

@@ -9,9 +9,7 @@ use std::ffi::{c_char, CString};
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
-use specplan_runtime::format::{KernelBinary, KernelDesc};
-
-use crate::codegen::kernel_source;
+use specplan_format::{KernelBinary, KernelDesc};
 
 /// Highest PTX ISA the GPU machine's driver (580, CUDA 13.0) accepts.
 pub const MAX_PTX_ISA: (u32, u32) = (9, 0);
@@ -43,8 +41,6 @@ pub enum JitError {
     },
     #[error("kernel {kernel}: NVRTC emitted PTX ISA {found}, but the target driver accepts at most {}.{}; use NVRTC 13.0 ({PROVISION})", MAX_PTX_ISA.0, MAX_PTX_ISA.1)]
     PtxTooNew { kernel: String, found: String },
-    #[error("kernel {kernel}: template {template} is not in the kernels crate")]
-    UnknownTemplate { kernel: String, template: String },
 }
 
 /// A configured NVRTC.
@@ -115,18 +111,20 @@ impl Jit {
         ]
     }
 
-    /// Compiles (or loads from the cache) every kernel of a plan for `sm`, in parallel.
-    pub fn compile_all(&self, kernels: &mut [KernelDesc], sm: u32) -> Result<JitStats, JitError> {
+    /// Compiles (or loads from the cache) every kernel of a plan for `sm`, in parallel;
+    /// `sources[i]` is the full source of `kernels[i]`.
+    pub fn compile_all(&self, kernels: &mut [KernelDesc], sources: &[String], sm: u32) -> Result<JitStats, JitError> {
         let workers = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(1, 8);
         let chunk = kernels.len().div_ceil(workers).max(1);
         let results: Vec<Result<JitStats, JitError>> = std::thread::scope(|s| {
             let handles: Vec<_> = kernels
                 .chunks_mut(chunk)
-                .map(|part| {
+                .zip(sources.chunks(chunk))
+                .map(|(part, srcs)| {
                     s.spawn(move || {
                         let mut st = JitStats::default();
-                        for k in part {
-                            let (bin, cached) = self.compile_one(k, sm)?;
+                        for (k, src) in part.iter_mut().zip(srcs) {
+                            let (bin, cached) = self.compile_one(k, src, sm)?;
                             k.binary = Some(bin);
                             if cached {
                                 st.cached += 1;
@@ -161,12 +159,10 @@ impl Jit {
         Ok(total)
     }
 
-    /// One kernel: from the cache when the key matches, else NVRTC (CUBIN + PTX).
-    pub fn compile_one(&self, k: &KernelDesc, sm: u32) -> Result<(KernelBinary, bool), JitError> {
-        let source = kernel_source(k).ok_or_else(|| JitError::UnknownTemplate {
-            kernel: k.name.clone(),
-            template: k.template.clone(),
-        })?;
+    /// One kernel from its full source: from the cache when the key matches, else NVRTC
+    /// (CUBIN + PTX). The binary is bound to the source's hash.
+    pub fn compile_one(&self, k: &KernelDesc, source: &str, sm: u32) -> Result<(KernelBinary, bool), JitError> {
+        let source = source.to_string();
         let (real, virt) = (format!("sm_{sm}"), format!("compute_{sm}"));
         let mut h = Sha256::new();
         h.update(source.as_bytes());
@@ -179,7 +175,7 @@ impl Jit {
         if let Some(bin) = self
             .cache_dir
             .as_ref()
-            .and_then(|d| read_cache(&d.join(format!("{key}.bin")), &real))
+            .and_then(|d| read_cache(&d.join(format!("{key}.bin")), &real, &k.source_hash))
             .filter(|b| check_ptx_version(&k.name, &b.ptx).is_ok())
         {
             return Ok((bin, true));
@@ -188,7 +184,12 @@ impl Jit {
         let ptx_bytes = self.nvrtc(&k.name, &source, &virt, Output::Ptx)?;
         let ptx = String::from_utf8_lossy(&ptx_bytes).trim_end_matches('\0').to_string();
         check_ptx_version(&k.name, &ptx)?;
-        let bin = KernelBinary { arch: real, cubin, ptx };
+        let bin = KernelBinary {
+            arch: real,
+            source_hash: k.source_hash.clone(),
+            cubin,
+            ptx,
+        };
         if let Some(d) = &self.cache_dir {
             // A failed cache write only costs a recompile next time.
             let _ = write_cache(d, &format!("{key}.bin"), &bin);
@@ -318,10 +319,10 @@ pub fn check_ptx_version(kernel: &str, ptx: &str) -> Result<(), JitError> {
 }
 
 /// Cache entry: postcard of the binary; unreadable or foreign entries count as misses.
-fn read_cache(path: &Path, arch: &str) -> Option<KernelBinary> {
+fn read_cache(path: &Path, arch: &str, source_hash: &str) -> Option<KernelBinary> {
     let bytes = std::fs::read(path).ok()?;
     let bin: KernelBinary = postcard::from_bytes(&bytes).ok()?;
-    (bin.arch == arch && !bin.cubin.is_empty()).then_some(bin)
+    (bin.arch == arch && bin.source_hash == source_hash && !bin.cubin.is_empty()).then_some(bin)
 }
 
 fn write_cache(dir: &Path, file: &str, bin: &KernelBinary) -> std::io::Result<()> {

@@ -1,13 +1,17 @@
 //! specplan compiler: model + speculative + capture config → a static replay plan.
 //!
-//! The stages, in order (each has its own IR and printer; see ARCHITECTURE.md):
+//! The stages, in order ([`compile`] runs them; each has its own IR and printer; see
+//! ARCHITECTURE.md):
 //! 1. `config::resolve`   inputs → `Config`
 //! 2. `lower::lower`      `Config` → unfused `OpGraph`          (then `verify::graph`)
 //! 3. `passes::run`       fusion, recorded as `FusionRecord`s   (then `verify::graph`)
 //! 4. `analysis`          replay verdict per bucket
 //! 5. `schedule`          per bucket: arena offsets, launch list; kernel table
 //! 6. `jit`               NVRTC: CUBIN + PTX per kernel (when a `Jit` is given), cached
-//! 7. `emit`              → `Plan`, validated by the runtime's own `validate`
+//! 7. `emit`              → `Plan`, validated by the format crate's own `validate`
+//!
+//! Architecture invariant: the compiler never touches a GPU; its only device-adjacent
+//! dependency is NVRTC (cudarc's `nvrtc` feature, loaded at run time).
 
 pub mod analysis;
 pub mod codegen;
@@ -22,8 +26,8 @@ pub mod verify;
 
 use std::collections::BTreeMap;
 
-use specplan_runtime::format::{
-    validate, CaptureDesc, FusionRecord, LayerDesc, Plan, TargetDesc, ValidatedPlan, WeightDesc,
+use specplan_format::{
+    kernel_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Plan, SpecDesc, TargetDesc, ValidatedPlan, WeightDesc,
 };
 
 pub use config::{Config, Overrides, Source};
@@ -54,6 +58,34 @@ pub struct Compiled {
     pub jit: Option<jit::JitStats>,
 }
 
+/// The plan-wide descriptors of a config.
+struct Descs {
+    model: ModelDesc,
+    spec: SpecDesc,
+    capture: CaptureDesc,
+    inv_freq: Vec<f32>,
+}
+
+fn descs(cfg: &Config) -> Descs {
+    let c = &cfg.capture;
+    Descs {
+        model: cfg.model.desc.clone(),
+        spec: cfg.spec.clone(),
+        capture: CaptureDesc {
+            page_size: c.page_size,
+            max_context_len: c.max_context_len,
+            max_pages_per_request: c.pages_per_request(),
+            kv_pool_pages: c.kv_pool_pages,
+            max_requests: c.max_requests,
+            // The last page: requests get pages from the front of the pool.
+            scratch_page: c.kv_pool_pages - 1,
+            dtype: c.dtype,
+            hot_vocab_size: c.hot_vocab_size,
+        },
+        inv_freq: config::rope_inv_freq(&cfg.model.desc),
+    }
+}
+
 /// Runs every stage. Kernels are compiled when `jit` is given (plans without binaries are
 /// still complete for the CPU executor and for review). `progress(done, total)` is called
 /// after each bucket.
@@ -73,11 +105,14 @@ pub fn compile(
         .topo_order()
         .map_err(|node| verify::VerifyError(vec![format!("n{} is part of a cycle", node.index())]))?;
 
+    let d = descs(cfg);
+    let facts = kernel_facts(&d.model, &d.spec, &d.capture, &d.inv_freq);
     let (weights, weight_ids, weight_bytes) = layout_weights(&fused, &order);
     let shared = schedule::Shared {
         g: &fused,
         order: &order,
         cfg,
+        facts: &facts,
         weight_ids: &weight_ids,
         sm_count: target.sm_count,
     };
@@ -88,13 +123,28 @@ pub fn compile(
         buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
         progress(i + 1, cfg.capture.buckets.len());
     }
-    let mut kernels = kernels.kernels;
     let stats = match jit {
-        Some(j) => Some(j.compile_all(&mut kernels, target.sm)?),
+        Some(j) => Some(j.compile_all(&mut kernels.kernels, &kernels.sources, target.sm)?),
         None => None,
     };
-    let mut plan = emit(cfg, target, weights, weight_bytes, kernels, fusions, buckets);
-    plan.target.nvrtc = jit.map(|j| j.version.clone());
+    let plan = Plan {
+        name: cfg.name.clone(),
+        compiler: format!("specplan {}", env!("CARGO_PKG_VERSION")),
+        model: d.model,
+        spec: d.spec,
+        capture: d.capture,
+        target: TargetDesc {
+            sm: target.sm,
+            nvrtc: jit.map(|j| j.version.clone()),
+        },
+        rope_inv_freq: d.inv_freq,
+        layers: cfg.model.windows.iter().map(|&window| LayerDesc { window }).collect(),
+        weights,
+        weight_bytes,
+        kernels: kernels.kernels,
+        fusions,
+        buckets,
+    };
     Ok(Compiled {
         plan: validate(plan)?,
         unfused,
@@ -135,44 +185,4 @@ fn layout_weights(
         }
     }
     (descs, ids, offset)
-}
-
-fn emit(
-    cfg: &Config,
-    target: &Target,
-    weights: Vec<WeightDesc>,
-    weight_bytes: u64,
-    kernels: Vec<specplan_runtime::format::KernelDesc>,
-    fusions: Vec<FusionRecord>,
-    buckets: Vec<specplan_runtime::format::BucketPlan>,
-) -> Plan {
-    let c = &cfg.capture;
-    Plan {
-        name: cfg.name.clone(),
-        compiler: format!("specplan {}", env!("CARGO_PKG_VERSION")),
-        model: cfg.model.desc.clone(),
-        spec: cfg.spec.clone(),
-        capture: CaptureDesc {
-            page_size: c.page_size,
-            max_context_len: c.max_context_len,
-            max_pages_per_request: c.pages_per_request(),
-            kv_pool_pages: c.kv_pool_pages,
-            max_requests: c.max_requests,
-            // The last page: requests get pages from the front of the pool.
-            scratch_page: c.kv_pool_pages - 1,
-            dtype: c.dtype,
-            hot_vocab_size: c.hot_vocab_size,
-        },
-        target: TargetDesc {
-            sm: target.sm,
-            nvrtc: None,
-        },
-        rope_inv_freq: config::rope_inv_freq(&cfg.model.desc),
-        layers: cfg.model.windows.iter().map(|&window| LayerDesc { window }).collect(),
-        weights,
-        weight_bytes,
-        kernels,
-        fusions,
-        buckets,
-    }
 }

@@ -6,7 +6,7 @@
 //! row select i·N + A_i − 1 → lm_head (hot rows under FR-Spec) → softmax → top-K → id map.
 //! Every tensor has B·N rows (T) or B rows; nothing here is fused — `passes` does that.
 
-use specplan_runtime::format::{io, DType, KvKind, Packing};
+use specplan_format::{io, DType, KvKind, Packing};
 
 use crate::config::Config;
 use crate::graph::{Dim, Op, OpGraph, OpKind, Storage, Tensor, TensorId};

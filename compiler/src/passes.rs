@@ -7,7 +7,7 @@
 
 use petgraph::algo::has_path_connecting;
 use petgraph::stable_graph::NodeIndex;
-use specplan_runtime::format::{FusionRecord, Packing};
+use specplan_format::{FusionRecord, Packing};
 
 use crate::config::Config;
 use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};

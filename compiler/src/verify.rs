@@ -12,7 +12,7 @@
 
 use crate::graph::{Dim, OpGraph, OpKind, Storage, TensorId};
 use petgraph::stable_graph::NodeIndex;
-use specplan_runtime::format::DType;
+use specplan_format::DType;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("graph verification failed:\n{}", .0.join("\n"))]

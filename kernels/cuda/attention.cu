@@ -10,14 +10,14 @@
 //              MAX_PAGES, SLOTS, WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
 //              KV_TILE (keys per pipeline stage: 64, 32 or 16), STAGES (2..4: tiles in
 //              shared memory, STAGES - 1 of them in flight while one is computed)
-//   Launch:    grid (batch, KV_HEADS, splits), block (128, 1, 1), dynamic shared memory,
+//   Launch:    grid (batch, KV_HEADS, splits), block (ATTN_PARTIAL_THREADS = 128, 1, 1), dynamic shared memory,
 //              in bytes, with ROWS = N * (HEADS / KV_HEADS), GR = min(ceil16(ROWS), 64)
 //              (packed rows per pass) and a = sizeof(act_t):
 //
 //                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4)
 //                (q rows)           (K and V tiles of each stage)  (cross-warp merge, aliased)
 //
-//              (mirrored by specplan_kernels::geometry::attn_smem_bytes; no static
+//              (mirrored by specplan_kernels::facts::attn_smem_bytes; no static
 //              shared memory is used, so this is the CTA's whole footprint).
 //   Params (by value, natural C alignment, fields in this order):
 //     q           const act_t*  q of row r, head h at q[r*q_stride + h*HEAD_DIM + d]
@@ -54,7 +54,7 @@
 // ----------------------------------------------------------------------------------------
 // Entry attn_merge
 //   Constants: act_t, HEADS, HEAD_DIM (the others above are not needed)
-//   Launch:    grid (rows, HEADS, 1), block (HEAD_DIM, 1, 1) with HEAD_DIM <= 256,
+//   Launch:    grid (rows, HEADS, 1), block (ATTN_MERGE_THREADS = HEAD_DIM, 1, 1) with HEAD_DIM <= 256,
 //              no dynamic shared memory.
 //   Params (by value, natural C alignment, fields in this order):
 //     part_o    const float*  [splits, rows, HEADS, HEAD_DIM]
@@ -89,7 +89,8 @@ static_assert(kTile == 16 || kTile == 32 || kTile == 64, "KV_TILE must be 16, 32
 static_assert(kN > 0 && kPage > 0 && kMaxPages > 0 && kSlots > 0, "N, PAGE_SIZE, MAX_PAGES, SLOTS must be positive");
 static_assert(sizeof(act_t) == 2, "act_t is a 16-bit type");
 
-constexpr int kThreads = 128;
+constexpr int kThreads = (int)ATTN_PARTIAL_THREADS;
+static_assert(kThreads % 32 == 0, "attn_partial runs whole warps");
 constexpr int kWarps = kThreads / 32;
 constexpr int kG = kHeads / kKvHeads;  // query heads per kv head
 constexpr int kRows = kN * kG;         // packed query rows per CTA (GQA folding)
@@ -239,10 +240,10 @@ __device__ __forceinline__ act_t* stage_v(unsigned char* base, int st) {
 
 }  // namespace attn
 
-// AttnPartialParams is declared by the generated prelude, from specplan_kernels::params
+// AttnPartialParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams p) {
+extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(AttnPartialParams p) {
     using namespace attn;
 
     extern __shared__ __align__(128) unsigned char attn_smem[];
@@ -535,10 +536,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_partial(AttnPartialParams
     }
 }
 
-// AttnMergeParams is declared by the generated prelude, from specplan_kernels::params
+// AttnMergeParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(256) attn_merge(AttnMergeParams p) {
+extern "C" __global__ void __launch_bounds__(ATTN_MERGE_THREADS) attn_merge(AttnMergeParams p) {
     constexpr long long kH = (long long)HEADS;
     constexpr long long kHD = (long long)HEAD_DIM;
     const unsigned r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;

@@ -8,7 +8,7 @@
 //
 // Entry:     embed_concat
 // Constants: act_t, HIDDEN, VOCAB, HAS_BIAS
-// Launch:    grid (rows, 1, 1), block (256, 1, 1), no dynamic shared memory.
+// Launch:    grid (rows, 1, 1), block (EMBED_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
 //   ids       const long long*  [rows]            token ids (int64)
 //   table     const act_t*      [VOCAB, HIDDEN]   embedding table
@@ -21,10 +21,10 @@
 // (always the case when HIDDEN % 8 == 0 and the buffers are), any HIDDEN handled.
 #include "common.cuh"
 
-// EmbedConcatParams is declared by the generated prelude, from specplan_kernels::params
+// EmbedConcatParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(256) embed_concat(EmbedConcatParams p) {
+extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(EmbedConcatParams p) {
     const unsigned r = blockIdx.x;
     if (r >= p.rows) return;
     constexpr long long H = (long long)HIDDEN;

@@ -5,7 +5,7 @@
 //
 // Entry:     silu_mul
 // Constants: act_t, INTER
-// Launch:    grid (rows, 1, 1), block (256, 1, 1), no dynamic shared memory.
+// Launch:    grid (rows, 1, 1), block (SILU_MUL_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
 //   gate_up  const act_t*  [rows, 2*INTER]  gate in columns [0, INTER), up in [INTER, 2*INTER)
 //   out      act_t*        [rows, INTER]
@@ -13,7 +13,7 @@
 // 16-byte vectors when INTER % 8 == 0 and the buffers are 16-byte aligned, else scalar.
 #include "common.cuh"
 
-// SiluMulParams is declared by the generated prelude, from specplan_kernels::params
+// SiluMulParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 __device__ __forceinline__ float silu_times(float g, float u) {
@@ -35,7 +35,7 @@ __device__ __forceinline__ void silu_mul_row(const act_t* gate, const act_t* up,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) silu_mul(SiluMulParams p) {
+extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS) silu_mul(SiluMulParams p) {
     const unsigned r = blockIdx.x;
     if (r >= p.rows) return;
     constexpr long long I = (long long)INTER;

@@ -6,7 +6,7 @@
 //
 // Entry:     rmsnorm
 // Constants: act_t, HIDDEN, EPS
-// Launch:    grid (rows, 1, 1), block (256, 1, 1), no dynamic shared memory
+// Launch:    grid (rows, 1, 1), block (RMSNORM_THREADS = 256, 1, 1), no dynamic shared memory
 //            (128 bytes of static shared memory for the block reduction).
 // Params (by value, natural C alignment, fields in this order):
 //   x       const act_t*  [rows, HIDDEN]
@@ -18,10 +18,10 @@
 // The row is read twice (sum of squares, then scaling); the second read hits L1/L2.
 #include "common.cuh"
 
-// RmsNormParams is declared by the generated prelude, from specplan_kernels::params
+// RmsNormParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(256) rmsnorm(RmsNormParams p) {
+extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS) rmsnorm(RmsNormParams p) {
     __shared__ float scratch[32];
     const unsigned r = blockIdx.x;
     if (r >= p.rows) return;  // uniform per CTA: no thread reaches the barrier below

@@ -24,7 +24,7 @@
 // Entry:     rope_append
 // Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, SLOTS,
 //            INV_FREQ[HEAD_DIM/2]
-// Launch:    grid (rows, 1, 1), block (128, 1, 1), no dynamic shared memory
+// Launch:    grid (rows, 1, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
 //            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).
 // Params (by value, natural C alignment, fields in this order):
 //   qkv          act_t*      [rows, (HEADS + 2*KV_HEADS)*HEAD_DIM], q part rotated in place
@@ -36,7 +36,7 @@
 //   rows         unsigned    batch*N; CTAs with blockIdx.x >= rows do nothing
 #include "common.cuh"
 
-// RopeAppendParams is declared by the generated prelude, from specplan_kernels::params
+// RopeAppendParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 namespace rope {
@@ -96,7 +96,7 @@ __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cac
 
 }  // namespace rope
 
-extern "C" __global__ void __launch_bounds__(128) rope_append(RopeAppendParams p) {
+extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(RopeAppendParams p) {
     __shared__ float cs[rope::kHalf > 0 ? rope::kHalf : 1];
     __shared__ float sn[rope::kHalf > 0 ? rope::kHalf : 1];
     const unsigned r = blockIdx.x;

@@ -12,10 +12,10 @@
 // Constants: COLS, TOPK (1..32), HOT_MAP, FULL_VOCAB (act_t is not used)
 //
 // Entry softmax_topk: the whole row in one CTA (used when the plan does not split rows).
-//   Launch:  grid (batch, 1, 1), block (512, 1, 1),
+//   Launch:  grid (batch, 1, 1), block (SOFTMAX_TOPK_THREADS = 512, 1, 1),
 //            dynamic shared memory = 512 * TOPK * 8 bytes
 //            (one sorted list of TOPK (value fp32, column int32) pairs per thread;
-//            mirrored by specplan_kernels::geometry::topk_smem_bytes).
+//            the Kernel declaration in specplan_kernels::entries::sample).
 //   Params (by value, natural C alignment, fields in this order):
 //     logits   const float*      [batch, COLS]
 //     hot_ids  const long long*  [COLS] hot column -> full-vocabulary id (read only when HOT_MAP)
@@ -32,10 +32,10 @@
 //     expf(x - m_ch) (0 if empty), [2 .. 2+TOPK) = its TOPK largest values in the order
 //     above, [2+TOPK .. 2+2*TOPK) = their columns as floats (exact: COLS < 2^24), -1 where
 //     the chunk has fewer than TOPK columns (value -inf).
-//   topk_partial: grid (batch, chunks, 1), block (512, 1, 1), shared memory as softmax_topk.
+//   topk_partial: grid (batch, chunks, 1), block (TOPK_PARTIAL_THREADS = 512, 1, 1), shared memory as softmax_topk.
 //     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
 //             batch unsigned, chunks unsigned (1..32)
-//   topk_merge: grid (batch, 1, 1), block (32, 1, 1), no shared memory.
+//   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 32, 1, 1), no shared memory.
 //     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
 //             batch unsigned, chunks unsigned
 //     m = max_ch m_ch, S = sum_ch S_ch * expf(m_ch - m), the TOPK best of all records'
@@ -47,13 +47,17 @@
 // The head of the final list is the range maximum m, and S = sum_t s_t * exp(m_t - m).
 #include "common.cuh"
 
-// SoftmaxTopKParams, TopkPartialParams and TopkMergeParams are declared by the generated
-// prelude, from specplan_kernels::params (#[derive(KernelParams)]): the Rust and C sides
+// SoftmaxTopkParams, TopkPartialParams and TopkMergeParams are declared by the generated
+// prelude, from specplan_kernels (#[derive(KernelParams)]): the Rust and C sides
 // share one definition.
 
 namespace topk {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = (int)SOFTMAX_TOPK_THREADS;
+// The per-row and per-chunk kernels share the list code below, sized by kThreads.
+static_assert(SOFTMAX_TOPK_THREADS == TOPK_PARTIAL_THREADS, "softmax_topk and topk_partial share one block size");
+static_assert(TOPK_MERGE_THREADS == 32u, "topk_merge is one warp: lane l owns chunk l");
+static_assert((kThreads & (kThreads - 1)) == 0, "the tree merge halves the block: a power of two");
 constexpr int kK = (int)TOPK;
 constexpr long long kCols = (long long)COLS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
@@ -214,7 +218,7 @@ __device__ __forceinline__ void emit(float v, int c, float m, float sum, const l
 
 }  // namespace topk
 
-extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams p) {
+extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(SoftmaxTopkParams p) {
     using namespace topk;
     extern __shared__ __align__(16) unsigned char topk_smem[];
     const Lists lists{reinterpret_cast<float*>(topk_smem),
@@ -227,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(512) softmax_topk(SoftmaxTopKParams
     if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
 }
 
-extern "C" __global__ void __launch_bounds__(512) topk_partial(TopkPartialParams p) {
+extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS) topk_partial(TopkPartialParams p) {
     using namespace topk;
     extern __shared__ __align__(16) unsigned char topk_smem[];
     const Lists lists{reinterpret_cast<float*>(topk_smem),
@@ -254,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(512) topk_partial(TopkPartialParams
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32) topk_merge(TopkMergeParams p) {
+extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(TopkMergeParams p) {
     using namespace topk;
     const unsigned i = blockIdx.x;
     const int lane = (int)threadIdx.x;

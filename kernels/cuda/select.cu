@@ -5,7 +5,7 @@
 //
 // Entry:     select_rows
 // Constants: act_t, HIDDEN, N
-// Launch:    grid (batch, 1, 1), block (256, 1, 1), no dynamic shared memory.
+// Launch:    grid (batch, 1, 1), block (SELECT_ROWS_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
 //   x            const act_t*  [batch*N, HIDDEN]
 //   accept_lens  const int*    [batch]  accepted tokens per request (clamped to [1, N])
@@ -14,10 +14,10 @@
 // Pure copy: bit exact, 16-byte vectors when the rows are 16-byte aligned.
 #include "common.cuh"
 
-// SelectRowsParams is declared by the generated prelude, from specplan_kernels::params
+// SelectRowsParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(256) select_rows(SelectRowsParams p) {
+extern "C" __global__ void __launch_bounds__(SELECT_ROWS_THREADS) select_rows(SelectRowsParams p) {
     const unsigned i = blockIdx.x;
     if (i >= p.batch) return;
     constexpr long long H = (long long)HIDDEN;

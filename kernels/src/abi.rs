@@ -1,12 +1,17 @@
 //! The kernel-argument ABI shared by Rust and CUDA C.
 //!
-//! A kernel takes one parameter struct by value. Its Rust declaration (in `params.rs`,
-//! with `#[derive(KernelParams)]`) is the single source of truth: the derive generates the
-//! C declaration that the compiler puts into the kernel's prelude (with `static_assert`s
-//! on size, alignment and offsets), and the field table that orders a launch's arguments
-//! and places each at its offset when the runtime packs the struct.
+//! A kernel takes one parameter struct by value. Its Rust declaration (in `entries/`, with
+//! `#[derive(KernelParams)]`) is the single source of truth: the derive generates the C
+//! declaration the compiler puts into the kernel's prelude (with `static_assert`s on size
+//! and alignment), the field table that orders a launch's arguments and places each at its
+//! offset when the runtime packs the struct, and typed argument builders. [`Kernel`] adds
+//! what the entry's code assumes about its launch (threads, shared memory, grid, the `u32`
+//! arguments) and how many elements each pointer argument touches.
 
 use std::marker::PhantomData;
+
+use crate::facts::{BucketFacts, KernelFacts};
+use crate::{DType, Entry};
 
 /// The plan's activation element type (`act_t` in C: bf16 or f16).
 pub struct Act;
@@ -19,10 +24,73 @@ pub struct DevPtr<T>(pub u64, PhantomData<*const T>);
 #[repr(transparent)]
 pub struct DevPtrMut<T>(pub u64, PhantomData<*mut T>);
 
+/// Element type of a pointer argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Elem {
+    I32,
+    I64,
+    F32,
+    /// The plan's activation type.
+    Act,
+}
+
+impl Elem {
+    pub fn dtype(self, act: DType) -> DType {
+        match self {
+            Elem::I32 => DType::I32,
+            Elem::I64 => DType::I64,
+            Elem::F32 => DType::F32,
+            Elem::Act => act,
+        }
+    }
+}
+
+/// How a kernel uses the memory behind a pointer argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    Read,
+    Write,
+    ReadWrite,
+}
+
+impl Access {
+    pub fn reads(self) -> bool {
+        matches!(self, Access::Read | Access::ReadWrite)
+    }
+    pub fn writes(self) -> bool {
+        matches!(self, Access::Write | Access::ReadWrite)
+    }
+}
+
+/// What a pointer argument may name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allowed {
+    /// An arena buffer of the bucket.
+    pub buffer: bool,
+    /// A weight of the weight region.
+    pub weight: bool,
+    /// The page table.
+    pub table: bool,
+    /// A layer's K pool.
+    pub k_cache: bool,
+    /// A layer's V pool.
+    pub v_cache: bool,
+}
+
+/// A pointer field of a parameter struct.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PtrField {
+    pub elem: Elem,
+    pub access: Access,
+    pub allowed: Allowed,
+    /// The named input buffer this argument must be (`io::*`), if any.
+    pub input: Option<&'static str>,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FieldKind {
     /// An 8-byte device address.
-    Ptr,
+    Ptr(PtrField),
     /// A 4-byte unsigned integer.
     U32,
 }
@@ -31,10 +99,34 @@ pub enum FieldKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Field {
     pub name: &'static str,
-    pub kind: FieldKind,
     pub offset: u32,
-    /// A `DevPtrMut` (the kernel may write through it).
-    pub writes: bool,
+    pub kind: FieldKind,
+}
+
+impl Field {
+    pub fn size(&self) -> u32 {
+        match self.kind {
+            FieldKind::Ptr(_) => 8,
+            FieldKind::U32 => 4,
+        }
+    }
+}
+
+/// One launch argument in field order: a pointer (of whatever representation the caller
+/// uses: a plan argument, a device address, a CPU-executor location) or a `u32`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slot<P> {
+    Ptr(P),
+    U32(u32),
+}
+
+/// What a launch touches through one pointer argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extent {
+    /// At least this many elements of the field's element type.
+    Elems(u64),
+    /// Nothing: the argument must be null.
+    Unused,
 }
 
 /// Implemented by `#[derive(KernelParams)]`.
@@ -45,24 +137,73 @@ pub trait KernelParams {
     const SIZE: u32;
     const ALIGN: u32;
     const FIELDS: &'static [Field];
+    /// The pointer arguments, one `P` each, by name.
+    type Ptrs<P>;
+    /// The `u32` arguments, by name.
+    type Scalars: Copy;
+    /// The argument list in field order.
+    fn assemble<P>(p: Self::Ptrs<P>, s: Self::Scalars) -> Vec<Slot<P>>;
+    /// The typed arguments of a list in field order; `None` when the list's length or kinds
+    /// differ from the struct.
+    fn split<P: Clone>(slots: &[Slot<P>]) -> Option<(Self::Ptrs<P>, Self::Scalars)>;
+    /// The pointers in field order.
+    fn ptr_list<P>(p: Self::Ptrs<P>) -> Vec<P>;
 }
 
-/// The ABI of one kernel entry, as plain data.
+/// One kernel entry point: its parameter struct plus what its code assumes about a launch.
+/// Block shape is always `(threads, 1, 1)`.
+pub trait Kernel: KernelParams {
+    const ENTRY: Entry;
+    /// Threads per block; the prelude declares it (`<ENTRY>_THREADS`) and the entry's
+    /// `__launch_bounds__` and loops use it.
+    fn threads(f: &KernelFacts) -> u32;
+    /// Dynamic shared memory the code indexes, in bytes.
+    fn smem(_f: &KernelFacts) -> u64 {
+        0
+    }
+    /// Grid and `u32` arguments of this entry's launch in a bucket.
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], Self::Scalars);
+    /// Elements each pointer argument touches for these `u32` arguments.
+    fn extents(s: &Self::Scalars, f: &KernelFacts) -> Self::Ptrs<Extent>;
+}
+
+/// The ABI of one entry, as plain data.
 #[derive(Clone, Copy, Debug)]
-pub struct ParamsInfo {
+pub struct Abi {
     pub c_name: &'static str,
     pub c_decl: &'static str,
     pub size: u32,
     pub fields: &'static [Field],
 }
 
-impl ParamsInfo {
-    pub fn of<P: KernelParams>() -> ParamsInfo {
-        ParamsInfo {
+impl Abi {
+    pub fn of<P: KernelParams>() -> Abi {
+        Abi {
             c_name: P::C_NAME,
             c_decl: P::C_DECL,
             size: P::SIZE,
             fields: P::FIELDS,
         }
+    }
+}
+
+/// What a launch of an entry in a bucket must look like, field by field.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchShape {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub smem: u64,
+    /// Per field, in order: the extent of a pointer or the value of a `u32`.
+    pub args: Vec<Slot<Extent>>,
+}
+
+/// The shape of a launch of `K`, from its typed declaration.
+pub fn shape_of<K: Kernel>(b: &BucketFacts, f: &KernelFacts) -> LaunchShape {
+    let (grid, scalars) = K::launch(b, f);
+    LaunchShape {
+        grid,
+        block: [K::threads(f), 1, 1],
+        smem: K::smem(f),
+        args: K::assemble(K::extents(&scalars, f), scalars),
     }
 }

@@ -11,8 +11,8 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
 use crate::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
-use crate::format::{Packing, ValidatedPlan};
 use crate::step::{input_error, pad_to_bucket, InputError, PageTable, StepInputs};
+use specplan_format::{Packing, ValidatedPlan};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
@@ -386,7 +386,7 @@ pub fn run_gpu(
         let per = file_pages * plan.kv_page_bytes() as usize / 2;
         layers
             .iter()
-            .flat_map(|l| crate::gpu::to_act_bits(&l[..per], act))
+            .flat_map(|l| crate::bits::to_act_bits(&l[..per], act))
             .collect()
     };
     rt.write_kv(&bits(&inputs.kv.k), &bits(&inputs.kv.v), file_pages)?;
@@ -396,7 +396,7 @@ pub fn run_gpu(
         let used = (x.prefix_lens[i] as usize + n).div_ceil(ps);
         rt.set_pages(i, &x.page_table[i * x.page_cols..i * x.page_cols + used])?;
     }
-    let hidden = crate::gpu::to_act_bits(&x.hidden_states, act);
+    let hidden = crate::bits::to_act_bits(&x.hidden_states, act);
     let slots: Vec<i32> = (0..b as i32).collect();
     let req = StepRequest {
         slots: &slots,
@@ -408,7 +408,7 @@ pub fn run_gpu(
     let info = rt.step(&req, eager)?;
     let out = rt.read_outputs()?;
     let (k, v) = rt.read_kv(file_pages)?;
-    let to_f = |u: u16| crate::gpu::from_act_bits(u, act);
+    let to_f = |u: u16| crate::bits::from_act_bits(u, act);
     let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
     let per = file_pages * ps * row;
     for layer in 0..plan.model.layers as usize {

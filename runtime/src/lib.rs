@@ -1,10 +1,16 @@
-//! specplan runtime: owns the plan format and executes plans.
+//! specplan runtime: executes validated plans — on the CPU (the reference executor) and on
+//! the GPU (CUDA graphs with host-only prep) — plus the `run` contract over files.
 //!
-//! Architecture invariant: nothing here depends on the compiler or on petgraph.
+//! Architecture invariant: the runtime depends on the plan format and the kernels crate's
+//! declarations, never on the compiler, petgraph or NVRTC (Cargo enforces it: none is a
+//! dependency).
 
+pub mod admission;
+pub mod bits;
 pub mod contract;
 pub mod cpu;
-pub mod format;
 pub mod gpu;
-pub mod lt;
 pub mod step;
+
+/// The plan format, re-exported for callers that use the runtime alone.
+pub use specplan_format as format;

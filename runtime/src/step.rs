@@ -5,9 +5,9 @@
 //! hidden states and a page-table row that points only at the scratch page, so their K/V
 //! writes land on a page no request owns.
 
-use std::collections::HashMap;
+use specplan_format::{BucketPlan, Plan};
 
-use crate::format::{BucketPlan, Plan};
+use crate::admission;
 
 /// Inputs of a step for `b` real requests (host memory, row-major).
 #[derive(Clone, Debug, PartialEq)]
@@ -36,7 +36,7 @@ pub struct InputError {
     pub message: String,
 }
 
-pub(crate) fn input_error(tensor: &str, index: String, message: String) -> InputError {
+pub fn input_error(tensor: &str, index: String, message: String) -> InputError {
     InputError {
         tensor: tensor.into(),
         index,
@@ -46,58 +46,33 @@ pub(crate) fn input_error(tensor: &str, index: String, message: String) -> Input
 
 impl StepInputs {
     /// Checks every value bound of the contract against `plan` and a pool of `pool_pages`
-    /// caller-owned pages. O(b·N + b) work; never touches the KV cache.
+    /// caller-owned pages (the rules of [`crate::admission`]). O(b·N·H) for the hidden
+    /// states' finiteness, O(b·N + b) otherwise; never touches the KV cache.
     pub fn check(&self, plan: &Plan, pool_pages: usize) -> Result<(), InputError> {
         let b = self.batch;
         let n = plan.spec.num_draft_tokens as usize;
         let h = plan.model.hidden as usize;
         let max_b = plan.buckets.last().map_or(0, |x| x.batch as usize);
-        if b == 0 || b > max_b {
-            return Err(input_error(
-                "input_ids",
-                String::new(),
-                format!("batch {b} is outside [1, {max_b}] (the plan's largest bucket)"),
-            ));
-        }
-        let shape = |name: &str, len: usize, want: usize, dims: String| {
-            if len == want {
-                Ok(())
-            } else {
-                Err(input_error(
-                    name,
-                    String::new(),
-                    format!("has {len} elements, expected {dims} = {want}"),
-                ))
-            }
-        };
-        shape("input_ids", self.input_ids.len(), b * n, format!("[{b}, {n}]"))?;
-        shape(
+        admission::check_batch(b, Some(max_b))?;
+        admission::check_shape("input_ids", self.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
+        admission::check_shape(
             "hidden_states",
             self.hidden_states.len(),
             b * n * h,
-            format!("[{b}, {n}, {h}]"),
+            &format!("[{b}, {n}, {h}]"),
         )?;
-        shape("prefix_lens", self.prefix_lens.len(), b, format!("[{b}]"))?;
-        shape("accept_lens", self.accept_lens.len(), b, format!("[{b}]"))?;
+        admission::check_shape("prefix_lens", self.prefix_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_shape("accept_lens", self.accept_lens.len(), b, &format!("[{b}]"))?;
         if self.page_cols == 0 {
             return Err(input_error("page_table", String::new(), "has no columns".into()));
         }
-        shape(
+        admission::check_shape(
             "page_table",
             self.page_table.len(),
             b * self.page_cols,
-            format!("[{b}, {}]", self.page_cols),
+            &format!("[{b}, {}]", self.page_cols),
         )?;
-        let vocab = plan.model.vocab as i64;
-        for (r, &id) in self.input_ids.iter().enumerate() {
-            if id < 0 || id >= vocab {
-                return Err(input_error(
-                    "input_ids",
-                    format!("[{}][{}]", r / n, r % n),
-                    format!("{id} is outside [0, {vocab})"),
-                ));
-            }
-        }
+        admission::check_ids(&self.input_ids, plan.model.vocab, n)?;
         if let Some((i, x)) = self.hidden_states.iter().enumerate().find(|(_, x)| !x.is_finite()) {
             return Err(input_error(
                 "hidden_states",
@@ -106,70 +81,18 @@ impl StepInputs {
             ));
         }
         let ps = plan.capture.page_size as usize;
-        // (page, slot) → request that writes it, to reject two requests writing one slot.
-        let mut writers: HashMap<(i32, usize), usize> = HashMap::with_capacity(b * n);
+        let mut adm = admission::Admission::new(0, b * n);
+        adm.begin(b * n);
         for i in 0..b {
-            check_lengths_of(plan, i, self.prefix_lens[i], self.accept_lens[i])?;
-            let l = self.prefix_lens[i] as i64;
-            let used = (l as usize + n).div_ceil(ps);
-            if used > self.page_cols {
-                return Err(input_error(
-                    "page_table",
-                    format!("[{i}]"),
-                    format!(
-                        "has {} columns, but positions up to {} need {used} pages of {ps}",
-                        self.page_cols,
-                        l as usize + n - 1
-                    ),
-                ));
-            }
-            for c in 0..used {
-                let page = self.page_table[i * self.page_cols + c];
-                if page < 0 || page as usize >= pool_pages {
-                    return Err(input_error(
-                        "page_table",
-                        format!("[{i}][{c}]"),
-                        format!("page {page} is outside the pool [0, {pool_pages})"),
-                    ));
-                }
-            }
-            for j in 0..n {
-                let pos = l as usize + j;
-                let page = self.page_table[i * self.page_cols + pos / ps];
-                if let Some(other) = writers.insert((page, pos % ps), i) {
-                    return Err(input_error(
-                        "page_table",
-                        format!("[{i}][{}]", pos / ps),
-                        format!("requests {other} and {i} both write page {page} slot {}", pos % ps),
-                    ));
-                }
-            }
+            admission::check_lengths(plan, i, self.prefix_lens[i], self.accept_lens[i])?;
+            let l = self.prefix_lens[i] as usize;
+            let row = &self.page_table[i * self.page_cols..(i + 1) * self.page_cols];
+            admission::check_row_len(i, l, n, ps, row.len())?;
+            admission::check_page_ids("page_table", i, &row[..(l + n).div_ceil(ps)], pool_pages)?;
+            adm.writes(i, l, n, ps, row)?;
         }
         Ok(())
     }
-}
-
-/// Request `i`'s prefix and accept lengths against the plan: `0 ≤ L`, `L + N ≤ max
-/// context`, `1 ≤ A ≤ N`. Shared by the file contract and the GPU step API.
-pub(crate) fn check_lengths_of(plan: &Plan, i: usize, prefix: i32, accept: i32) -> Result<(), InputError> {
-    let n = plan.spec.num_draft_tokens as i64;
-    let ctx = plan.capture.max_context_len as i64;
-    let l = prefix as i64;
-    if l < 0 || l + n > ctx {
-        return Err(input_error(
-            "prefix_lens",
-            format!("[{i}]"),
-            format!("{l} + num_draft_tokens {n} must be in [{n}, max_context_len {ctx}]"),
-        ));
-    }
-    if accept < 1 || accept as i64 > n {
-        return Err(input_error(
-            "accept_lens",
-            format!("[{i}]"),
-            format!("{accept} is outside [1, {n}]"),
-        ));
-    }
-    Ok(())
 }
 
 /// The page table the kernels read: `[max_requests + 1, max_pages_per_request]`, row =

@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use safetensors::tensor::{Dtype, TensorView};
-use specplan_runtime::format::{DType, Packing, Plan};
+use specplan_format::{DType, Packing, Plan};
 
 use crate::Rng;
 
@@ -294,11 +294,11 @@ pub fn write_safetensors(path: &Path, tensors: &[FileTensor]) -> Result<(), Stri
 pub fn plan_json(plan: &Plan) -> String {
     let m = &plan.model;
     let rope_scaling = match &m.rope_scaling {
-        specplan_runtime::format::RopeScaling::None => serde_json::Value::Null,
-        specplan_runtime::format::RopeScaling::Linear { factor } => {
+        specplan_format::RopeScaling::None => serde_json::Value::Null,
+        specplan_format::RopeScaling::Linear { factor } => {
             serde_json::json!({"rope_type": "linear", "factor": factor})
         }
-        specplan_runtime::format::RopeScaling::Llama3 {
+        specplan_format::RopeScaling::Llama3 {
             factor,
             low_freq_factor,
             high_freq_factor,

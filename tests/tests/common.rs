@@ -3,7 +3,7 @@
 
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
-use specplan_runtime::format::{Plan, ValidatedPlan};
+use specplan_format::{Plan, ValidatedPlan};
 
 pub fn corpus(path: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -22,7 +22,7 @@ pub fn compile_preset(name: &str, o: &Overrides) -> ValidatedPlan {
 /// Text form with toolchain-dependent binary facts redacted, so a NVRTC bump does not
 /// churn every snapshot (the source hash, which we control, stays).
 pub fn snapshot_text(p: &Plan) -> String {
-    specplan_runtime::format::facts(p)
+    specplan_format::facts(p)
         .into_iter()
         .map(|f| {
             if f.key.ends_with(" binary") && f.value != "none" {

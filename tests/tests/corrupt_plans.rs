@@ -4,9 +4,9 @@
 mod common;
 
 use specplan_compiler::config::Overrides;
-use specplan_runtime::format::{decode, encode, validate, ArgValue, LaunchKind, PlanError};
+use specplan_format::{decode, encode, validate, ArgValue, LaunchKind, PlanError};
 
-fn tiny_bytes() -> (Vec<u8>, specplan_runtime::format::Plan) {
+fn tiny_bytes() -> (Vec<u8>, specplan_format::Plan) {
     let plan = common::compile_preset("tiny", &Overrides::default()).into_inner();
     (encode(&plan).expect("encode"), plan)
 }
@@ -51,13 +51,13 @@ fn flipped_bytes_are_rejected() {
     assert_eq!(decode(&b).expect_err("bad checksum"), PlanError::Checksum);
 }
 
-fn invalid(mutate: impl FnOnce(&mut specplan_runtime::format::Plan)) -> String {
+fn invalid(mutate: impl FnOnce(&mut specplan_format::Plan)) -> String {
     let (_, mut plan) = tiny_bytes();
     mutate(&mut plan);
     // Re-encoded with a correct checksum: only validation can catch these.
     let bytes = encode(&plan).expect("encode");
     match decode(&bytes) {
-        Err(PlanError::Invalid(msgs)) => msgs.join("\n"),
+        Err(PlanError::Invalid(msgs)) => msgs.iter().map(|v| v.to_string()).collect::<Vec<_>>().join("\n"),
         other => panic!("expected a validation error, got {other:?}"),
     }
 }
@@ -65,7 +65,7 @@ fn invalid(mutate: impl FnOnce(&mut specplan_runtime::format::Plan)) -> String {
 #[test]
 fn inconsistent_plans_name_the_bad_field() {
     let mut out = String::new();
-    let mut case = |name: &str, m: &dyn Fn(&mut specplan_runtime::format::Plan)| {
+    let mut case = |name: &str, m: &dyn Fn(&mut specplan_format::Plan)| {
         out.push_str(&format!("## {name}\n{}\n", invalid(|p| m(p))));
     };
     case("buffer past the arena", &|p| {
@@ -84,11 +84,8 @@ fn inconsistent_plans_name_the_bad_field() {
     case("buffer id out of range", &|p| {
         for l in &mut p.buckets[0].launches {
             if let LaunchKind::Kernel { args, .. } = &mut l.kind {
-                if let Some(a) = args.iter_mut().find(|a| matches!(a.value, ArgValue::Buffer { .. })) {
-                    a.value = ArgValue::Buffer {
-                        id: 500,
-                        access: specplan_runtime::format::Access::Read,
-                    };
+                if let Some(a) = args.iter_mut().find(|a| matches!(a, ArgValue::Buffer(_))) {
+                    *a = ArgValue::Buffer(500);
                     return;
                 }
             }
@@ -149,8 +146,8 @@ fn inconsistent_plans_name_the_bad_field() {
     case("rows argument past the bucket", &|p| {
         for l in &mut p.buckets[0].launches {
             if let LaunchKind::Kernel { args, .. } = &mut l.kind {
-                if let Some(a) = args.iter_mut().find(|a| a.name == "rows") {
-                    a.value = ArgValue::U32(1_000_000);
+                if let Some(a) = args.iter_mut().rev().find(|a| matches!(a, ArgValue::U32(_))) {
+                    *a = ArgValue::U32(1_000_000);
                     return;
                 }
             }
@@ -158,7 +155,7 @@ fn inconsistent_plans_name_the_bad_field() {
     });
     case("kernel constant not the plan's", &|p| {
         if let Some((_, v)) = p.kernels[0].constants.iter_mut().find(|(n, _)| n == "HIDDEN") {
-            *v = specplan_runtime::format::ConstValue::U32(4096);
+            *v = specplan_format::ConstValue::U32(4096);
         }
     });
     case("scratch buffer smaller than the kernel touches", &|p| {
@@ -169,8 +166,9 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("truncated CUBIN", &|p| {
-        p.kernels[0].binary = Some(specplan_runtime::format::KernelBinary {
+        p.kernels[0].binary = Some(specplan_format::KernelBinary {
             arch: "sm_90".into(),
+            source_hash: p.kernels[0].source_hash.clone(),
             cubin: b"\x7fELF\x02".to_vec(),
             ptx: String::new(),
         });

@@ -12,8 +12,8 @@ use half::bf16;
 use safetensors::tensor::{Dtype, TensorView};
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
+use specplan_format::ValidatedPlan;
 use specplan_runtime::contract::{load_inputs, load_weights, run_cpu, write_outputs};
-use specplan_runtime::format::ValidatedPlan;
 use specplan_tests::{seed, Rng};
 
 fn round_bf16(v: &[f32]) -> Vec<f32> {
@@ -590,7 +590,13 @@ fn split_topk_rows_match_naive_forward() {
     };
     let plan = specplan_tests_common_compile(src());
     assert!(
-        plan.kernels.iter().any(|k| k.entry == "topk_partial") && plan.kernels.iter().any(|k| k.entry == "topk_merge"),
+        plan.kernels
+            .iter()
+            .any(|k| k.entry == specplan_format::Entry::TopkPartial)
+            && plan
+                .kernels
+                .iter()
+                .any(|k| k.entry == specplan_format::Entry::TopkMerge),
         "a 20,000-column row should be split"
     );
     check_source(src(), Overrides::default(), &[1, 3]);
@@ -604,7 +610,7 @@ fn split_topk_rows_match_naive_forward() {
     );
 }
 
-fn specplan_tests_common_compile(src: Source) -> specplan_runtime::format::ValidatedPlan {
+fn specplan_tests_common_compile(src: Source) -> specplan_format::ValidatedPlan {
     let cfg = resolve(&src, &Overrides::default()).expect("config");
     compile(&cfg, &Target::default(), None, &|_, _| {})
         .expect("compile")

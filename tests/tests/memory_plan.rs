@@ -5,7 +5,7 @@ mod common;
 
 use specplan_compiler::config::{Overrides, PRESETS};
 use specplan_compiler::schedule::INPUT_ORDER;
-use specplan_runtime::format::BufferRole;
+use specplan_format::BufferRole;
 
 #[test]
 fn liveness_reuses_memory_and_inputs_are_one_block() {

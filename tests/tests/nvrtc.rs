@@ -11,6 +11,8 @@ use std::time::Instant;
 use specplan_compiler::config::{resolve, Overrides, Source, PRESETS};
 use specplan_compiler::jit::{Jit, JitError};
 use specplan_compiler::{compile, Target};
+use specplan_kernels::source::full_source;
+use specplan_kernels::Entry;
 
 fn jit() -> Option<Jit> {
     match Jit::from_env() {
@@ -119,12 +121,17 @@ fn compile_errors_show_the_kernel_and_numbered_source() {
         .plan
         .kernels
         .iter()
-        .find(|k| k.entry == "rmsnorm")
+        .find(|k| k.entry == Entry::RmsNorm)
         .expect("rmsnorm kernel")
         .clone();
     // Drop a constant the template needs: the generated prelude no longer declares it.
     k.constants.retain(|(n, _)| n != "HIDDEN");
-    let err = jit.with_cache_dir(None).compile_one(&k, 90).expect_err("must fail");
+    let facts = specplan_format::kernel_facts_of(&c.plan);
+    let source = full_source(k.entry.template(), &k.constants, &facts);
+    let err = jit
+        .with_cache_dir(None)
+        .compile_one(&k, &source, 90)
+        .expect_err("must fail");
     let msg = err.to_string();
     assert!(matches!(err, JitError::Compile { .. }), "{msg}");
     assert!(msg.contains(&k.name), "{msg}");

@@ -46,10 +46,8 @@ fn tiny_graph_before_and_after_fusion() {
 #[test]
 fn compile_is_deterministic() {
     for p in PRESETS {
-        let a =
-            specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
-        let b =
-            specplan_runtime::format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
+        let a = specplan_format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
+        let b = specplan_format::encode(&common::compile_preset(p.name, &Overrides::default())).expect("encode");
         assert_eq!(a, b, "{}: two compiles gave different bytes", p.name);
     }
 }
@@ -75,7 +73,7 @@ fn valid_hf_configs_compile() {
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
             .plan;
         // The model line and the layer windows are what the HF reader decides.
-        let facts: Vec<String> = specplan_runtime::format::facts(&plan)
+        let facts: Vec<String> = specplan_format::facts(&plan)
             .into_iter()
             .filter(|f| {
                 f.key == "model" || f.key.starts_with("layer ") || f.key == "capture" || f.key == "rope inv_freq"

@@ -8,7 +8,7 @@
 mod model;
 
 use serde_json::Value;
-use specplan_runtime::format::{DType, SpecDesc};
+use specplan_format::{DType, SpecDesc};
 
 pub use model::{rope_inv_freq, ModelConfig};
 
@@ -244,7 +244,7 @@ fn read_spec(v: &Value, o: &Overrides, e: &mut Errors) -> Option<SpecDesc> {
     if k == 0 || s == 0 || n == 0 {
         return None;
     }
-    let max_topk = specplan_kernels::geometry::MAX_TOPK;
+    let max_topk = specplan_kernels::facts::MAX_TOPK;
     if k > max_topk {
         e.push(
             TOPK.into(),

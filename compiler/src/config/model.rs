@@ -4,7 +4,7 @@
 //! missing or ill-typed required key is an error naming the key, the value and the rule.
 
 use serde_json::Value;
-use specplan_runtime::format::{DType, ModelDesc, RopeScaling};
+use specplan_format::{DType, ModelDesc, RopeScaling};
 
 use super::Errors;
 

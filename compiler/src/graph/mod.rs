@@ -14,7 +14,7 @@ mod print;
 
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
-use specplan_runtime::format::{DType, KvKind};
+use specplan_format::{DType, KvKind};
 
 pub use print::{print_graph, to_dot};
 
@@ -72,7 +72,7 @@ pub enum Storage {
     /// packed from.
     Weight {
         sources: Vec<String>,
-        packing: specplan_runtime::format::Packing,
+        packing: specplan_format::Packing,
     },
     /// One layer's K or V pool (outside the arena).
     KvCache { layer: u32, kind: KvKind },

@@ -17,7 +17,7 @@ fn embedded_plan_equals_the_compiled_plan() {
     let compiled = specplan_compiler::compile(&cfg, &specplan_compiler::Target::default(), jit.as_ref(), &|_, _| {})
         .expect("compile")
         .plan;
-    let bytes = specplan_runtime::format::encode(&compiled).expect("encode");
+    let bytes = specplan_format::encode(&compiled).expect("encode");
     assert_eq!(
         plan::BYTES,
         bytes.as_slice(),

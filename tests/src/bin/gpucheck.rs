@@ -16,8 +16,8 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use specplan_format::{load_file, ValidatedPlan};
 use specplan_runtime::cpu::{CpuExecutor, KvPool, WeightData};
-use specplan_runtime::format::{load_file, ValidatedPlan};
 use specplan_runtime::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
 use specplan_runtime::step::{pad_to_bucket, PageTable, StepInputs};
 use specplan_tests::{seed, Rng};
@@ -43,7 +43,7 @@ fn from_bits(b: u16, is_f16: bool) -> f32 {
 /// Random packed weights for every plan weight (scaled so activations stay O(1)).
 fn random_weights(plan: &ValidatedPlan, rng: &mut Rng) -> Vec<WeightData> {
     let vocab = plan.model.vocab as usize;
-    let is_f16 = plan.capture.dtype == specplan_runtime::format::DType::F16;
+    let is_f16 = plan.capture.dtype == specplan_format::DType::F16;
     plan.weights
         .iter()
         .map(|w| {
@@ -116,7 +116,7 @@ fn make_case(plan: &ValidatedPlan, rng: &mut Rng, b: usize, max_prefix: usize) -
     for i in 0..b {
         table[i * cols..i * cols + pages[i].len()].copy_from_slice(&pages[i]);
     }
-    let is_f16 = plan.capture.dtype == specplan_runtime::format::DType::F16;
+    let is_f16 = plan.capture.dtype == specplan_format::DType::F16;
     let hidden: Vec<f32> = (0..b * n * h)
         .map(|_| from_bits(act_bits(rng.uniform(), is_f16), is_f16))
         .collect();
@@ -162,7 +162,7 @@ fn check_case(plan: &ValidatedPlan, rt: &mut GpuRuntime, weights: &[WeightData],
     let n = plan.spec.num_draft_tokens as usize;
     let h = plan.model.hidden as usize;
     let k = plan.spec.topk as usize;
-    let is_f16 = plan.capture.dtype == specplan_runtime::format::DType::F16;
+    let is_f16 = plan.capture.dtype == specplan_format::DType::F16;
     let g = |e: specplan_runtime::gpu::GpuError| e.to_string();
     for (i, &s) in c.slots.iter().enumerate() {
         rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
@@ -184,7 +184,7 @@ fn check_case(plan: &ValidatedPlan, rt: &mut GpuRuntime, weights: &[WeightData],
             && !info.graph
             && plan
                 .bucket_for(c.b as u32)
-                .is_some_and(|b| b.replay == specplan_runtime::format::Replay::Graph)
+                .is_some_and(|b| b.replay == specplan_format::Replay::Graph)
         {
             return Err(format!("b={}: expected a graph replay", c.b));
         }
@@ -381,9 +381,9 @@ fn attention_check(
     b: usize,
     max_prefix: usize,
 ) -> Result<(f64, f64), String> {
-    use specplan_runtime::format::io;
+    use specplan_format::io;
     let g = |e: specplan_runtime::gpu::GpuError| e.to_string();
-    let is_f16 = plan.capture.dtype == specplan_runtime::format::DType::F16;
+    let is_f16 = plan.capture.dtype == specplan_format::DType::F16;
     let bucket = plan.bucket_for(b as u32).ok_or("no bucket")?.batch;
     let (n, ps) = (plan.spec.num_draft_tokens as usize, plan.capture.page_size as usize);
     let (hq, hkv, d) = (
@@ -561,13 +561,13 @@ fn write_contract_files(plan: &ValidatedPlan, rng: &mut Rng, dir: &std::path::Pa
                 vec![ids.len()],
                 ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
             )),
-            (WeightData::F32(v), specplan_runtime::format::Packing::Single) => files.push((
+            (WeightData::F32(v), specplan_format::Packing::Single) => files.push((
                 w.sources[0].clone(),
                 Dtype::BF16,
                 w.shape.iter().map(|&x| x as usize).collect(),
                 bf(v),
             )),
-            (WeightData::F32(v), specplan_runtime::format::Packing::ConcatRows) => {
+            (WeightData::F32(v), specplan_format::Packing::ConcatRows) => {
                 let cols = w.shape[1] as usize;
                 let mut row = 0;
                 for src in &w.sources {
@@ -587,7 +587,7 @@ fn write_contract_files(plan: &ValidatedPlan, rng: &mut Rng, dir: &std::path::Pa
                     row += rows;
                 }
             }
-            (WeightData::F32(_), specplan_runtime::format::Packing::GatherRows) => {
+            (WeightData::F32(_), specplan_format::Packing::GatherRows) => {
                 return Err("the contract check uses plans without FR-Spec".into());
             }
         }

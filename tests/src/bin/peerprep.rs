@@ -17,7 +17,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use specplan_runtime::format::{load_file, ValidatedPlan};
+use specplan_format::{load_file, ValidatedPlan};
 use specplan_tests::contract_files::{input_tensors, plan_json, weight_tensors, write_safetensors};
 use specplan_tests::seed;
 

@@ -23,8 +23,8 @@ use std::time::Instant;
 use cudarc::cublas::sys as cublas;
 use cudarc::driver::result::{self, event};
 use cudarc::driver::sys::{CUevent, CUevent_flags, CUstream};
+use specplan_format::{load_file, LaunchKind, ValidatedPlan};
 use specplan_runtime::cpu::WeightData;
-use specplan_runtime::format::{load_file, LaunchKind, ValidatedPlan};
 use specplan_runtime::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
 
 const RUNS: usize = 100;

@@ -1,0 +1,475 @@
+//! The `specplan` command line.
+//!
+//! Exit codes: 0 success (for `diff`: equal), 1 `diff` found differences, 2 any error.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use specplan_compiler::config::{self, Overrides, Source, PRESETS};
+use specplan_compiler::jit::Jit;
+use specplan_compiler::{compile, graph, Target};
+use specplan_format::{self as format, ValidatedPlan};
+use specplan_runtime::contract;
+
+#[derive(Parser)]
+#[command(
+    name = "specplan",
+    version,
+    about = "Compile EAGLE draft-extend forwards into static CUDA-graph replay plans"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Compile a plan from a preset, a TOML config or a Hugging Face config.json.
+    Compile {
+        #[command(flatten)]
+        input: InputArgs,
+        /// Where to write the plan (written atomically: a failed compile leaves nothing).
+        #[arg(short, long)]
+        out: PathBuf,
+        /// Also write the canonical text form next to the plan (PLAN.txt).
+        #[arg(long)]
+        text: bool,
+        /// Skip NVRTC: the plan carries no kernel binaries (enough for review and the CPU
+        /// executor, not for the GPU runtime).
+        #[arg(long)]
+        no_kernels: bool,
+    },
+    /// Print a plan's canonical text form.
+    Show { plan: PathBuf },
+    /// Compare two plans fact by fact (exit 0 equal, 1 different, 2 error).
+    Diff {
+        a: PathBuf,
+        b: PathBuf,
+        /// Print only the per-category summary.
+        #[arg(long)]
+        summary: bool,
+    },
+    /// Graphviz of a plan's launches and buffers for one bucket.
+    Dot {
+        plan: PathBuf,
+        /// Batch bucket to draw (default: the smallest).
+        #[arg(long)]
+        bucket: Option<u32>,
+    },
+    /// Print the op graph IR (after fusion, or before with --unfused) of a config.
+    Graph {
+        #[command(flatten)]
+        input: InputArgs,
+        #[arg(long)]
+        unfused: bool,
+        /// Graphviz instead of text.
+        #[arg(long)]
+        dot: bool,
+    },
+    /// List the built-in presets.
+    Presets,
+    /// Run one draft-extend step of a plan on safetensors weights and inputs.
+    Run {
+        #[arg(long)]
+        plan: PathBuf,
+        /// Weights: embed_tokens.weight, fc.*, layers.L.*, lm_head.weight (+ hot_token_ids).
+        #[arg(long)]
+        weights: PathBuf,
+        /// Inputs: input_ids, hidden_states, prefix_lens, accept_lens, page_table [b, P], k_cache, v_cache.
+        #[arg(long)]
+        inputs: PathBuf,
+        /// Outputs: topk_probs, topk_ids, hidden_out and the updated k_cache, v_cache.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = Device::Cpu)]
+        device: Device,
+        /// GPU only: issue the launches without a CUDA graph.
+        #[arg(long)]
+        eager: bool,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Args)]
+struct InputArgs {
+    /// A built-in preset (see `specplan presets`).
+    #[arg(long, group = "source")]
+    preset: Option<String>,
+    /// A TOML config with [model], [speculative] and [capture] tables.
+    #[arg(long, group = "source")]
+    config: Option<PathBuf>,
+    /// A Hugging Face config.json of the EAGLE draft head.
+    #[arg(long, group = "source")]
+    hf_config: Option<PathBuf>,
+    #[arg(long = "speculative-eagle-topk")]
+    topk: Option<u32>,
+    #[arg(long = "speculative-num-steps")]
+    num_steps: Option<u32>,
+    #[arg(long = "speculative-num-draft-tokens")]
+    num_draft_tokens: Option<u32>,
+    /// "auto" (SGLang's speculative capture list up to --max-bs) or e.g. 1,2,4,8.
+    #[arg(long)]
+    buckets: Option<String>,
+    #[arg(long)]
+    max_bs: Option<u32>,
+    /// Tokens per KV page (a power of two).
+    #[arg(long)]
+    page_size: Option<u32>,
+    #[arg(long)]
+    max_context_len: Option<u32>,
+    /// Pages in the KV pool (default: largest bucket × pages per request + 1 scratch page).
+    #[arg(long)]
+    kv_pool_pages: Option<u32>,
+    /// Request slots in the device page table (default: the largest bucket).
+    #[arg(long)]
+    max_requests: Option<u32>,
+    /// Activation dtype: bf16 or fp16.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Sliding window W for every layer (overrides the model's).
+    #[arg(long)]
+    sliding_window: Option<u32>,
+    /// FR-Spec: keep V_h hot lm_head rows (needs hot_token_ids in the weights).
+    #[arg(long)]
+    hot_vocab_size: Option<u32>,
+}
+
+impl InputArgs {
+    fn resolve(&self) -> Result<config::Config> {
+        let read = |p: &Path| std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()));
+        let name = |p: &Path| {
+            p.file_stem()
+                .map_or("config".into(), |s| s.to_string_lossy().into_owned())
+        };
+        let source = match (&self.preset, &self.config, &self.hf_config) {
+            (Some(p), None, None) => Source::Preset(p.clone()),
+            (None, Some(p), None) => Source::Toml {
+                name: name(p),
+                text: read(p)?,
+            },
+            (None, None, Some(p)) => Source::HfConfig {
+                name: name(p),
+                text: read(p)?,
+            },
+            _ => bail!("give exactly one of --preset NAME, --config FILE or --hf-config FILE"),
+        };
+        let o = Overrides {
+            topk: self.topk,
+            num_steps: self.num_steps,
+            num_draft_tokens: self.num_draft_tokens,
+            buckets: self.buckets.clone(),
+            max_bs: self.max_bs,
+            page_size: self.page_size,
+            max_context_len: self.max_context_len,
+            kv_pool_pages: self.kv_pool_pages,
+            max_requests: self.max_requests,
+            dtype: self.dtype.clone(),
+            sliding_window: self.sliding_window,
+            hot_vocab_size: self.hot_vocab_size,
+        };
+        Ok(config::resolve(&source, &o)?)
+    }
+}
+
+/// stdout writes that return errors instead of panicking (a closed pipe, as in
+/// `specplan show p.plan | head`, ends the command quietly).
+macro_rules! outln {
+    ($($t:tt)*) => { writeln!(std::io::stdout(), $($t)*)? };
+}
+macro_rules! out {
+    ($($t:tt)*) => { write!(std::io::stdout(), $($t)*)? };
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn load(path: &Path) -> Result<ValidatedPlan> {
+    format::load_file(path).with_context(|| format!("cannot load plan {}", path.display()))
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Compile {
+            input,
+            out,
+            text,
+            no_kernels,
+        } => {
+            let t0 = Instant::now();
+            let cfg = input.resolve()?;
+            let jit = if no_kernels { None } else { Some(Jit::from_env()?) };
+            let total = cfg.capture.buckets.len();
+            let bar = indicatif::ProgressBar::new(total as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("compiling {prefix} [{bar:30}] {pos}/{len} buckets")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_prefix(cfg.name.clone());
+            if total < 8 {
+                bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+            }
+            let compiled = compile(&cfg, &Target::default(), jit.as_ref(), &|done, _| {
+                bar.set_position(done as u64)
+            })?;
+            bar.finish_and_clear();
+            let bytes = format::encode(&compiled.plan)?;
+            // With --text, the text goes first: if it fails, the plan is not replaced either.
+            if text {
+                let mut p = out.clone().into_os_string();
+                p.push(".txt");
+                write_atomic(Path::new(&p), format::to_text(&compiled.plan).as_bytes())?;
+            }
+            write_atomic(&out, &bytes)?;
+            print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64())?;
+            match compiled.jit {
+                Some(st) => outln!(
+                    "kernels: {} compiled by NVRTC {}, {} from the cache",
+                    st.compiled,
+                    compiled.plan.target.nvrtc.as_deref().unwrap_or("?"),
+                    st.cached
+                ),
+                None => outln!("kernels: not compiled (--no-kernels)"),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Show { plan } => {
+            let p = load(&plan)?;
+            std::io::stdout().lock().write_all(format::to_text(&p).as_bytes())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Diff { a, b, summary } => {
+            let (pa, pb) = (load(&a)?, load(&b)?);
+            let d = format::diff(&pa, &pb);
+            if d.is_empty() {
+                outln!("plans are equal");
+                return Ok(ExitCode::SUCCESS);
+            }
+            if !summary {
+                for e in &d.entries {
+                    outln!("{e}");
+                }
+                outln!();
+            }
+            for line in d.summary() {
+                outln!("{line}");
+            }
+            Ok(ExitCode::from(1))
+        }
+        Cmd::Dot { plan, bucket } => {
+            let p = load(&plan)?;
+            let b = match bucket {
+                None => &p.buckets[0],
+                Some(x) => p.buckets.iter().find(|b| b.batch == x).with_context(|| {
+                    format!(
+                        "--bucket {x}: the plan has no such bucket (buckets: {})",
+                        bucket_list(&p)
+                    )
+                })?,
+            };
+            out!("{}", plan_dot(&p, b));
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Graph { input, unfused, dot } => {
+            let cfg = input.resolve()?;
+            let compiled = compile(&cfg, &Target::default(), None, &|_, _| {})?;
+            let g = if unfused { &compiled.unfused } else { &compiled.fused };
+            if dot {
+                out!("{}", graph::to_dot(g, &cfg.name));
+            } else {
+                out!("{}", graph::print_graph(g));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Run {
+            plan,
+            weights,
+            inputs,
+            out,
+            device,
+            eager,
+        } => {
+            let p = load(&plan)?;
+            if eager && device == Device::Cpu {
+                bail!("--eager applies to --device cuda only");
+            }
+            let t0 = Instant::now();
+            let w = contract::load_weights(&p, &weights)?;
+            let mut x = contract::load_inputs(&p, &inputs)?;
+            let res = match device {
+                Device::Cpu => contract::run_cpu(&p, w, &mut x)?,
+                Device::Cuda => contract::run_gpu(&p, w, &mut x, eager)?,
+            };
+            contract::write_outputs(&p, &out, &res, &x)?;
+            outln!(
+                "ran {} requests in bucket {} on the {} in {:.3} s; wrote {}",
+                x.step.batch,
+                res.bucket,
+                match (device, eager) {
+                    (Device::Cpu, _) => "cpu",
+                    (Device::Cuda, false) => "gpu (graph)",
+                    (Device::Cuda, true) => "gpu (eager)",
+                },
+                t0.elapsed().as_secs_f64(),
+                out.display()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Presets => {
+            for p in PRESETS {
+                outln!("{:<16} {}", p.name, p.summary);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn bucket_list(p: &format::Plan) -> String {
+    p.buckets
+        .iter()
+        .map(|b| b.batch.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Writes through a temporary file in the same directory and renames it into place, so a
+/// reader never sees a half-written plan and a failure leaves the old file untouched.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut tmp =
+        tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot create a file in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    // NamedTempFile creates 0600; a plan is an ordinary artifact.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        tmp.as_file().set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    }
+    tmp.as_file().sync_all()?;
+    tmp.persist(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2} MiB", b as f64 / (1024.0 * 1024.0))
+}
+
+fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> Result<()> {
+    outln!(
+        "wrote {} ({} bytes): {} buckets, {} kernels, {} launches per bucket, compiled in {:.3} s",
+        out.display(),
+        file_bytes,
+        p.buckets.len(),
+        p.kernels.len(),
+        p.buckets.first().map_or(0, |b| b.launches.len()),
+        secs
+    );
+    outln!(
+        "weights {}  kv pool {} ({} pages)  arena (max) {}",
+        mib(p.weight_bytes),
+        mib(p.kv_pool_bytes()),
+        p.capture.kv_pool_pages,
+        mib(p.arena_bytes())
+    );
+    outln!("{:>6} {:>7} {:>12} {:>7} replay", "bucket", "rows", "arena", "splits");
+    for b in &p.buckets {
+        let replay = match &b.replay {
+            format::Replay::Graph => "graph".to_string(),
+            other => format!("{other:?}"),
+        };
+        outln!(
+            "{:>6} {:>7} {:>12} {:>7} {}",
+            b.batch,
+            b.rows,
+            mib(b.arena_bytes),
+            b.attn_splits,
+            replay
+        );
+    }
+    Ok(())
+}
+
+/// Launch-level dataflow of one bucket: launches as boxes, buffers as ellipses.
+fn plan_dot(p: &format::Plan, b: &format::BucketPlan) -> String {
+    use format::{Access, ArgValue, LaunchKind};
+    use std::fmt::Write as _;
+    let mut s = format!(
+        "digraph \"{} bucket {}\" {{\n  rankdir=TB;\n  node [fontname=monospace];\n",
+        format::escape(&p.name),
+        b.batch
+    );
+    for (i, buf) in b.buffers.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "  b{i} [shape=ellipse, label=\"%{}\\n{:?} @{:#x}\"];",
+            format::escape(&buf.name),
+            buf.shape,
+            buf.offset
+        );
+    }
+    for (li, l) in b.launches.iter().enumerate() {
+        let (label, uses): (String, Vec<(u32, Access)>) = match &l.kind {
+            LaunchKind::Kernel { kernel, args, .. } => (
+                p.kernels
+                    .get(*kernel as usize)
+                    .map_or("?".into(), |k| k.entry.name().to_string()),
+                {
+                    let fields = p
+                        .kernels
+                        .get(*kernel as usize)
+                        .map_or(&[][..], |k| k.entry.abi().fields);
+                    args.iter()
+                        .zip(fields)
+                        .filter_map(|(a, f)| match (a, f.kind) {
+                            (ArgValue::Buffer(id), specplan_kernels::abi::FieldKind::Ptr(pf)) => Some((*id, pf.access)),
+                            _ => None,
+                        })
+                        .collect()
+                },
+            ),
+            LaunchKind::Gemm(g) => (
+                format!("gemm {}x{}x{}", g.m, g.n, g.k),
+                vec![
+                    (g.a, Access::Read),
+                    (g.c, if g.accumulate { Access::ReadWrite } else { Access::Write }),
+                ],
+            ),
+        };
+        let _ = writeln!(
+            s,
+            "  l{li} [shape=box, label=\"#{li} {}\\n{label}\"];",
+            format::escape(&l.op)
+        );
+        for (id, access) in uses {
+            if access.reads() {
+                let _ = writeln!(s, "  b{id} -> l{li};");
+            }
+            if access.writes() {
+                let _ = writeln!(s, "  l{li} -> b{id};");
+            }
+        }
+    }
+    s.push_str("}\n");
+    s
+}

@@ -1,0 +1,266 @@
+//! Step 3 of scheduling: each op's launches. A kernel launch takes its grid, block, shared
+//! memory and `u32` arguments from the entry's declaration for the bucket; its pointers
+//! are bound here through the entry's typed builder (`<Entry>Ptrs`), so an argument that is
+//! misnamed or missing does not compile.
+
+use specplan_format::{ArgValue, BucketFacts, GemmDesc, KernelFacts, Launch, LaunchKind};
+use specplan_kernels::abi::{Kernel, Slot};
+use specplan_kernels::entries::attention::{AttnMergeParams, AttnMergePtrs, AttnPartialParams, AttnPartialPtrs};
+use specplan_kernels::entries::embed::{EmbedConcatParams, EmbedConcatPtrs};
+use specplan_kernels::entries::mlp::{SiluMulParams, SiluMulPtrs};
+use specplan_kernels::entries::norm::{RmsNormParams, RmsNormPtrs};
+use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
+use specplan_kernels::entries::sample::{
+    SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs, TopkPartialParams, TopkPartialPtrs,
+};
+use specplan_kernels::entries::select::{SelectRowsParams, SelectRowsPtrs};
+
+use super::liveness::{root, Live, Workspace};
+use super::{ScheduleError, Shared};
+use crate::codegen::KernelTable;
+use crate::graph::{Op, OpKind, Storage, TensorId};
+
+struct Binder<'a> {
+    sh: &'a Shared<'a>,
+    live: &'a Live,
+    kernels: &'a mut KernelTable,
+    bf: &'a BucketFacts,
+    launches: Vec<Launch>,
+}
+
+impl Binder<'_> {
+    /// The argument naming tensor `t`'s storage.
+    fn arg(&self, t: TensorId) -> ArgValue {
+        let g = self.sh.g;
+        let r = root(g, t);
+        match g.tensor(r).storage {
+            Storage::KvCache { layer, kind } => ArgValue::KvCache { layer, kind },
+            Storage::PageTable => ArgValue::PageTable,
+            Storage::Weight { .. } => ArgValue::Weight(self.sh.weight_ids.get(&r).copied().unwrap_or(u32::MAX)),
+            Storage::Input | Storage::Activation { .. } => {
+                ArgValue::Buffer(self.live.buf_of.get(&r).copied().unwrap_or(u32::MAX))
+            }
+        }
+    }
+
+    /// `t`'s argument when `present`, else null.
+    fn arg_if(&self, present: bool, t: Option<&TensorId>) -> ArgValue {
+        match (present, t) {
+            (true, Some(&t)) => self.arg(t),
+            _ => ArgValue::Null,
+        }
+    }
+
+    /// One launch of entry `K` for `op`; `suffix` names it when an op has several.
+    fn kernel<K: Kernel>(&mut self, op: &Op, suffix: bool, f: &KernelFacts, ptrs: K::Ptrs<ArgValue>) {
+        let k = self.kernels.intern(K::ENTRY, f);
+        let (grid, scalars) = K::launch(self.bf, f);
+        let args = K::assemble(ptrs, scalars)
+            .into_iter()
+            .map(|s| match s {
+                Slot::Ptr(v) => v,
+                Slot::U32(x) => ArgValue::U32(x),
+            })
+            .collect();
+        let name = if suffix {
+            format!("{}.{}", op.name, K::ENTRY.name())
+        } else {
+            op.name.clone()
+        };
+        self.launches.push(Launch {
+            op: name,
+            kind: LaunchKind::Kernel {
+                kernel: k,
+                grid,
+                block: [K::threads(f), 1, 1],
+                smem: K::smem(f) as u32,
+                args,
+            },
+        });
+    }
+
+    fn buffer_id(&self, t: TensorId) -> u32 {
+        match self.arg(t) {
+            ArgValue::Buffer(id) | ArgValue::Weight(id) => id,
+            _ => u32::MAX,
+        }
+    }
+}
+
+pub(super) fn launches(
+    sh: &Shared,
+    kernels: &mut KernelTable,
+    bf: &BucketFacts,
+    live: &Live,
+) -> Result<Vec<Launch>, ScheduleError> {
+    let mut b = Binder {
+        sh,
+        live,
+        kernels,
+        bf,
+        launches: Vec::new(),
+    };
+    for &node in sh.order {
+        let op = &sh.g.graph[node];
+        let at = || format!("n{} {}", node.index(), op.name);
+        match &op.kind {
+            OpKind::Linear { bias: true, .. } => return Err(ScheduleError::UnfoldedBias { node: at() }),
+            OpKind::Linear {
+                bias: false,
+                accumulate,
+            } => gemm(&mut b, op, *accumulate),
+            OpKind::Attention { window, .. } => {
+                let ws = match live.workspace.get(&node) {
+                    Some(Workspace::Attention(o, l)) => Some((*o, *l)),
+                    _ => None,
+                };
+                attention(&mut b, op, *window, ws)?
+            }
+            OpKind::SoftmaxTopK { hot_map, .. } => {
+                let ws = match live.workspace.get(&node) {
+                    Some(Workspace::TopK(p)) => Some(*p),
+                    _ => None,
+                };
+                softmax_topk(&mut b, op, *hot_map, ws)
+            }
+            OpKind::EmbedConcat { bias } => {
+                let (ins, outs) = (&op.ins, &op.outs);
+                let p = EmbedConcatPtrs {
+                    ids: b.arg(ins[0]),
+                    table: b.arg(ins[1]),
+                    hidden: b.arg(ins[2]),
+                    bias: b.arg_if(*bias, ins.get(3)),
+                    out: b.arg(outs[0]),
+                    bias_out: b.arg_if(*bias, outs.get(1)),
+                };
+                b.kernel::<EmbedConcatParams>(op, false, sh.facts, p)
+            }
+            OpKind::RmsNorm => {
+                let p = RmsNormPtrs {
+                    x: b.arg(op.ins[0]),
+                    weight: b.arg(op.ins[1]),
+                    out: b.arg(op.outs[0]),
+                };
+                b.kernel::<RmsNormParams>(op, false, sh.facts, p)
+            }
+            OpKind::RopeAppend { .. } => {
+                let ins = &op.ins;
+                let p = RopeAppendPtrs {
+                    qkv: b.arg(ins[0]),
+                    prefix_lens: b.arg(ins[1]),
+                    req_slots: b.arg(ins[2]),
+                    page_table: b.arg(ins[3]),
+                    k_cache: b.arg(ins[4]),
+                    v_cache: b.arg(ins[5]),
+                };
+                b.kernel::<RopeAppendParams>(op, false, sh.facts, p)
+            }
+            OpKind::SiluMul => {
+                let p = SiluMulPtrs {
+                    gate_up: b.arg(op.ins[0]),
+                    out: b.arg(op.outs[0]),
+                };
+                b.kernel::<SiluMulParams>(op, false, sh.facts, p)
+            }
+            OpKind::SelectRows => {
+                let p = SelectRowsPtrs {
+                    x: b.arg(op.ins[0]),
+                    accept_lens: b.arg(op.ins[1]),
+                    out: b.arg(op.outs[0]),
+                };
+                b.kernel::<SelectRowsParams>(op, false, sh.facts, p)
+            }
+            other => {
+                return Err(ScheduleError::NoKernel {
+                    node: at(),
+                    kind: other.mnemonic(),
+                })
+            }
+        }
+    }
+    Ok(b.launches)
+}
+
+fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
+    let g = b.sh.g;
+    let bb = b.bf.batch as u64;
+    let (a, w) = (g.tensor(op.ins[0]), g.tensor(op.ins[1]));
+    b.launches.push(Launch {
+        op: op.name.clone(),
+        kind: LaunchKind::Gemm(GemmDesc {
+            m: a.shape[0].at(bb),
+            n: w.shape[0].at(bb),
+            k: w.shape[1].at(bb),
+            a: b.buffer_id(op.ins[0]),
+            w: b.buffer_id(op.ins[1]),
+            c: b.buffer_id(op.outs[0]),
+            accumulate,
+        }),
+    });
+}
+
+/// `attn_partial`, plus `attn_merge` when the bucket splits the keys.
+fn attention(b: &mut Binder, op: &Op, window: Option<u32>, ws: Option<(u32, u32)>) -> Result<(), ScheduleError> {
+    let f = b.sh.facts.with_window(window);
+    if f.attn_tiling().is_none() {
+        return Err(ScheduleError::AttentionSmem {
+            rows: f.n * f.group(),
+            head_dim: f.head_dim,
+        });
+    }
+    let (ins, out) = (&op.ins, b.arg(op.outs[0]));
+    let part = |i: Option<u32>| i.map_or(ArgValue::Null, ArgValue::Buffer);
+    let p = AttnPartialPtrs {
+        q: b.arg(ins[0]),
+        k_cache: b.arg(ins[1]),
+        v_cache: b.arg(ins[2]),
+        req_slots: b.arg(ins[3]),
+        page_table: b.arg(ins[4]),
+        prefix_lens: b.arg(ins[5]),
+        out: if ws.is_some() { ArgValue::Null } else { out },
+        part_o: part(ws.map(|w| w.0)),
+        part_lse: part(ws.map(|w| w.1)),
+    };
+    b.kernel::<AttnPartialParams>(op, true, &f, p);
+    if let Some((po, pl)) = ws {
+        let p = AttnMergePtrs {
+            part_o: ArgValue::Buffer(po),
+            part_lse: ArgValue::Buffer(pl),
+            out,
+        };
+        b.kernel::<AttnMergeParams>(op, true, &f, p);
+    }
+    Ok(())
+}
+
+/// One CTA per row, or split rows (partial + merge) when the plan splits the columns.
+fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, ws: Option<u32>) {
+    let f = b.sh.facts;
+    let (ins, outs) = (&op.ins, &op.outs);
+    let hot = b.arg_if(hot_map, ins.get(1));
+    match ws {
+        None => {
+            let p = SoftmaxTopkPtrs {
+                logits: b.arg(ins[0]),
+                hot_ids: hot,
+                probs: b.arg(outs[0]),
+                ids: b.arg(outs[1]),
+            };
+            b.kernel::<SoftmaxTopkParams>(op, false, f, p)
+        }
+        Some(part) => {
+            let p = TopkPartialPtrs {
+                logits: b.arg(ins[0]),
+                part: ArgValue::Buffer(part),
+            };
+            b.kernel::<TopkPartialParams>(op, true, f, p);
+            let p = TopkMergePtrs {
+                part: ArgValue::Buffer(part),
+                hot_ids: hot,
+                probs: b.arg(outs[0]),
+                ids: b.arg(outs[1]),
+            };
+            b.kernel::<TopkMergeParams>(op, true, f, p)
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! Stage 5: per bucket, the fused graph → buffers at arena offsets and a launch list.
+//!
+//! The steps, in order (`schedule_bucket`):
+//! 1. `liveness`: every arena tensor (by alias root) and workspace gets a live range over
+//!    the op order — inputs for the whole step, outputs until the caller reads them;
+//! 2. `pack`: inputs first and contiguous (one host copy moves them), then greedy packing
+//!    (largest first, lowest offset clear of every intersecting live range), so tensors
+//!    whose ranges do not intersect reuse the same bytes;
+//! 3. `bind`: each op's launches from its entries' declarations, arguments bound to those
+//!    buffers, to weights and to the KV pool through typed builders, never raw addresses.
+
+mod bind;
+mod liveness;
+mod pack;
+
+use std::collections::BTreeMap;
+
+use petgraph::stable_graph::NodeIndex;
+use specplan_format::{bucket_facts, BucketPlan, KernelFacts, Replay};
+
+use crate::codegen::KernelTable;
+use crate::config::Config;
+use crate::graph::{OpGraph, TensorId};
+
+pub use pack::INPUT_ORDER;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    #[error("node {node}: a GEMM with a bias reached scheduling (the bias must be folded into a kernel)")]
+    UnfoldedBias { node: String },
+    #[error("node {node} ({kind}) has no kernel: an unfused op reached scheduling")]
+    NoKernel { node: String, kind: &'static str },
+    #[error("attention of {rows} rows per CTA (num_draft_tokens · heads/kv_heads) with head_dim {head_dim} does not fit in shared memory even with 16-key tiles")]
+    AttentionSmem { rows: u32, head_dim: u32 },
+}
+
+/// Static facts shared by every bucket's schedule.
+pub struct Shared<'a> {
+    pub g: &'a OpGraph,
+    pub order: &'a [NodeIndex],
+    pub cfg: &'a Config,
+    /// What the plan's kernels are specialized for (window 0).
+    pub facts: &'a KernelFacts,
+    /// Weight index in the plan for each weight tensor.
+    pub weight_ids: &'a BTreeMap<TensorId, u32>,
+    pub sm_count: u32,
+}
+
+/// KV splits for a bucket: enough CTAs to fill the GPU twice, at most one split per
+/// 256 keys of the longest context, at most 16.
+pub fn attn_splits(cfg: &Config, batch: u32, sm_count: u32) -> u32 {
+    let ctas = batch as u64 * cfg.model.desc.kv_heads as u64;
+    let want = (2 * sm_count as u64).div_ceil(ctas.max(1));
+    let by_len = (cfg.capture.max_context_len as u64).div_ceil(256);
+    want.min(by_len)
+        .clamp(1, specplan_kernels::facts::MAX_ATTN_SPLITS as u64) as u32
+}
+
+pub fn schedule_bucket(
+    sh: &Shared,
+    kernels: &mut KernelTable,
+    batch: u32,
+    replay: Replay,
+) -> Result<BucketPlan, ScheduleError> {
+    let n = sh.cfg.spec.num_draft_tokens;
+    let splits = attn_splits(sh.cfg, batch, sh.sm_count);
+    let live = liveness::live_ranges(sh, batch, splits);
+    let (buffers, arena_bytes) = pack::pack(&live.items);
+    let mut bucket = BucketPlan {
+        batch,
+        rows: batch * n,
+        arena_bytes,
+        qo_indptr: (0..=batch).map(|i| i * n).collect(),
+        attn_splits: splits,
+        buffers,
+        launches: Vec::new(),
+        replay,
+    };
+    bucket.launches = bind::launches(sh, kernels, &bucket_facts(&bucket), &live)?;
+    Ok(bucket)
+}

@@ -1,0 +1,432 @@
+//! Bucket rules of validation (rules 6–8 of `validate.rs`): buffers, the named inputs and
+//! outputs, every launch, and the data flow through the arena.
+
+use std::collections::HashSet;
+
+use specplan_kernels::abi::{Access, FieldKind};
+use specplan_kernels::facts::{KernelFacts, MAX_ATTN_SPLITS};
+
+use crate::location::Location;
+use crate::rules::{kernel_launch, Touched};
+use crate::types::*;
+use crate::validate::{printable, Errors, ALIGN, MAX_BATCH, MAX_REGION_BYTES};
+
+/// One use of a buffer by a launch.
+struct Use {
+    buf: u32,
+    access: Access,
+    launch: usize,
+}
+
+pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touched: &mut Touched, e: &mut Errors) {
+    let n = p.spec.num_draft_tokens;
+    let loc = || Location::bucket(bi, b.batch);
+    let tag = format!("buckets[{bi}] (batch {})", b.batch);
+    let at = |what: String| (loc(), format!("{tag}.{what}"));
+    e.check(b.batch > 0 && b.batch <= MAX_BATCH, || {
+        at(format!("batch: {} is outside [1, {MAX_BATCH}]", b.batch))
+    });
+    e.check(b.rows as u64 == b.batch as u64 * n as u64, || {
+        at(format!(
+            "rows: {} != batch · num_draft_tokens = {}",
+            b.rows,
+            b.batch as u64 * n as u64
+        ))
+    });
+    e.check(b.qo_indptr.len() as u64 == b.batch as u64 + 1, || {
+        at(format!("qo_indptr: {} entries, expected batch + 1", b.qo_indptr.len()))
+    });
+    for (i, &v) in b.qo_indptr.iter().enumerate() {
+        e.check(v as u64 == i as u64 * n as u64, || {
+            at(format!(
+                "qo_indptr[{i}]: {v}, expected {i} · N = {}",
+                i as u64 * n as u64
+            ))
+        });
+    }
+    e.check((1..=MAX_ATTN_SPLITS).contains(&b.attn_splits), || {
+        at(format!(
+            "attn_splits: {} is outside [1, {MAX_ATTN_SPLITS}]",
+            b.attn_splits
+        ))
+    });
+    e.check(b.arena_bytes <= MAX_REGION_BYTES, || {
+        at(format!("arena_bytes: {} exceeds {MAX_REGION_BYTES}", b.arena_bytes))
+    });
+    if !buffers(p, bi, b, e) {
+        return;
+    }
+    let bf = crate::facts::bucket_facts(b);
+    let mut buf_touched = vec![0u64; b.buffers.len()];
+    let mut uses: Vec<Use> = Vec::new();
+    for (li, l) in b.launches.iter().enumerate() {
+        let lat = |arg: Option<u32>, what: String| {
+            (
+                Location::Bucket {
+                    index: bi as u32,
+                    batch: b.batch,
+                    buffer: None,
+                    launch: Some(li as u32),
+                    arg,
+                },
+                format!("{tag}.launches[{li}] ({}){what}", l.op),
+            )
+        };
+        e.check(printable(&l.op, 256), || lat(None, ".op: not a printable name".into()));
+        let before = uses.len();
+        match &l.kind {
+            LaunchKind::Kernel {
+                kernel,
+                grid,
+                block,
+                smem,
+                args,
+            } => {
+                let bufs = kernel_launch(
+                    p,
+                    f,
+                    b,
+                    &bf,
+                    *kernel,
+                    *grid,
+                    *block,
+                    *smem,
+                    args,
+                    &lat,
+                    touched,
+                    &mut buf_touched,
+                    e,
+                );
+                let fields = p.kernels.get(*kernel as usize).map(|k| k.entry.abi().fields);
+                for (buf, fi) in bufs {
+                    if let Some(FieldKind::Ptr(pf)) = fields.and_then(|fs| fs.get(fi)).map(|x| x.kind) {
+                        uses.push(Use {
+                            buf,
+                            access: pf.access,
+                            launch: li,
+                        });
+                    }
+                }
+            }
+            LaunchKind::Gemm(g) => {
+                gemm(p, b, g, &lat, touched, &mut buf_touched, e);
+                let c = if g.accumulate { Access::ReadWrite } else { Access::Write };
+                for (buf, access) in [(g.a, Access::Read), (g.c, c)] {
+                    if (buf as usize) < b.buffers.len() {
+                        uses.push(Use {
+                            buf,
+                            access,
+                            launch: li,
+                        });
+                    }
+                }
+            }
+        }
+        // A launch that writes a buffer names it once (no aliasing between its arguments).
+        let mine = &uses[before..];
+        for (i, u) in mine.iter().enumerate() {
+            let dup = mine[i + 1..]
+                .iter()
+                .any(|v| v.buf == u.buf && (u.access.writes() || v.access.writes()));
+            e.check(!dup, || {
+                lat(
+                    None,
+                    format!(
+                        ": buffer %{} is passed twice and written",
+                        b.buffers[u.buf as usize].name
+                    ),
+                )
+            });
+        }
+    }
+    data_flow(b, &tag, bi, &uses, &buf_touched, e);
+}
+
+/// Buffer rules; false when the buffers are too broken to look at launches.
+fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
+    let before = e.0.len();
+    let tag = format!("buckets[{bi}] (batch {})", b.batch);
+    let bat = |i: usize, msg: String| {
+        (
+            Location::Bucket {
+                index: bi as u32,
+                batch: b.batch,
+                buffer: Some(i as u32),
+                launch: None,
+                arg: None,
+            },
+            format!("{tag}.buffers[{i}] ({}): {msg}", b.buffers[i].name),
+        )
+    };
+    let mut names = HashSet::new();
+    let mut end = 0u64;
+    for (i, buf) in b.buffers.iter().enumerate() {
+        e.check(printable(&buf.name, 256) && names.insert(buf.name.as_str()), || {
+            bat(i, "the name must be printable and unique in the bucket".into())
+        });
+        let elems = buf.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        e.check(
+            !buf.shape.is_empty()
+                && elems.and_then(|x| x.checked_mul(buf.dtype.size())) == Some(buf.bytes)
+                && buf.bytes > 0,
+            || {
+                bat(
+                    i,
+                    format!(
+                        "{} bytes do not match shape {:?} of {}",
+                        buf.bytes,
+                        buf.shape,
+                        buf.dtype.name()
+                    ),
+                )
+            },
+        );
+        e.check(buf.offset % ALIGN == 0, || {
+            bat(i, format!("offset {} not aligned", buf.offset))
+        });
+        let fits = buf.offset.checked_add(buf.bytes).filter(|&x| x <= b.arena_bytes);
+        e.check(fits.is_some(), || {
+            bat(
+                i,
+                format!(
+                    "[{}, +{}) outside the arena of {} bytes",
+                    buf.offset, buf.bytes, b.arena_bytes
+                ),
+            )
+        });
+        end = end.max(fits.unwrap_or(0));
+        let named_input = io::INPUTS.contains(&buf.name.as_str());
+        let named_output = io::OUTPUTS.contains(&buf.name.as_str());
+        e.check((buf.role == BufferRole::Input) == named_input, || {
+            bat(
+                i,
+                "only the named inputs (io::INPUTS) have the input role, and they have it".into(),
+            )
+        });
+        e.check((buf.role == BufferRole::Output) == named_output, || {
+            bat(
+                i,
+                "only the named outputs (io::OUTPUTS) have the output role, and they have it".into(),
+            )
+        });
+    }
+    e.check(b.arena_bytes <= end.div_ceil(ALIGN) * ALIGN, || {
+        (
+            Location::bucket(bi, b.batch),
+            format!(
+                "{tag}.arena_bytes: {}, but the last buffer ends at {end}",
+                b.arena_bytes
+            ),
+        )
+    });
+    for name in io::INPUTS.iter().chain(io::OUTPUTS.iter()) {
+        e.check(b.buffer(name).is_some(), || {
+            (Location::bucket(bi, b.batch), format!("{tag}.buffers: {name} missing"))
+        });
+    }
+    io_shapes(p, bi, b, &tag, e);
+    e.0.len() == before
+}
+
+fn io_shapes(p: &Plan, bi: usize, b: &BucketPlan, tag: &str, e: &mut Errors) {
+    let (bb, rows) = (b.batch as u64, b.rows as u64);
+    let h = p.model.hidden as u64;
+    let k = p.spec.topk as u64;
+    let act = p.capture.dtype;
+    let want: [(&str, DType, Vec<u64>); 8] = [
+        (io::INPUT_IDS, DType::I64, vec![rows]),
+        (io::HIDDEN_STATES, act, vec![rows, h]),
+        (io::PREFIX_LENS, DType::I32, vec![bb]),
+        (io::ACCEPT_LENS, DType::I32, vec![bb]),
+        (io::REQ_SLOTS, DType::I32, vec![bb]),
+        (io::HIDDEN_OUT, act, vec![bb, h]),
+        (io::TOPK_PROBS, DType::F32, vec![bb, k]),
+        (io::TOPK_IDS, DType::I64, vec![bb, k]),
+    ];
+    for (name, dtype, shape) in want {
+        if let Some((id, buf)) = b.buffer(name) {
+            e.check(buf.dtype == dtype && buf.shape == shape, || {
+                (
+                    Location::Bucket {
+                        index: bi as u32,
+                        batch: b.batch,
+                        buffer: Some(id),
+                        launch: None,
+                        arg: None,
+                    },
+                    format!(
+                        "{tag}.buffers ({name}): {} {:?}, expected {} {shape:?}",
+                        buf.dtype.name(),
+                        buf.shape,
+                        dtype.name()
+                    ),
+                )
+            });
+        }
+    }
+}
+
+fn gemm(
+    p: &Plan,
+    b: &BucketPlan,
+    g: &GemmDesc,
+    lat: &dyn Fn(Option<u32>, String) -> (Location, String),
+    touched: &mut Touched,
+    buf_touched: &mut [u64],
+    e: &mut Errors,
+) {
+    let two_d = |shape: &[u64]| -> Option<(u64, u64)> {
+        match shape {
+            [r, c] => Some((*r, *c)),
+            _ => None,
+        }
+    };
+    let a = b.buffers.get(g.a as usize);
+    let c = b.buffers.get(g.c as usize);
+    let w = p.weights.get(g.w as usize);
+    e.check(a.is_some() && c.is_some() && w.is_some(), || {
+        lat(
+            None,
+            format!(": operand out of range (a = {}, c = {}, w = {})", g.a, g.c, g.w),
+        )
+    });
+    let (Some(a), Some(c), Some(w)) = (a, c, w) else { return };
+    let act = p.capture.dtype;
+    e.check(g.a != g.c, || lat(None, ".c: the output cannot be the input".into()));
+    e.check(
+        g.m >= 1 && g.m <= b.rows as u64 && g.n >= 1 && g.k >= 1 && g.n < 1 << 31 && g.k < 1 << 31,
+        || {
+            lat(
+                None,
+                format!(": m×n×k = {}×{}×{} outside [1, rows]×[1, 2^31)²", g.m, g.n, g.k),
+            )
+        },
+    );
+    e.check(two_d(&a.shape) == Some((g.m, g.k)) && a.dtype == act, || {
+        lat(
+            None,
+            format!(
+                ".a: {} {:?} is not {} [m, k] = [{}, {}]",
+                a.dtype.name(),
+                a.shape,
+                act.name(),
+                g.m,
+                g.k
+            ),
+        )
+    });
+    e.check(
+        two_d(&c.shape) == Some((g.m, g.n)) && (c.dtype == act || c.dtype == DType::F32),
+        || {
+            lat(
+                None,
+                format!(
+                    ".c: {} {:?} is not [m, n] = [{}, {}] of {} or f32",
+                    c.dtype.name(),
+                    c.shape,
+                    g.m,
+                    g.n,
+                    act.name()
+                ),
+            )
+        },
+    );
+    e.check(two_d(&w.shape) == Some((g.n, g.k)) && w.dtype == act, || {
+        lat(
+            None,
+            format!(
+                ".w: {} {:?} is not {} [n, k] = [{}, {}]",
+                w.dtype.name(),
+                w.shape,
+                act.name(),
+                g.n,
+                g.k
+            ),
+        )
+    });
+    touched
+        .weights
+        .insert(g.w, touched.weights.get(&g.w).copied().unwrap_or(0).max(w.bytes));
+    buf_touched[g.a as usize] = buf_touched[g.a as usize].max(a.bytes);
+    buf_touched[g.c as usize] = buf_touched[g.c as usize].max(c.bytes);
+}
+
+/// Rule 8 over a bucket's uses, in launch order.
+fn data_flow(b: &BucketPlan, tag: &str, bi: usize, uses: &[Use], touched: &[u64], e: &mut Errors) {
+    let nb = b.buffers.len();
+    let bat = |i: usize, msg: String| {
+        (
+            Location::Bucket {
+                index: bi as u32,
+                batch: b.batch,
+                buffer: Some(i as u32),
+                launch: None,
+                arg: None,
+            },
+            format!("{tag}.buffers[{i}] ({}): {msg}", b.buffers[i].name),
+        )
+    };
+    let mut first = vec![usize::MAX; nb];
+    let mut last = vec![0usize; nb];
+    let mut written = vec![false; nb];
+    for u in uses {
+        let i = u.buf as usize;
+        let buf = &b.buffers[i];
+        if buf.role == BufferRole::Input {
+            e.check(!u.access.writes(), || {
+                bat(i, format!("launch {} writes an input (inputs are read-only)", u.launch))
+            });
+        } else if u.access.reads() {
+            e.check(written[i], || {
+                bat(i, format!("launch {} reads it before any launch writes it", u.launch))
+            });
+        }
+        if u.access.writes() {
+            written[i] = true;
+        }
+        first[i] = first[i].min(u.launch);
+        last[i] = last[i].max(u.launch);
+    }
+    for (i, buf) in b.buffers.iter().enumerate() {
+        e.check(first[i] != usize::MAX, || bat(i, "no launch uses it".into()));
+        if buf.role == BufferRole::Output {
+            e.check(written[i], || bat(i, "an output no launch writes".into()));
+        }
+        e.check(buf.bytes <= touched[i] || first[i] == usize::MAX, || {
+            bat(
+                i,
+                format!("{} bytes, but its uses touch only {}", buf.bytes, touched[i]),
+            )
+        });
+    }
+    // Buffers sharing arena bytes must have disjoint live ranges. Inputs are live from host
+    // prep to the end of the step, outputs from their first write to the end (the caller
+    // reads them after the replay).
+    let span = |k: usize| {
+        let buf = &b.buffers[k];
+        let lo = if buf.role == BufferRole::Input { 0 } else { first[k] };
+        let hi = if buf.role == BufferRole::Scratch {
+            last[k]
+        } else {
+            usize::MAX
+        };
+        (lo, hi)
+    };
+    let mut order: Vec<usize> = (0..nb).collect();
+    order.sort_by_key(|&i| b.buffers[i].offset);
+    for (x, &i) in order.iter().enumerate() {
+        let bi_end = b.buffers[i].offset.saturating_add(b.buffers[i].bytes);
+        for &j in &order[x + 1..] {
+            if b.buffers[j].offset >= bi_end {
+                break;
+            }
+            let ((a0, a1), (b0, b1)) = (span(i), span(j));
+            e.check(a1 < b0 || b1 < a0, || {
+                bat(
+                    i,
+                    format!("shares arena bytes with {} while both are live", b.buffers[j].name),
+                )
+            });
+        }
+    }
+}

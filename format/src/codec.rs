@@ -1,0 +1,123 @@
+//! The binary container: a fixed header, then a postcard body.
+//!
+//! Layout (all integers little-endian):
+//! `magic "SPECPLAN" | format version u32 | reserved u32 (0) | body length u64 |
+//! SHA-256(version ‖ reserved ‖ body length ‖ body) | body`.
+//! The body is the postcard encoding of [`Plan`]; postcard writes fields in declaration
+//! order and the plan holds no maps, so the same plan always gives the same bytes.
+//! Decoding checks magic, version, the reserved word, length, size cap and checksum before
+//! it parses anything, and [`crate::validate`] runs before anything uses the parsed plan.
+//! The checksum detects corruption; it is not a signature (see ARCHITECTURE.md, "Trust").
+
+use std::io::Read as _;
+
+use sha2::{Digest, Sha256};
+
+use crate::types::Plan;
+use crate::validate::{validate, ValidatedPlan};
+use crate::PlanError;
+
+pub const MAGIC: [u8; 8] = *b"SPECPLAN";
+/// 2: entries named by enum, arguments in field order without names, binaries bound to
+/// their source hash, the header covered by the checksum.
+pub const FORMAT_VERSION: u32 = 2;
+/// Largest plan file accepted (a plan with kernels is a few MiB).
+pub const MAX_PLAN_BYTES: u64 = 256 << 20;
+const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;
+
+fn checksum(header_words: &[u8], body: &[u8]) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(header_words);
+    h.update(body);
+    h.finalize().into()
+}
+
+/// Encodes a plan (validated or not: the compiler validates before it writes).
+pub fn encode(plan: &Plan) -> Result<Vec<u8>, PlanError> {
+    let body = postcard::to_allocvec(plan).map_err(|e| PlanError::Encode(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    let sum = checksum(&out[8..24], &body);
+    out.extend_from_slice(&sum);
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[..4]);
+    u32::from_le_bytes(w)
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(w)
+}
+
+/// Decodes and validates a plan file's bytes.
+pub fn decode(bytes: &[u8]) -> Result<ValidatedPlan, PlanError> {
+    if bytes.len() < HEADER_LEN {
+        return Err(PlanError::Truncated {
+            what: "header",
+            expected: HEADER_LEN as u64,
+            found: bytes.len() as u64,
+        });
+    }
+    if bytes[..8] != MAGIC {
+        return Err(PlanError::BadMagic);
+    }
+    let version = le_u32(&bytes[8..12]);
+    if version != FORMAT_VERSION {
+        return Err(PlanError::Version {
+            found: version,
+            supported: FORMAT_VERSION,
+        });
+    }
+    let reserved = le_u32(&bytes[12..16]);
+    if reserved != 0 {
+        return Err(PlanError::Reserved { found: reserved });
+    }
+    let body_len = le_u64(&bytes[16..24]);
+    if body_len > MAX_PLAN_BYTES {
+        return Err(PlanError::TooLarge {
+            bytes: body_len,
+            limit: MAX_PLAN_BYTES,
+        });
+    }
+    let body = &bytes[HEADER_LEN..];
+    if body.len() as u64 != body_len {
+        return Err(PlanError::Truncated {
+            what: "body",
+            expected: body_len,
+            found: body.len() as u64,
+        });
+    }
+    if checksum(&bytes[8..24], body) != bytes[24..56] {
+        return Err(PlanError::Checksum);
+    }
+    let plan: Plan = postcard::from_bytes(body).map_err(|e| PlanError::Decode(e.to_string()))?;
+    validate(plan)
+}
+
+/// Reads (at most [`MAX_PLAN_BYTES`] plus the header) and decodes a plan file.
+pub fn load_file(path: &std::path::Path) -> Result<ValidatedPlan, PlanError> {
+    let io = |e: std::io::Error| PlanError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    let f = std::fs::File::open(path).map_err(io)?;
+    let limit = MAX_PLAN_BYTES + HEADER_LEN as u64;
+    let mut bytes = Vec::new();
+    f.take(limit + 1).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(PlanError::TooLarge {
+            bytes: bytes.len() as u64,
+            limit,
+        });
+    }
+    decode(&bytes)
+}

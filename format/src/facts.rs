@@ -1,0 +1,43 @@
+//! Kernel facts of a plan: what every kernel instance is specialized for, computed from the
+//! plan's descriptors. The compiler calls the same function on the descriptors it emits,
+//! so the constants it writes and the ones the validator expects cannot drift apart.
+
+use specplan_kernels::facts::{BucketFacts, KernelFacts};
+
+use crate::types::{BucketPlan, CaptureDesc, ModelDesc, Plan, SpecDesc};
+
+/// Facts of a plan with these descriptors (window 0: see [`KernelFacts::with_window`]).
+pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32]) -> KernelFacts {
+    KernelFacts {
+        act: c.dtype,
+        hidden: m.hidden,
+        intermediate: m.intermediate,
+        heads: m.heads,
+        kv_heads: m.kv_heads,
+        head_dim: m.head_dim,
+        vocab: m.vocab,
+        cols: c.hot_vocab_size.unwrap_or(m.vocab),
+        n: s.num_draft_tokens,
+        topk: s.topk,
+        page_size: c.page_size,
+        max_pages: c.max_pages_per_request,
+        slots: c.max_requests.saturating_add(1),
+        eps: m.rms_norm_eps,
+        inv_freq: inv_freq.to_vec(),
+        window: 0,
+        has_bias: m.fc_bias,
+        hot_map: c.hot_vocab_size.is_some(),
+    }
+}
+
+pub fn kernel_facts_of(p: &Plan) -> KernelFacts {
+    kernel_facts(&p.model, &p.spec, &p.capture, &p.rope_inv_freq)
+}
+
+pub fn bucket_facts(b: &BucketPlan) -> BucketFacts {
+    BucketFacts {
+        batch: b.batch,
+        rows: b.rows,
+        splits: b.attn_splits,
+    }
+}

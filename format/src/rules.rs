@@ -1,0 +1,354 @@
+//! The kernel rules of validation: each kernel against its entry's declaration in the
+//! kernels crate, and each kernel launch against the shape that declaration gives for the
+//! bucket (rules 5 and 7 of `validate.rs`).
+
+use std::collections::HashMap;
+
+use specplan_kernels::abi::{Extent, FieldKind, Slot};
+use specplan_kernels::facts::{BucketFacts, KernelFacts};
+use specplan_kernels::source::{full_source, source_hash};
+use specplan_kernels::ConstValue;
+
+use crate::location::Location;
+use crate::types::*;
+use crate::validate::{facts_for_window, printable, Errors};
+
+/// The facts a kernel was specialized for: the plan's, with the window its WINDOW constant
+/// names (attention instances) or none. `None` when the WINDOW matches no layer.
+pub(crate) fn instance_facts(p: &Plan, f: &KernelFacts, k: &KernelDesc) -> Option<KernelFacts> {
+    let window = k.constants.iter().find_map(|(n, v)| match (n.as_str(), v) {
+        ("WINDOW", ConstValue::U32(w)) => Some(*w),
+        _ => None,
+    });
+    match window {
+        Some(w) => facts_for_window(p, f, w),
+        None => Some(f.clone()),
+    }
+}
+
+pub(crate) fn kernels(p: &Plan, f: &KernelFacts, e: &mut Errors) {
+    let mut names = std::collections::HashSet::new();
+    for (i, k) in p.kernels.iter().enumerate() {
+        let at = |msg: String| (Location::Kernel(i as u32), format!("kernels[{i}] ({}): {msg}", k.name));
+        e.check(
+            printable(&k.name, 256) && k.name.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_'),
+            || at("the name must be 1–256 characters of [A-Za-z0-9_]".into()),
+        );
+        e.check(names.insert(k.name.as_str()), || at("duplicate name".into()));
+        let Some(kf) = instance_facts(p, f, k) else {
+            e.check(false, || at("constant WINDOW matches no layer's window".into()));
+            continue;
+        };
+        let template = k.entry.template();
+        let want = template.constants(&kf);
+        let same = want.len() == k.constants.len()
+            && want
+                .iter()
+                .zip(&k.constants)
+                .all(|((wn, wv), (n, v))| wn == n && wv.same_bits(v));
+        e.check(same, || {
+            let diff = want
+                .iter()
+                .zip(k.constants.iter().map(Some).chain(std::iter::repeat(None)))
+                .find(|((wn, wv), got)| !got.is_some_and(|(n, v)| n == wn && wv.same_bits(v)))
+                .map(|((wn, wv), got)| match got {
+                    Some((n, v)) => format!("constant {n} = {v:?}, expected {wn} = {wv:?}"),
+                    None => format!("constant {wn} missing (expected {wv:?})"),
+                })
+                .unwrap_or_else(|| format!("{} constants, expected {}", k.constants.len(), want.len()));
+            at(format!(
+                "{diff} (constants are fixed by {} and the plan's facts)",
+                template.file()
+            ))
+        });
+        if !same {
+            continue;
+        }
+        let hash = source_hash(&full_source(template, &k.constants, &kf));
+        e.check(k.source_hash == hash, || {
+            at(format!(
+                "source_hash {} is not the hash of the source its constants give ({})",
+                short(&k.source_hash),
+                &hash[..12]
+            ))
+        });
+        if let Some(b) = &k.binary {
+            let want = format!("sm_{}", p.target.sm);
+            e.check(b.arch == want, || {
+                at(format!("binary for {}, plan targets {want}", b.arch))
+            });
+            e.check(b.source_hash == k.source_hash, || {
+                at("the binary was compiled from another source (its source_hash differs)".into())
+            });
+            // The driver reads the image's header tables without a length.
+            e.check(cubin_ok(&b.cubin), || {
+                at("the CUBIN is not a well-formed ELF image".into())
+            });
+            e.check(b.ptx.is_ascii() && !b.ptx.contains('\0'), || {
+                at("the PTX is not NUL-free ASCII text".into())
+            });
+        }
+    }
+    e.field(p.target.sm >= 80 && p.target.sm < 1000, "target.sm", || {
+        format!("sm_{} is not a supported architecture (≥ sm_80)", p.target.sm)
+    });
+}
+
+fn short(s: &str) -> String {
+    s.chars().take(12).collect()
+}
+
+/// An ELF image whose header tables lie inside it (the driver reads them unchecked).
+pub(crate) fn cubin_ok(c: &[u8]) -> bool {
+    if c.len() < 64 || &c[..4] != b"\x7fELF" || c[4] != 2 {
+        return false;
+    }
+    let u64_at = |o: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&c[o..o + 8]);
+        u64::from_le_bytes(w)
+    };
+    let u16_at = |o: usize| u16::from_le_bytes([c[o], c[o + 1]]) as u64;
+    let (phoff, shoff) = (u64_at(0x20), u64_at(0x28));
+    let (phentsize, phnum, shentsize, shnum) = (u16_at(0x36), u16_at(0x38), u16_at(0x3a), u16_at(0x3c));
+    let within = |off: u64, size: u64, num: u64| off.checked_add(size * num).is_some_and(|end| end <= c.len() as u64);
+    within(phoff, phentsize, phnum) && within(shoff, shentsize, shnum)
+}
+
+/// Bytes each weight is touched by (its largest use) and which kernels are launched,
+/// over every bucket; filled by the launch rules and checked by [`usage`].
+#[derive(Default)]
+pub(crate) struct Touched {
+    pub weights: HashMap<u32, u64>,
+    pub kernels: Vec<bool>,
+}
+
+/// One kernel launch against its entry's declaration. Returns the access of every
+/// buffer argument (id, field index) for the data-flow rules.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn kernel_launch(
+    p: &Plan,
+    f: &KernelFacts,
+    b: &BucketPlan,
+    bf: &BucketFacts,
+    kernel: u32,
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    args: &[ArgValue],
+    at: &dyn Fn(Option<u32>, String) -> (Location, String),
+    touched: &mut Touched,
+    buf_touched: &mut [u64],
+    e: &mut Errors,
+) -> Vec<(u32, usize)> {
+    let mut bufs = Vec::new();
+    let Some(k) = p.kernels.get(kernel as usize) else {
+        e.check(false, || {
+            at(
+                None,
+                format!(".kernel: {kernel} out of range ({} kernels)", p.kernels.len()),
+            )
+        });
+        return bufs;
+    };
+    if let Some(t) = touched.kernels.get_mut(kernel as usize) {
+        *t = true;
+    }
+    let Some(kf) = instance_facts(p, f, k) else { return bufs };
+    let shape = k.entry.shape(bf, &kf);
+    let name = k.entry.name();
+    e.check(grid == shape.grid, || {
+        at(
+            None,
+            format!(".grid: {grid:?}, but {name} in this bucket launches {:?}", shape.grid),
+        )
+    });
+    e.check(block == shape.block, || {
+        at(
+            None,
+            format!(".block: {block:?}, but {name} runs with {:?}", shape.block),
+        )
+    });
+    e.check(smem as u64 == shape.smem, || {
+        at(
+            None,
+            format!(".smem: {smem} bytes, but {name} needs exactly {}", shape.smem),
+        )
+    });
+    let fields = k.entry.abi().fields;
+    e.check(args.len() == fields.len(), || {
+        at(
+            None,
+            format!(
+                ".args: {} values, {name}'s parameter struct has {} fields",
+                args.len(),
+                fields.len()
+            ),
+        )
+    });
+    for (ai, ((a, field), want)) in args.iter().zip(fields).zip(&shape.args).enumerate() {
+        let fat = |msg: String| at(Some(ai as u32), format!(".args[{ai}] ({}): {msg}", field.name));
+        match (field.kind, want, a) {
+            (FieldKind::U32, Slot::U32(w), ArgValue::U32(x)) => {
+                e.check(x == w, || fat(format!("{x}, but {name} in this bucket takes {w}")));
+            }
+            (FieldKind::Ptr(pf), Slot::Ptr(extent), v) => {
+                let check = ptr_arg(p, b, f, k, pf, *extent, v, touched, buf_touched);
+                if let Err(msg) = check {
+                    e.check(false, || fat(msg));
+                } else if let ArgValue::Buffer(id) = v {
+                    bufs.push((*id, ai));
+                }
+            }
+            _ => e.check(false, || {
+                fat("value kind does not match the field (pointer or u32)".into())
+            }),
+        }
+    }
+    // Both pools of a launch belong to one layer, and an attention instance serves only
+    // layers with its window.
+    let layers: Vec<u32> = args
+        .iter()
+        .filter_map(|a| match a {
+            ArgValue::KvCache { layer, .. } => Some(*layer),
+            _ => None,
+        })
+        .collect();
+    e.check(layers.windows(2).all(|w| w[0] == w[1]), || {
+        at(None, ".args: the K and V pools belong to different layers".into())
+    });
+    if let Some(&l) = layers.first() {
+        let window = p.layers.get(l as usize).and_then(|x| x.window).unwrap_or(0);
+        e.check(
+            kf.window == window || k.entry.template() != specplan_kernels::Template::Attention,
+            || {
+                at(
+                    None,
+                    format!(
+                        ".kernel: WINDOW {} serves layer {l}, whose window is {window}",
+                        kf.window
+                    ),
+                )
+            },
+        );
+    }
+    bufs
+}
+
+/// One pointer argument: allowed kind, input name, null exactly where nothing is touched,
+/// dtype and size.
+#[allow(clippy::too_many_arguments)]
+fn ptr_arg(
+    p: &Plan,
+    b: &BucketPlan,
+    f: &KernelFacts,
+    k: &KernelDesc,
+    pf: specplan_kernels::abi::PtrField,
+    extent: Extent,
+    v: &ArgValue,
+    touched: &mut Touched,
+    buf_touched: &mut [u64],
+) -> Result<(), String> {
+    let elems = match (extent, v) {
+        (Extent::Unused, ArgValue::Null) => return Ok(()),
+        (Extent::Unused, _) => {
+            return Err(format!(
+                "{} touches nothing here: the argument must be null",
+                k.entry.name()
+            ))
+        }
+        (Extent::Elems(_), ArgValue::Null) => {
+            return Err(format!(
+                "{} reads or writes it here: null is not allowed",
+                k.entry.name()
+            ))
+        }
+        (Extent::Elems(n), _) => n,
+    };
+    let want_dtype = pf.elem.dtype(f.act);
+    let a = pf.allowed;
+    let (have_bytes, have_dtype) = match v {
+        ArgValue::Buffer(id) if a.buffer => {
+            let buf = b
+                .buffers
+                .get(*id as usize)
+                .ok_or_else(|| format!("buffer id {id} out of range ({} buffers)", b.buffers.len()))?;
+            if let Some(input) = pf.input {
+                if buf.name != input || buf.role != BufferRole::Input {
+                    return Err(format!("must be the input {input}, is %{}", buf.name));
+                }
+            }
+            (buf.bytes, buf.dtype)
+        }
+        ArgValue::Weight(id) if a.weight => {
+            let w = p
+                .weights
+                .get(*id as usize)
+                .ok_or_else(|| format!("weight id {id} out of range ({} weights)", p.weights.len()))?;
+            (w.bytes, w.dtype)
+        }
+        ArgValue::PageTable if a.table => return Ok(()),
+        ArgValue::KvCache { layer, kind } if (a.k_cache && *kind == KvKind::K) || (a.v_cache && *kind == KvKind::V) => {
+            return if *layer < p.model.layers {
+                Ok(())
+            } else {
+                Err(format!("layer {layer} out of range ({} layers)", p.model.layers))
+            };
+        }
+        other => return Err(format!("{other:?} is not what this field may name ({a:?})")),
+    };
+    if have_dtype != want_dtype {
+        return Err(format!(
+            "{} where {} reads {}",
+            have_dtype.name(),
+            k.entry.name(),
+            want_dtype.name()
+        ));
+    }
+    let want_bytes = elems.saturating_mul(want_dtype.size());
+    if have_bytes < want_bytes {
+        return Err(format!("{have_bytes} bytes, {} touches {want_bytes}", k.entry.name()));
+    }
+    match v {
+        ArgValue::Buffer(id) => {
+            if let Some(t) = buf_touched.get_mut(*id as usize) {
+                *t = (*t).max(want_bytes);
+            }
+        }
+        ArgValue::Weight(id) => {
+            let t = touched.weights.entry(*id).or_default();
+            *t = (*t).max(want_bytes);
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Rule 4/5 tails: every weight and kernel is used, no weight larger than its uses touch.
+pub(crate) fn usage(p: &Plan, touched: &Touched, e: &mut Errors) {
+    for (i, used) in touched.kernels.iter().enumerate() {
+        e.check(*used, || {
+            (
+                Location::Kernel(i as u32),
+                format!("kernels[{i}] ({}): no launch uses it", p.kernels[i].name),
+            )
+        });
+    }
+    for (i, w) in p.weights.iter().enumerate() {
+        let at = || Location::Weight(i as u32);
+        match touched.weights.get(&(i as u32)) {
+            None => e.check(false, || {
+                (at(), format!("weights[{i}] ({}): no launch uses it", w.name))
+            }),
+            Some(&t) => e.check(w.bytes <= t, || {
+                (
+                    at(),
+                    format!(
+                        "weights[{i}] ({}): {} bytes, but its uses touch only {t}",
+                        w.name, w.bytes
+                    ),
+                )
+            }),
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! The plan data model: plain serializable records, no behaviour.
+//!
+//! Everything here is relocatable: memory is named by byte offsets into one of three
+//! regions the runtime allocates (the activation arena, the weight region, the KV pool),
+//! never by pointers. Indices (`BufferId`, `WeightId`, kernel ids) are positions in the
+//! vectors of the same plan or bucket; `validate` checks every one before use.
+
+use serde::{Deserialize, Serialize};
+
+pub use specplan_kernels::abi::Access;
+pub use specplan_kernels::{io, ConstValue, DType, Entry};
+
+/// Hugging Face `rope_scaling`, as the Llama family applies it to `inv_freq`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f32,
+    },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: u32,
+    },
+}
+
+/// The draft model's resolved dimensions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelDesc {
+    pub hidden: u32,
+    pub intermediate: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub layers: u32,
+    pub vocab: u32,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: u32,
+    pub fc_bias: bool,
+}
+
+/// EAGLE speculative parameters (SGLang's names).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpecDesc {
+    pub topk: u32,
+    pub num_steps: u32,
+    pub num_draft_tokens: u32,
+}
+
+/// Capture-time facts shared by every bucket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureDesc {
+    pub page_size: u32,
+    pub max_context_len: u32,
+    /// Columns of the page table: `ceil(max_context_len / page_size)`.
+    pub max_pages_per_request: u32,
+    /// Pages in the KV pool, the scratch page included.
+    pub kv_pool_pages: u32,
+    /// Request slots (rows) of the device page table; row `max_requests` is the scratch
+    /// slot whose every entry is the scratch page (padded requests point at it).
+    pub max_requests: u32,
+    /// A pool page no request owns: padded rows of a bucket write their K/V here. It is
+    /// always the pool's last page; a runtime that sizes its pool differently (the `run`
+    /// contract uses the caller's pages plus one) uses its own last page.
+    pub scratch_page: u32,
+    pub dtype: DType,
+    /// FR-Spec: the lm_head keeps this many hot rows; ids are mapped back.
+    pub hot_vocab_size: Option<u32>,
+}
+
+/// What the kernels were built for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TargetDesc {
+    /// SM architecture, e.g. 90 for sm_90.
+    pub sm: u32,
+    /// NVRTC version that produced the binaries, when any were produced.
+    pub nvrtc: Option<String>,
+}
+
+/// Per-layer attention facts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerDesc {
+    /// Sliding window W: a row at position p sees keys in (p - W, p]. `None` = full causal.
+    pub window: Option<u32>,
+}
+
+/// How a device weight is built from the tensors of the weights file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Packing {
+    /// One file tensor, copied as is.
+    Single,
+    /// File tensors stacked along dim 0, in the order of `sources` (fused projections).
+    ConcatRows,
+    /// Rows of `sources[0]` gathered by the i64 ids of `sources[1]` (FR-Spec hot lm_head).
+    GatherRows,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightDesc {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub sources: Vec<String>,
+    pub packing: Packing,
+    /// Byte offset in the weight region.
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// Compiled code of a kernel instance. Filled at plan time by NVRTC.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelBinary {
+    /// e.g. "sm_90".
+    pub arch: String,
+    /// Hex SHA-256 of the source this was compiled from (must equal the kernel's).
+    pub source_hash: String,
+    pub cubin: Vec<u8>,
+    /// PTX for `compute_<sm>`, the fallback when the CUBIN does not load.
+    pub ptx: String,
+}
+
+/// One specialized kernel: an entry of a template plus its constants. The parameter
+/// struct, block size and argument rules are the entry's declaration in the kernels crate,
+/// never read from the plan.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelDesc {
+    /// Stable mangled name, unique in the plan.
+    pub name: String,
+    pub entry: Entry,
+    pub constants: Vec<(String, ConstValue)>,
+    /// Hex SHA-256 of the full source NVRTC sees (prelude + template + includes).
+    pub source_hash: String,
+    pub binary: Option<KernelBinary>,
+}
+
+/// What the compiler fused, and what it saves per bucket row.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FusionRecord {
+    pub rule: String,
+    pub fused: Vec<String>,
+    pub into: String,
+    pub launches_saved: u32,
+    /// Activation bytes per request (its N rows, or its one selected row) no longer written and read back.
+    pub bytes_saved_per_request: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BufferRole {
+    /// Written by host prep before every replay.
+    Input,
+    /// Read by the caller after a replay.
+    Output,
+    /// Produced and consumed inside the forward.
+    Scratch,
+}
+
+/// A tensor living at a fixed offset of the activation arena for one bucket.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferDesc {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub offset: u64,
+    pub bytes: u64,
+    pub role: BufferRole,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KvKind {
+    K,
+    V,
+}
+
+/// The value bound to one field of a kernel's parameter struct (in field order; names,
+/// offsets and access come from the entry's declaration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ArgValue {
+    /// Device address of a bucket buffer.
+    Buffer(u32),
+    /// Device address of a weight.
+    Weight(u32),
+    /// Device address of the page table `[max_requests + 1, max_pages_per_request]` i32.
+    PageTable,
+    /// Device address of one layer's K or V pool.
+    KvCache {
+        layer: u32,
+        kind: KvKind,
+    },
+    U32(u32),
+    /// A null pointer (an operand this launch does not use).
+    Null,
+}
+
+/// `C[m, n] (+)= A[m, k] · W[n, k]^T`, row-major, fp32 accumulation. (A bias is folded
+/// by the compiler into a kernel that initializes C, so GEMMs carry none.)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GemmDesc {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub a: u32,
+    pub w: u32,
+    pub c: u32,
+    /// `true`: C += A·Wᵀ (the residual add folded into the GEMM, beta = 1).
+    pub accumulate: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum LaunchKind {
+    Kernel {
+        kernel: u32,
+        grid: [u32; 3],
+        block: [u32; 3],
+        smem: u32,
+        args: Vec<ArgValue>,
+    },
+    Gemm(GemmDesc),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    /// The graph node(s) this launch implements, for people and diffs.
+    pub op: String,
+    pub kind: LaunchKind,
+}
+
+/// Why a bucket cannot be replayed as a CUDA graph (it then runs eagerly).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReplayBlocker {
+    /// A full bucket needs more pool pages than exist (one scratch page included).
+    PoolTooSmall { need_pages: u64, pool_pages: u64 },
+    /// An index the kernels compute in 32 bits could overflow.
+    IndexOverflow { what: String, value: u64, limit: u64 },
+    /// An op needs a host round trip or a data-dependent allocation.
+    HostSync { op: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Replay {
+    Graph,
+    Eager(ReplayBlocker),
+}
+
+/// Everything one batch bucket needs to replay: layouts, buffers, launches.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BucketPlan {
+    pub batch: u32,
+    /// `batch * num_draft_tokens`.
+    pub rows: u32,
+    pub arena_bytes: u64,
+    /// Constant qo layout: request i owns rows `qo_indptr[i]..qo_indptr[i+1]` (= i·N..(i+1)·N).
+    pub qo_indptr: Vec<u32>,
+    /// KV splits of the attention (fixed per bucket from the static row count).
+    pub attn_splits: u32,
+    pub buffers: Vec<BufferDesc>,
+    pub launches: Vec<Launch>,
+    pub replay: Replay,
+}
+
+/// The whole artifact.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub name: String,
+    pub compiler: String,
+    pub model: ModelDesc,
+    pub spec: SpecDesc,
+    pub capture: CaptureDesc,
+    pub target: TargetDesc,
+    /// RoPE inverse frequencies after scaling, `[head_dim / 2]`, shared by kernels and CPU.
+    pub rope_inv_freq: Vec<f32>,
+    pub layers: Vec<LayerDesc>,
+    pub weights: Vec<WeightDesc>,
+    pub weight_bytes: u64,
+    pub kernels: Vec<KernelDesc>,
+    pub fusions: Vec<FusionRecord>,
+    pub buckets: Vec<BucketPlan>,
+}
+
+impl Plan {
+    /// Bytes of one pool page for one layer and one of K/V.
+    pub fn kv_page_bytes(&self) -> u64 {
+        self.capture.page_size as u64
+            * self.model.kv_heads as u64
+            * self.model.head_dim as u64
+            * self.capture.dtype.size()
+    }
+
+    /// Bytes of the whole KV pool (K and V, every layer).
+    pub fn kv_pool_bytes(&self) -> u64 {
+        2 * self.model.layers as u64 * self.capture.kv_pool_pages as u64 * self.kv_page_bytes()
+    }
+
+    /// Rows of the device page table: one per request slot plus the scratch slot.
+    pub fn page_table_rows(&self) -> u64 {
+        self.capture.max_requests as u64 + 1
+    }
+
+    /// Largest arena over the buckets: what the runtime allocates.
+    pub fn arena_bytes(&self) -> u64 {
+        self.buckets.iter().map(|b| b.arena_bytes).max().unwrap_or(0)
+    }
+
+    /// The bucket a raw batch of `b` requests replays in (the smallest that fits).
+    pub fn bucket_for(&self, b: u32) -> Option<&BucketPlan> {
+        self.buckets.iter().find(|x| x.batch >= b)
+    }
+}
+
+impl BucketPlan {
+    pub fn buffer(&self, name: &str) -> Option<(u32, &BufferDesc)> {
+        self.buffers
+            .iter()
+            .enumerate()
+            .find(|(_, b)| b.name == name)
+            .map(|(i, b)| (i as u32, b))
+    }
+}

@@ -1,0 +1,429 @@
+//! Plan validation: every index, offset, size and kernel fact is checked before anything
+//! uses the plan. A plan that passes runs on the CPU executor without panicking or
+//! allocating without bound, and cannot make an honest kernel binary index outside an
+//! allocation (see ARCHITECTURE.md, "Trust").
+//!
+//! Rules (each violation names the field, kernel, bucket, buffer, launch or argument):
+//! 1. Model: dimensions positive and within the kernels' limits (`limits`), `heads % kv_heads
+//!    == 0`, `head_dim` a multiple of 16 and at most 256, finite positive eps and theta,
+//!    `rope_inv_freq` has `head_dim / 2` finite positive entries, one `LayerDesc` per layer,
+//!    windows positive.
+//! 2. Spec: SGLang's topk / num_steps / num_draft_tokens rules, topk ≤ 32, N ≤ 64.
+//! 3. Capture: power-of-two page size ≤ 1024, page-table width = ceil(context / page), the
+//!    page table within `MAX_TABLE_ENTRIES`, at least as many request slots as the largest
+//!    bucket, the scratch page the pool's last, an activation dtype, hot vocabulary in
+//!    `[topk, vocab]`.
+//! 4. Weights: `bytes = prod(shape) · dtype`, 256-byte aligned, inside the weight region,
+//!    no two overlapping, the region no larger than its last weight (rounded), packing
+//!    arities; every weight used by a launch and no larger than what its uses touch.
+//! 5. Kernels (`rules.rs`): unique printable names; constants exactly the entry template's
+//!    constants for the plan's facts (attention: for the window of the layers it serves);
+//!    the source hash equals the regenerated source's; binaries for the plan's arch, bound
+//!    to that source hash, ELF images whose header tables lie inside them; every kernel
+//!    launched.
+//! 6. Buckets (`bucket.rs`): strictly ascending batches; `rows = batch · N`;
+//!    `qo_indptr[i] = i · N`; splits in [1, 16]; every buffer sized by its shape, aligned,
+//!    inside the arena, with a printable name unique in the bucket; the named inputs and
+//!    outputs present with their exact dtypes and shapes, and no other input or output;
+//!    the arena no larger than its last buffer (rounded).
+//! 7. Launches (`rules.rs`): each kernel launch has the grid, block, shared memory and
+//!    `u32` arguments its entry's declaration gives for the bucket; one argument per field
+//!    of the parameter struct, of an allowed kind (buffer, weight, page table, the K or V
+//!    pool of one existing layer), the named input where the field names one, null exactly
+//!    where the launch touches nothing, the field's dtype, and at least the bytes it
+//!    touches; GEMM operands of matching shapes and dtypes.
+//! 8. Data flow: inputs are only read; every other buffer is written before it is read;
+//!    every output is written; every buffer is used and no larger than its uses touch;
+//!    buffers sharing arena bytes are never live at the same time.
+
+use std::collections::HashSet;
+
+use specplan_kernels::facts::{KernelFacts, MAX_TOPK};
+
+use crate::location::{Location, Violation};
+use crate::types::*;
+use crate::PlanError;
+
+mod limits {
+    pub const MAX_HIDDEN: u32 = 1 << 16;
+    pub const MAX_INTERMEDIATE: u32 = 1 << 18;
+    pub const MAX_HEADS: u32 = 256;
+    pub const MAX_HEAD_DIM: u32 = 256;
+    pub const MAX_LAYERS: u32 = 256;
+    /// Column indices travel as exact floats between the split top-K kernels.
+    pub const MAX_VOCAB: u32 = (1 << 24) - 1;
+    pub const MAX_DRAFT_TOKENS: u32 = 64;
+    pub const MAX_STEPS: u32 = 64;
+    pub const MAX_CONTEXT: u32 = 1 << 22;
+    pub const MAX_PAGE_SIZE: u32 = 1024;
+    pub const MAX_REQUESTS: u32 = 1 << 20;
+    pub const MAX_BATCH: u32 = 4096;
+    /// 64 GiB: more than any GPU's memory.
+    pub const MAX_REGION_BYTES: u64 = 64 << 30;
+}
+pub use limits::*;
+pub use specplan_kernels::facts::MAX_TABLE_ENTRIES;
+
+pub(crate) const ALIGN: u64 = 256;
+
+/// A plan that passed [`validate`]. The only way to build one, so every consumer can
+/// rely on the rules above.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidatedPlan(Plan);
+
+impl ValidatedPlan {
+    pub fn plan(&self) -> &Plan {
+        &self.0
+    }
+    pub fn into_inner(self) -> Plan {
+        self.0
+    }
+}
+
+impl std::ops::Deref for ValidatedPlan {
+    type Target = Plan;
+    fn deref(&self) -> &Plan {
+        &self.0
+    }
+}
+
+/// Collected violations (at most 64: a corrupted plan would otherwise print thousands).
+pub(crate) struct Errors(pub Vec<Violation>);
+
+impl Errors {
+    pub fn check(&mut self, ok: bool, at: impl FnOnce() -> (Location, String)) {
+        if !ok && self.0.len() < 64 {
+            let (at, message) = at();
+            self.0.push(Violation { at, message });
+        }
+    }
+    pub fn field(&mut self, ok: bool, path: &str, msg: impl FnOnce() -> String) {
+        self.check(ok, || (Location::Field(path.into()), format!("{path}: {}", msg())));
+    }
+}
+
+pub fn validate(plan: Plan) -> Result<ValidatedPlan, PlanError> {
+    let mut e = Errors(Vec::new());
+    model(&plan, &mut e);
+    spec(&plan.spec, &mut e);
+    capture(&plan, &mut e);
+    // Everything below sizes work by the facts above: stop here when they are broken.
+    if e.0.is_empty() {
+        weights(&plan, &mut e);
+        let facts = crate::facts::kernel_facts_of(&plan);
+        crate::rules::kernels(&plan, &facts, &mut e);
+        let mut touched = crate::rules::Touched {
+            kernels: vec![false; plan.kernels.len()],
+            ..Default::default()
+        };
+        let mut prev = 0u32;
+        for (bi, b) in plan.buckets.iter().enumerate() {
+            e.check(b.batch > prev, || {
+                (
+                    Location::bucket(bi, b.batch),
+                    format!(
+                        "buckets[{bi}].batch: {} must be greater than the previous bucket {prev}",
+                        b.batch
+                    ),
+                )
+            });
+            prev = b.batch;
+            crate::bucket::bucket(&plan, &facts, bi, b, &mut touched, &mut e);
+        }
+        e.field(!plan.buckets.is_empty(), "buckets", || {
+            "a plan needs at least one bucket".into()
+        });
+        crate::rules::usage(&plan, &touched, &mut e);
+    }
+    if e.0.is_empty() {
+        Ok(ValidatedPlan(plan))
+    } else {
+        Err(PlanError::Invalid(e.0))
+    }
+}
+
+fn model(p: &Plan, e: &mut Errors) {
+    let m = &p.model;
+    for (name, v, max) in [
+        ("hidden", m.hidden, MAX_HIDDEN),
+        ("intermediate", m.intermediate, MAX_INTERMEDIATE),
+        ("heads", m.heads, MAX_HEADS),
+        ("kv_heads", m.kv_heads, MAX_HEADS),
+        ("head_dim", m.head_dim, MAX_HEAD_DIM),
+        ("layers", m.layers, MAX_LAYERS),
+        ("vocab", m.vocab, MAX_VOCAB),
+    ] {
+        e.field(v > 0 && v <= max, &format!("model.{name}"), || {
+            format!("{v} is outside [1, {max}]")
+        });
+    }
+    e.field(
+        m.kv_heads == 0 || m.heads.is_multiple_of(m.kv_heads),
+        "model.heads",
+        || format!("{} is not a multiple of kv_heads {}", m.heads, m.kv_heads),
+    );
+    e.field(m.head_dim.is_multiple_of(16), "model.head_dim", || {
+        format!(
+            "{} is not a multiple of 16 (the attention's tensor-core steps)",
+            m.head_dim
+        )
+    });
+    e.field(
+        m.rms_norm_eps.is_finite() && m.rms_norm_eps > 0.0,
+        "model.rms_norm_eps",
+        || format!("{} must be finite and positive", m.rms_norm_eps),
+    );
+    e.field(
+        m.rope_theta.is_finite() && m.rope_theta > 0.0,
+        "model.rope_theta",
+        || format!("{} must be finite and positive", m.rope_theta),
+    );
+    e.field(
+        p.rope_inv_freq.len() as u64 == m.head_dim as u64 / 2,
+        "rope_inv_freq",
+        || {
+            format!(
+                "{} entries, expected head_dim/2 = {}",
+                p.rope_inv_freq.len(),
+                m.head_dim / 2
+            )
+        },
+    );
+    e.field(
+        p.rope_inv_freq.iter().all(|f| f.is_finite() && *f > 0.0),
+        "rope_inv_freq",
+        || "an entry is not finite and positive".into(),
+    );
+    e.field(p.layers.len() as u64 == m.layers as u64, "layers", || {
+        format!("{} entries, expected model.layers = {}", p.layers.len(), m.layers)
+    });
+    for (i, l) in p.layers.iter().enumerate() {
+        e.field(l.window != Some(0), &format!("layers[{i}].window"), || {
+            "must be positive".into()
+        });
+    }
+}
+
+/// SGLang's rules for the speculative parameters; shared with the compiler's config check.
+pub fn spec_rule_violation(s: &SpecDesc) -> Option<String> {
+    let (k, st, n) = (s.topk as u64, s.num_steps as u64, s.num_draft_tokens as u64);
+    if k == 0 {
+        return Some("topk must be at least 1".into());
+    }
+    if st == 0 {
+        return Some("num_steps must be at least 1".into());
+    }
+    if k == 1 {
+        if n != st + 1 {
+            return Some(format!(
+                "with topk = 1, num_draft_tokens must equal num_steps + 1 = {} (got {n})",
+                st + 1
+            ));
+        }
+    } else {
+        let max = (st - 1).saturating_mul(k).saturating_mul(k).saturating_add(1 + k);
+        if n < 2 || n > max {
+            return Some(format!(
+                "with topk = {k} and num_steps = {st}, num_draft_tokens must be in [2, 1 + topk + (num_steps - 1)·topk² = {max}] (got {n})"
+            ));
+        }
+    }
+    None
+}
+
+fn spec(s: &SpecDesc, e: &mut Errors) {
+    if let Some(msg) = spec_rule_violation(s) {
+        e.field(false, "spec", || msg);
+    }
+    e.field(s.topk <= MAX_TOPK, "spec.topk", || {
+        format!("{} exceeds the {MAX_TOPK} candidates the sampling kernel keeps", s.topk)
+    });
+    e.field(s.num_steps <= MAX_STEPS, "spec.num_steps", || {
+        format!("{} exceeds {MAX_STEPS}", s.num_steps)
+    });
+    e.field(s.num_draft_tokens <= MAX_DRAFT_TOKENS, "spec.num_draft_tokens", || {
+        format!(
+            "{} exceeds the {MAX_DRAFT_TOKENS} rows per request of the attention kernel",
+            s.num_draft_tokens
+        )
+    });
+}
+
+fn capture(p: &Plan, e: &mut Errors) {
+    let c = &p.capture;
+    e.field(
+        c.page_size.is_power_of_two() && c.page_size <= MAX_PAGE_SIZE,
+        "capture.page_size",
+        || format!("{} is not a power of two in [1, {MAX_PAGE_SIZE}]", c.page_size),
+    );
+    e.field(
+        c.max_context_len > p.spec.num_draft_tokens && c.max_context_len <= MAX_CONTEXT,
+        "capture.max_context_len",
+        || {
+            format!(
+                "{} is outside [num_draft_tokens + 1 = {}, {MAX_CONTEXT}]",
+                c.max_context_len,
+                p.spec.num_draft_tokens as u64 + 1
+            )
+        },
+    );
+    let pages = (c.max_context_len as u64).div_ceil(c.page_size.max(1) as u64);
+    e.field(
+        c.max_pages_per_request as u64 == pages,
+        "capture.max_pages_per_request",
+        || {
+            format!(
+                "{}, expected ceil(max_context_len / page_size) = {pages}",
+                c.max_pages_per_request
+            )
+        },
+    );
+    let largest = p.buckets.last().map_or(0, |b| b.batch);
+    e.field(
+        c.max_requests >= largest && c.max_requests <= MAX_REQUESTS,
+        "capture.max_requests",
+        || {
+            format!(
+                "{} is outside [largest bucket {largest}, {MAX_REQUESTS}]",
+                c.max_requests
+            )
+        },
+    );
+    let entries = (c.max_requests as u64 + 1).saturating_mul(c.max_pages_per_request as u64);
+    e.field(entries <= MAX_TABLE_ENTRIES, "capture.max_requests", || {
+        format!(
+            "the page table of {} rows × {} pages ({entries} entries) exceeds {MAX_TABLE_ENTRIES}",
+            c.max_requests as u64 + 1,
+            c.max_pages_per_request
+        )
+    });
+    e.field(
+        c.kv_pool_pages >= 2 && c.kv_pool_pages <= i32::MAX as u32,
+        "capture.kv_pool_pages",
+        || format!("{} is outside [2, 2^31 - 1]", c.kv_pool_pages),
+    );
+    e.field(
+        c.scratch_page == c.kv_pool_pages.wrapping_sub(1),
+        "capture.scratch_page",
+        || {
+            format!(
+                "{} is not the pool's last page {}",
+                c.scratch_page,
+                c.kv_pool_pages.wrapping_sub(1)
+            )
+        },
+    );
+    let pool = (c.kv_pool_pages as u64)
+        .checked_mul(c.page_size as u64)
+        .and_then(|x| x.checked_mul(p.model.kv_heads as u64 * p.model.head_dim as u64 * 2))
+        .and_then(|x| x.checked_mul(2 * p.model.layers as u64));
+    e.field(
+        pool.is_some_and(|b| b <= MAX_REGION_BYTES),
+        "capture.kv_pool_pages",
+        || format!("a pool of {} pages exceeds {MAX_REGION_BYTES} bytes", c.kv_pool_pages),
+    );
+    e.field(c.dtype.is_act(), "capture.dtype", || {
+        format!("{} is not an activation type (bf16 or f16)", c.dtype.name())
+    });
+    if let Some(v) = c.hot_vocab_size {
+        e.field(v >= p.spec.topk && v <= p.model.vocab, "capture.hot_vocab_size", || {
+            format!("{v} must be in [topk = {}, vocab = {}]", p.spec.topk, p.model.vocab)
+        });
+    }
+    e.field(printable(&p.name, 256), "name", || {
+        "must be 1–256 printable characters".into()
+    });
+}
+
+/// A name safe to print on one line: non-empty, at most `max` bytes, no control characters.
+pub(crate) fn printable(s: &str, max: usize) -> bool {
+    !s.is_empty() && s.len() <= max && !s.chars().any(char::is_control)
+}
+
+fn weights(p: &Plan, e: &mut Errors) {
+    let mut spans: Vec<(u64, u64, usize)> = Vec::new();
+    let mut names = HashSet::new();
+    for (i, w) in p.weights.iter().enumerate() {
+        let at = |msg: String| (Location::Weight(i as u32), format!("weights[{i}] ({}): {msg}", w.name));
+        e.check(printable(&w.name, 256) && names.insert(w.name.as_str()), || {
+            at("the name must be printable and unique".into())
+        });
+        e.check(!w.shape.is_empty() && w.shape.len() <= 2, || {
+            at(format!("rank {} (weights are vectors or matrices)", w.shape.len()))
+        });
+        let elems = w.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let want = elems.and_then(|n| n.checked_mul(w.dtype.size()));
+        e.check(want == Some(w.bytes) && w.bytes > 0, || {
+            at(format!(
+                "bytes {} do not match shape {:?} of {}",
+                w.bytes,
+                w.shape,
+                w.dtype.name()
+            ))
+        });
+        e.check(w.offset % ALIGN == 0, || {
+            at(format!("offset {} not {ALIGN}-byte aligned", w.offset))
+        });
+        e.check(
+            w.offset.checked_add(w.bytes).is_some_and(|end| end <= p.weight_bytes),
+            || {
+                at(format!(
+                    "[{}, +{}) outside the weight region of {} bytes",
+                    w.offset, w.bytes, p.weight_bytes
+                ))
+            },
+        );
+        let arity_ok = match w.packing {
+            Packing::Single => w.sources.len() == 1,
+            Packing::ConcatRows => !w.sources.is_empty() && w.sources.len() <= 8,
+            Packing::GatherRows => w.sources.len() == 2,
+        };
+        e.check(arity_ok, || {
+            at(format!(
+                "{} sources do not fit packing {:?}",
+                w.sources.len(),
+                w.packing
+            ))
+        });
+        e.check(w.sources.iter().all(|s| printable(s, 256)), || {
+            at("a source name is not printable".into())
+        });
+        let float = w.dtype == p.capture.dtype;
+        let ids = w.dtype == DType::I64 && w.packing == Packing::Single;
+        e.check(float || ids, || {
+            at(format!(
+                "dtype {} is neither the activation type nor an i64 id map",
+                w.dtype.name()
+            ))
+        });
+        spans.push((w.offset, w.offset.saturating_add(w.bytes), i));
+    }
+    spans.sort();
+    for pair in spans.windows(2) {
+        e.check(pair[0].1 <= pair[1].0, || {
+            (
+                Location::Weight(pair[1].2 as u32),
+                format!(
+                    "weights[{}] and weights[{}] overlap in the weight region",
+                    pair[0].2, pair[1].2
+                ),
+            )
+        });
+    }
+    let end = spans.iter().map(|s| s.1).max().unwrap_or(0);
+    e.field(
+        p.weight_bytes <= end.div_ceil(ALIGN) * ALIGN && p.weight_bytes <= MAX_REGION_BYTES,
+        "weight_bytes",
+        || format!("{} bytes, but the weights end at {end}", p.weight_bytes),
+    );
+}
+
+/// Kernel facts for an attention instance with window `w` (0 = none): `None` when no layer
+/// has that window.
+pub(crate) fn facts_for_window(p: &Plan, f: &KernelFacts, w: u32) -> Option<KernelFacts> {
+    let window = (w != 0).then_some(w);
+    p.layers
+        .iter()
+        .any(|l| l.window == window)
+        .then(|| f.with_window(window))
+}

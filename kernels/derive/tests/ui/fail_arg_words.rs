@@ -1,0 +1,15 @@
+use specplan_kernels::abi::{Act, DevPtr};
+use specplan_kernel_derive::KernelParams;
+
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct Params {
+    #[arg(bufer)]
+    pub x: DevPtr<Act>,
+    #[arg(buffer, rw)]
+    pub y: DevPtr<Act>,
+    #[arg(buffer)]
+    pub rows: u32,
+}
+
+fn main() {}

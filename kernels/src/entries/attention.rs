@@ -1,0 +1,138 @@
+//! attention.cu: split-KV paged attention of the N draft rows, and the merge of splits.
+
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::facts::{attn_smem_bytes, BucketFacts, KernelFacts};
+use crate::io;
+use crate::source::{ConstValue, Constants};
+use crate::Entry;
+use specplan_kernel_derive::KernelParams;
+
+use super::{act, u};
+
+/// `attn_partial`: CTA (request, kv head, split) over its share of the keys. With one
+/// split it writes `out`; with more, the partial results the merge combines.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct AttnPartialParams {
+    #[arg(buffer)]
+    pub q: DevPtr<Act>,
+    #[arg(k_cache)]
+    pub k_cache: DevPtr<Act>,
+    #[arg(v_cache)]
+    pub v_cache: DevPtr<Act>,
+    #[arg(input = io::REQ_SLOTS)]
+    pub req_slots: DevPtr<i32>,
+    #[arg(table)]
+    pub page_table: DevPtr<i32>,
+    #[arg(input = io::PREFIX_LENS)]
+    pub prefix_lens: DevPtr<i32>,
+    /// Final output when there is one split, else null.
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    #[arg(buffer)]
+    pub part_o: DevPtrMut<f32>,
+    #[arg(buffer)]
+    pub part_lse: DevPtrMut<f32>,
+    pub batch: u32,
+    pub splits: u32,
+    pub q_stride: u32,
+}
+
+/// `attn_merge`: the log-sum-exp merge of the splits' partial results.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct AttnMergeParams {
+    #[arg(buffer)]
+    pub part_o: DevPtr<f32>,
+    #[arg(buffer)]
+    pub part_lse: DevPtr<f32>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    pub rows: u32,
+    pub splits: u32,
+}
+
+pub const ATTN_THREADS: u32 = 128;
+
+impl Kernel for AttnPartialParams {
+    const ENTRY: Entry = Entry::AttnPartial;
+    fn threads(_: &KernelFacts) -> u32 {
+        ATTN_THREADS
+    }
+    fn smem(f: &KernelFacts) -> u64 {
+        let (tile, stages) = f.attn_tiling().unwrap_or((16, 2));
+        attn_smem_bytes(f.n * f.group(), f.head_dim, tile, stages, f.act.size() as u32)
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], AttnPartialScalars) {
+        (
+            [b.batch, f.kv_heads, b.splits],
+            AttnPartialScalars {
+                batch: b.batch,
+                splits: b.splits,
+                q_stride: f.qkv_cols(),
+            },
+        )
+    }
+    fn extents(s: &AttnPartialScalars, f: &KernelFacts) -> AttnPartialPtrs<Extent> {
+        let (b, splits) = (s.batch as u64, s.splits as u64);
+        let rows = b * f.n as u64;
+        let hq = f.heads as u64;
+        let hd = hq * f.head_dim as u64;
+        let split = |n: u64| if splits > 1 { Extent::Elems(n) } else { Extent::Unused };
+        AttnPartialPtrs {
+            q: Extent::Elems(rows * s.q_stride as u64),
+            k_cache: Extent::Elems(0),
+            v_cache: Extent::Elems(0),
+            req_slots: Extent::Elems(b),
+            page_table: Extent::Elems(f.slots as u64 * f.max_pages as u64),
+            prefix_lens: Extent::Elems(b),
+            out: if splits > 1 {
+                Extent::Unused
+            } else {
+                Extent::Elems(rows * hd)
+            },
+            part_o: split(splits * rows * hd),
+            part_lse: split(splits * rows * hq),
+        }
+    }
+}
+
+impl Kernel for AttnMergeParams {
+    const ENTRY: Entry = Entry::AttnMerge;
+    fn threads(f: &KernelFacts) -> u32 {
+        f.head_dim
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], AttnMergeScalars) {
+        (
+            [b.rows, f.heads, 1],
+            AttnMergeScalars {
+                rows: b.rows,
+                splits: b.splits,
+            },
+        )
+    }
+    fn extents(s: &AttnMergeScalars, f: &KernelFacts) -> AttnMergePtrs<Extent> {
+        let (rows, splits) = (s.rows as u64, s.splits as u64);
+        let hq = f.heads as u64;
+        let hd = hq * f.head_dim as u64;
+        AttnMergePtrs {
+            part_o: Extent::Elems(splits * rows * hd),
+            part_lse: Extent::Elems(splits * rows * hq),
+            out: Extent::Elems(rows * hd),
+        }
+    }
+}
+
+/// Both entries come from one source, so they share every constant.
+pub fn constants(f: &KernelFacts) -> Constants {
+    let (tile, stages) = f.attn_tiling().unwrap_or((16, 2));
+    let mut c = vec![act(f)];
+    c.extend(super::rope::paged_kv(f));
+    c.extend([
+        u("WINDOW", f.window),
+        ("SCALE".into(), ConstValue::F32(1.0 / (f.head_dim as f32).sqrt())),
+        u("KV_TILE", tile),
+        u("STAGES", stages),
+    ]);
+    c
+}

@@ -1,0 +1,65 @@
+//! embed.cu: the embedding lookup concatenated with the target's hidden states.
+
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::facts::{BucketFacts, KernelFacts};
+use crate::io;
+use crate::source::{ConstValue, Constants};
+use crate::Entry;
+use specplan_kernel_derive::KernelParams;
+
+use super::{act, u};
+
+/// `embed_concat`: `out[r] = embed(ids[r]) ‖ hidden[r]`, and the fc output rows set to the
+/// bias when the model has one (the fc GEMM then accumulates onto them).
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct EmbedConcatParams {
+    #[arg(input = io::INPUT_IDS)]
+    pub ids: DevPtr<i64>,
+    #[arg(weight)]
+    pub table: DevPtr<Act>,
+    #[arg(input = io::HIDDEN_STATES)]
+    pub hidden: DevPtr<Act>,
+    /// fc bias, or null when the model has none.
+    #[arg(weight)]
+    pub bias: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    /// fc output rows initialized to the bias, or null.
+    #[arg(buffer)]
+    pub bias_out: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
+pub const EMBED_THREADS: u32 = 256;
+
+impl Kernel for EmbedConcatParams {
+    const ENTRY: Entry = Entry::EmbedConcat;
+    fn threads(_: &KernelFacts) -> u32 {
+        EMBED_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], EmbedConcatScalars) {
+        ([b.rows, 1, 1], EmbedConcatScalars { rows: b.rows })
+    }
+    fn extents(s: &EmbedConcatScalars, f: &KernelFacts) -> EmbedConcatPtrs<Extent> {
+        let (rows, h) = (s.rows as u64, f.hidden as u64);
+        let bias = |n: u64| if f.has_bias { Extent::Elems(n) } else { Extent::Unused };
+        EmbedConcatPtrs {
+            ids: Extent::Elems(rows),
+            table: Extent::Elems(f.vocab as u64 * h),
+            hidden: Extent::Elems(rows * h),
+            bias: bias(h),
+            out: Extent::Elems(rows * 2 * h),
+            bias_out: bias(rows * h),
+        }
+    }
+}
+
+pub fn constants(f: &KernelFacts) -> Constants {
+    vec![
+        act(f),
+        u("HIDDEN", f.hidden),
+        u("VOCAB", f.vocab),
+        ("HAS_BIAS".into(), ConstValue::Bool(f.has_bias)),
+    ]
+}

@@ -1,0 +1,43 @@
+//! mlp.cu: the gated activation between the gate/up and down projections.
+
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::facts::{BucketFacts, KernelFacts};
+use crate::source::Constants;
+use crate::Entry;
+use specplan_kernel_derive::KernelParams;
+
+use super::{act, u};
+
+/// `silu_mul`: `out[r, c] = silu(gate_up[r, c]) · gate_up[r, INTER + c]`.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct SiluMulParams {
+    #[arg(buffer)]
+    pub gate_up: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
+pub const SILU_THREADS: u32 = 256;
+
+impl Kernel for SiluMulParams {
+    const ENTRY: Entry = Entry::SiluMul;
+    fn threads(_: &KernelFacts) -> u32 {
+        SILU_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], SiluMulScalars) {
+        ([b.rows, 1, 1], SiluMulScalars { rows: b.rows })
+    }
+    fn extents(s: &SiluMulScalars, f: &KernelFacts) -> SiluMulPtrs<Extent> {
+        let (rows, i) = (s.rows as u64, f.intermediate as u64);
+        SiluMulPtrs {
+            gate_up: Extent::Elems(rows * 2 * i),
+            out: Extent::Elems(rows * i),
+        }
+    }
+}
+
+pub fn constants(f: &KernelFacts) -> Constants {
+    vec![act(f), u("INTER", f.intermediate)]
+}

@@ -1,0 +1,150 @@
+//! sample.cu: softmax and top-K of the logits rows, in one CTA per row or split across
+//! CTAs (per-chunk records, then a one-warp merge) for long rows.
+
+use crate::abi::{DevPtr, DevPtrMut, Extent, Kernel};
+use crate::facts::{topk_record_floats, BucketFacts, KernelFacts};
+use crate::source::{ConstValue, Constants};
+use crate::Entry;
+use specplan_kernel_derive::KernelParams;
+
+use super::{act, u};
+
+/// `softmax_topk`: one CTA per row.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct SoftmaxTopkParams {
+    #[arg(buffer)]
+    pub logits: DevPtr<f32>,
+    /// FR-Spec hot → full id map, or null.
+    #[arg(weight)]
+    pub hot_ids: DevPtr<i64>,
+    #[arg(buffer)]
+    pub probs: DevPtrMut<f32>,
+    #[arg(buffer)]
+    pub ids: DevPtrMut<i64>,
+    pub batch: u32,
+}
+
+/// `topk_partial`: per-chunk max, sum and top-K candidates of each row.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct TopkPartialParams {
+    #[arg(buffer)]
+    pub logits: DevPtr<f32>,
+    #[arg(buffer)]
+    pub part: DevPtrMut<f32>,
+    pub batch: u32,
+    pub chunks: u32,
+}
+
+/// `topk_merge`: the row's probabilities and ids from its chunk records.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct TopkMergeParams {
+    #[arg(buffer)]
+    pub part: DevPtr<f32>,
+    /// FR-Spec hot → full id map, or null.
+    #[arg(weight)]
+    pub hot_ids: DevPtr<i64>,
+    #[arg(buffer)]
+    pub probs: DevPtrMut<f32>,
+    #[arg(buffer)]
+    pub ids: DevPtrMut<i64>,
+    pub batch: u32,
+    pub chunks: u32,
+}
+
+pub const TOPK_THREADS: u32 = 512;
+/// `topk_merge`: one warp per row; lane l owns chunk l's record.
+pub const TOPK_MERGE_THREADS: u32 = 32;
+
+/// Shared memory of the per-row and per-chunk kernels: a top-K list per thread.
+fn topk_smem(f: &KernelFacts) -> u64 {
+    TOPK_THREADS as u64 * f.topk as u64 * 8
+}
+
+fn hot(f: &KernelFacts) -> Extent {
+    if f.hot_map {
+        Extent::Elems(f.cols as u64)
+    } else {
+        Extent::Unused
+    }
+}
+
+impl Kernel for SoftmaxTopkParams {
+    const ENTRY: Entry = Entry::SoftmaxTopk;
+    fn threads(_: &KernelFacts) -> u32 {
+        TOPK_THREADS
+    }
+    fn smem(f: &KernelFacts) -> u64 {
+        topk_smem(f)
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], SoftmaxTopkScalars) {
+        ([b.batch, 1, 1], SoftmaxTopkScalars { batch: b.batch })
+    }
+    fn extents(s: &SoftmaxTopkScalars, f: &KernelFacts) -> SoftmaxTopkPtrs<Extent> {
+        let (b, k) = (s.batch as u64, f.topk as u64);
+        SoftmaxTopkPtrs {
+            logits: Extent::Elems(b * f.cols as u64),
+            hot_ids: hot(f),
+            probs: Extent::Elems(b * k),
+            ids: Extent::Elems(b * k),
+        }
+    }
+}
+
+impl Kernel for TopkPartialParams {
+    const ENTRY: Entry = Entry::TopkPartial;
+    fn threads(_: &KernelFacts) -> u32 {
+        TOPK_THREADS
+    }
+    fn smem(f: &KernelFacts) -> u64 {
+        topk_smem(f)
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkPartialScalars) {
+        let chunks = f.topk_chunks();
+        ([b.batch, chunks, 1], TopkPartialScalars { batch: b.batch, chunks })
+    }
+    fn extents(s: &TopkPartialScalars, f: &KernelFacts) -> TopkPartialPtrs<Extent> {
+        let b = s.batch as u64;
+        TopkPartialPtrs {
+            logits: Extent::Elems(b * f.cols as u64),
+            part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
+        }
+    }
+}
+
+impl Kernel for TopkMergeParams {
+    const ENTRY: Entry = Entry::TopkMerge;
+    fn threads(_: &KernelFacts) -> u32 {
+        TOPK_MERGE_THREADS
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkMergeScalars) {
+        (
+            [b.batch, 1, 1],
+            TopkMergeScalars {
+                batch: b.batch,
+                chunks: f.topk_chunks(),
+            },
+        )
+    }
+    fn extents(s: &TopkMergeScalars, f: &KernelFacts) -> TopkMergePtrs<Extent> {
+        let (b, k) = (s.batch as u64, f.topk as u64);
+        TopkMergePtrs {
+            part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
+            hot_ids: hot(f),
+            probs: Extent::Elems(b * k),
+            ids: Extent::Elems(b * k),
+        }
+    }
+}
+
+pub fn constants(f: &KernelFacts) -> Constants {
+    vec![
+        act(f),
+        u("COLS", f.cols),
+        u("TOPK", f.topk),
+        ("HOT_MAP".into(), ConstValue::Bool(f.hot_map)),
+        u("FULL_VOCAB", f.vocab),
+    ]
+}

@@ -1,0 +1,159 @@
+//! The closed set of kernel entries and templates, and the one table that names them.
+//!
+//! Each entry's name appears once, in [`entries!`]; everything else (plans, validation,
+//! the CPU executor, launch binding) names entries by [`Entry`], so a new entry is added
+//! here and every exhaustive `match` over it points at what it still needs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::abi::{shape_of, Abi, Kernel, LaunchShape};
+use crate::entries::{attention, embed, mlp, norm, rope, sample, select};
+use crate::facts::{BucketFacts, KernelFacts};
+use crate::source::Constants;
+
+/// A `.cu` template file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Template {
+    Embed,
+    Norm,
+    RopeAppend,
+    Attention,
+    Mlp,
+    Select,
+    Sample,
+}
+
+impl Template {
+    pub const ALL: &'static [Template] = &[
+        Template::Embed,
+        Template::Norm,
+        Template::RopeAppend,
+        Template::Attention,
+        Template::Mlp,
+        Template::Select,
+        Template::Sample,
+    ];
+
+    /// File name under `kernels/cuda`.
+    pub fn file(self) -> &'static str {
+        match self {
+            Template::Embed => "embed.cu",
+            Template::Norm => "norm.cu",
+            Template::RopeAppend => "rope_append.cu",
+            Template::Attention => "attention.cu",
+            Template::Mlp => "mlp.cu",
+            Template::Select => "select.cu",
+            Template::Sample => "sample.cu",
+        }
+    }
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Template::Embed => include_str!("../cuda/embed.cu"),
+            Template::Norm => include_str!("../cuda/norm.cu"),
+            Template::RopeAppend => include_str!("../cuda/rope_append.cu"),
+            Template::Attention => include_str!("../cuda/attention.cu"),
+            Template::Mlp => include_str!("../cuda/mlp.cu"),
+            Template::Select => include_str!("../cuda/select.cu"),
+            Template::Sample => include_str!("../cuda/sample.cu"),
+        }
+    }
+
+    /// The entries compiled from this template.
+    pub fn entries(self) -> &'static [Entry] {
+        match self {
+            Template::Embed => &[Entry::EmbedConcat],
+            Template::Norm => &[Entry::RmsNorm],
+            Template::RopeAppend => &[Entry::RopeAppend],
+            Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
+            Template::Mlp => &[Entry::SiluMul],
+            Template::Select => &[Entry::SelectRows],
+            Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
+        }
+    }
+
+    /// The specialization constants of an instance, in prelude order. Every constant is a
+    /// function of the facts: a plan whose constants differ from these is rejected.
+    pub fn constants(self, f: &KernelFacts) -> Constants {
+        match self {
+            Template::Embed => embed::constants(f),
+            Template::Norm => norm::constants(f),
+            Template::RopeAppend => rope::constants(f),
+            Template::Attention => attention::constants(f),
+            Template::Mlp => mlp::constants(f),
+            Template::Select => select::constants(f),
+            Template::Sample => sample::constants(f),
+        }
+    }
+}
+
+macro_rules! entries {
+    ($($variant:ident => $params:ty, $name:literal, $template:ident;)*) => {
+        /// A kernel entry point (`extern "C"` function of a template).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        pub enum Entry {
+            $($variant),*
+        }
+
+        impl Entry {
+            pub const ALL: &'static [Entry] = &[$(Entry::$variant),*];
+
+            /// The `extern "C"` name.
+            pub fn name(self) -> &'static str {
+                match self { $(Entry::$variant => $name),* }
+            }
+
+            pub fn template(self) -> Template {
+                match self { $(Entry::$variant => Template::$template),* }
+            }
+
+            /// The parameter struct.
+            pub fn abi(self) -> Abi {
+                match self { $(Entry::$variant => Abi::of::<$params>()),* }
+            }
+
+            /// Threads per block.
+            pub fn threads(self, f: &KernelFacts) -> u32 {
+                match self { $(Entry::$variant => <$params as Kernel>::threads(f)),* }
+            }
+
+            /// What a launch of this entry in a bucket must look like.
+            pub fn shape(self, b: &BucketFacts, f: &KernelFacts) -> LaunchShape {
+                match self { $(Entry::$variant => shape_of::<$params>(b, f)),* }
+            }
+        }
+
+        // Each declaration names the entry it is.
+        const _: () = { $(assert!(matches!(<$params as Kernel>::ENTRY, Entry::$variant));)* };
+    };
+}
+
+entries! {
+    EmbedConcat => embed::EmbedConcatParams, "embed_concat", Embed;
+    RmsNorm => norm::RmsNormParams, "rmsnorm", Norm;
+    RopeAppend => rope::RopeAppendParams, "rope_append", RopeAppend;
+    AttnPartial => attention::AttnPartialParams, "attn_partial", Attention;
+    AttnMerge => attention::AttnMergeParams, "attn_merge", Attention;
+    SiluMul => mlp::SiluMulParams, "silu_mul", Mlp;
+    SelectRows => select::SelectRowsParams, "select_rows", Select;
+    SoftmaxTopk => sample::SoftmaxTopkParams, "softmax_topk", Sample;
+    TopkPartial => sample::TopkPartialParams, "topk_partial", Sample;
+    TopkMerge => sample::TopkMergeParams, "topk_merge", Sample;
+}
+
+impl Entry {
+    /// The prelude constant holding this entry's threads per block.
+    pub fn threads_const(self) -> String {
+        format!("{}_THREADS", self.name().to_ascii_uppercase())
+    }
+
+    pub fn from_name(name: &str) -> Option<Entry> {
+        Entry::ALL.iter().copied().find(|e| e.name() == name)
+    }
+}
+
+impl std::fmt::Display for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,127 @@
+//! The plan facts kernels are specialized by and launched with.
+//!
+//! [`KernelFacts`] are bucket independent (model, speculative and capture facts, plus the
+//! window of the layer an attention instance serves); [`BucketFacts`] are one bucket's.
+//! The compiler builds both from its config and the validator from the plan, through the
+//! same constructor in the format crate, so the two always agree on what a kernel is.
+
+use crate::DType;
+
+/// Hopper's opt-in shared memory per block.
+pub const MAX_SMEM_BYTES: u32 = 227 * 1024;
+/// Largest top-K the sampling kernel's shared memory is sized for.
+pub const MAX_TOPK: u32 = 32;
+/// Largest number of column chunks a row of the top-K is split into (`topk_merge` has one
+/// lane per chunk).
+pub const MAX_TOPK_CHUNKS: u32 = 32;
+/// Columns per chunk the plan aims at when splitting a logits row across CTAs.
+pub const TOPK_CHUNK_COLS: u32 = 8192;
+/// Largest number of KV splits of the attention.
+pub const MAX_ATTN_SPLITS: u32 = 16;
+/// Largest page table (entries): the kernels index it in 32 bits, and every executor
+/// holds one.
+pub const MAX_TABLE_ENTRIES: u64 = 1 << 26;
+
+/// Everything a kernel instance is specialized for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelFacts {
+    /// Activation type (`act_t`).
+    pub act: DType,
+    pub hidden: u32,
+    pub intermediate: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    /// Rows of the embedding table (the target vocabulary).
+    pub vocab: u32,
+    /// Columns of a logits row: the vocabulary, or the FR-Spec hot rows.
+    pub cols: u32,
+    /// N = num_draft_tokens.
+    pub n: u32,
+    pub topk: u32,
+    pub page_size: u32,
+    /// Columns of the page table.
+    pub max_pages: u32,
+    /// Rows of the page table (request slots plus the scratch slot).
+    pub slots: u32,
+    pub eps: f32,
+    /// RoPE inverse frequencies, `[head_dim / 2]`.
+    pub inv_freq: Vec<f32>,
+    /// The sliding window of the layer an attention instance serves (0 = none).
+    pub window: u32,
+    /// The fc bias exists (folded into `embed_concat`).
+    pub has_bias: bool,
+    /// Top-K ids go through the FR-Spec hot map.
+    pub hot_map: bool,
+}
+
+impl KernelFacts {
+    /// The same facts for an attention instance of a layer with window `w`.
+    pub fn with_window(&self, w: Option<u32>) -> KernelFacts {
+        KernelFacts {
+            window: w.unwrap_or(0),
+            ..self.clone()
+        }
+    }
+
+    /// GQA group: query heads per kv head.
+    pub fn group(&self) -> u32 {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// Columns of the fused qkv rows (the stride of q inside them).
+    pub fn qkv_cols(&self) -> u32 {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// Column chunks (one CTA each) of a logits row; 1 = no split.
+    pub fn topk_chunks(&self) -> u32 {
+        topk_chunks(self.cols)
+    }
+
+    /// Attention tiling fixed at plan time: (KV_TILE, STAGES), or `None` when even 16-key
+    /// tiles in two stages do not fit in shared memory. STAGES tiles are resident (STAGES - 1
+    /// loads in flight while one is computed); the tile is the largest of 64, 32, 16 keys
+    /// whose shared memory fits. Why 3 stages: docs/perf-notes.md ("attention tiling").
+    pub fn attn_tiling(&self) -> Option<(u32, u32)> {
+        const STAGES: u32 = 3;
+        let rows = self.n * self.group();
+        [(64u32, STAGES), (32, STAGES), (16, STAGES), (16, 2)]
+            .into_iter()
+            .find(|&(t, st)| {
+                attn_smem_bytes(rows, self.head_dim, t, st, self.act.size() as u32) <= MAX_SMEM_BYTES as u64
+            })
+    }
+}
+
+/// One bucket's launch facts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketFacts {
+    pub batch: u32,
+    /// `batch · N`.
+    pub rows: u32,
+    /// KV splits of the attention.
+    pub splits: u32,
+}
+
+/// Column chunks of a logits row of `cols` columns; 1 = no split.
+pub fn topk_chunks(cols: u32) -> u32 {
+    cols.div_ceil(TOPK_CHUNK_COLS).clamp(1, MAX_TOPK_CHUNKS)
+}
+
+/// Floats per chunk record of `topk_partial`: max, sum, TOPK values, TOPK columns.
+pub fn topk_record_floats(topk: u32) -> u32 {
+    2 + 2 * topk
+}
+
+/// Dynamic shared memory of `attn_partial` (attention.cu's header states the formula): the
+/// q rows of one pass (at most 64 packed rows, padded to 16), then the larger of the K/V
+/// pipeline stages and the cross-warp merge area that aliases them after the key loop.
+pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u32, act_bytes: u32) -> u64 {
+    let (d, t, a) = (head_dim as u64, kv_tile as u64, act_bytes as u64);
+    let rows_per_pass = (rows_per_cta as u64).div_ceil(16).clamp(1, 4) * 16;
+    let warps = crate::entries::attention::ATTN_THREADS as u64 / 32;
+    let stages = stages as u64 * 2 * t * d * a;
+    let merge = warps * 16 * d * 4 + warps * 16 * 2 * 4;
+    rows_per_pass * d * a + stages.max(merge)
+}

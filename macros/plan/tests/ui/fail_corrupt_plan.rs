@@ -1,4 +1,0 @@
-// trybuild builds this file in target/tests/trybuild/specplan-plan-macros, the manifest
-// directory `plan = ...` is relative to.
-specplan_plan_macros::include_plan!(plan = "../../../../macros/plan/tests/ui/corrupt.plan");
-fn main() {}

@@ -1,9 +1,0 @@
-use specplan_macros::KernelParams;
-
-#[derive(KernelParams)]
-#[repr(C)]
-pub enum NotAStruct {
-    A,
-}
-
-fn main() {}

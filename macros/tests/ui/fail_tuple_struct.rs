@@ -1,8 +1,0 @@
-use specplan_kernels::abi::{Act, DevPtr};
-use specplan_macros::KernelParams;
-
-#[derive(KernelParams)]
-#[repr(C)]
-pub struct TupleParams(pub DevPtr<Act>, pub u32);
-
-fn main() {}

@@ -1,0 +1,531 @@
+//! The maths of each kernel entry on the CPU, written from the contract in the kernel's
+//! header (`kernels/cuda/*.cu`): the same indexing, the same guards (a bad id reads row 0,
+//! an accept length is clamped to [1, N], a column outside the row has id -1), f64
+//! accumulation.
+
+use specplan_format::{ConstValue, KernelDesc, KvKind};
+use specplan_kernels::entries::attention::{AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars};
+use specplan_kernels::entries::embed::{EmbedConcatPtrs, EmbedConcatScalars};
+use specplan_kernels::entries::mlp::{SiluMulPtrs, SiluMulScalars};
+use specplan_kernels::entries::norm::{RmsNormPtrs, RmsNormScalars};
+use specplan_kernels::entries::rope::{RopeAppendPtrs, RopeAppendScalars};
+use specplan_kernels::entries::sample::{
+    SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkMergePtrs, TopkMergeScalars, TopkPartialPtrs, TopkPartialScalars,
+};
+use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
+
+use super::{Ctx, Ptr, R};
+
+fn constant<'k>(k: &'k KernelDesc, name: &str) -> R<&'k ConstValue> {
+    k.constants
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .ok_or_else(|| format!("kernel {} has no constant {name}", k.name))
+}
+
+fn c_u32(k: &KernelDesc, name: &str) -> R<usize> {
+    match constant(k, name)? {
+        ConstValue::U32(v) => Ok(*v as usize),
+        other => Err(format!("kernel {}: constant {name} is {other:?}, not a u32", k.name)),
+    }
+}
+
+fn c_bool(k: &KernelDesc, name: &str) -> R<bool> {
+    match constant(k, name)? {
+        ConstValue::Bool(v) => Ok(*v),
+        other => Err(format!("kernel {}: constant {name} is {other:?}, not a bool", k.name)),
+    }
+}
+
+fn c_f32(k: &KernelDesc, name: &str) -> R<f32> {
+    match constant(k, name)? {
+        ConstValue::F32(v) => Ok(*v),
+        other => Err(format!("kernel {}: constant {name} is {other:?}, not an f32", k.name)),
+    }
+}
+
+fn c_table<'k>(k: &'k KernelDesc, name: &str) -> R<&'k [f32]> {
+    match constant(k, name)? {
+        ConstValue::F32Array(v) => Ok(v),
+        other => Err(format!("kernel {}: constant {name} is {other:?}, not a table", k.name)),
+    }
+}
+
+/// A positive constant (a divisor or a loop bound).
+fn c_pos(k: &KernelDesc, name: &str) -> R<usize> {
+    match c_u32(k, name)? {
+        0 => Err(format!("kernel {}: constant {name} is 0", k.name)),
+        v => Ok(v),
+    }
+}
+
+fn buf(p: Ptr, name: &str) -> R<usize> {
+    match p {
+        Ptr::Buf(b) => Ok(b),
+        other => Err(format!("argument {name} must be a buffer, is {other:?}")),
+    }
+}
+
+fn weight(p: Ptr, name: &str) -> R<usize> {
+    match p {
+        Ptr::Weight(w) => Ok(w),
+        other => Err(format!("argument {name} must be a weight, is {other:?}")),
+    }
+}
+
+fn kv(p: Ptr, want: KvKind, name: &str) -> R<usize> {
+    match p {
+        Ptr::Kv(layer, kind) if kind == want => Ok(layer),
+        other => Err(format!(
+            "argument {name} must be the {want:?} pool of a layer, is {other:?}"
+        )),
+    }
+}
+
+impl Ctx<'_> {
+    pub(super) fn embed_concat(&mut self, k: &KernelDesc, p: &EmbedConcatPtrs<Ptr>, s: &EmbedConcatScalars) -> R<()> {
+        let (h, vocab) = (c_u32(k, "HIDDEN")?, c_u32(k, "VOCAB")? as i64);
+        let (ids, table, hid, out) = (
+            buf(p.ids, "ids")?,
+            weight(p.table, "table")?,
+            buf(p.hidden, "hidden")?,
+            buf(p.out, "out")?,
+        );
+        let bias = match (c_bool(k, "HAS_BIAS")?, p.bias, p.bias_out) {
+            (true, Ptr::Weight(w), Ptr::Buf(o)) => Some((w, o)),
+            (_, Ptr::Null, Ptr::Null) => None,
+            _ => return Err("bias and bias_out must both be set (HAS_BIAS) or both null".into()),
+        };
+        for r in 0..s.rows as usize {
+            if let Some((w, o)) = bias {
+                for c in 0..h {
+                    let b = self.wf(w, c)?;
+                    self.st(o, r * h + c, b)?;
+                }
+            }
+            let id = self.ld(ids, r)? as i64;
+            let id = if (0..vocab).contains(&id) { id as usize } else { 0 };
+            for c in 0..h {
+                let e = self.wf(table, id * h + c)?;
+                self.st(out, r * 2 * h + c, e)?;
+                let x = self.ld(hid, r * h + c)?;
+                self.st(out, r * 2 * h + h + c, x)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn rmsnorm(&mut self, k: &KernelDesc, p: &RmsNormPtrs<Ptr>, s: &RmsNormScalars) -> R<()> {
+        let (h, eps) = (c_pos(k, "HIDDEN")?, c_f32(k, "EPS")? as f64);
+        let (x, w, out) = (buf(p.x, "x")?, weight(p.weight, "weight")?, buf(p.out, "out")?);
+        for r in 0..s.rows as usize {
+            let row: Vec<f64> = (0..h).map(|c| self.ld(x, r * h + c)).collect::<R<_>>()?;
+            let ms = row.iter().map(|v| v * v).sum::<f64>() / h as f64;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for (c, v) in row.iter().enumerate() {
+                let y = v * inv * self.wf(w, c)?;
+                self.st(out, r * h + c, y)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn silu_mul(&mut self, k: &KernelDesc, p: &SiluMulPtrs<Ptr>, s: &SiluMulScalars) -> R<()> {
+        let inter = c_u32(k, "INTER")?;
+        let (gu, out) = (buf(p.gate_up, "gate_up")?, buf(p.out, "out")?);
+        for r in 0..s.rows as usize {
+            for c in 0..inter {
+                let g = self.ld(gu, r * 2 * inter + c)?;
+                let u = self.ld(gu, r * 2 * inter + inter + c)?;
+                self.st(out, r * inter + c, g / (1.0 + (-g).exp()) * u)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn select_rows(&mut self, k: &KernelDesc, p: &SelectRowsPtrs<Ptr>, s: &SelectRowsScalars) -> R<()> {
+        let (h, n) = (c_u32(k, "HIDDEN")?, c_pos(k, "N")?);
+        let (x, acc, out) = (buf(p.x, "x")?, buf(p.accept_lens, "accept_lens")?, buf(p.out, "out")?);
+        for i in 0..s.batch as usize {
+            let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
+            for c in 0..h {
+                let v = self.ld(x, (i * n + a - 1) * h + c)?;
+                self.st(out, i * h + c, v)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Pool page of column `col` of request `i`'s row, through its slot.
+    fn page(&self, slots: usize, i: usize, col: usize) -> R<usize> {
+        let slot = self.ld(slots, i)? as i64;
+        if slot < 0 || slot as usize >= self.table.rows || col >= self.table.cols {
+            return Err(format!("request {i}: slot {slot} column {col} outside the page table"));
+        }
+        let page = self.table.data[slot as usize * self.table.cols + col];
+        if page < 0 || page as usize >= self.kv.pages {
+            return Err(format!(
+                "request {i}: page {page} outside the pool of {}",
+                self.kv.pages
+            ));
+        }
+        Ok(page as usize)
+    }
+
+    fn kv_index(&self, page: usize, slot: usize, head: usize, d: usize) -> usize {
+        let m = &self.plan.model;
+        ((page * self.plan.capture.page_size as usize + slot) * m.kv_heads as usize + head) * m.head_dim as usize + d
+    }
+
+    fn kv_store(&mut self, kind: KvKind, layer: usize, at: usize, v: f64) -> R<()> {
+        let pool = match kind {
+            KvKind::K => self.kv.k.get_mut(layer),
+            KvKind::V => self.kv.v.get_mut(layer),
+        };
+        let cell = pool
+            .and_then(|l| l.get_mut(at))
+            .ok_or_else(|| format!("{kind:?} pool layer {layer} has no element {at}"))?;
+        *cell = v as f32;
+        Ok(())
+    }
+
+    fn kv_load(&self, kind: KvKind, layer: usize, at: usize) -> R<f64> {
+        let pool = match kind {
+            KvKind::K => self.kv.k.get(layer),
+            KvKind::V => self.kv.v.get(layer),
+        };
+        pool.and_then(|l| l.get(at))
+            .map(|x| *x as f64)
+            .ok_or_else(|| format!("{kind:?} pool layer {layer} has no element {at}"))
+    }
+
+    pub(super) fn rope_append(&mut self, k: &KernelDesc, p: &RopeAppendPtrs<Ptr>, s: &RopeAppendScalars) -> R<()> {
+        let (hq, hkv, d, n) = (
+            c_u32(k, "HEADS")?,
+            c_u32(k, "KV_HEADS")?,
+            c_u32(k, "HEAD_DIM")?,
+            c_pos(k, "N")?,
+        );
+        let (ps, max_pages) = (c_pos(k, "PAGE_SIZE")?, c_u32(k, "MAX_PAGES")?);
+        let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
+        let (qkv, prefix, slots) = (
+            buf(p.qkv, "qkv")?,
+            buf(p.prefix_lens, "prefix_lens")?,
+            buf(p.req_slots, "req_slots")?,
+        );
+        if !matches!(p.page_table, Ptr::Table) {
+            return Err("page_table must be the page table".into());
+        }
+        let (kl, vl) = (
+            kv(p.k_cache, KvKind::K, "k_cache")?,
+            kv(p.v_cache, KvKind::V, "v_cache")?,
+        );
+        let half = d / 2;
+        if inv_freq.len() < half {
+            return Err(format!("INV_FREQ has {} entries, HEAD_DIM/2 is {half}", inv_freq.len()));
+        }
+        let stride = (hq + 2 * hkv) * d;
+        for r in 0..s.rows as usize {
+            let (i, j) = (r / n, r % n);
+            let pos = self.ld(prefix, i)? as i64 + j as i64;
+            let rotate = |x: &[f64]| -> Vec<f64> {
+                let mut y = vec![0.0; d];
+                for t in 0..half {
+                    // f32 angle, as Hugging Face computes freqs in fp32.
+                    let angle = (pos as f32 * inv_freq[t]) as f64;
+                    let (sn, cs) = angle.sin_cos();
+                    y[t] = x[t] * cs - x[t + half] * sn;
+                    y[t + half] = x[t + half] * cs + x[t] * sn;
+                }
+                y
+            };
+            for h in 0..hq {
+                let x: Vec<f64> = (0..d).map(|t| self.ld(qkv, r * stride + h * d + t)).collect::<R<_>>()?;
+                for (t, v) in rotate(&x).into_iter().enumerate() {
+                    self.st(qkv, r * stride + h * d + t, v)?;
+                }
+            }
+            // The kernel skips the cache write of a position outside the request's row.
+            if pos < 0 || pos as usize / ps >= max_pages {
+                continue;
+            }
+            let pos = pos as usize;
+            let page = self.page(slots, i, pos / ps)?;
+            for h in 0..hkv {
+                let kx: Vec<f64> = (0..d)
+                    .map(|t| self.ld(qkv, r * stride + (hq + h) * d + t))
+                    .collect::<R<_>>()?;
+                for (t, v) in rotate(&kx).into_iter().enumerate() {
+                    let at = self.kv_index(page, pos % ps, h, t);
+                    self.kv_store(KvKind::K, kl, at, v)?;
+                }
+                for t in 0..d {
+                    let v = self.ld(qkv, r * stride + (hq + hkv + h) * d + t)?;
+                    let at = self.kv_index(page, pos % ps, h, t);
+                    self.kv_store(KvKind::V, vl, at, v)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn attn_partial(
+        &mut self,
+        k: &KernelDesc,
+        grid: [u32; 3],
+        p: &AttnPartialPtrs<Ptr>,
+        s: &AttnPartialScalars,
+    ) -> R<()> {
+        let (hq, hkv, d, n) = (
+            c_u32(k, "HEADS")?,
+            c_pos(k, "KV_HEADS")?,
+            c_u32(k, "HEAD_DIM")?,
+            c_pos(k, "N")?,
+        );
+        let (ps, window) = (c_pos(k, "PAGE_SIZE")?, c_u32(k, "WINDOW")?);
+        let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_pos(k, "KV_TILE")?);
+        let (q, slots, prefix) = (
+            buf(p.q, "q")?,
+            buf(p.req_slots, "req_slots")?,
+            buf(p.prefix_lens, "prefix_lens")?,
+        );
+        if !matches!(p.page_table, Ptr::Table) {
+            return Err("page_table must be the page table".into());
+        }
+        let (kl, vl) = (
+            kv(p.k_cache, KvKind::K, "k_cache")?,
+            kv(p.v_cache, KvKind::V, "v_cache")?,
+        );
+        let (batch, splits, q_stride) = (s.batch as usize, s.splits as usize, s.q_stride as usize);
+        if grid[2] as usize != splits || splits == 0 {
+            return Err(format!("grid.z {} != splits {splits}", grid[2]));
+        }
+        let rows = batch * n;
+        let g = hq / hkv;
+        for i in 0..batch {
+            let l = self.ld(prefix, i)?.max(0.0) as usize;
+            let kv_len = l + n;
+            let kv_start = if window > 0 { (l + 1).saturating_sub(window) } else { 0 };
+            let total = kv_len - kv_start;
+            let chunk = total.div_ceil(splits).div_ceil(tile) * tile;
+            for sp in 0..splits {
+                let lo = (kv_start + sp * chunk).min(kv_len);
+                let hi = (kv_start + (sp + 1) * chunk).min(kv_len);
+                for kvh in 0..hkv {
+                    for j in 0..n {
+                        let r = i * n + j;
+                        for hh in 0..g {
+                            let head = kvh * g + hh;
+                            let qv: Vec<f64> = (0..d)
+                                .map(|t| self.ld(q, r * q_stride + head * d + t))
+                                .collect::<R<_>>()?;
+                            let first = if window > 0 {
+                                (l + j + 1).saturating_sub(window)
+                            } else {
+                                0
+                            };
+                            let mut scores = Vec::new();
+                            for pos in lo.max(first)..hi.min(l + j + 1) {
+                                let page = self.page(slots, i, pos / ps)?;
+                                let mut dot = 0.0;
+                                for (t, qt) in qv.iter().enumerate() {
+                                    dot += qt * self.kv_load(KvKind::K, kl, self.kv_index(page, pos % ps, kvh, t))?;
+                                }
+                                scores.push((dot * scale, page, pos % ps));
+                            }
+                            let m = scores.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
+                            let den: f64 = scores.iter().map(|x| (x.0 - m).exp()).sum();
+                            let mut o = vec![0.0f64; d];
+                            for &(sc, page, slot) in &scores {
+                                let w = (sc - m).exp() / den;
+                                for (t, ot) in o.iter_mut().enumerate() {
+                                    *ot += w * self.kv_load(KvKind::V, vl, self.kv_index(page, slot, kvh, t))?;
+                                }
+                            }
+                            let lse = if scores.is_empty() {
+                                f64::NEG_INFINITY
+                            } else {
+                                m + den.ln()
+                            };
+                            if splits == 1 {
+                                let out = buf(p.out, "out")?;
+                                for (t, v) in o.into_iter().enumerate() {
+                                    self.st(out, r * hq * d + head * d + t, v)?;
+                                }
+                            } else {
+                                let (po, pl) = (buf(p.part_o, "part_o")?, buf(p.part_lse, "part_lse")?);
+                                for (t, v) in o.into_iter().enumerate() {
+                                    self.st(po, ((sp * rows + r) * hq + head) * d + t, v)?;
+                                }
+                                self.st(pl, (sp * rows + r) * hq + head, lse)?;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn attn_merge(&mut self, k: &KernelDesc, p: &AttnMergePtrs<Ptr>, s: &AttnMergeScalars) -> R<()> {
+        let (heads, d) = (c_u32(k, "HEADS")?, c_u32(k, "HEAD_DIM")?);
+        let (po, pl, out) = (
+            buf(p.part_o, "part_o")?,
+            buf(p.part_lse, "part_lse")?,
+            buf(p.out, "out")?,
+        );
+        let (rows, splits) = (s.rows as usize, s.splits as usize);
+        for r in 0..rows {
+            for hh in 0..heads {
+                let lse: Vec<f64> = (0..splits)
+                    .map(|sp| self.ld(pl, (sp * rows + r) * heads + hh))
+                    .collect::<R<_>>()?;
+                let m = lse.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = lse
+                    .iter()
+                    .map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { (l - m).exp() })
+                    .collect();
+                let total: f64 = w.iter().sum();
+                for dd in 0..d {
+                    let mut acc = 0.0;
+                    for (sp, ws) in w.iter().enumerate() {
+                        if *ws > 0.0 {
+                            acc += ws * self.ld(po, ((sp * rows + r) * heads + hh) * d + dd)?;
+                        }
+                    }
+                    self.st(
+                        out,
+                        r * heads * d + hh * d + dd,
+                        if total > 0.0 { acc / total } else { 0.0 },
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The id of column `c` of a logits row: the hot map's entry, or `c`.
+    fn column_id(&self, hot: bool, map: Ptr, c: usize) -> R<f64> {
+        match (hot, map) {
+            (true, Ptr::Weight(w)) => self.wf(w, c),
+            (true, other) => Err(format!("HOT_MAP without a hot_ids weight ({other:?})")),
+            (false, _) => Ok(c as f64),
+        }
+    }
+
+    pub(super) fn softmax_topk(&mut self, k: &KernelDesc, p: &SoftmaxTopkPtrs<Ptr>, s: &SoftmaxTopkScalars) -> R<()> {
+        let (cols, topk, hot) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_bool(k, "HOT_MAP")?);
+        let (logits, probs, ids) = (buf(p.logits, "logits")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
+        for i in 0..s.batch as usize {
+            let row: Vec<f64> = (0..cols).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
+            let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = row.iter().map(|x| (x - m).exp()).sum();
+            let mut order: Vec<usize> = (0..cols).collect();
+            // Descending by logit; ties to the lower column (a stable sort keeps them).
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            for slot in 0..topk {
+                let (prob, id) = match order.get(slot) {
+                    Some(&c) => (
+                        ((row[c] - m).exp() / sum) as f32 as f64,
+                        self.column_id(hot, p.hot_ids, c)?,
+                    ),
+                    None => (0.0, -1.0),
+                };
+                self.st(probs, i * topk + slot, prob)?;
+                self.st(ids, i * topk + slot, id)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn topk_partial(&mut self, k: &KernelDesc, p: &TopkPartialPtrs<Ptr>, s: &TopkPartialScalars) -> R<()> {
+        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
+        let (logits, part) = (buf(p.logits, "logits")?, buf(p.part, "part")?);
+        let chunks = s.chunks as usize;
+        if chunks == 0 {
+            return Err("chunks is 0".into());
+        }
+        let rec = 2 + 2 * topk;
+        // Chunk ch: columns [ch·W, min(cols, (ch+1)·W)), W = ceil(cols/chunks) rounded up
+        // to a multiple of 4 (sample.cu's contract).
+        let width = cols.div_ceil(chunks).div_ceil(4) * 4;
+        for i in 0..s.batch as usize {
+            for ch in 0..chunks {
+                let (c0, c1) = ((ch * width).min(cols), ((ch + 1) * width).min(cols));
+                let vals: Vec<f64> = (c0..c1).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
+                let m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = if m == f64::NEG_INFINITY {
+                    0.0
+                } else {
+                    vals.iter().map(|x| (x - m).exp()).sum()
+                };
+                let mut order: Vec<usize> = (0..vals.len()).collect();
+                order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a])); // stable: ties to lower column
+                let base = (i * chunks + ch) * rec;
+                self.st(part, base, m as f32 as f64)?;
+                self.st(part, base + 1, sum as f32 as f64)?;
+                for slot in 0..topk {
+                    let (v, c) = match order.get(slot) {
+                        Some(&j) => (vals[j], (c0 + j) as f64),
+                        None => (f64::NEG_INFINITY, -1.0),
+                    };
+                    self.st(part, base + 2 + slot, v)?;
+                    self.st(part, base + 2 + topk + slot, c)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn topk_merge(&mut self, k: &KernelDesc, p: &TopkMergePtrs<Ptr>, s: &TopkMergeScalars) -> R<()> {
+        let (cols, topk, hot) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_bool(k, "HOT_MAP")?);
+        let (part, probs, ids) = (buf(p.part, "part")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
+        let chunks = s.chunks as usize;
+        let rec = 2 + 2 * topk;
+        for i in 0..s.batch as usize {
+            let base = |ch: usize| (i * chunks + ch) * rec;
+            let mut heads = Vec::with_capacity(chunks);
+            for ch in 0..chunks {
+                heads.push((self.ld(part, base(ch))?, self.ld(part, base(ch) + 1)?));
+            }
+            let m = heads.iter().map(|h| h.0).fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = heads
+                .iter()
+                .filter(|&&(mc, _)| mc != f64::NEG_INFINITY)
+                .map(|&(mc, sc)| sc * (mc - m).exp())
+                .sum();
+            // Every chunk's candidates with a column, best first (ties: lower column).
+            let mut cand = Vec::new();
+            for ch in 0..chunks {
+                for sl in 0..topk {
+                    let (v, c) = (
+                        self.ld(part, base(ch) + 2 + sl)?,
+                        self.ld(part, base(ch) + 2 + topk + sl)?,
+                    );
+                    if c >= 0.0 {
+                        cand.push((v, c));
+                    }
+                }
+            }
+            cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
+            for slot in 0..topk {
+                // The kernel's guard: a column outside [0, COLS) yields probability 0, id -1.
+                let (prob, id) = match cand.get(slot) {
+                    Some(&(v, c)) if c >= 0.0 && (c as usize) < cols => {
+                        let prob = if m != f64::NEG_INFINITY && sum > 0.0 {
+                            ((v - m).exp() / sum) as f32 as f64
+                        } else {
+                            0.0
+                        };
+                        (prob, self.column_id(hot, p.hot_ids, c as usize)?)
+                    }
+                    _ => (0.0, -1.0),
+                };
+                self.st(probs, i * topk + slot, prob)?;
+                self.st(ids, i * topk + slot, id)?;
+            }
+        }
+        Ok(())
+    }
+}

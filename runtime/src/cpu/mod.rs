@@ -1,0 +1,385 @@
+//! The CPU reference executor: runs a plan's launch list for one bucket in f32.
+//!
+//! It interprets exactly what the GPU runtime replays — the same launches, the same
+//! arguments, the same arena offsets — with plain loops, so it is the oracle for GPU tests
+//! and it exercises the memory plan itself: the arena is one array in which every buffer
+//! lives at its planned offset (one f64 cell per 2 bytes, so bf16, f32, i32 and i64
+//! values are all held exactly), and two buffers that wrongly share bytes while live
+//! corrupt each other here just as they would on the device.
+//!
+//! Math is f32 as the kernels do it (reductions accumulate in f64, a slightly better
+//! oracle); activations are not rounded to bf16 between ops. The maths of each entry is
+//! written here from the kernel's documented contract (`entries.rs`), never derived from
+//! the kernels. Every access is bounds-checked: a plan `validate` accepts runs here
+//! without a panic, and bad data (a page outside the pool) is an error, not a fault.
+
+mod entries;
+
+use specplan_format::{ArgValue, BucketPlan, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan};
+use specplan_kernels::abi::{KernelParams, Slot};
+use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select};
+use specplan_kernels::Entry;
+
+use crate::step::{BucketInputs, PageTable};
+
+/// A weight in host memory (floats as f32; the FR-Spec id map as i64).
+#[derive(Clone, Debug, PartialEq)]
+pub enum WeightData {
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+impl WeightData {
+    pub fn len(&self) -> usize {
+        match self {
+            WeightData::F32(v) => v.len(),
+            WeightData::I64(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The K/V pool: per layer, `[pages, page_size, kv_heads, head_dim]` as f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvPool {
+    pub pages: usize,
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+}
+
+/// Outputs for the bucket's rows (the caller slices the real requests).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BucketOutputs {
+    pub hidden_out: Vec<f32>,
+    pub topk_probs: Vec<f32>,
+    pub topk_ids: Vec<i64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ExecError {
+    #[error("launch {launch} ({op}): {message}")]
+    Launch { launch: usize, op: String, message: String },
+    #[error("weights: {0}")]
+    Weights(String),
+    #[error("the bucket's arena of {bytes} bytes exceeds the CPU executor's limit of {limit}")]
+    TooLarge { bytes: u64, limit: u64 },
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Largest arena the CPU executor holds (it keeps 4 bytes of f64 cells per arena byte).
+pub const MAX_CPU_ARENA_BYTES: u64 = 1 << 30;
+
+pub struct CpuExecutor<'p> {
+    plan: &'p Plan,
+    weights: Vec<WeightData>,
+}
+
+/// A resolved pointer argument.
+#[derive(Clone, Copy, Debug)]
+enum Ptr {
+    Buf(usize),
+    Weight(usize),
+    Kv(usize, KvKind),
+    Table,
+    Null,
+}
+
+struct Ctx<'a> {
+    plan: &'a Plan,
+    bucket: &'a BucketPlan,
+    weights: &'a [WeightData],
+    cells: Vec<f64>,
+    kv: &'a mut KvPool,
+    table: &'a PageTable,
+}
+
+type R<T> = Result<T, String>;
+
+impl<'p> CpuExecutor<'p> {
+    /// `weights[i]` is the plan's weight `i`, already packed (see `contract::load_weights`).
+    pub fn new(plan: &'p ValidatedPlan, weights: Vec<WeightData>) -> Result<Self, ExecError> {
+        if weights.len() != plan.weights.len() {
+            return Err(ExecError::Weights(format!(
+                "{} weights given, the plan has {}",
+                weights.len(),
+                plan.weights.len()
+            )));
+        }
+        for (w, d) in plan.weights.iter().zip(&weights) {
+            let n: u64 = w.shape.iter().product();
+            if d.len() as u64 != n {
+                return Err(ExecError::Weights(format!(
+                    "{}: {} elements, expected {:?}",
+                    w.name,
+                    d.len(),
+                    w.shape
+                )));
+            }
+        }
+        Ok(CpuExecutor { plan, weights })
+    }
+
+    /// Runs one bucket on padded inputs, updating `kv` in place.
+    pub fn run(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &BucketInputs,
+        table: &PageTable,
+        kv: &mut KvPool,
+    ) -> Result<BucketOutputs, ExecError> {
+        if bucket.arena_bytes > MAX_CPU_ARENA_BYTES {
+            return Err(ExecError::TooLarge {
+                bytes: bucket.arena_bytes,
+                limit: MAX_CPU_ARENA_BYTES,
+            });
+        }
+        let m = &self.plan.model;
+        let want_kv = self.plan.capture.page_size as usize * m.kv_heads as usize * m.head_dim as usize;
+        let kv_ok = kv.k.len() == m.layers as usize
+            && kv.v.len() == m.layers as usize
+            && kv.k.iter().chain(&kv.v).all(|l| l.len() == kv.pages * want_kv);
+        if !kv_ok || table.data.len() != table.rows * table.cols {
+            return Err(ExecError::Setup(
+                "the KV pool or page table does not have the plan's layout".into(),
+            ));
+        }
+        let cells = (bucket.arena_bytes as usize).div_ceil(2);
+        let mut arena = Vec::new();
+        arena
+            .try_reserve_exact(cells)
+            .map_err(|e| ExecError::Setup(format!("arena: {e}")))?;
+        // Poison: every cell starts NaN, so a read of anything no launch wrote shows up.
+        arena.resize(cells, f64::NAN);
+        let mut ctx = Ctx {
+            plan: self.plan,
+            bucket,
+            weights: &self.weights,
+            cells: arena,
+            kv,
+            table,
+        };
+        let setup = |e: String| ExecError::Setup(format!("inputs: {e}"));
+        ctx.store_input("input_ids", inputs.input_ids.iter().map(|&x| x as f64))
+            .map_err(setup)?;
+        ctx.store_input("hidden_states", inputs.hidden_states.iter().map(|&x| x as f64))
+            .map_err(setup)?;
+        ctx.store_input("prefix_lens", inputs.prefix_lens.iter().map(|&x| x as f64))
+            .map_err(setup)?;
+        ctx.store_input("accept_lens", inputs.accept_lens.iter().map(|&x| x as f64))
+            .map_err(setup)?;
+        ctx.store_input("req_slots", inputs.req_slots.iter().map(|&x| x as f64))
+            .map_err(setup)?;
+        for (li, launch) in bucket.launches.iter().enumerate() {
+            let err = |message: String| ExecError::Launch {
+                launch: li,
+                op: launch.op.clone(),
+                message,
+            };
+            match &launch.kind {
+                LaunchKind::Gemm(g) => ctx.gemm(g).map_err(err)?,
+                LaunchKind::Kernel { kernel, grid, args, .. } => {
+                    let k = self
+                        .plan
+                        .kernels
+                        .get(*kernel as usize)
+                        .ok_or_else(|| err("no such kernel".into()))?;
+                    ctx.kernel(k, *grid, args).map_err(err)?
+                }
+            }
+        }
+        let out = |e: String| ExecError::Setup(format!("outputs: {e}"));
+        Ok(BucketOutputs {
+            hidden_out: ctx
+                .load_named("hidden_out")
+                .map_err(out)?
+                .into_iter()
+                .map(|x| x as f32)
+                .collect(),
+            topk_probs: ctx
+                .load_named("topk_probs")
+                .map_err(out)?
+                .into_iter()
+                .map(|x| x as f32)
+                .collect(),
+            topk_ids: ctx
+                .load_named("topk_ids")
+                .map_err(out)?
+                .into_iter()
+                .map(|x| x as i64)
+                .collect(),
+        })
+    }
+}
+
+/// The typed arguments of entry `K` from a launch's resolved argument list.
+fn typed<K: KernelParams>(slots: &[Slot<Ptr>]) -> R<(K::Ptrs<Ptr>, K::Scalars)> {
+    K::split(slots).ok_or_else(|| format!("arguments do not match {}", K::C_NAME))
+}
+
+impl Ctx<'_> {
+    fn elems(&self, buf: usize) -> usize {
+        self.bucket
+            .buffers
+            .get(buf)
+            .map_or(0, |b| (b.bytes / b.dtype.size()) as usize)
+    }
+    fn cell(&self, buf: usize, elem: usize) -> R<usize> {
+        let b = self.bucket.buffers.get(buf).ok_or_else(|| format!("no buffer {buf}"))?;
+        if elem >= self.elems(buf) {
+            return Err(format!(
+                "element {elem} outside %{} ({} elements)",
+                b.name,
+                self.elems(buf)
+            ));
+        }
+        let c = (b.offset as usize + elem * b.dtype.size() as usize) / 2;
+        if c >= self.cells.len() {
+            return Err(format!("%{} lies outside the arena", b.name));
+        }
+        Ok(c)
+    }
+    fn ld(&self, buf: usize, elem: usize) -> R<f64> {
+        Ok(self.cells[self.cell(buf, elem)?])
+    }
+    fn st(&mut self, buf: usize, elem: usize, v: f64) -> R<()> {
+        let c = self.cell(buf, elem)?;
+        self.cells[c] = v;
+        Ok(())
+    }
+    fn store_input(&mut self, name: &str, values: impl Iterator<Item = f64>) -> R<()> {
+        if let Some((id, _)) = self.bucket.buffer(name) {
+            for (e, v) in values.enumerate() {
+                self.st(id as usize, e, v)?;
+            }
+        }
+        Ok(())
+    }
+    fn load_named(&self, name: &str) -> R<Vec<f64>> {
+        match self.bucket.buffer(name) {
+            Some((id, _)) => (0..self.elems(id as usize)).map(|e| self.ld(id as usize, e)).collect(),
+            None => Ok(Vec::new()),
+        }
+    }
+    /// Element `i` of weight `w` (floats and ids alike, as f64).
+    fn wf(&self, w: usize, i: usize) -> R<f64> {
+        match self.weights.get(w) {
+            Some(WeightData::F32(v)) => v.get(i).map(|x| *x as f64),
+            Some(WeightData::I64(v)) => v.get(i).map(|x| *x as f64),
+            None => None,
+        }
+        .ok_or_else(|| format!("weight {w} has no element {i}"))
+    }
+
+    fn resolve(&self, v: &ArgValue) -> Slot<Ptr> {
+        Slot::Ptr(match v {
+            ArgValue::U32(x) => return Slot::U32(*x),
+            ArgValue::Buffer(id) => Ptr::Buf(*id as usize),
+            ArgValue::Weight(id) => Ptr::Weight(*id as usize),
+            ArgValue::KvCache { layer, kind } => Ptr::Kv(*layer as usize, *kind),
+            ArgValue::PageTable => Ptr::Table,
+            ArgValue::Null => Ptr::Null,
+        })
+    }
+
+    /// One kernel launch: an exhaustive dispatch over the entries.
+    fn kernel(&mut self, k: &KernelDesc, grid: [u32; 3], args: &[ArgValue]) -> R<()> {
+        let slots: Vec<Slot<Ptr>> = args.iter().map(|a| self.resolve(a)).collect();
+        match k.entry {
+            Entry::EmbedConcat => {
+                let (p, s) = typed::<embed::EmbedConcatParams>(&slots)?;
+                self.embed_concat(k, &p, &s)
+            }
+            Entry::RmsNorm => {
+                let (p, s) = typed::<norm::RmsNormParams>(&slots)?;
+                self.rmsnorm(k, &p, &s)
+            }
+            Entry::RopeAppend => {
+                let (p, s) = typed::<rope::RopeAppendParams>(&slots)?;
+                self.rope_append(k, &p, &s)
+            }
+            Entry::AttnPartial => {
+                let (p, s) = typed::<attention::AttnPartialParams>(&slots)?;
+                self.attn_partial(k, grid, &p, &s)
+            }
+            Entry::AttnMerge => {
+                let (p, s) = typed::<attention::AttnMergeParams>(&slots)?;
+                self.attn_merge(k, &p, &s)
+            }
+            Entry::SiluMul => {
+                let (p, s) = typed::<mlp::SiluMulParams>(&slots)?;
+                self.silu_mul(k, &p, &s)
+            }
+            Entry::SelectRows => {
+                let (p, s) = typed::<select::SelectRowsParams>(&slots)?;
+                self.select_rows(k, &p, &s)
+            }
+            Entry::SoftmaxTopk => {
+                let (p, s) = typed::<sample::SoftmaxTopkParams>(&slots)?;
+                self.softmax_topk(k, &p, &s)
+            }
+            Entry::TopkPartial => {
+                let (p, s) = typed::<sample::TopkPartialParams>(&slots)?;
+                self.topk_partial(k, &p, &s)
+            }
+            Entry::TopkMerge => {
+                let (p, s) = typed::<sample::TopkMergeParams>(&slots)?;
+                self.topk_merge(k, &p, &s)
+            }
+        }
+    }
+
+    fn gemm(&mut self, g: &GemmDesc) -> R<()> {
+        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+        let (a, c, w) = (g.a as usize, g.c as usize, g.w as usize);
+        let Some(WeightData::F32(wv)) = self.weights.get(w) else {
+            return Err(format!("GEMM weight {w} is not a float weight"));
+        };
+        if wv.len() < n * k {
+            return Err(format!("GEMM weight {w} holds {} of n·k = {} values", wv.len(), n * k));
+        }
+        let a_rows: Vec<f64> = (0..m * k).map(|i| self.ld(a, i)).collect::<R<_>>()?;
+        // Output columns split across threads: the big heads' GEMMs would otherwise make
+        // the oracle the slowest part of a GPU check.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |t| t.get())
+            .min(n.div_ceil(64))
+            .max(1);
+        let per = n.div_ceil(threads);
+        let parts: Vec<Option<Vec<f64>>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (a_rows, wv) = (&a_rows, &wv);
+                    s.spawn(move || {
+                        let (lo, hi) = ((t * per).min(n), ((t + 1) * per).min(n));
+                        let mut part = vec![0f64; m * (hi - lo)];
+                        for r in 0..m {
+                            let ar = &a_rows[r * k..(r + 1) * k];
+                            for col in lo..hi {
+                                let wr = &wv[col * k..(col + 1) * k];
+                                part[r * (hi - lo) + col - lo] = ar.iter().zip(wr).map(|(x, y)| x * *y as f64).sum();
+                            }
+                        }
+                        part
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().ok()).collect()
+        });
+        for (t, part) in parts.into_iter().enumerate() {
+            let part = part.ok_or("a GEMM worker thread failed")?;
+            let (lo, hi) = ((t * per).min(n), ((t + 1) * per).min(n));
+            for r in 0..m {
+                for col in lo..hi {
+                    let i = r * n + col;
+                    let prev = if g.accumulate { self.ld(c, i)? } else { 0.0 };
+                    // fp32 result, as cuBLAS writes it before the output cast.
+                    self.st(c, i, (prev + part[r * (hi - lo) + col - lo]) as f32 as f64)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}

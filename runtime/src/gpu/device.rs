@@ -1,0 +1,157 @@
+//! Device-side RAII and the error type of the GPU runtime, shared by every GPU module
+//! (allocations, pinned host memory, modules, events, the cuBLAS handle).
+
+use std::ffi::c_void;
+
+use cudarc::cublas::sys as cublas;
+use cudarc::driver::{result, sys};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no CUDA driver (libcuda.so.1) or no GPU on this machine")]
+    NoDriver,
+    #[error("CUDA call {call} failed: {message}")]
+    Cuda { call: &'static str, message: String },
+    #[error("cuBLAS call {call} failed with status {status}")]
+    Cublas { call: &'static str, status: String },
+    #[error("the plan's kernels were built for sm_{plan}, this GPU is sm_{device} ({name})")]
+    Arch { plan: u32, device: u32, name: String },
+    #[error("kernel {kernel} has no binary (the plan was compiled with --no-kernels)")]
+    NoBinary { kernel: String },
+    #[error("kernel {kernel}: neither the CUBIN nor the PTX loads: {message}")]
+    Load { kernel: String, message: String },
+    #[error("{0}")]
+    Input(#[from] crate::step::InputError),
+    #[error("weights: {0}")]
+    Weights(String),
+    #[error("the plan has no bucket of batch {batch} (buckets: {buckets})")]
+    NoBucket { batch: u32, buckets: String },
+    #[error("bucket {batch} has no buffer {name}")]
+    NoBuffer { batch: u32, name: String },
+    #[error("{what}: {bytes} bytes, expected {expected}")]
+    Size {
+        what: String,
+        bytes: usize,
+        expected: usize,
+    },
+    #[error("KV cache: {0}")]
+    Pool(String),
+}
+
+pub(crate) fn cuda<T>(call: &'static str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {
+    r.map_err(|e| GpuError::Cuda {
+        call,
+        message: format!("{e:?}"),
+    })
+}
+
+pub(crate) fn cuda_rc(call: &'static str, rc: sys::CUresult) -> Result<(), GpuError> {
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cuda {
+            call,
+            message: format!("{rc:?}"),
+        })
+    }
+}
+
+pub(crate) fn cublas_ok(call: &'static str, s: cublas::cublasStatus_t) -> Result<(), GpuError> {
+    if s == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Cublas {
+            call,
+            status: format!("{s:?}"),
+        })
+    }
+}
+
+/// One raw device allocation, freed on drop.
+pub(crate) struct DevMem {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+}
+
+impl DevMem {
+    pub fn new(bytes: usize) -> Result<DevMem, GpuError> {
+        // SAFETY: a plain allocation; the context is current (bound by the caller).
+        let ptr = cuda("cuMemAlloc", unsafe { result::malloc_sync(bytes.max(256)) })?;
+        Ok(DevMem { ptr, bytes })
+    }
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemAlloc and is freed once.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// Page-locked host memory, freed on drop.
+pub(crate) struct Pinned {
+    pub ptr: *mut u8,
+    pub bytes: usize,
+}
+
+impl Pinned {
+    pub fn new(bytes: usize) -> Result<Pinned, GpuError> {
+        // SAFETY: a plain page-locked allocation.
+        let ptr = cuda("cuMemHostAlloc", unsafe { result::malloc_host(bytes.max(64), 0) })? as *mut u8;
+        Ok(Pinned {
+            ptr,
+            bytes: bytes.max(64),
+        })
+    }
+    pub fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `bytes` bytes we own exclusively.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.bytes) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+pub(crate) struct Module(pub sys::CUmodule);
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: loaded by cuModuleLoadData, unloaded once.
+        let _ = unsafe { sys::cuModuleUnload(self.0) };
+    }
+}
+
+pub(crate) struct BlasHandle(pub cublas::cublasHandle_t);
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasCreate, destroyed once.
+        let _ = unsafe { cublas::cublasDestroy_v2(self.0) };
+    }
+}
+
+/// An event, destroyed on drop (also when the code that made it returns early).
+pub(crate) struct Event(pub sys::CUevent);
+
+impl Event {
+    /// `timing`: an event for elapsed-time measurement; else the cheaper kind.
+    pub fn new(timing: bool) -> Result<Event, GpuError> {
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        Ok(Event(cuda("cuEventCreate", result::event::create(flags))?))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by cuEventCreate, destroyed once.
+        let _ = unsafe { result::event::destroy(self.0) };
+    }
+}

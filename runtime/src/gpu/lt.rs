@@ -1,0 +1,297 @@
+//! The plan's GEMMs through cuBLASLt, each with an algorithm chosen by measurement when the
+//! runtime loads.
+//!
+//! Why: a draft-extend step multiplies 4–1024 rows by the draft head's weights. For the few
+//! rows of small buckets the GEMMs are weight streams (memory bound), and the algorithm
+//! cuBLAS's default heuristic picks for such skinny shapes leaves bandwidth unused (too few
+//! CTAs, no split-K). cuBLASLt lists several candidates per shape (split-K, tile sizes);
+//! timing them on this GPU, on the plan's own pointers, and keeping the fastest is the
+//! "skinny-GEMM choice" fixed before any graph is captured. Shapes come from the plan
+//! (m = bucket rows, n, k from the weights), so the set is small (a few per bucket).
+//!
+//! Operand convention (row-major C[m,n] = A[m,k]·W[n,k]ᵀ, as in `gemm.rs`): in
+//! cuBLAS's column-major terms D[n,m] = op(W)·A with W stored k×n (ld k) and op = T, A
+//! stored k×m (ld k), C/D stored n×m (ld n). `accumulate` adds into C (beta = 1, C = D).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys as lsys;
+use cudarc::driver::{result, sys};
+
+use specplan_format::DType;
+
+use super::device::{cuda, Event, GpuError};
+
+/// Candidates asked of the heuristic per shape.
+const CANDIDATES: i32 = 8;
+/// Timed runs per candidate (after two warm-up runs); their mean is compared.
+const RUNS: usize = 8;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct GemmShape {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub accumulate: bool,
+    pub w: DType,
+    pub a: DType,
+    pub c: DType,
+}
+
+/// Operands of one call: device addresses of W, A and C (= D).
+#[derive(Clone, Copy)]
+pub(crate) struct GemmPtrs {
+    pub w: u64,
+    pub a: u64,
+    pub c: u64,
+}
+
+/// What tuning found for one shape (reported by the benchmarks).
+#[derive(Clone, Copy, Debug)]
+pub struct GemmChoice {
+    /// Mean µs of the heuristic's first candidate and of the kept one.
+    pub first_us: f32,
+    pub best_us: f32,
+    /// Index of the kept candidate in the heuristic's list, and the list's length.
+    pub rank: usize,
+    pub candidates: usize,
+}
+
+struct Tuned {
+    desc: lsys::cublasLtMatmulDesc_t,
+    layouts: [lsys::cublasLtMatrixLayout_t; 3], // W, A, C/D
+    algo: lsys::cublasLtMatmulAlgo_t,
+    choice: GemmChoice,
+}
+
+impl Drop for Tuned {
+    fn drop(&mut self) {
+        // SAFETY: created in `Lt::tune`, destroyed once here; a layout whose creation
+        // failed (tune returned early) is still null and is skipped.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.desc);
+            for l in self.layouts.into_iter().filter(|l| !l.is_null()) {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+    }
+}
+
+pub(crate) struct Lt {
+    handle: lsys::cublasLtHandle_t,
+    ws: (u64, usize),
+    tuned: HashMap<GemmShape, Tuned>,
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        self.tuned.clear();
+        // SAFETY: created in `Lt::new`, destroyed once, after every descriptor.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+fn lt_ok<T>(call: &'static str, r: Result<T, lt::CublasError>) -> Result<T, GpuError> {
+    r.map_err(|e| GpuError::Cublas {
+        call,
+        status: format!("{:?}", e.0),
+    })
+}
+
+fn dtype(d: DType) -> lsys::cudaDataType {
+    match d {
+        DType::Bf16 => lsys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => lsys::cudaDataType::CUDA_R_16F,
+        _ => lsys::cudaDataType::CUDA_R_32F,
+    }
+}
+
+impl Lt {
+    /// A cuBLASLt handle using the workspace `ws` (device address, bytes) for every call.
+    pub(crate) fn new(ws: (u64, usize)) -> Result<Lt, GpuError> {
+        let handle = lt_ok("cublasLtCreate", lt::create_handle())?;
+        Ok(Lt {
+            handle,
+            ws,
+            tuned: HashMap::new(),
+        })
+    }
+
+    pub(crate) fn choice(&self, s: &GemmShape) -> Option<GemmChoice> {
+        self.tuned.get(s).map(|t| t.choice)
+    }
+
+    /// Times the heuristic's candidates for `s` on `p` and keeps the fastest. Leaves the
+    /// shape untuned (the caller falls back to cublasGemmEx) when cuBLASLt has no
+    /// candidate. Overwrites C (and reads it when accumulating): call before the arena
+    /// holds anything a step needs.
+    pub(crate) fn tune(&mut self, s: GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
+        if self.tuned.contains_key(&s) {
+            return Ok(());
+        }
+        let desc = lt_ok(
+            "cublasLtMatmulDescCreate",
+            lt::create_matmul_desc(
+                lsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                lsys::cudaDataType::CUDA_R_32F,
+            ),
+        )?;
+        let (m, n, k) = (s.m as u64, s.n as u64, s.k as u64);
+        let mk = |t, rows, cols, ld| {
+            lt_ok(
+                "cublasLtMatrixLayoutCreate",
+                lt::create_matrix_layout(t, rows, cols, ld),
+            )
+        };
+        // Build the descriptor set first so a failure below still frees what exists.
+        let mut t = Tuned {
+            desc,
+            layouts: [std::ptr::null_mut(); 3],
+            // SAFETY: an all-zero algo is a valid "unset" value of this plain C struct; it
+            // is replaced before any use.
+            algo: unsafe { std::mem::zeroed() },
+            choice: GemmChoice {
+                first_us: 0.0,
+                best_us: 0.0,
+                rank: 0,
+                candidates: 0,
+            },
+        };
+        t.layouts[0] = mk(dtype(s.w), k, n, k as i64)?;
+        t.layouts[1] = mk(dtype(s.a), k, m, k as i64)?;
+        t.layouts[2] = mk(dtype(s.c), n, m, n as i64)?;
+        // cublasOperation_t values (the attribute is an int32): CUBLAS_OP_T = 1, CUBLAS_OP_N = 0.
+        let (op_t, op_n) = (1i32, 0i32);
+        use lsys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB};
+        for (attr, op) in [
+            (CUBLASLT_MATMUL_DESC_TRANSA, &op_t),
+            (CUBLASLT_MATMUL_DESC_TRANSB, &op_n),
+        ] {
+            // SAFETY: live descriptor; the value is the attribute's documented type (int32)
+            // and size, read during the call.
+            lt_ok("cublasLtMatmulDescSetAttribute", unsafe {
+                lt::set_matmul_desc_attribute(t.desc, attr, op as *const i32 as *const c_void, 4)
+            })?;
+        }
+        let pref = lt_ok("cublasLtMatmulPreferenceCreate", lt::create_matmul_pref())?;
+        let ws_bytes = self.ws.1 as u64;
+        // SAFETY: live preference; the attribute is a u64 byte count.
+        let set = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                lsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws_bytes as *const u64 as *const c_void,
+                8,
+            )
+        };
+        // SAFETY: zeroed results are overwritten by the call for the returned count.
+        let mut found: Vec<lsys::cublasLtMatmulHeuristicResult_t> =
+            (0..CANDIDATES).map(|_| unsafe { std::mem::zeroed() }).collect();
+        let mut count = 0i32;
+        // SAFETY: all descriptors are live; the results array holds CANDIDATES entries.
+        let status = unsafe {
+            lsys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                t.desc,
+                t.layouts[0],
+                t.layouts[1],
+                t.layouts[2],
+                t.layouts[2],
+                pref,
+                CANDIDATES,
+                found.as_mut_ptr(),
+                &mut count,
+            )
+        };
+        // SAFETY: created above, destroyed once.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        lt_ok("cublasLtMatmulPreferenceSetAttribute", set)?;
+        if status != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || count <= 0 {
+            return Ok(()); // no candidate: cublasGemmEx serves this shape
+        }
+        found.truncate(count as usize);
+        let (ev0, ev1) = (Event::new(true)?, Event::new(true)?);
+        let (e0, e1) = (ev0.0, ev1.0);
+        let mut timed = Vec::new();
+        for (i, h) in found.iter().enumerate() {
+            if h.state != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || h.workspaceSize > self.ws.1 {
+                continue;
+            }
+            let mut ok = true;
+            let mut run = || {
+                ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok();
+            };
+            run();
+            run();
+            // SAFETY: live events on a live stream; synchronizing is the measurement.
+            let us = unsafe {
+                cuda("cuEventRecord", result::event::record(e0, stream))?;
+                for _ in 0..RUNS {
+                    run();
+                }
+                cuda("cuEventRecord", result::event::record(e1, stream))?;
+                cuda("cuEventSynchronize", result::event::synchronize(e1))?;
+                cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))? * 1e3 / RUNS as f32
+            };
+            if ok {
+                timed.push((i, us));
+            }
+        }
+        // The events are destroyed here; the stream was synchronized on the last of them.
+        drop((ev0, ev1));
+        let Some(&(rank, best_us)) = timed.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+            return Ok(());
+        };
+        t.algo = found[rank].algo;
+        t.choice = GemmChoice {
+            first_us: timed.iter().find(|x| x.0 == 0).map_or(f32::NAN, |x| x.1),
+            best_us,
+            rank,
+            candidates: found.len(),
+        };
+        self.tuned.insert(s, t);
+        Ok(())
+    }
+
+    fn call(
+        &self,
+        t: &Tuned,
+        algo: &lsys::cublasLtMatmulAlgo_t,
+        accumulate: bool,
+        p: GemmPtrs,
+        stream: sys::CUstream,
+    ) -> Result<(), GpuError> {
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0f32 });
+        // SAFETY: descriptors are live; the operands lie inside the runtime's allocations
+        // (validated plan shapes); alpha/beta are host scalars read at call (or capture)
+        // time; the workspace is the runtime's, sized as the preference said.
+        lt_ok("cublasLtMatmul", unsafe {
+            lt::matmul(
+                self.handle,
+                t.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                p.w as *const c_void,
+                t.layouts[0],
+                p.a as *const c_void,
+                t.layouts[1],
+                p.c as *const c_void,
+                t.layouts[2],
+                p.c as *mut c_void,
+                t.layouts[2],
+                algo as *const _,
+                self.ws.0 as *mut c_void,
+                self.ws.1,
+                stream as lsys::cudaStream_t,
+            )
+        })
+    }
+
+    /// Runs a tuned shape; `None` when `s` was not tuned (the caller uses cublasGemmEx).
+    pub(crate) fn run(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Option<Result<(), GpuError>> {
+        let t = self.tuned.get(s)?;
+        Some(self.call(t, &t.algo, s.accumulate, p, stream))
+    }
+}

@@ -1,0 +1,180 @@
+//! Hooks for tests and benchmarks, never on the replay path: the cache and arena buffers
+//! read and written from the host, poisoning, replays without host prep, and graphs of a
+//! subset of a bucket's launches. Most synchronize.
+
+use cudarc::driver::{result, CudaGraph};
+
+use super::device::{cuda, GpuError};
+use super::launch::capture;
+use super::GpuRuntime;
+
+impl GpuRuntime {
+    /// Uploads K/V pages for the caller's pages `[0, pages)` (layer-major, raw act bits).
+    pub fn write_kv(&mut self, k: &[u16], v: &[u16], pages: usize) -> Result<(), GpuError> {
+        let layers = self.plan.model.layers as usize;
+        let per = pages * self.plan.kv_page_bytes() as usize / 2;
+        if pages >= self.pool_pages as usize {
+            return Err(GpuError::Pool(format!(
+                "{pages} cache pages do not fit a pool of {} (+1 scratch)",
+                self.pool_pages - 1
+            )));
+        }
+        for (name, src) in [("k", k), ("v", v)] {
+            if src.len() != layers * per {
+                return Err(GpuError::Size {
+                    what: format!("{name}_cache"),
+                    bytes: src.len() * 2,
+                    expected: layers * per * 2,
+                });
+            }
+        }
+        for layer in 0..layers {
+            for (which, src) in [k, v].into_iter().enumerate() {
+                let dst = self.pool_base(layer, which);
+                // SAFETY: `per` elements from the start of this layer's pool, which holds
+                // `pool_pages > pages` pages.
+                cuda("cuMemcpyHtoD", unsafe {
+                    result::memcpy_htod_sync(dst, &src[layer * per..(layer + 1) * per])
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn pool_base(&self, layer: usize, which: usize) -> u64 {
+        self.kv.ptr + ((layer * 2 + which) as u64) * self.pool_pages as u64 * self.plan.kv_page_bytes()
+    }
+
+    /// Reads K/V pages `[0, pages)` back (layer-major, raw act bits). Synchronizes.
+    pub fn read_kv(&self, pages: usize) -> Result<(Vec<u16>, Vec<u16>), GpuError> {
+        if pages > self.pool_pages as usize {
+            return Err(GpuError::Pool(format!(
+                "{pages} pages exceed the pool of {}",
+                self.pool_pages
+            )));
+        }
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let per = pages * self.plan.kv_page_bytes() as usize / 2;
+        let layers = self.plan.model.layers as usize;
+        let mut k = vec![0u16; layers * per];
+        let mut v = vec![0u16; layers * per];
+        for layer in 0..layers {
+            for (which, dst) in [(0, &mut k), (1, &mut v)] {
+                let src = self.pool_base(layer, which);
+                // SAFETY: `per` elements from the start of this layer's pool.
+                cuda("cuMemcpyDtoH", unsafe {
+                    result::memcpy_dtoh_sync(&mut dst[layer * per..(layer + 1) * per], src)
+                })?;
+            }
+        }
+        Ok((k, v))
+    }
+
+    /// Reads the scratch page of every layer (to check what padding wrote). Synchronizes.
+    pub fn read_scratch_page(&self) -> Result<Vec<u16>, GpuError> {
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let page = self.plan.kv_page_bytes();
+        let per = page as usize / 2;
+        let mut out = vec![0u16; self.plan.model.layers as usize * 2 * per];
+        for (i, chunk) in out.chunks_mut(per).enumerate() {
+            let src = self.pool_base(i / 2, i % 2) + self.scratch_page() as u64 * page;
+            // SAFETY: one page inside pool `i`.
+            cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(chunk, src) })?;
+        }
+        Ok(out)
+    }
+
+    /// Fills the arena with 0xFF bytes (NaN in every float type), so a check sees any
+    /// output a step failed to write.
+    pub fn poison(&self) -> Result<(), GpuError> {
+        // SAFETY: the whole arena allocation.
+        cuda("cuMemsetD8", unsafe {
+            result::memset_d8_async(self.arena.ptr, 0xff, self.arena.bytes, self.stream.cu_stream())
+        })
+    }
+
+    /// Blocks until the stream is idle.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        cuda("cuStreamSynchronize", self.stream.synchronize())
+    }
+
+    /// Index of the bucket of exactly `batch` rows.
+    fn bucket_index(&self, batch: u32) -> Result<usize, GpuError> {
+        self.plan
+            .buckets
+            .iter()
+            .position(|b| b.batch == batch)
+            .ok_or_else(|| GpuError::NoBucket {
+                batch,
+                buckets: self.bucket_list(),
+            })
+    }
+
+    /// Replays a bucket's graph on the inputs already in the arena (no host prep, no
+    /// copies), or issues the launches whose op name contains `filter` eagerly.
+    pub fn replay_only(&self, batch: u32, filter: Option<&str>) -> Result<(), GpuError> {
+        let bi = self.bucket_index(batch)?;
+        match (filter, &self.graphs[bi]) {
+            (None, Some(g)) => cuda("cuGraphLaunch", g.launch()),
+            (None, None) => self.launcher().issue(bi, &|_| true),
+            (Some(f), _) => self.launcher().issue(bi, &|op| op.contains(f)),
+        }
+    }
+
+    /// The address and size of a named arena buffer of the bucket `batch` (exact bucket
+    /// size). The arena is shared by every bucket and packed by liveness, so after a step
+    /// a buffer holds its value only until a later op reuses it.
+    pub fn buffer_ptr(&self, batch: u32, name: &str) -> Option<(u64, usize)> {
+        let bk = self.plan.buckets.iter().find(|b| b.batch == batch)?;
+        let (_, x) = bk.buffer(name)?;
+        Some((self.arena.ptr + x.offset, x.bytes as usize))
+    }
+
+    fn named_buffer(&self, batch: u32, name: &str) -> Result<(u64, usize), GpuError> {
+        self.buffer_ptr(batch, name).ok_or_else(|| GpuError::NoBuffer {
+            batch,
+            name: name.into(),
+        })
+    }
+
+    /// Overwrites a named arena buffer of bucket `batch` (synchronously).
+    pub fn write_buffer(&self, batch: u32, name: &str, bytes: &[u8]) -> Result<(), GpuError> {
+        let (ptr, len) = self.named_buffer(batch, name)?;
+        if bytes.len() != len {
+            return Err(GpuError::Size {
+                what: format!("buffer {name}"),
+                bytes: bytes.len(),
+                expected: len,
+            });
+        }
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        // SAFETY: the destination range lies inside the arena allocation (the plan was
+        // validated against the arena size) and its length equals the source's; the
+        // stream is idle, so no kernel reads it concurrently.
+        unsafe { cuda("cuMemcpyHtoD", result::memcpy_htod_sync(ptr, bytes)) }
+    }
+
+    /// Copies a named arena buffer of bucket `batch` to the host (synchronizes).
+    pub fn read_buffer(&self, batch: u32, name: &str) -> Result<Vec<u8>, GpuError> {
+        let (ptr, len) = self.named_buffer(batch, name)?;
+        let mut out = vec![0u8; len];
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        // SAFETY: the source range lies inside the arena allocation; the destination has
+        // exactly `len` bytes; the stream is synchronized.
+        unsafe { cuda("cuMemcpyDtoH", result::memcpy_dtoh_sync(&mut out, ptr))? };
+        Ok(out)
+    }
+
+    /// Captures the launches of bucket `batch` whose op name contains `filter` as a graph
+    /// of their own (e.g. the attention launches, timed without the host launch overhead
+    /// that dominates eager issue of microsecond kernels).
+    pub fn capture_where(&self, batch: u32, filter: &str) -> Result<CudaGraph, GpuError> {
+        let bi = self.bucket_index(batch)?;
+        capture(&self.stream, || self.launcher().issue(bi, &|op| op.contains(filter)))
+    }
+
+    /// Whether a bucket has a built graph.
+    pub fn has_graph(&self, batch: u32) -> bool {
+        self.bucket_index(batch).is_ok_and(|i| self.graphs[i].is_some())
+    }
+}
