@@ -7,21 +7,25 @@
 
 use petgraph::algo::has_path_connecting;
 use petgraph::stable_graph::NodeIndex;
-use specplan_format::{FusionRecord, Packing};
+use specplan_format::{Entry, FusionRecord, Packing};
 
 use crate::config::Config;
 use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
 type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
 
+/// Rules named after the one kernel they fuse into.
+const EMBED_CONCAT: &str = Entry::EmbedConcat.name();
+const SOFTMAX_TOPK: &str = Entry::SoftmaxTopk.name();
+
 /// The fusion pipeline, in order.
 pub const PASSES: &[(&str, Pass)] = &[
-    ("embed_concat", embed_concat),
+    (EMBED_CONCAT, embed_concat),
     ("fc_bias_into_embed", fc_bias_into_embed),
     ("qkv_rope_append", qkv_rope_append),
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
-    ("softmax_topk", softmax_topk),
+    (SOFTMAX_TOPK, softmax_topk),
 ];
 
 pub fn run(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
@@ -110,14 +114,14 @@ fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
         };
         let (ids, table) = (g.graph[e].ins[0], g.graph[e].ins[1]);
         let op = Op {
-            name: "embed_concat".into(),
+            name: EMBED_CONCAT.into(),
             kind: OpKind::EmbedConcat { bias: false },
             ins: vec![ids, table, g.graph[c].ins[1]],
             outs: g.graph[c].outs.clone(),
             rank: g.graph[e].rank,
         };
         out.push(FusionRecord {
-            rule: "embed_concat".into(),
+            rule: EMBED_CONCAT.into(),
             fused: names(g, &[e, c]),
             into: op.name.clone(),
             launches_saved: 1,
@@ -402,7 +406,7 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             None => outs.push(idx),
         }
         let op = Op {
-            name: "softmax_topk".into(),
+            name: SOFTMAX_TOPK.into(),
             kind: OpKind::SoftmaxTopK {
                 k,
                 hot_map: map.is_some(),
@@ -412,7 +416,7 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             rank: g.graph[s].rank,
         };
         out.push(FusionRecord {
-            rule: "softmax_topk".into(),
+            rule: SOFTMAX_TOPK.into(),
             fused: names(g, &fused),
             into: op.name.clone(),
             launches_saved: fused.len() as u32 - 1,
@@ -422,4 +426,226 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         g.add_op(op);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each pass on the lowered `tiny` graph (it matches), and on the same graph with its
+    //! pattern broken in one place (it leaves the graph as it was).
+
+    use super::*;
+    use crate::config::{resolve, Overrides, Source};
+    use crate::graph::Tensor;
+    use crate::lower::lower;
+
+    fn tiny(o: &Overrides) -> (OpGraph, Config) {
+        let cfg = resolve(&Source::Preset("tiny".into()), o).expect("tiny resolves");
+        (lower(&cfg), cfg)
+    }
+
+    fn kinds(g: &OpGraph) -> Vec<&'static str> {
+        let mut v: Vec<(u32, &'static str)> = g.graph.node_weights().map(|op| (op.rank, op.kind.mnemonic())).collect();
+        v.sort();
+        v.into_iter().map(|x| x.1).collect()
+    }
+
+    fn count(g: &OpGraph, pred: impl Fn(&OpKind) -> bool) -> usize {
+        g.graph.node_weights().filter(|op| pred(&op.kind)).count()
+    }
+
+    /// Runs the passes before `name` (so `name` sees the graph it sees in the pipeline).
+    fn upto(g: &mut OpGraph, cfg: &Config, name: &str) {
+        for (n, pass) in PASSES {
+            if *n == name {
+                return;
+            }
+            pass(g, cfg);
+            g.rebuild_edges();
+        }
+    }
+
+    fn run_one(g: &mut OpGraph, cfg: &Config, name: &str) -> Vec<FusionRecord> {
+        let pass = PASSES.iter().find(|(n, _)| *n == name).expect("pass").1;
+        let r = pass(g, cfg);
+        g.rebuild_edges();
+        r
+    }
+
+    /// Adds an op that also reads `t` (a second consumer breaks "sole consumer" patterns).
+    fn extra_reader(g: &mut OpGraph, t: TensorId) {
+        let tensor = g.tensor(t).clone();
+        let out = g.add_tensor(Tensor {
+            name: format!("{}.extra", tensor.name),
+            alias_of: None,
+            ..tensor
+        });
+        g.add_op(Op {
+            name: "extra".into(),
+            kind: OpKind::Silu,
+            ins: vec![t],
+            outs: vec![out],
+            rank: 10_000,
+        });
+        g.rebuild_edges();
+    }
+
+    fn first_out(g: &OpGraph, kind: &OpKind) -> TensorId {
+        g.graph.node_weights().find(|op| op.kind == *kind).expect("op").outs[0]
+    }
+
+    #[test]
+    fn embed_concat_matches_and_respects_other_readers() {
+        let (mut g, cfg) = tiny(&Overrides::default());
+        let r = run_one(&mut g, &cfg, EMBED_CONCAT);
+        assert_eq!(r.len(), 1);
+        assert_eq!(count(&g, |k| *k == OpKind::EmbedConcat { bias: false }), 1);
+        assert_eq!(count(&g, |k| *k == OpKind::Embed || *k == OpKind::Concat), 0);
+
+        let (mut g, cfg) = tiny(&Overrides::default());
+        let emb = first_out(&g, &OpKind::Embed);
+        extra_reader(&mut g, emb);
+        let before = kinds(&g);
+        assert!(run_one(&mut g, &cfg, EMBED_CONCAT).is_empty());
+        assert_eq!(kinds(&g), before);
+    }
+
+    #[test]
+    fn fc_bias_folds_only_when_there_is_a_bias() {
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "fc_bias_into_embed");
+        assert_eq!(run_one(&mut g, &cfg, "fc_bias_into_embed").len(), 1);
+        assert_eq!(count(&g, |k| *k == OpKind::EmbedConcat { bias: true }), 1);
+        assert_eq!(count(&g, |k| matches!(k, OpKind::Linear { bias: true, .. })), 0);
+
+        // No bias in the model: the fc is a plain GEMM and nothing folds.
+        let (_, mut cfg) = tiny(&Overrides::default());
+        cfg.model.desc.fc_bias = false;
+        let mut g2 = lower(&cfg);
+        upto(&mut g2, &cfg, "fc_bias_into_embed");
+        let before = kinds(&g2);
+        assert!(run_one(&mut g2, &cfg, "fc_bias_into_embed").is_empty());
+        assert_eq!(kinds(&g2), before);
+    }
+
+    #[test]
+    fn qkv_rope_append_matches_per_layer_and_needs_one_input() {
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "qkv_rope_append");
+        assert_eq!(run_one(&mut g, &cfg, "qkv_rope_append").len(), 2, "two layers");
+        assert_eq!(count(&g, |k| matches!(k, OpKind::RopeAppend { .. })), 2);
+        assert_eq!(
+            count(&g, |k| matches!(k, OpKind::Rope { .. } | OpKind::KvAppend { .. })),
+            0
+        );
+
+        // Layer 0's rotated k also read elsewhere: layer 0 stays unfused, layer 1 fuses.
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "qkv_rope_append");
+        let k_rot = g
+            .graph
+            .node_weights()
+            .find(|op| op.name == "l0.rope_k")
+            .expect("l0.rope_k")
+            .outs[0];
+        extra_reader(&mut g, k_rot);
+        assert_eq!(run_one(&mut g, &cfg, "qkv_rope_append").len(), 1);
+        assert_eq!(count(&g, |k| matches!(k, OpKind::KvAppend { layer: 0 })), 1);
+    }
+
+    #[test]
+    fn gate_up_silu_mul_matches_and_needs_shared_input() {
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "gate_up_silu_mul");
+        assert_eq!(run_one(&mut g, &cfg, "gate_up_silu_mul").len(), 2);
+        assert_eq!(count(&g, |k| *k == OpKind::SiluMul), 2);
+
+        // The silu output read twice: nothing fuses in that layer.
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "gate_up_silu_mul");
+        let ga = g
+            .graph
+            .node_weights()
+            .find(|op| op.name == "l1.silu")
+            .expect("l1.silu")
+            .outs[0];
+        extra_reader(&mut g, ga);
+        assert_eq!(run_one(&mut g, &cfg, "gate_up_silu_mul").len(), 1);
+        assert_eq!(count(&g, |k| *k == OpKind::Mul), 1);
+    }
+
+    #[test]
+    fn residual_folds_only_when_no_later_reader_sees_the_overwrite() {
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "residual_into_gemm");
+        assert_eq!(run_one(&mut g, &cfg, "residual_into_gemm").len(), 4);
+        assert_eq!(count(&g, |k| *k == OpKind::Add), 0);
+
+        // The residual x also read after the GEMM would be overwritten under it: no fold.
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, "residual_into_gemm");
+        let add = g
+            .graph
+            .node_weights()
+            .find(|op| op.name == "l1.residual_mlp")
+            .expect("l1.residual_mlp")
+            .clone();
+        extra_reader(&mut g, add.ins[0]);
+        let r = run_one(&mut g, &cfg, "residual_into_gemm");
+        assert_eq!(r.len(), 3);
+        assert!(r.iter().all(|x| !x.fused.contains(&"l1.residual_mlp".to_string())));
+    }
+
+    #[test]
+    fn softmax_topk_matches_with_and_without_the_hot_map() {
+        for hot in [None, Some(256)] {
+            let o = Overrides {
+                hot_vocab_size: hot,
+                ..Overrides::default()
+            };
+            let (mut g, cfg) = tiny(&o);
+            upto(&mut g, &cfg, SOFTMAX_TOPK);
+            let r = run_one(&mut g, &cfg, SOFTMAX_TOPK);
+            assert_eq!(r.len(), 1);
+            assert_eq!(r[0].fused.len(), if hot.is_some() { 3 } else { 2 });
+            assert_eq!(
+                count(
+                    &g,
+                    |k| matches!(k, OpKind::SoftmaxTopK { hot_map, .. } if *hot_map == hot.is_some())
+                ),
+                1
+            );
+        }
+        // Probabilities read elsewhere: the softmax stays.
+        let (mut g, cfg) = tiny(&Overrides::default());
+        upto(&mut g, &cfg, SOFTMAX_TOPK);
+        let probs = first_out(&g, &OpKind::Softmax);
+        extra_reader(&mut g, probs);
+        let before = kinds(&g);
+        assert!(run_one(&mut g, &cfg, SOFTMAX_TOPK).is_empty());
+        assert_eq!(kinds(&g), before);
+    }
+
+    #[test]
+    fn the_pipeline_leaves_only_fused_or_gemm_ops() {
+        let (mut g, cfg) = tiny(&Overrides::default());
+        run(&mut g, &cfg);
+        for op in g.graph.node_weights() {
+            assert!(
+                matches!(
+                    op.kind,
+                    OpKind::Linear { bias: false, .. }
+                        | OpKind::EmbedConcat { .. }
+                        | OpKind::RmsNorm
+                        | OpKind::RopeAppend { .. }
+                        | OpKind::Attention { .. }
+                        | OpKind::SiluMul
+                        | OpKind::SelectRows
+                        | OpKind::SoftmaxTopK { .. }
+                ),
+                "{} ({}) left unfused",
+                op.name,
+                op.kind.mnemonic()
+            );
+        }
+    }
 }

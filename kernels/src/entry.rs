@@ -98,8 +98,8 @@ macro_rules! entries {
         impl Entry {
             pub const ALL: &'static [Entry] = &[$(Entry::$variant),*];
 
-            /// The `extern "C"` name.
-            pub fn name(self) -> &'static str {
+            /// The `extern "C"` name (the only place it is written in Rust).
+            pub const fn name(self) -> &'static str {
                 match self { $(Entry::$variant => $name),* }
             }
 

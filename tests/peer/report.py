@@ -44,7 +44,9 @@ def read_specbench(path):
     """(ceilings or None, rows) from specbench.json, or from the table rows of specbench.txt."""
     if path and os.path.exists(path):
         doc = load_json(path)
-        ceil = next((d for d in doc if "copy_bytes_per_s" in d), None)
+        if isinstance(doc, dict):  # {"ceilings": ..., "rows": [...], "ops": [...], "gemms": [...]}
+            return doc.get("ceilings"), doc.get("rows", []), path
+        ceil = next((d for d in doc if "copy_bytes_per_s" in d), None)  # older runs: a flat list
         return ceil, [d for d in doc if "plan" in d], path
     txt = os.path.splitext(path or "specbench.json")[0] + ".txt"
     rows, ceil = [], None

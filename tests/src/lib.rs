@@ -1,10 +1,18 @@
-//! Shared test support: a small reproducible random generator.
+//! Shared test support: a reproducible generator, random weights and step cases, the CPU
+//! references and the comparison rules the GPU checks use, the `run` contract's files,
+//! report records (JSON through serde) and, for the GPU binaries, timing helpers.
 //!
-//! Integration tests live in `tests/`; the GPU check binary is `src/bin/gpucheck.rs`.
-//! [`contract_files`] writes the `run` contract's files and a plan's facts for the peer
-//! benchmark (`src/bin/peerprep.rs`).
+//! Integration tests live in `tests/`; the GPU binaries (`src/bin/gpucheck.rs`,
+//! `src/bin/specbench.rs`) are drivers over this library; `src/bin/peerprep.rs` writes the
+//! peer benchmark's files.
 
+pub mod checks;
 pub mod contract_files;
+pub mod gpu;
+pub mod random;
+pub mod reference;
+pub mod report;
+pub mod tolerance;
 
 /// xorshift64*: no dependency, reproducible from the printed seed.
 pub struct Rng(pub u64);
@@ -49,5 +57,32 @@ pub fn seed() -> u64 {
                 | 1
         });
     println!("seed {s} (rerun with SPECPLAN_SEED={s})");
+    s
+}
+
+/// The `.plan` files of a folder, sorted.
+pub fn plan_files(dir: &str) -> Result<Vec<std::path::PathBuf>, String> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| format!("cannot read {dir}: {e}"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "plan"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Writes a file through a temporary one renamed into place, so a run killed mid-write
+/// leaves the previous complete file, never a truncated one.
+pub fn write_atomic(path: &std::path::Path, text: &str) -> Result<(), String> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    std::fs::write(&tmp, text).map_err(|e| format!("{}: {e}", path.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// A value as pretty JSON (the report records are plain serde structs).
+pub fn json<T: serde::Serialize>(v: &T) -> String {
+    let mut s = serde_json::to_string_pretty(v).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    s.push('\n');
     s
 }

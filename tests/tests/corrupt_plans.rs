@@ -116,7 +116,7 @@ fn inconsistent_plans_name_the_bad_field() {
     case("attention shared memory below its formula", &|p| {
         for l in &mut p.buckets[0].launches {
             if let LaunchKind::Kernel { smem, .. } = &mut l.kind {
-                if l.op.ends_with("attn_partial") || l.op.contains("attention") {
+                if l.op.ends_with(specplan_format::Entry::AttnPartial.name()) || l.op.contains("attention") {
                     *smem = 1024;
                     return;
                 }

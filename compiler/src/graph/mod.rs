@@ -14,7 +14,7 @@ mod print;
 
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
 use petgraph::visit::EdgeRef;
-use specplan_format::{DType, KvKind};
+use specplan_format::{DType, Entry, KvKind};
 
 pub use print::{print_graph, to_dot};
 
@@ -144,26 +144,27 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// The op's name in printed graphs (a fused op that is one kernel is named after it).
     pub fn mnemonic(&self) -> &'static str {
         match self {
             OpKind::Embed => "embed",
             OpKind::Concat => "concat",
             OpKind::Linear { .. } => "linear",
-            OpKind::RmsNorm => "rmsnorm",
+            OpKind::RmsNorm => Entry::RmsNorm.name(),
             OpKind::Add => "add",
             OpKind::Rope { .. } => "rope",
             OpKind::KvAppend { .. } => "kv_append",
             OpKind::Attention { .. } => "attention",
             OpKind::Silu => "silu",
             OpKind::Mul => "mul",
-            OpKind::SelectRows => "select_rows",
+            OpKind::SelectRows => Entry::SelectRows.name(),
             OpKind::Softmax => "softmax",
             OpKind::TopK { .. } => "topk",
             OpKind::MapIds => "map_ids",
-            OpKind::EmbedConcat { .. } => "embed_concat",
-            OpKind::RopeAppend { .. } => "rope_append",
-            OpKind::SiluMul => "silu_mul",
-            OpKind::SoftmaxTopK { .. } => "softmax_topk",
+            OpKind::EmbedConcat { .. } => Entry::EmbedConcat.name(),
+            OpKind::RopeAppend { .. } => Entry::RopeAppend.name(),
+            OpKind::SiluMul => Entry::SiluMul.name(),
+            OpKind::SoftmaxTopK { .. } => Entry::SoftmaxTopk.name(),
         }
     }
 

@@ -1,0 +1,112 @@
+//! The records the GPU binaries write as JSON (through serde; the peer's `report.py` and
+//! `docs/bench/` read them).
+
+use serde::Serialize;
+
+/// One checked step of `gpucheck`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CaseReport {
+    pub b: usize,
+    pub bucket: u32,
+    pub hidden_rel: f64,
+    pub prob_abs: f64,
+    pub kv_rel: f64,
+    pub id_mismatch: usize,
+    pub kv_untouched_changed: usize,
+    pub graph_vs_eager_diff: usize,
+    pub ok: bool,
+    pub failures: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionReport {
+    pub b: usize,
+    pub rel: f64,
+    pub max_abs_over_rms: f64,
+    pub ok: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Latency {
+    pub bucket: u32,
+    pub replay_us: f64,
+    pub prep_us: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GraphBuild {
+    pub bucket: u32,
+    pub ms: f64,
+}
+
+/// Everything `gpucheck` found for one plan.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PlanReport {
+    pub plan: String,
+    pub load_ms: f64,
+    pub arena_bytes: usize,
+    pub kv_bytes: usize,
+    pub graph_build: Vec<GraphBuild>,
+    pub cases: Vec<CaseReport>,
+    pub attention: Vec<AttentionReport>,
+    pub latency: Vec<Latency>,
+    pub errors: Vec<String>,
+}
+
+/// Ceilings measured on the device in the same run.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Ceilings {
+    pub copy_bytes_per_s: f64,
+    pub bf16_flops_per_s: f64,
+}
+
+/// One `specbench` row: a plan at batch B and prefix L.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    pub plan: String,
+    pub batch: usize,
+    pub prefix: usize,
+    pub pages: &'static str,
+    pub prep_us: f64,
+    pub replay_us: f64,
+    pub full_us: f64,
+    pub eager_us: f64,
+    pub floor_us: f64,
+    pub attn_us: f64,
+    pub attn_tb_s: f64,
+    pub graph_build_ms_all: f64,
+    pub gemm_tune_ms: f64,
+    pub load_ms: f64,
+    pub arena_bytes: usize,
+    pub kv_bytes: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct OpTime {
+    pub plan: String,
+    pub batch: usize,
+    pub prefix: usize,
+    pub op: String,
+    pub us: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmRecord {
+    pub plan: String,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub first_us: f32,
+    pub best_us: f32,
+    pub rank: usize,
+    pub candidates: usize,
+}
+
+/// `specbench.json`: the ceilings, then the rows.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Bench {
+    pub ceilings: Option<Ceilings>,
+    pub rows: Vec<BenchRow>,
+    pub ops: Vec<OpTime>,
+    pub gemms: Vec<GemmRecord>,
+}
