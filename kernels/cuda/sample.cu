@@ -24,7 +24,8 @@
 //     batch    unsigned          CTAs with blockIdx.x >= batch do nothing
 //
 // Entries topk_partial + topk_merge: the row split in `chunks` column ranges, one CTA each
-// (one CTA streaming a 128k-column row is bound by one SM's issue rate: 60 µs on an H200).
+// (one CTA streaming a 128k-column row is bound by one SM's instruction issue rate; measured
+// in docs/perf-notes.md, "softmax_topk rows split across CTAs").
 //   Chunk ch of a row covers columns [ch*W, min(COLS, (ch+1)*W)), W = ceil(COLS/chunks)
 //   rounded up to a multiple of 4 (may be empty).
 //   Record of (row i, chunk ch): part[(i*chunks + ch)*R ...], R = 2 + 2*TOPK floats:
@@ -151,11 +152,11 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
         }
     };
 
-    // Each thread visits its columns in increasing order: float4 c0/4 + t, + 512, ... when
-    // the range is 16-byte aligned, else single columns. The float4 loads go in batches of
-    // kBatch issued before any is used: `consider` branches on every value, so without the
-    // batching each load waited for the previous one (80 µs for a 128k-column row from HBM
-    // on the H200, one memory latency per 8 KiB).
+    // Each thread visits its columns in increasing order: float4 c0/4 + t, + kThreads, ...
+    // when the range is 16-byte aligned, else single columns. The float4 loads go in batches
+    // of kBatch issued before any is used: `consider` branches on every value, so without the
+    // batching each load waited for the previous one (one memory latency per 8 KiB; measured
+    // in docs/perf-notes.md, "softmax_topk: batched loads").
     constexpr int kBatch = 8;
     long long done = c0;
     if (aligned16(row + c0)) {

@@ -82,7 +82,8 @@ impl KernelFacts {
     /// Attention tiling fixed at plan time: (KV_TILE, STAGES), or `None` when even 16-key
     /// tiles in two stages do not fit in shared memory. STAGES tiles are resident (STAGES - 1
     /// loads in flight while one is computed); the tile is the largest of 64, 32, 16 keys
-    /// whose shared memory fits. Why 3 stages: docs/perf-notes.md ("attention tiling").
+    /// whose shared memory fits. Why 3 × 64: docs/perf-notes.md ("Page lookups a tile
+    /// ahead ... 2–4 stages").
     pub fn attn_tiling(&self) -> Option<(u32, u32)> {
         const STAGES: u32 = 3;
         let rows = self.n * self.group();

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The peer of issue 5: specplan's draft-extend forward in PyTorch + FlashInfer, as an engine
+"""The peer: specplan's draft-extend forward (docs/semantics.md) in PyTorch + FlashInfer, as an engine
 runs it today. FlashInfer's fa2 BatchPrefillWithPagedKVCacheWrapper(use_cuda_graph=True) with
 uniform_q_len = N does the attention; everything else is torch; the whole forward is one CUDA
 graph; the wrapper's plan() runs on the host before every replay and is part of the step.
 
-The forward is the one specplan compiles (compiler/src/lower.rs, runtime/src/cpu.rs):
+The forward is docs/semantics.md (compiled by compiler/src/lower.rs, run by runtime/src/cpu/):
   x = fc(embed(ids) ‖ hidden) + fc.bias
   per layer l: h = x (l = 0: EAGLE's identity input norm) or RMSNorm(x);
     q, k, v = h·Wqkvᵀ; q, k = RoPE (rotate-half, angle = f32(pos · inv_freq), the plan's
@@ -420,7 +420,7 @@ def capture(step):
 
 
 # ---------------------------------------------------------------------------------------------
-# fp32 reference from the semantics (dense masked attention per request), for the check.
+# fp32 reference from docs/semantics.md (dense masked attention per request), for the check.
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The benchmark report of issue 5: specbench (specplan) beside the PyTorch + FlashInfer peer and
+"""The benchmark report: specbench (specplan) beside the PyTorch + FlashInfer peer and
 the bandwidth/compute floor, from the JSON the two write. Python standard library only.
 
   report.py --specbench specbench.json [--peer peer-a.json ...] [--device device.txt]

@@ -1,6 +1,6 @@
 //! The CPU reference executor against an independent naive implementation.
 //!
-//! The naive forward below is written from the semantics (foundation issue), not from the
+//! The naive forward below is written from docs/semantics.md, not from the
 //! plan: per request, dense loops, its own RoPE frequencies, its own attention over the
 //! caller's pages. Inputs are fresh random values every run (the seed is printed), on the
 //! `tiny` preset: GQA 4/2, 2 layers, topk 4, page size 4, with and without a sliding window
