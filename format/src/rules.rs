@@ -89,6 +89,12 @@ pub(crate) fn kernels(p: &Plan, f: &KernelFacts, e: &mut Errors) {
             });
         }
     }
+    for entry in specplan_kernels::Entry::ALL.iter().filter(|e| e.runtime_launched()) {
+        let n = p.kernels.iter().filter(|k| k.entry == *entry).count();
+        e.field(n <= 1, "kernels", || {
+            format!("{n} kernels of {entry}, the runtime launches one")
+        });
+    }
     e.field(p.target.sm >= 80 && p.target.sm < 1000, "target.sm", || {
         format!("sm_{} is not a supported architecture (≥ sm_80)", p.target.sm)
     });
@@ -153,6 +159,15 @@ pub(crate) fn kernel_launch(
     };
     if let Some(t) = touched.kernels.get_mut(kernel as usize) {
         *t = true;
+    }
+    if k.entry.runtime_launched() {
+        e.check(false, || {
+            at(
+                None,
+                format!(".kernel: {} is launched by the runtime, never by a plan", k.entry),
+            )
+        });
+        return bufs;
     }
     let Some(kf) = instance_facts(p, f, k) else { return bufs };
     let shape = k.entry.shape(bf, &kf);
@@ -288,6 +303,7 @@ fn ptr_arg(
             (w.bytes, w.dtype)
         }
         ArgValue::PageTable if a.table => return Ok(()),
+        ArgValue::KvLayout if a.layout => return Ok(()),
         ArgValue::KvCache { layer, kind } if (a.k_cache && *kind == KvKind::K) || (a.v_cache && *kind == KvKind::V) => {
             return if *layer < p.model.layers {
                 Ok(())
@@ -327,7 +343,8 @@ fn ptr_arg(
 /// Rule 4/5 tails: every weight and kernel is used, no weight larger than its uses touch.
 pub(crate) fn usage(p: &Plan, touched: &Touched, e: &mut Errors) {
     for (i, used) in touched.kernels.iter().enumerate() {
-        e.check(*used, || {
+        let runtime = p.kernels[i].entry.runtime_launched();
+        e.check(*used || runtime, || {
             (
                 Location::Kernel(i as u32),
                 format!("kernels[{i}] ({}): no launch uses it", p.kernels[i].name),

@@ -347,6 +347,7 @@ fn bucket_facts(p: &Plan, b: &BucketPlan, fact: &mut dyn FnMut(String, String)) 
                             ),
                             ArgValue::U32(x) => x.to_string(),
                             ArgValue::PageTable => "page_table:r".into(),
+                            ArgValue::KvLayout => "kv_layout:r".into(),
                             ArgValue::Null => "null".into(),
                         };
                         format!("{name}={v}")

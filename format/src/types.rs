@@ -189,6 +189,8 @@ pub enum ArgValue {
         layer: u32,
         kind: KvKind,
     },
+    /// Device address of the registered K/V layout words (`specplan_kernels::kv`).
+    KvLayout,
     U32(u32),
     /// A null pointer (an operand this launch does not use).
     Null,

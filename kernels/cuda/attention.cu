@@ -7,7 +7,7 @@
 // ----------------------------------------------------------------------------------------
 // Entry attn_partial
 //   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM (multiple of 16, <= 256), N, PAGE_SIZE,
-//              MAX_PAGES, SLOTS, WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
+//              WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
 //              KV_TILE (keys per pipeline stage: 64, 32 or 16), STAGES (2..4: tiles in
 //              shared memory, STAGES - 1 of them in flight while one is computed)
 //   Launch:    grid (batch, KV_HEADS, splits), block (ATTN_PARTIAL_THREADS = 128, 1, 1), dynamic shared memory,
@@ -21,10 +21,11 @@
 //              shared memory is used, so this is the CTA's whole footprint).
 //   Params (by value, natural C alignment, fields in this order):
 //     q           const act_t*  q of row r, head h at q[r*q_stride + h*HEAD_DIM + d]
-//     k_cache     const act_t*  this layer's K pages [pages, PAGE_SIZE, KV_HEADS, HEAD_DIM]
-//     v_cache     const act_t*  this layer's V pages, same layout
-//     req_slots   const int*    [batch] page-table row of each request
-//     page_table  const int*    [SLOTS, MAX_PAGES] pool page ids of each slot
+//     k_cache     const act_t*  this layer's K pool (token slot t at t * kv_stride)
+//     v_cache     const act_t*  this layer's V pool, same layout
+//     req_slots   const int*    [batch] page-table row of each request (-1: none)
+//     page_table  const int*    the registered table (token slots or page ids)
+//     kv_layout   const long long*  its words and the pool's (specplan_kernels::kv)
 //     prefix_lens const int*    [batch] (L: cached tokens before this step's N rows)
 //     out         act_t*        [batch*N, HEADS*HEAD_DIM]      (written when gridDim.z == 1)
 //     part_o      float*        [splits, batch*N, HEADS, HEAD_DIM] (written when gridDim.z > 1)
@@ -39,17 +40,17 @@
 //     kv_start = WINDOW > 0 ? max(0, L - WINDOW + 1) : 0,  total = kv_len - kv_start,
 //     chunk    = ceil(total / splits) rounded up to a multiple of KV_TILE,
 //     split s  = [kv_start + s*chunk, min(kv_len, kv_start + (s+1)*chunk))  (may be empty).
-//   K/V of position p: page = page_table[req_slots[i]*MAX_PAGES + p/PAGE_SIZE],
-//   slot = p % PAGE_SIZE, element ((page*PAGE_SIZE + slot)*KV_HEADS + g)*HEAD_DIM + d.
+//   K/V of position p: token slot t = kv_token(layout, row of req_slots[i], p, PAGE_SIZE)
+//   (common.cuh), element t*kv_stride + g*HEAD_DIM + d.
 //   score = SCALE * dot(q, k) (bf16/fp16 products, fp32 sums); online softmax in fp32
 //   (max m, sum l, acc o); the probabilities are rounded to act_t for the P·V product.
 //   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key).
 //   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
 //                   rows = batch*N.
-//   Positions with a page index >= MAX_PAGES, a negative page entry, or a request whose
-//   req_slots entry is outside [0, SLOTS) read as zero K/V: bad input never faults (the
-//   host validates).
+//   Positions without a token slot (t = -1: a request row outside the table, a position
+//   outside the row, a negative page, a slot outside the pool) read as zero K/V: bad input
+//   never faults.
 //
 // ----------------------------------------------------------------------------------------
 // Entry attn_merge
@@ -78,15 +79,13 @@ constexpr int kD = (int)HEAD_DIM;
 constexpr int kKvHeads = (int)KV_HEADS;
 constexpr int kN = (int)N;
 constexpr long long kPage = (long long)PAGE_SIZE;
-constexpr long long kMaxPages = (long long)MAX_PAGES;
-constexpr long long kSlots = (long long)SLOTS;
 constexpr int kWindow = (int)WINDOW;
 constexpr int kTile = (int)KV_TILE;
 
 static_assert(kKvHeads > 0 && kHeads % kKvHeads == 0, "HEADS must be a multiple of KV_HEADS");
 static_assert(kD % 16 == 0 && kD <= 256, "HEAD_DIM must be a multiple of 16, at most 256 (MMA k-steps)");
 static_assert(kTile == 16 || kTile == 32 || kTile == 64, "KV_TILE must be 16, 32 or 64");
-static_assert(kN > 0 && kPage > 0 && kMaxPages > 0 && kSlots > 0, "N, PAGE_SIZE, MAX_PAGES, SLOTS must be positive");
+static_assert(kN > 0 && kPage > 0, "N and PAGE_SIZE must be positive");
 static_assert(sizeof(act_t) == 2, "act_t is a 16-bit type");
 
 constexpr int kThreads = (int)ATTN_PARTIAL_THREADS;
@@ -189,41 +188,39 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 
 // Loading one tile (keys [tile0, tile0 + kTile)) takes two steps, so that the page-table
 // reads (a dependent global load before every copy) are off the critical path:
-//   tile_pages: thread tid looks up the pages of its chunks tid + kThreads*it (registers);
+//   tile_slots: thread tid looks up the token slots of its chunks tid + kThreads*it
+//               (registers);
 //   issue_tile: it issues the cp.async copies of those chunks, of K and of V, from them.
-// The main loop looks up tile t+kStages's pages right after issuing tile t+kStages-1's
+// The main loop looks up tile t+kStages's slots right after issuing tile t+kStages-1's
 // copies, so the lookups are in flight while tile t is computed.
 constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
 
-// The pool page of each of this thread's chunks, or -1 when the key is outside the split
-// (p >= hi) or its page is out of range: such keys are zero-filled.
-__device__ __forceinline__ void tile_pages(int (&page)[kLoadIters], int tile0, int hi, const int* pt_row) {
+// The token slot of each of this thread's chunks, or -1 when the key is outside the split
+// (p >= hi) or has no slot (common.cuh kv_token): such keys are zero-filled. Slots fit an
+// int: the runtime registers pools of at most 2^31 - 1 slots.
+__device__ __forceinline__ void tile_slots(int (&slot)[kLoadIters], int tile0, int hi, const KvLayout& lay,
+                                           const int* row) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
         const int p = tile0 + q / kChunks;
-        int pg = -1;
-        if (q < kTile * kChunks && p < hi && pt_row != nullptr) {
-            const long long pidx = (long long)p / kPage;
-            if (pidx < kMaxPages) pg = pt_row[pidx];
-        }
-        page[it] = pg;
+        long long t = -1;
+        if (q < kTile * kChunks && p < hi) t = kv_token(lay, row, p, kPage);
+        slot[it] = (int)t;
     }
 }
 
-// Issues the copies of one tile into dK and dV. Keys without a page are zero-filled: a
+// Issues the copies of one tile into dK and dV. Keys without a slot are zero-filled: a
 // masked key has probability 0, and 0 * (stale NaN bits) would poison o.
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
-                                           const int (&page)[kLoadIters], int tile0, int g) {
+                                           const int (&slot)[kLoadIters], long long kv_stride, int g) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
         if (q < kTile * kChunks) {
             const int t = q / kChunks, c = q % kChunks;
-            const bool valid = page[it] >= 0;
-            const long long p = (long long)tile0 + t;
-            const long long off =
-                valid ? (((long long)page[it] * kPage + p % kPage) * kKvHeads + g) * kD + c * 8 : 0;
+            const bool valid = slot[it] >= 0;
+            const long long off = valid ? (long long)slot[it] * kv_stride + (long long)g * kD + c * 8 : 0;
             cp_async16(dK + chunk_at(t, c), k_cache + off, valid);
             cp_async16(dV + chunk_at(t, c), v_cache + off, valid);
         }
@@ -264,9 +261,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wq = warp % kWQ, wk = warp / kWQ;  // row tile, key slice (warp < kActive)
     const bool active = warp < kActive;
-    // This request's page-table row (null: a bad slot, every key then reads as zero).
-    const int req_slot = p.req_slots[i];
-    const int* pt_row = (req_slot >= 0 && req_slot < kSlots) ? p.page_table + (long long)req_slot * kMaxPages : nullptr;
+    // This request's page-table row (null: no row, every key then reads as zero).
+    const KvLayout lay = kv_layout(p.kv_layout);
+    const int* pt_row = kv_row(lay, p.page_table, p.req_slots[i]);
 
     // ---- This split's key range ----------------------------------------------------------
     const int L = p.prefix_lens[i];
@@ -298,17 +295,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 
         // ---- Pipeline prologue: tiles 0 .. kStages-2, then the pages of tile kStages-1 ------
         // (issued before the q rows are read, so the first K/V bytes are already on the way)
-        int pages[kLoadIters];
+        int slots[kLoadIters];
 #pragma unroll
         for (int st = 0; st < kStages - 1; ++st) {
             if (st < num_tiles) {
-                tile_pages(pages, lo + st * kTile, hi, pt_row);
-                issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache, pages,
-                           lo + st * kTile, g);
+                tile_slots(slots, lo + st * kTile, hi, lay, pt_row);
+                issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache, slots,
+                           lay.kv_stride, g);
             }
             cp_async_commit();  // (possibly empty: keeps the group count uniform)
         }
-        if (kStages - 1 < num_tiles) tile_pages(pages, lo + (kStages - 1) * kTile, hi, pt_row);
+        if (kStages - 1 < num_tiles) tile_slots(slots, lo + (kStages - 1) * kTile, hi, lay, pt_row);
 
         // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
         {
@@ -360,10 +357,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                 const int nxt = tile + kStages - 1;
                 if (nxt < num_tiles) {
                     issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
-                               p.v_cache, pages, lo + nxt * kTile, g);
+                               p.v_cache, slots, lay.kv_stride, g);
                 }
                 cp_async_commit();
-                if (nxt + 1 < num_tiles) tile_pages(pages, lo + (nxt + 1) * kTile, hi, pt_row);
+                if (nxt + 1 < num_tiles) tile_slots(slots, lo + (nxt + 1) * kTile, hi, lay, pt_row);
             }
             if (!active) continue;  // warp uniform; such warps only help with the copies
 

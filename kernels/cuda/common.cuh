@@ -3,8 +3,9 @@
 // The plan compiler does not hand this file to NVRTC as a header. It pastes the file's
 // text over the line `#include "common.cuh"` in a template, after the generated prelude.
 // The prelude has already included <cuda_bf16.h> and <cuda_fp16.h>, declared
-// `act_t` (__nv_bfloat16 or __half) and the template's constexpr constants. So this
-// file includes nothing and reads no constant except `act_t`.
+// `act_t` (__nv_bfloat16 or __half), the template's constexpr constants and the K/V layout
+// word indices (KV_WORD_*, KV_MODE_TOKENS; from specplan_kernels::kv). So this file
+// includes nothing and reads no constant except those.
 //
 // Contents:
 //   * scalar conversions: to_f(act_t) -> float, from_f<T>(float), to_act(float), all
@@ -13,7 +14,9 @@
 //     vectorized global and shared memory traffic (load_vec / store_vec);
 //   * alignment tests, ceil_div, and a block-wide row copy;
 //   * warp and block sum/max reductions;
-//   * neg_inf() (NVRTC has no <cmath>, so no INFINITY macro).
+//   * neg_inf() (NVRTC has no <cmath>, so no INFINITY macro);
+//   * KvLayout: the registered K/V cache and page-table geometry, and the token slot of a
+//     request's position (kv_row, kv_token).
 //
 // Every function is `__device__ __forceinline__` (NVRTC runs without -default-device).
 // Sizes and offsets of device memory are computed in 64-bit (`long long`).
@@ -183,6 +186,55 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     t = warp_max(t);
     __syncthreads();
     return t;
+}
+
+// ---------------------------------------------------------------------------------
+// The K/V cache and page table the runtime registered (specplan_kernels::kv): read once
+// per CTA from its device words. A token slot is one [KV_HEADS, HEAD_DIM] row of a layer's
+// K (or V) pool, at element slot * kv_stride.
+// ---------------------------------------------------------------------------------
+struct KvLayout {
+    long long mode;      // KV_MODE_TOKENS: entries are token slots; else page ids
+    long long rows;      // request rows of the table
+    long long cols;      // entries per row
+    long long stride;    // int elements between rows of the table
+    long long slots;     // token slots of the pool
+    long long kv_stride; // act_t elements between consecutive token slots
+};
+
+__device__ __forceinline__ KvLayout kv_layout(const long long* w) {
+    KvLayout l;
+    l.mode = w[KV_WORD_MODE];
+    l.rows = w[KV_WORD_TABLE_ROWS];
+    l.cols = w[KV_WORD_TABLE_COLS];
+    l.stride = w[KV_WORD_TABLE_STRIDE];
+    l.slots = w[KV_WORD_SLOTS];
+    l.kv_stride = w[KV_WORD_KV_STRIDE];
+    return l;
+}
+
+// Request `req`'s table row, or null when `req` is not a row (no K/V: reads are zero,
+// writes are skipped).
+__device__ __forceinline__ const int* kv_row(const KvLayout& l, const int* table, long long req) {
+    return (req >= 0 && req < l.rows) ? table + req * l.stride : nullptr;
+}
+
+// The token slot of position `pos` in `row`, or -1 when there is none: a null row, a
+// position outside the row, a negative page, or a slot outside [0, slots).
+__device__ __forceinline__ long long kv_token(const KvLayout& l, const int* row, long long pos, long long page_size) {
+    if (row == nullptr || pos < 0) return -1;
+    long long t;
+    if (l.mode == KV_MODE_TOKENS) {
+        if (pos >= l.cols) return -1;
+        t = row[pos];
+    } else {
+        const long long pi = pos / page_size;
+        if (pi >= l.cols) return -1;
+        const long long pg = row[pi];
+        if (pg < 0) return -1;
+        t = pg * page_size + pos % page_size;
+    }
+    return (t >= 0 && t < l.slots) ? t : -1;
 }
 
 #endif  // SPECPLAN_COMMON_CUH

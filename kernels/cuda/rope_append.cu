@@ -13,26 +13,25 @@
 //   * q heads are rotated in place in qkv;
 //   * k heads are rotated and written to k_cache (qkv's k part is left as it was);
 //   * v heads are copied, bit exact, to v_cache.
-// Cache layout of the layer: [pages, PAGE_SIZE, KV_HEADS, HEAD_DIM]. Request i owns row
-// req_slots[i] of the device page table [SLOTS, MAX_PAGES]; position pos is in page
-// page_table[req_slots[i]*MAX_PAGES + pos/PAGE_SIZE], at slot pos % PAGE_SIZE:
-//   element ((page*PAGE_SIZE + slot)*KV_HEADS + kvh)*HEAD_DIM + d.
-// When pos < 0, pos/PAGE_SIZE >= MAX_PAGES, req_slots[i] is outside [0, SLOTS) or the page
-// entry is negative, the cache write is skipped (the host validates; this only keeps bad
-// input from faulting). q is rotated in every case.
+// Request i owns row req_slots[i] of the registered page table; position pos has the
+// token slot t = kv_token(layout, row, pos, PAGE_SIZE) (common.cuh: a token-slot entry, or
+// page * PAGE_SIZE + pos % PAGE_SIZE) and its K is at k_cache + t * kv_stride, element
+// kvh*HEAD_DIM + d (V likewise). When t is -1 (a request row outside the table, -1 for a
+// padded or refused request, a position outside the row, a negative page, a slot outside
+// the pool) the cache write is skipped: bad input never faults. q is rotated in every case.
 //
 // Entry:     rope_append
-// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, MAX_PAGES, SLOTS,
-//            INV_FREQ[HEAD_DIM/2]
+// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, INV_FREQ[HEAD_DIM/2]
 // Launch:    grid (rows, 1, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
 //            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).
 // Params (by value, natural C alignment, fields in this order):
 //   qkv          act_t*      [rows, (HEADS + 2*KV_HEADS)*HEAD_DIM], q part rotated in place
 //   prefix_lens  const int*  [batch]              tokens already cached per request
 //   req_slots    const int*  [batch]              page-table row of each request
-//   page_table   const int*  [SLOTS, MAX_PAGES]   pool page ids of each slot
-//   k_cache      act_t*      this layer's K pages
-//   v_cache      act_t*      this layer's V pages
+//   page_table   const int*  the registered page table (token slots or page ids)
+//   kv_layout    const long long*  its words and the pool's (specplan_kernels::kv)
+//   k_cache      act_t*      this layer's K pool
+//   v_cache      act_t*      this layer's V pool
 //   rows         unsigned    batch*N; CTAs with blockIdx.x >= rows do nothing
 #include "common.cuh"
 
@@ -113,25 +112,18 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
         sn[d] = sinf(angle);
     }
 
-    // Cache slot of this position (or -1: skip the write).
-    long long kbase = -1;
-    const int req_slot = p.req_slots[i];
-    if (pos >= 0 && req_slot >= 0 && (unsigned)req_slot < SLOTS) {
-        const long long pidx = (long long)pos / (long long)PAGE_SIZE;
-        if (pidx < (long long)MAX_PAGES) {
-            const int page = p.page_table[(long long)req_slot * (long long)MAX_PAGES + pidx];
-            if (page >= 0) {
-                const long long slot = (long long)pos % (long long)PAGE_SIZE;
-                kbase = ((long long)page * (long long)PAGE_SIZE + slot) * rope::kKvHeads * rope::kD;
-            }
-        }
-    }
+    // Cache element of this position's token slot (or -1: skip the write).
+    const KvLayout lay = kv_layout(p.kv_layout);
+    const long long tok = kv_token(lay, kv_row(lay, p.page_table, p.req_slots[i]), pos, (long long)PAGE_SIZE);
+    const long long kbase = tok < 0 ? -1 : tok * lay.kv_stride;
     __syncthreads();
 
     act_t* qkv_row = p.qkv + (long long)r * rope::kRowElems;
     // Vector path: half heads are whole 8-element units and every row/head/cache start is
-    // 16-byte aligned (HEAD_DIM % 16 == 0 makes all offsets multiples of 8 elements).
-    if (rope::kHalf % 8 == 0 && aligned16(p.qkv) && aligned16(p.k_cache) && aligned16(p.v_cache)) {
+    // 16-byte aligned (HEAD_DIM % 16 == 0 makes all offsets multiples of 8 elements; the
+    // runtime registers pools whose slot stride is a multiple of 8 elements).
+    if (rope::kHalf % 8 == 0 && aligned16(p.qkv) && aligned16(p.k_cache) && aligned16(p.v_cache) &&
+        lay.kv_stride % 8 == 0) {
         rope::row<(rope::kHalf % 8 == 0) ? 8 : 1>(qkv_row, p.k_cache, p.v_cache, kbase, cs, sn);
     } else {
         rope::row<1>(qkv_row, p.k_cache, p.v_cache, kbase, cs, sn);

@@ -75,6 +75,12 @@ pub struct Allowed {
     pub k_cache: bool,
     /// A layer's V pool.
     pub v_cache: bool,
+    /// The registered K/V layout words (`kv.rs`).
+    pub layout: bool,
+    /// The runtime's step status words (`kv.rs`); runtime-launched entries only.
+    pub status: bool,
+    /// A caller's device tensor, set per step; runtime-launched entries only.
+    pub caller: bool,
 }
 
 /// A pointer field of a parameter struct.

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::abi::{shape_of, Abi, Kernel, LaunchShape};
-use crate::entries::{attention, embed, mlp, norm, rope, sample, select};
+use crate::entries::{attention, embed, io, mlp, norm, rope, sample, select};
 use crate::facts::{BucketFacts, KernelFacts};
 use crate::source::Constants;
 
@@ -21,6 +21,7 @@ pub enum Template {
     Mlp,
     Select,
     Sample,
+    Io,
 }
 
 impl Template {
@@ -32,6 +33,7 @@ impl Template {
         Template::Mlp,
         Template::Select,
         Template::Sample,
+        Template::Io,
     ];
 
     /// File name under `kernels/cuda`.
@@ -44,6 +46,7 @@ impl Template {
             Template::Mlp => "mlp.cu",
             Template::Select => "select.cu",
             Template::Sample => "sample.cu",
+            Template::Io => "io.cu",
         }
     }
 
@@ -56,6 +59,7 @@ impl Template {
             Template::Mlp => include_str!("../cuda/mlp.cu"),
             Template::Select => include_str!("../cuda/select.cu"),
             Template::Sample => include_str!("../cuda/sample.cu"),
+            Template::Io => include_str!("../cuda/io.cu"),
         }
     }
 
@@ -69,6 +73,7 @@ impl Template {
             Template::Mlp => &[Entry::SiluMul],
             Template::Select => &[Entry::SelectRows],
             Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
+            Template::Io => &[Entry::Admit, Entry::Emit],
         }
     }
 
@@ -83,6 +88,7 @@ impl Template {
             Template::Mlp => mlp::constants(f),
             Template::Select => select::constants(f),
             Template::Sample => sample::constants(f),
+            Template::Io => io::constants(f),
         }
     }
 }
@@ -139,12 +145,20 @@ entries! {
     SoftmaxTopk => sample::SoftmaxTopkParams, "softmax_topk", Sample;
     TopkPartial => sample::TopkPartialParams, "topk_partial", Sample;
     TopkMerge => sample::TopkMergeParams, "topk_merge", Sample;
+    Admit => io::AdmitParams, "admit", Io;
+    Emit => io::EmitParams, "emit", Io;
 }
 
 impl Entry {
     /// The prelude constant holding this entry's threads per block.
     pub fn threads_const(self) -> String {
         format!("{}_THREADS", self.name().to_ascii_uppercase())
+    }
+
+    /// Entries the runtime launches itself around an engine-memory step (never in a plan's
+    /// launch lists; every plan carries them in its kernel table).
+    pub fn runtime_launched(self) -> bool {
+        matches!(self, Entry::Admit | Entry::Emit)
     }
 
     pub fn from_name(name: &str) -> Option<Entry> {

@@ -39,11 +39,10 @@ pub struct KernelFacts {
     /// N = num_draft_tokens.
     pub n: u32,
     pub topk: u32,
+    /// Tokens per page of a page-id table (the plan's page size).
     pub page_size: u32,
-    /// Columns of the page table.
-    pub max_pages: u32,
-    /// Rows of the page table (request slots plus the scratch slot).
-    pub slots: u32,
+    /// Largest `prefix + N` of a request (`max_context_len`).
+    pub max_context: u32,
     pub eps: f32,
     /// RoPE inverse frequencies, `[head_dim / 2]`.
     pub inv_freq: Vec<f32>,

@@ -22,6 +22,7 @@ pub mod entries;
 mod entry;
 pub mod facts;
 pub mod io;
+pub mod kv;
 pub mod source;
 
 pub use dtype::DType;

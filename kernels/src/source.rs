@@ -68,6 +68,7 @@ pub fn prelude(template: Template, constants: &[(String, ConstValue)], f: &Kerne
             }
         };
     }
+    s.push_str(&crate::kv::prelude_lines());
     // Every entry of the template is compiled from this source: declare each one's block
     // size and parameter struct.
     for &e in template.entries() {

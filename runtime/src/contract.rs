@@ -378,7 +378,8 @@ pub fn run_gpu(
         build_graphs: !eager,
         // One step: timing every bucket's GEMM candidates (0.1–0.6 s) would cost more than
         // it could save; cublasGemmEx's default choice serves this run.
-        tune_gemms: false,
+        gemms: crate::gpu::GemmPolicy::Heuristic,
+        ..GpuOptions::default()
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts)?;
     let act = plan.capture.dtype;

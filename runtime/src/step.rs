@@ -6,6 +6,7 @@
 //! writes land on a page no request owns.
 
 use specplan_format::{BucketPlan, Plan};
+pub use specplan_kernels::kv::TableMode;
 
 use crate::admission;
 
@@ -95,13 +96,16 @@ impl StepInputs {
     }
 }
 
-/// The page table the kernels read: `[max_requests + 1, max_pages_per_request]`, row =
-/// request slot. The last row is the scratch slot: every entry is the scratch page.
+/// A page table as the kernels read it, on the host: `[rows, cols]` row-major. The runtime's
+/// own (`PageTable::new`) holds page ids, `[max_requests + 1, max_pages_per_request]`, row =
+/// request slot, and its last row is the scratch slot: every entry is the scratch page. An
+/// engine's may hold token slots instead (`TableMode`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct PageTable {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<i32>,
+    pub mode: TableMode,
 }
 
 impl PageTable {
@@ -116,6 +120,7 @@ impl PageTable {
             rows,
             cols,
             data: vec![scratch_page; rows * cols],
+            mode: TableMode::PageIds,
         }
     }
 

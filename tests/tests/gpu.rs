@@ -55,8 +55,7 @@ fn tiny_on_the_gpu_matches_the_cpu_reference() {
     let hidden_bits: Vec<u16> = step.hidden_states.iter().map(|&x| bf(x).to_bits()).collect();
     let opts = GpuOptions {
         kv_pool_pages: Some(pages as u32 + 1),
-        build_graphs: true,
-        tune_gemms: true,
+        ..GpuOptions::default()
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts).expect("runtime");
     let slots: Vec<i32> = (0..b as i32).collect();

@@ -150,6 +150,7 @@ pub(super) fn launches(
                     prefix_lens: b.arg(ins[1]),
                     req_slots: b.arg(ins[2]),
                     page_table: b.arg(ins[3]),
+                    kv_layout: ArgValue::KvLayout,
                     k_cache: b.arg(ins[4]),
                     v_cache: b.arg(ins[5]),
                 };
@@ -216,6 +217,7 @@ fn attention(b: &mut Binder, op: &Op, window: Option<u32>, ws: Option<(u32, u32)
         v_cache: b.arg(ins[2]),
         req_slots: b.arg(ins[3]),
         page_table: b.arg(ins[4]),
+        kv_layout: ArgValue::KvLayout,
         prefix_lens: b.arg(ins[5]),
         out: if ws.is_some() { ArgValue::Null } else { out },
         part_o: part(ws.map(|w| w.0)),

@@ -21,6 +21,9 @@ struct Allowed {
     table: bool,
     k_cache: bool,
     v_cache: bool,
+    layout: bool,
+    status: bool,
+    caller: bool,
     rw: bool,
     input: Option<syn::Expr>,
 }
@@ -123,6 +126,9 @@ fn read_allowed(f: &syn::Field) -> syn::Result<Option<Allowed>> {
                 "table" => a.table = true,
                 "k_cache" => a.k_cache = true,
                 "v_cache" => a.v_cache = true,
+                "layout" => a.layout = true,
+                "status" => a.status = true,
+                "caller" => a.caller = true,
                 "rw" => a.rw = true,
                 "input" => {
                     a.input = Some(m.value()?.parse::<syn::Expr>()?);
@@ -130,7 +136,7 @@ fn read_allowed(f: &syn::Field) -> syn::Result<Option<Allowed>> {
                 }
                 _ => {
                     return Err(
-                        m.error("unknown #[arg] word: use buffer, weight, table, k_cache, v_cache, rw or input = NAME")
+                        m.error("unknown #[arg] word: use buffer, weight, table, k_cache, v_cache, layout, status, caller, rw or input = NAME")
                     )
                 }
             }
@@ -207,7 +213,7 @@ fn parse(input: &DeriveInput) -> syn::Result<Vec<Field>> {
                         push(syn::Error::new_spanned(
                             &ident,
                             "a pointer parameter needs #[arg(...)] naming what it may point at \
-                             (buffer, weight, table, k_cache, v_cache, input = NAME)",
+                             (buffer, weight, table, k_cache, v_cache, layout, status, caller, input = NAME)",
                         ));
                         continue;
                     };
@@ -302,6 +308,7 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                     (true, true) => quote!(#k::Access::ReadWrite),
                 };
                 let (buffer, weight, table, kc, vc) = (a.buffer, a.weight, a.table, a.k_cache, a.v_cache);
+                let (layout, status, caller) = (a.layout, a.status, a.caller);
                 let input = match &a.input {
                     Some(s) => quote!(::core::option::Option::Some(#s)),
                     None => quote!(::core::option::Option::None),
@@ -310,7 +317,10 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                     #k::FieldKind::Ptr(#k::PtrField {
                         elem: #k::Elem::#elem,
                         access: #access,
-                        allowed: #k::Allowed { buffer: #buffer, weight: #weight, table: #table, k_cache: #kc, v_cache: #vc },
+                        allowed: #k::Allowed {
+                            buffer: #buffer, weight: #weight, table: #table, k_cache: #kc, v_cache: #vc,
+                            layout: #layout, status: #status, caller: #caller,
+                        },
                         input: #input,
                     })
                 }

@@ -24,6 +24,9 @@ pub struct AttnPartialParams {
     pub req_slots: DevPtr<i32>,
     #[arg(table)]
     pub page_table: DevPtr<i32>,
+    /// The registered cache geometry (`kv.rs`).
+    #[arg(layout)]
+    pub kv_layout: DevPtr<i64>,
     #[arg(input = io::PREFIX_LENS)]
     pub prefix_lens: DevPtr<i32>,
     /// Final output when there is one split, else null.
@@ -84,7 +87,8 @@ impl Kernel for AttnPartialParams {
             k_cache: Extent::Elems(0),
             v_cache: Extent::Elems(0),
             req_slots: Extent::Elems(b),
-            page_table: Extent::Elems(f.slots as u64 * f.max_pages as u64),
+            page_table: Extent::Elems(0),
+            kv_layout: Extent::Elems(crate::kv::KV_WORDS as u64),
             prefix_lens: Extent::Elems(b),
             out: if splits > 1 {
                 Extent::Unused

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod embed;
+pub mod io;
 pub mod mlp;
 pub mod norm;
 pub mod rope;

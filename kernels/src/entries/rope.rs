@@ -22,6 +22,9 @@ pub struct RopeAppendParams {
     pub req_slots: DevPtr<i32>,
     #[arg(table)]
     pub page_table: DevPtr<i32>,
+    /// The registered cache geometry (`kv.rs`).
+    #[arg(layout)]
+    pub kv_layout: DevPtr<i64>,
     #[arg(k_cache)]
     pub k_cache: DevPtrMut<Act>,
     #[arg(v_cache)]
@@ -46,8 +49,10 @@ impl Kernel for RopeAppendParams {
             qkv: Extent::Elems(rows * f.qkv_cols() as u64),
             prefix_lens: Extent::Elems(batch),
             req_slots: Extent::Elems(batch),
-            page_table: Extent::Elems(f.slots as u64 * f.max_pages as u64),
-            // The pools are the runtime's: the kernel bounds every index it computes.
+            // The table and the pools are registered with the runtime: the kernel bounds
+            // every index it computes by the layout words.
+            page_table: Extent::Elems(0),
+            kv_layout: Extent::Elems(crate::kv::KV_WORDS as u64),
             k_cache: Extent::Elems(0),
             v_cache: Extent::Elems(0),
         }
@@ -62,8 +67,6 @@ pub(crate) fn paged_kv(f: &KernelFacts) -> Constants {
         u("HEAD_DIM", f.head_dim),
         u("N", f.n),
         u("PAGE_SIZE", f.page_size),
-        u("MAX_PAGES", f.max_pages),
-        u("SLOTS", f.slots),
     ]
 }
 

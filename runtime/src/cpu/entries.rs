@@ -15,6 +15,7 @@ use specplan_kernels::entries::sample::{
 use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
 
 use super::{Ctx, Ptr, R};
+use crate::step::TableMode;
 
 fn constant<'k>(k: &'k KernelDesc, name: &str) -> R<&'k ConstValue> {
     k.constants
@@ -157,25 +158,35 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// Pool page of column `col` of request `i`'s row, through its slot.
-    fn page(&self, slots: usize, i: usize, col: usize) -> R<usize> {
-        let slot = self.ld(slots, i)? as i64;
-        if slot < 0 || slot as usize >= self.table.rows || col >= self.table.cols {
-            return Err(format!("request {i}: slot {slot} column {col} outside the page table"));
+    /// Token slot of position `pos` of request `i` (whose table row is `slots[i]`), or
+    /// `None` when it has none: the kernels' `kv_token` rule (a row outside the table, a
+    /// position outside the row, a negative page, a slot outside the pool).
+    fn token_slot(&self, slots: usize, i: usize, pos: i64) -> R<Option<usize>> {
+        let req = self.ld(slots, i)? as i64;
+        let t = self.table;
+        if req < 0 || req as usize >= t.rows || pos < 0 {
+            return Ok(None);
         }
-        let page = self.table.data[slot as usize * self.table.cols + col];
-        if page < 0 || page as usize >= self.kv.pages {
-            return Err(format!(
-                "request {i}: page {page} outside the pool of {}",
-                self.kv.pages
-            ));
-        }
-        Ok(page as usize)
+        let row = &t.data[req as usize * t.cols..(req as usize + 1) * t.cols];
+        let ps = self.plan.capture.page_size as i64;
+        let tok = match t.mode {
+            TableMode::TokenSlots => match row.get(pos as usize) {
+                Some(&x) => x as i64,
+                None => return Ok(None),
+            },
+            TableMode::PageIds => match row.get((pos / ps) as usize) {
+                Some(&pg) if pg >= 0 => pg as i64 * ps + pos % ps,
+                _ => return Ok(None),
+            },
+        };
+        let pool = (self.kv.pages as i64).saturating_mul(ps);
+        Ok((tok >= 0 && tok < pool).then_some(tok as usize))
     }
 
-    fn kv_index(&self, page: usize, slot: usize, head: usize, d: usize) -> usize {
+    /// Element `d` of kv head `head` of a token slot.
+    fn kv_index(&self, slot: usize, head: usize, d: usize) -> usize {
         let m = &self.plan.model;
-        ((page * self.plan.capture.page_size as usize + slot) * m.kv_heads as usize + head) * m.head_dim as usize + d
+        (slot * m.kv_heads as usize + head) * m.head_dim as usize + d
     }
 
     fn kv_store(&mut self, kind: KvKind, layer: usize, at: usize, v: f64) -> R<()> {
@@ -207,15 +218,14 @@ impl Ctx<'_> {
             c_u32(k, "HEAD_DIM")?,
             c_pos(k, "N")?,
         );
-        let (ps, max_pages) = (c_pos(k, "PAGE_SIZE")?, c_u32(k, "MAX_PAGES")?);
         let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
         let (qkv, prefix, slots) = (
             buf(p.qkv, "qkv")?,
             buf(p.prefix_lens, "prefix_lens")?,
             buf(p.req_slots, "req_slots")?,
         );
-        if !matches!(p.page_table, Ptr::Table) {
-            return Err("page_table must be the page table".into());
+        if !matches!((p.page_table, p.kv_layout), (Ptr::Table, Ptr::Layout)) {
+            return Err("page_table and kv_layout must be the page table and its layout".into());
         }
         let (kl, vl) = (
             kv(p.k_cache, KvKind::K, "k_cache")?,
@@ -246,23 +256,21 @@ impl Ctx<'_> {
                     self.st(qkv, r * stride + h * d + t, v)?;
                 }
             }
-            // The kernel skips the cache write of a position outside the request's row.
-            if pos < 0 || pos as usize / ps >= max_pages {
+            // The kernel skips the cache write of a position without a token slot.
+            let Some(tok) = self.token_slot(slots, i, pos)? else {
                 continue;
-            }
-            let pos = pos as usize;
-            let page = self.page(slots, i, pos / ps)?;
+            };
             for h in 0..hkv {
                 let kx: Vec<f64> = (0..d)
                     .map(|t| self.ld(qkv, r * stride + (hq + h) * d + t))
                     .collect::<R<_>>()?;
                 for (t, v) in rotate(&kx).into_iter().enumerate() {
-                    let at = self.kv_index(page, pos % ps, h, t);
+                    let at = self.kv_index(tok, h, t);
                     self.kv_store(KvKind::K, kl, at, v)?;
                 }
                 for t in 0..d {
                     let v = self.ld(qkv, r * stride + (hq + hkv + h) * d + t)?;
-                    let at = self.kv_index(page, pos % ps, h, t);
+                    let at = self.kv_index(tok, h, t);
                     self.kv_store(KvKind::V, vl, at, v)?;
                 }
             }
@@ -283,15 +291,15 @@ impl Ctx<'_> {
             c_u32(k, "HEAD_DIM")?,
             c_pos(k, "N")?,
         );
-        let (ps, window) = (c_pos(k, "PAGE_SIZE")?, c_u32(k, "WINDOW")?);
+        let window = c_u32(k, "WINDOW")?;
         let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_pos(k, "KV_TILE")?);
         let (q, slots, prefix) = (
             buf(p.q, "q")?,
             buf(p.req_slots, "req_slots")?,
             buf(p.prefix_lens, "prefix_lens")?,
         );
-        if !matches!(p.page_table, Ptr::Table) {
-            return Err("page_table must be the page table".into());
+        if !matches!((p.page_table, p.kv_layout), (Ptr::Table, Ptr::Layout)) {
+            return Err("page_table and kv_layout must be the page table and its layout".into());
         }
         let (kl, vl) = (
             kv(p.k_cache, KvKind::K, "k_cache")?,
@@ -326,21 +334,27 @@ impl Ctx<'_> {
                                 0
                             };
                             let mut scores = Vec::new();
+                            // A key without a token slot reads as zero K and V (the kernel's
+                            // guard): score 0, no contribution to o.
                             for pos in lo.max(first)..hi.min(l + j + 1) {
-                                let page = self.page(slots, i, pos / ps)?;
+                                let tok = self.token_slot(slots, i, pos as i64)?;
                                 let mut dot = 0.0;
-                                for (t, qt) in qv.iter().enumerate() {
-                                    dot += qt * self.kv_load(KvKind::K, kl, self.kv_index(page, pos % ps, kvh, t))?;
+                                if let Some(tok) = tok {
+                                    for (t, qt) in qv.iter().enumerate() {
+                                        dot += qt * self.kv_load(KvKind::K, kl, self.kv_index(tok, kvh, t))?;
+                                    }
                                 }
-                                scores.push((dot * scale, page, pos % ps));
+                                scores.push((dot * scale, tok));
                             }
                             let m = scores.iter().map(|x| x.0).fold(f64::NEG_INFINITY, f64::max);
                             let den: f64 = scores.iter().map(|x| (x.0 - m).exp()).sum();
                             let mut o = vec![0.0f64; d];
-                            for &(sc, page, slot) in &scores {
+                            for &(sc, tok) in &scores {
                                 let w = (sc - m).exp() / den;
-                                for (t, ot) in o.iter_mut().enumerate() {
-                                    *ot += w * self.kv_load(KvKind::V, vl, self.kv_index(page, slot, kvh, t))?;
+                                if let Some(tok) = tok {
+                                    for (t, ot) in o.iter_mut().enumerate() {
+                                        *ot += w * self.kv_load(KvKind::V, vl, self.kv_index(tok, kvh, t))?;
+                                    }
                                 }
                             }
                             let lse = if scores.is_empty() {

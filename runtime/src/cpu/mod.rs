@@ -41,7 +41,8 @@ impl WeightData {
     }
 }
 
-/// The K/V pool: per layer, `[pages, page_size, kv_heads, head_dim]` as f32.
+/// The K/V pool: per layer, `[pages, page_size, kv_heads, head_dim]` as f32, that is
+/// `pages · page_size` token slots of `kv_heads · head_dim` values.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvPool {
     pub pages: usize,
@@ -84,6 +85,7 @@ enum Ptr {
     Weight(usize),
     Kv(usize, KvKind),
     Table,
+    Layout,
     Null,
 }
 
@@ -280,6 +282,7 @@ impl Ctx<'_> {
             ArgValue::Weight(id) => Ptr::Weight(*id as usize),
             ArgValue::KvCache { layer, kind } => Ptr::Kv(*layer as usize, *kind),
             ArgValue::PageTable => Ptr::Table,
+            ArgValue::KvLayout => Ptr::Layout,
             ArgValue::Null => Ptr::Null,
         })
     }
@@ -328,6 +331,10 @@ impl Ctx<'_> {
                 let (p, s) = typed::<sample::TopkMergeParams>(&slots)?;
                 self.topk_merge(k, &p, &s)
             }
+            Entry::Admit | Entry::Emit => Err(format!(
+                "{} is an engine-memory entry the GPU runtime launches; plans never list it",
+                k.entry
+            )),
         }
     }
 

@@ -36,6 +36,12 @@ pub enum GpuError {
     },
     #[error("KV cache: {0}")]
     Pool(String),
+    #[error("registration: {0}")]
+    Registration(String),
+    #[error("engine-memory step: {0}")]
+    Step(String),
+    #[error("{0} is not available in this runtime's memory mode")]
+    Mode(&'static str),
 }
 
 pub(crate) fn cuda<T>(call: &'static str, r: Result<T, result::DriverError>) -> Result<T, GpuError> {

@@ -12,15 +12,39 @@ use cudarc::driver::sys;
 use specplan_format::DType;
 
 use super::device::{cublas_ok, BlasHandle, DevMem, GpuError};
+use super::gemm_cache::GemmCache;
 use super::lt::{GemmChoice, GemmPtrs, GemmShape, Lt};
+
+/// How the runtime picks each GEMM's algorithm at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPolicy {
+    /// cublasGemmEx with its default heuristic (no measurement).
+    Heuristic,
+    /// cuBLASLt algorithms from the cache; shapes not in it are timed once and added.
+    Cached,
+    /// Every shape timed again, the cache rewritten.
+    Retune,
+}
+
+/// What choosing the GEMM algorithms at load did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GemmLoad {
+    /// Shapes taken from the cache and timed.
+    pub cached: usize,
+    pub timed: usize,
+    pub ms: f64,
+}
 
 /// Workspace of cuBLAS and cuBLASLt.
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 pub(crate) struct Gemms {
-    blas: BlasHandle,
+    /// cuBLAS, created only when a shape needs the cublasGemmEx path (its first use costs
+    /// tens of milliseconds; the cuBLASLt path does not need it).
+    blas: Option<BlasHandle>,
     ws: DevMem,
     lt: Option<Lt>,
+    stream: sys::CUstream,
 }
 
 fn dtype_cuda(d: DType) -> cublas::cudaDataType {
@@ -32,32 +56,86 @@ fn dtype_cuda(d: DType) -> cublas::cudaDataType {
 }
 
 impl Gemms {
-    /// A cuBLAS handle bound to `stream` with the fixed workspace.
+    /// GEMMs with the fixed workspace, eager calls on `stream`.
     pub fn new(stream: sys::CUstream) -> Result<Gemms, GpuError> {
+        Ok(Gemms {
+            blas: None,
+            ws: DevMem::new(WORKSPACE_BYTES)?,
+            lt: None,
+            stream,
+        })
+    }
+
+    /// Creates the cuBLAS handle (bound to the current stream and the workspace) if no
+    /// handle exists yet.
+    fn ensure_blas(&mut self) -> Result<(), GpuError> {
+        if self.blas.is_some() {
+            return Ok(());
+        }
         let mut handle = std::ptr::null_mut();
         // SAFETY: out-pointer to a local.
         cublas_ok("cublasCreate", unsafe { cublas::cublasCreate_v2(&mut handle) })?;
         let blas = BlasHandle(handle);
-        let ws = DevMem::new(WORKSPACE_BYTES)?;
         // SAFETY: handle and workspace live as long as `Gemms`.
         unsafe {
-            cublas_ok("cublasSetStream", cublas::cublasSetStream_v2(blas.0, stream as _))?;
+            cublas_ok("cublasSetStream", cublas::cublasSetStream_v2(blas.0, self.stream as _))?;
             cublas_ok(
                 "cublasSetWorkspace",
-                cublas::cublasSetWorkspace_v2(blas.0, ws.ptr as *mut c_void, ws.bytes),
+                cublas::cublasSetWorkspace_v2(blas.0, self.ws.ptr as *mut c_void, self.ws.bytes),
             )?;
         }
-        Ok(Gemms { blas, ws, lt: None })
+        self.blas = Some(blas);
+        Ok(())
     }
 
-    /// Times cuBLASLt's candidates for every shape (on its pointers; overwrites C) and keeps
-    /// the fastest. Call before the arena holds anything a step needs and before capture.
-    pub fn tune(&mut self, shapes: &[(GemmShape, GemmPtrs)], stream: sys::CUstream) -> Result<(), GpuError> {
+    /// Readies `cublasGemmEx` for every shape (the heuristic policy).
+    pub fn prepare_heuristic(&mut self) -> Result<(), GpuError> {
+        self.ensure_blas()
+    }
+
+    /// Chooses a cuBLASLt algorithm for every shape: from `cache` when it holds one cuBLASLt
+    /// accepts, else by timing the candidates on the shape's pointers (overwrites C: call
+    /// before the arena holds anything a step needs, and before capture).
+    pub fn prepare(
+        &mut self,
+        shapes: &[(GemmShape, GemmPtrs)],
+        cache: &mut GemmCache,
+        retune: bool,
+        stream: sys::CUstream,
+    ) -> Result<GemmLoad, GpuError> {
         let mut lt = Lt::new((self.ws.ptr, self.ws.bytes))?;
+        let mut load = GemmLoad::default();
         for &(shape, ptrs) in shapes {
+            if lt.algo(&shape).is_some() {
+                continue;
+            }
+            if let Some((algo, choice)) = cache.get(&shape).filter(|_| !retune) {
+                if lt.adopt(shape, algo, choice)? {
+                    load.cached += 1;
+                    continue;
+                }
+            }
             lt.tune(shape, ptrs, stream)?;
+            load.timed += 1;
+            match (lt.algo(&shape), lt.choice(&shape)) {
+                (Some(algo), Some(choice)) => cache.put(&shape, algo, choice),
+                // No cuBLASLt candidate: this shape takes the cublasGemmEx path.
+                _ => self.ensure_blas()?,
+            }
         }
         self.lt = Some(lt);
+        Ok(load)
+    }
+
+    /// Sets the stream eager GEMMs go on (the Lt path takes the stream per call).
+    pub fn set_stream(&mut self, stream: sys::CUstream) -> Result<(), GpuError> {
+        self.stream = stream;
+        if let Some(b) = &self.blas {
+            // SAFETY: a live handle; the stream is valid for the calls that follow.
+            cublas_ok("cublasSetStream", unsafe {
+                cublas::cublasSetStream_v2(b.0, stream as _)
+            })?;
+        }
         Ok(())
     }
 
@@ -70,12 +148,18 @@ impl Gemms {
         if let Some(r) = self.lt.as_ref().and_then(|lt| lt.run(s, p, stream)) {
             return r;
         }
+        let Some(blas) = &self.blas else {
+            return Err(GpuError::Cublas {
+                call: "cublasGemmEx",
+                status: format!("no algorithm prepared for m{} n{} k{}", s.m, s.n, s.k),
+            });
+        };
         let (alpha, beta) = (1.0f32, if s.accumulate { 1.0f32 } else { 0.0f32 });
         // SAFETY: all three operands lie inside the runtime's regions (validated plan:
         // shapes match m, n, k); alpha/beta are host scalars read at call (or capture) time.
         let st = unsafe {
             cublas::cublasGemmEx(
-                self.blas.0,
+                blas.0,
                 cublas::cublasOperation_t::CUBLAS_OP_T,
                 cublas::cublasOperation_t::CUBLAS_OP_N,
                 s.n as i32,

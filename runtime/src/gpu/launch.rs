@@ -9,85 +9,98 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaGraph, CudaStream};
-use specplan_format::{ArgValue, BucketPlan, GemmDesc, KvKind, LaunchKind, Plan};
-use specplan_kernels::abi::FieldKind;
+use specplan_format::{ArgValue, BucketPlan, GemmDesc, LaunchKind, Plan};
+use specplan_kernels::abi::{Abi, FieldKind, Slot};
 
 use super::device::{cuda, cuda_rc, GpuError, Module};
 use super::gemm::Gemms;
 use super::lt::{GemmPtrs, GemmShape};
+use super::memory::Memory;
 
-/// Base addresses of the runtime's device regions.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Regions {
-    pub arena: u64,
-    pub weights: u64,
-    /// K/V pools: layer-major, K then V, `pool_pages` pages each.
-    pub kv: u64,
-    pub kv_pool_bytes: u64,
-    pub table: u64,
+/// The GEMM shape and operand addresses of a plan GEMM.
+pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc) -> (GemmShape, GemmPtrs) {
+    let dt = |id: u32| b.buffers.get(id as usize).map_or(plan.capture.dtype, |x| x.dtype);
+    let off = |id: u32| b.buffers.get(id as usize).map_or(0, |x| x.offset);
+    let w = plan.weights.get(g.w as usize);
+    (
+        GemmShape {
+            m: g.m as u32,
+            n: g.n as u32,
+            k: g.k as u32,
+            accumulate: g.accumulate,
+            w: w.map_or(plan.capture.dtype, |x| x.dtype),
+            a: dt(g.a),
+            c: dt(g.c),
+        },
+        GemmPtrs {
+            w: mem.weights.get(g.w as usize).copied().unwrap_or(0),
+            a: mem.arena.ptr + off(g.a),
+            c: mem.arena.ptr + off(g.c),
+        },
+    )
 }
 
-impl Regions {
-    /// The device address an argument names (0 for null and `u32`s).
-    pub fn arg_ptr(&self, plan: &Plan, b: &BucketPlan, v: &ArgValue) -> u64 {
-        match v {
-            ArgValue::Buffer(id) => self.arena + b.buffers.get(*id as usize).map_or(0, |x| x.offset),
-            ArgValue::Weight(id) => self.weights + plan.weights.get(*id as usize).map_or(0, |x| x.offset),
-            ArgValue::KvCache { layer, kind } => {
-                let which = *layer as u64 * 2 + (*kind == KvKind::V) as u64;
-                self.kv + which * self.kv_pool_bytes
-            }
-            ArgValue::PageTable => self.table,
-            ArgValue::Null | ArgValue::U32(_) => 0,
-        }
-    }
-
-    pub fn gemm(&self, plan: &Plan, b: &BucketPlan, g: &GemmDesc) -> (GemmShape, GemmPtrs) {
-        let dt = |id: u32| b.buffers.get(id as usize).map_or(plan.capture.dtype, |x| x.dtype);
-        let off = |id: u32| b.buffers.get(id as usize).map_or(0, |x| x.offset);
-        let w = plan.weights.get(g.w as usize);
-        (
-            GemmShape {
-                m: g.m as u32,
-                n: g.n as u32,
-                k: g.k as u32,
-                accumulate: g.accumulate,
-                w: w.map_or(plan.capture.dtype, |x| x.dtype),
-                a: dt(g.a),
-                c: dt(g.c),
-            },
-            GemmPtrs {
-                w: self.weights + w.map_or(0, |x| x.offset),
-                a: self.arena + off(g.a),
-                c: self.arena + off(g.c),
-            },
-        )
-    }
-}
-
-/// Packs a kernel's parameter struct: each argument at its declared field's offset.
-pub(crate) fn pack(regions: &Regions, plan: &Plan, b: &BucketPlan, kernel: u32, args: &[ArgValue]) -> Vec<u8> {
-    let Some(k) = plan.kernels.get(kernel as usize) else {
-        return Vec::new();
-    };
-    let abi = k.entry.abi();
+/// Packs a parameter struct of `abi` from arguments in field order: each at its declared
+/// field's offset (pointers as 8 bytes, `u32`s as 4).
+pub(crate) fn pack_slots(abi: &Abi, args: &[Slot<u64>]) -> Vec<u8> {
     let mut out = vec![0u8; abi.size as usize];
     for (a, f) in args.iter().zip(abi.fields) {
         let at = f.offset as usize;
         match (f.kind, a) {
-            (FieldKind::U32, ArgValue::U32(x)) => out[at..at + 4].copy_from_slice(&x.to_le_bytes()),
-            (FieldKind::Ptr(_), v) => out[at..at + 8].copy_from_slice(&regions.arg_ptr(plan, b, v).to_le_bytes()),
-            // A validated plan never mixes kinds; a zero is what a mismatch would read.
-            (FieldKind::U32, _) => {}
+            (FieldKind::U32, Slot::U32(x)) => out[at..at + 4].copy_from_slice(&x.to_le_bytes()),
+            (FieldKind::Ptr(_), Slot::Ptr(v)) => out[at..at + 8].copy_from_slice(&v.to_le_bytes()),
+            // A validated plan (or a typed runtime launch) never mixes kinds.
+            _ => {}
         }
     }
     out
 }
 
-/// What issuing needs: the plan, where its regions are, its functions and GEMMs.
+/// Packs a plan launch's parameter struct, its arguments resolved against `mem`.
+pub(crate) fn pack(mem: &Memory, plan: &Plan, b: &BucketPlan, kernel: u32, args: &[ArgValue]) -> Vec<u8> {
+    let Some(k) = plan.kernels.get(kernel as usize) else {
+        return Vec::new();
+    };
+    let slots: Vec<Slot<u64>> = args
+        .iter()
+        .map(|a| match a {
+            ArgValue::U32(x) => Slot::U32(*x),
+            v => Slot::Ptr(mem.arg_ptr(plan, b, v)),
+        })
+        .collect();
+    pack_slots(&k.entry.abi(), &slots)
+}
+
+/// Launches one kernel with a packed parameter struct on `stream`.
+pub(crate) fn launch_packed(
+    func: sys::CUfunction,
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    blob: &mut [u8],
+    stream: sys::CUstream,
+) -> Result<(), GpuError> {
+    let mut params = [blob.as_mut_ptr() as *mut c_void];
+    // SAFETY: the function belongs to a loaded module; `params` points at a struct laid out
+    // as the kernel declares (`pack_slots`), alive until the call returns (the driver copies
+    // it); every address inside is within an allocation of this runtime or one the caller
+    // registered.
+    cuda("cuLaunchKernel", unsafe {
+        result::launch_kernel(
+            func,
+            (grid[0], grid[1], grid[2]),
+            (block[0], block[1], block[2]),
+            smem,
+            stream,
+            &mut params,
+        )
+    })
+}
+
+/// What issuing needs: the plan, its memory, its functions and GEMMs.
 pub(crate) struct Launcher<'a> {
     pub plan: &'a Plan,
-    pub regions: Regions,
+    pub mem: &'a Memory,
     pub funcs: &'a [sys::CUfunction],
     pub gemms: &'a Gemms,
     pub stream: sys::CUstream,
@@ -100,7 +113,7 @@ impl Launcher<'_> {
         for l in b.launches.iter().filter(|l| keep(&l.op)) {
             match &l.kind {
                 LaunchKind::Gemm(g) => {
-                    let (shape, ptrs) = self.regions.gemm(self.plan, b, g);
+                    let (shape, ptrs) = gemm_call(self.mem, self.plan, b, g);
                     self.gemms.run(&shape, ptrs, self.stream)?
                 }
                 LaunchKind::Kernel {
@@ -110,22 +123,15 @@ impl Launcher<'_> {
                     smem,
                     args,
                 } => {
-                    let mut blob = pack(&self.regions, self.plan, b, *kernel, args);
-                    let mut params = [blob.as_mut_ptr() as *mut c_void];
-                    // SAFETY: the function belongs to a loaded module; `params` points at a
-                    // struct laid out as the kernel declares (see `pack`), alive until the
-                    // call returns (the driver copies it); every address inside is within
-                    // an allocation of this runtime.
-                    cuda("cuLaunchKernel", unsafe {
-                        result::launch_kernel(
-                            self.funcs[*kernel as usize],
-                            (grid[0], grid[1], grid[2]),
-                            (block[0], block[1], block[2]),
-                            *smem,
-                            self.stream,
-                            &mut params,
-                        )
-                    })?;
+                    let mut blob = pack(self.mem, self.plan, b, *kernel, args);
+                    launch_packed(
+                        self.funcs[*kernel as usize],
+                        *grid,
+                        *block,
+                        *smem,
+                        &mut blob,
+                        self.stream,
+                    )?;
                 }
             }
         }

@@ -123,14 +123,8 @@ impl Lt {
         self.tuned.get(s).map(|t| t.choice)
     }
 
-    /// Times the heuristic's candidates for `s` on `p` and keeps the fastest. Leaves the
-    /// shape untuned (the caller falls back to cublasGemmEx) when cuBLASLt has no
-    /// candidate. Overwrites C (and reads it when accumulating): call before the arena
-    /// holds anything a step needs.
-    pub(crate) fn tune(&mut self, s: GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
-        if self.tuned.contains_key(&s) {
-            return Ok(());
-        }
+    /// The descriptors of shape `s` (no algorithm yet).
+    fn describe(&self, s: &GemmShape) -> Result<Tuned, GpuError> {
         let desc = lt_ok(
             "cublasLtMatmulDescCreate",
             lt::create_matmul_desc(
@@ -175,6 +169,55 @@ impl Lt {
                 lt::set_matmul_desc_attribute(t.desc, attr, op as *const i32 as *const c_void, 4)
             })?;
         }
+        Ok(t)
+    }
+
+    /// Uses a known algorithm for `s` (from the cache: cuBLASLt algorithms are plain data,
+    /// valid for the same library version on the same device), after cuBLASLt confirms it
+    /// supports the shape. Returns false (nothing adopted) when it does not.
+    pub(crate) fn adopt(&mut self, s: GemmShape, algo: [u64; 8], choice: GemmChoice) -> Result<bool, GpuError> {
+        if self.tuned.contains_key(&s) {
+            return Ok(true);
+        }
+        let mut t = self.describe(&s)?;
+        t.algo = lsys::cublasLtMatmulAlgo_t { data: algo };
+        // SAFETY: zeroed results are overwritten by the call.
+        let mut check: lsys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: live descriptors; `algo` and `check` are valid for the call.
+        let status = unsafe {
+            lsys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                t.desc,
+                t.layouts[0],
+                t.layouts[1],
+                t.layouts[2],
+                t.layouts[2],
+                &t.algo,
+                &mut check,
+            )
+        };
+        if status != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || check.workspaceSize > self.ws.1 {
+            return Ok(false);
+        }
+        t.choice = choice;
+        self.tuned.insert(s, t);
+        Ok(true)
+    }
+
+    /// The algorithm kept for `s`, as plain data (for the cache).
+    pub(crate) fn algo(&self, s: &GemmShape) -> Option<[u64; 8]> {
+        self.tuned.get(s).map(|t| t.algo.data)
+    }
+
+    /// Times the heuristic's candidates for `s` on `p` and keeps the fastest. Leaves the
+    /// shape untuned (the caller falls back to cublasGemmEx) when cuBLASLt has no
+    /// candidate. Overwrites C (and reads it when accumulating): call before the arena
+    /// holds anything a step needs.
+    pub(crate) fn tune(&mut self, s: GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
+        if self.tuned.contains_key(&s) {
+            return Ok(());
+        }
+        let mut t = self.describe(&s)?;
         let pref = lt_ok("cublasLtMatmulPreferenceCreate", lt::create_matmul_pref())?;
         let ws_bytes = self.ws.1 as u64;
         // SAFETY: live preference; the attribute is a u64 byte count.

@@ -6,17 +6,18 @@ use cudarc::driver::{result, CudaGraph};
 
 use super::device::{cuda, GpuError};
 use super::launch::capture;
-use super::GpuRuntime;
+use super::{GpuRuntime, Mode};
 
 impl GpuRuntime {
-    /// Uploads K/V pages for the caller's pages `[0, pages)` (layer-major, raw act bits).
+    /// Owned memory: uploads K/V pages `[0, pages)` (layer-major, raw act bits).
     pub fn write_kv(&mut self, k: &[u16], v: &[u16], pages: usize) -> Result<(), GpuError> {
+        let pool_pages = self.owned()?.pool_pages as usize;
         let layers = self.plan.model.layers as usize;
         let per = pages * self.plan.kv_page_bytes() as usize / 2;
-        if pages >= self.pool_pages as usize {
+        if pages >= pool_pages {
             return Err(GpuError::Pool(format!(
                 "{pages} cache pages do not fit a pool of {} (+1 scratch)",
-                self.pool_pages - 1
+                pool_pages - 1
             )));
         }
         for (name, src) in [("k", k), ("v", v)] {
@@ -42,16 +43,16 @@ impl GpuRuntime {
     }
 
     fn pool_base(&self, layer: usize, which: usize) -> u64 {
-        self.kv.ptr + ((layer * 2 + which) as u64) * self.pool_pages as u64 * self.plan.kv_page_bytes()
+        let pools = if which == 0 { &self.mem.kv.k } else { &self.mem.kv.v };
+        pools.get(layer).copied().unwrap_or(0)
     }
 
-    /// Reads K/V pages `[0, pages)` back (layer-major, raw act bits). Synchronizes.
+    /// Owned memory: reads K/V pages `[0, pages)` back (layer-major, raw act bits).
+    /// Synchronizes.
     pub fn read_kv(&self, pages: usize) -> Result<(Vec<u16>, Vec<u16>), GpuError> {
-        if pages > self.pool_pages as usize {
-            return Err(GpuError::Pool(format!(
-                "{pages} pages exceed the pool of {}",
-                self.pool_pages
-            )));
+        let pool_pages = self.owned()?.pool_pages as usize;
+        if pages > pool_pages {
+            return Err(GpuError::Pool(format!("{pages} pages exceed the pool of {pool_pages}")));
         }
         cuda("cuStreamSynchronize", self.stream.synchronize())?;
         let per = pages * self.plan.kv_page_bytes() as usize / 2;
@@ -70,8 +71,10 @@ impl GpuRuntime {
         Ok((k, v))
     }
 
-    /// Reads the scratch page of every layer (to check what padding wrote). Synchronizes.
+    /// Owned memory: reads the scratch page of every layer (to check what padding wrote).
+    /// Synchronizes.
     pub fn read_scratch_page(&self) -> Result<Vec<u16>, GpuError> {
+        self.owned()?;
         cuda("cuStreamSynchronize", self.stream.synchronize())?;
         let page = self.plan.kv_page_bytes();
         let per = page as usize / 2;
@@ -89,7 +92,7 @@ impl GpuRuntime {
     pub fn poison(&self) -> Result<(), GpuError> {
         // SAFETY: the whole arena allocation.
         cuda("cuMemsetD8", unsafe {
-            result::memset_d8_async(self.arena.ptr, 0xff, self.arena.bytes, self.stream.cu_stream())
+            result::memset_d8_async(self.mem.arena.ptr, 0xff, self.mem.arena.bytes, self.stream.cu_stream())
         })
     }
 
@@ -104,20 +107,24 @@ impl GpuRuntime {
             .buckets
             .iter()
             .position(|b| b.batch == batch)
-            .ok_or_else(|| GpuError::NoBucket {
-                batch,
-                buckets: self.bucket_list(),
-            })
+            .ok_or_else(|| self.no_bucket(batch as usize))
     }
 
-    /// Replays a bucket's graph on the inputs already in the arena (no host prep, no
-    /// copies), or issues the launches whose op name contains `filter` eagerly.
+    /// Replays a bucket's graph on the runtime's stream with the inputs already in place (no
+    /// host prep; in engine memory the parameters of the bucket's last step, so a step must
+    /// have run in it), or issues the plan launches whose op name contains `filter` eagerly.
     pub fn replay_only(&self, batch: u32, filter: Option<&str>) -> Result<(), GpuError> {
         let bi = self.bucket_index(batch)?;
+        let stream = self.stream.cu_stream();
+        if let (Mode::Engine(e), None) = (&self.mode, filter) {
+            if !e.armed(bi) {
+                return Err(GpuError::Step(format!("bucket {batch} has not run a step yet")));
+            }
+        }
         match (filter, &self.graphs[bi]) {
-            (None, Some(g)) => cuda("cuGraphLaunch", g.launch()),
-            (None, None) => self.launcher().issue(bi, &|_| true),
-            (Some(f), _) => self.launcher().issue(bi, &|op| op.contains(f)),
+            (None, Some(g)) => cuda("cuGraphLaunch", g.graph.launch()),
+            (None, None) => self.launcher(stream).issue(bi, &|_| true),
+            (Some(f), _) => self.launcher(stream).issue(bi, &|op| op.contains(f)),
         }
     }
 
@@ -127,7 +134,7 @@ impl GpuRuntime {
     pub fn buffer_ptr(&self, batch: u32, name: &str) -> Option<(u64, usize)> {
         let bk = self.plan.buckets.iter().find(|b| b.batch == batch)?;
         let (_, x) = bk.buffer(name)?;
-        Some((self.arena.ptr + x.offset, x.bytes as usize))
+        Some((self.mem.arena.ptr + x.offset, x.bytes as usize))
     }
 
     fn named_buffer(&self, batch: u32, name: &str) -> Result<(u64, usize), GpuError> {
@@ -170,7 +177,10 @@ impl GpuRuntime {
     /// that dominates eager issue of microsecond kernels).
     pub fn capture_where(&self, batch: u32, filter: &str) -> Result<CudaGraph, GpuError> {
         let bi = self.bucket_index(batch)?;
-        capture(&self.stream, || self.launcher().issue(bi, &|op| op.contains(filter)))
+        let stream = self.stream.cu_stream();
+        capture(&self.stream, || {
+            self.launcher(stream).issue(bi, &|op| op.contains(filter))
+        })
     }
 
     /// Whether a bucket has a built graph.

@@ -1,0 +1,141 @@
+// io.cu: the engine-memory step's prologue (admit) and epilogue (emit). The runtime launches
+// them around a bucket's launches when the caller's device tensors are the inputs; they are
+// never in a plan's launch lists.
+//
+// Entry admit
+//   Constants: act_t, HIDDEN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
+//   Launch:    grid (batch, 1, 1), block (ADMIT_THREADS = 256, 1, 1), no dynamic shared memory.
+//   Params (by value, natural C alignment, fields in this order):
+//     src_ids     const long long*  [b, N]       the caller's token ids
+//     src_hidden  const act_t*      [b, N, HIDDEN]
+//     src_req     const long long*  [b]          page-table rows (int32 when flags bit 0)
+//     src_prefix  const long long*  [b]          prefix lengths (int32 when flags bit 1)
+//     src_accept  const long long*  [b]          accept lengths (int32 when flags bit 2)
+//     out_probs, out_ids, out_hidden             where emit copies the outputs (null: not)
+//     ids, hidden, req_slots, prefix_lens, accept_lens   the bucket's input buffers
+//     page_table  const int*        the registered table; kv_layout const long long* its words
+//     status      long long*        the runtime's status words (kv.rs)
+//     b, batch, flags, prefix_bias  real requests, bucket, dtype flags, added to prefixes (i32)
+//   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
+//   A = src_accept[i], request i < b is admitted when it passes, in order:
+//     RULE_REQUEST  0 <= r < TABLE_ROWS
+//     RULE_PREFIX   0 <= L and L + N <= MAX_CONTEXT
+//     RULE_ROW      positions L .. L+N-1 lie in row r (token slots: L + N <= TABLE_COLS;
+//                   page ids: ceil((L + N) / PAGE_SIZE) <= TABLE_COLS)
+//     RULE_ACCEPT   1 <= A <= N
+//     RULE_SLOT     each new position's token slot (common.cuh kv_token) is in the pool
+//     RULE_ID       each src_ids[i][j] is in [0, VOCAB)
+//   Admitted: req_slots[i] = r, prefix_lens[i] = L, accept_lens[i] = A, ids and hidden rows
+//   copied. Otherwise (and for i >= b, padding): req_slots[i] = -1 (no K/V read or written
+//   anywhere), prefix 0, accept N, ids 0, hidden 0; a request i < b that broke rule R adds
+//   1 to status[STATUS_ERR_COUNT] and lowers status[STATUS_ERR_FIRST] to (i << 8) | R.
+//   CTA 0 writes b and the out pointers to the status words for emit.
+//
+// Entry emit
+//   Constants: as admit.
+//   Launch:    grid (batch, 1, 1), block (EMIT_THREADS = 256, 1, 1), no dynamic shared memory.
+//   Params: probs const float* [batch, TOPK], ids const long long* [batch, TOPK],
+//           hidden const act_t* [batch, HIDDEN] (the bucket's outputs), status const long long*,
+//           batch unsigned.
+//   CTA i < status[STATUS_STEP_B] copies row i of each output to the status's out pointer
+//   (skipping a null one), bit exact.
+#include "common.cuh"
+
+// AdmitParams and EmitParams are declared by the generated prelude, from specplan_kernels
+// (#[derive(KernelParams)]): the Rust and C sides share one definition.
+
+namespace io {
+
+constexpr int kN = (int)N;
+constexpr long long kH = (long long)HIDDEN;
+constexpr int kK = (int)TOPK;
+static_assert(kN > 0 && kK > 0 && PAGE_SIZE > 0u, "N, TOPK and PAGE_SIZE are positive");
+
+__device__ __forceinline__ long long load_int(const long long* p, long long i, bool is_i32) {
+    return is_i32 ? (long long)reinterpret_cast<const int*>(p)[i] : p[i];
+}
+
+}  // namespace io
+
+extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p) {
+    using namespace io;
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch) return;  // uniform per CTA
+    __shared__ int s_rule;
+    __shared__ long long s_req, s_len, s_acc;
+    const bool real = i < p.b;
+    const KvLayout lay = kv_layout(p.kv_layout);
+    if (threadIdx.x == 0) {
+        int rule = 0;
+        long long r = -1, L = 0, A = kN;
+        if (real) {
+            r = load_int(p.src_req, i, (p.flags & 1u) != 0u);
+            L = load_int(p.src_prefix, i, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+            A = load_int(p.src_accept, i, (p.flags & 4u) != 0u);
+            const long long end = L + kN;  // one past the last new position
+            const long long need = lay.mode == KV_MODE_TOKENS ? end : ceil_div(end, (long long)PAGE_SIZE);
+            if (r < 0 || r >= lay.rows) rule = RULE_REQUEST;
+            else if (L < 0 || end > (long long)MAX_CONTEXT) rule = RULE_PREFIX;
+            else if (need > lay.cols) rule = RULE_ROW;
+            else if (A < 1 || A > kN) rule = RULE_ACCEPT;
+        }
+        s_rule = rule;
+        s_req = r;
+        s_len = L;
+        s_acc = A;
+        if (i == 0) {
+            p.status[STATUS_STEP_B] = p.b;
+            p.status[STATUS_OUT_PROBS] = (long long)p.out_probs;
+            p.status[STATUS_OUT_IDS] = (long long)p.out_ids;
+            p.status[STATUS_OUT_HIDDEN] = (long long)p.out_hidden;
+        }
+    }
+    __syncthreads();
+    // The new positions' slots and the ids, one thread per row (rules RULE_SLOT, RULE_ID).
+    bool bad_slot = false, bad_id = false;
+    const bool checks = real && s_rule == 0;
+    if (checks && (int)threadIdx.x < kN) {
+        const int j = (int)threadIdx.x;
+        const int* row = kv_row(lay, p.page_table, s_req);
+        bad_slot = kv_token(lay, row, s_len + j, (long long)PAGE_SIZE) < 0;
+        const long long id = p.src_ids[(long long)i * kN + j];
+        bad_id = id < 0 || id >= (long long)VOCAB;
+    }
+    const int any_slot = __syncthreads_or(bad_slot);
+    const int any_id = __syncthreads_or(bad_id);
+    const int rule = s_rule != 0 ? s_rule : (any_slot ? RULE_SLOT : (any_id ? RULE_ID : 0));
+    const bool ok = real && rule == 0;
+    if (threadIdx.x == 0) {
+        if (real && rule != 0) {
+            atomicAdd(reinterpret_cast<unsigned long long*>(p.status + STATUS_ERR_COUNT), 1ull);
+            atomicMin(reinterpret_cast<unsigned long long*>(p.status + STATUS_ERR_FIRST),
+                      ((unsigned long long)i << 8) | (unsigned long long)rule);
+        }
+        p.req_slots[i] = ok ? (int)s_req : -1;
+        p.prefix_lens[i] = ok ? (int)s_len : 0;
+        p.accept_lens[i] = ok ? (int)s_acc : kN;
+    }
+    for (int j = (int)threadIdx.x; j < kN; j += (int)blockDim.x) {
+        p.ids[(long long)i * kN + j] = ok ? p.src_ids[(long long)i * kN + j] : 0;
+    }
+    act_t* dst = p.hidden + (long long)i * kN * kH;
+    if (ok) {
+        block_copy_act(dst, p.src_hidden + (long long)i * kN * kH, kN * kH);
+    } else {
+        for (long long e = threadIdx.x; e < kN * kH; e += blockDim.x) dst[e] = to_act(0.0f);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
+    using namespace io;
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch || (long long)i >= p.status[STATUS_STEP_B]) return;  // uniform per CTA
+    float* probs = reinterpret_cast<float*>(p.status[STATUS_OUT_PROBS]);
+    long long* ids = reinterpret_cast<long long*>(p.status[STATUS_OUT_IDS]);
+    act_t* hidden = reinterpret_cast<act_t*>(p.status[STATUS_OUT_HIDDEN]);
+    for (int k = (int)threadIdx.x; k < kK; k += (int)blockDim.x) {
+        if (probs != nullptr) probs[(long long)i * kK + k] = p.probs[(long long)i * kK + k];
+        if (ids != nullptr) ids[(long long)i * kK + k] = p.ids[(long long)i * kK + k];
+    }
+    if (hidden != nullptr) block_copy_act(hidden + (long long)i * kH, p.hidden + (long long)i * kH, kH);
+}

@@ -1,0 +1,157 @@
+//! io.cu: the engine-memory step's prologue and epilogue. The runtime launches these itself
+//! (they are in a plan's kernel table, never in its buckets' launch lists): `admit` copies
+//! the caller's device inputs into the bucket's input buffers and checks every request on
+//! the device (`kv::DeviceRule`), `emit` copies the real requests' outputs to the caller's
+//! tensors. Their caller pointers and `b` change every step (the runtime updates the
+//! captured `admit` node's parameters before each replay).
+
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::facts::{BucketFacts, KernelFacts};
+use crate::io;
+use crate::source::Constants;
+use crate::Entry;
+use specplan_kernel_derive::KernelParams;
+
+use super::{act, u};
+
+/// `admit`: CTA i < batch fills request i's rows of the input buffers — the caller's values
+/// when i < b and request i passes every rule, else a padded request (row −1: no K/V read
+/// or written, prefix 0, accept N, token 0, zero hidden states) — and records a failing
+/// request in the status words.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct AdmitParams {
+    /// `[b, N]` i64 token ids.
+    #[arg(caller)]
+    pub src_ids: DevPtr<i64>,
+    /// `[b, N, H]` hidden states of the target.
+    #[arg(caller)]
+    pub src_hidden: DevPtr<Act>,
+    /// `[b]` request rows of the page table (i64, or i32 with flag bit 0).
+    #[arg(caller)]
+    pub src_req: DevPtr<i64>,
+    /// `[b]` prefix lengths (i64, or i32 with flag bit 1), plus `prefix_bias`.
+    #[arg(caller)]
+    pub src_prefix: DevPtr<i64>,
+    /// `[b]` accept lengths (i64, or i32 with flag bit 2).
+    #[arg(caller)]
+    pub src_accept: DevPtr<i64>,
+    /// Where `emit` copies the outputs (null: not copied).
+    #[arg(caller)]
+    pub out_probs: DevPtr<f32>,
+    #[arg(caller)]
+    pub out_ids: DevPtr<i64>,
+    #[arg(caller)]
+    pub out_hidden: DevPtr<Act>,
+    #[arg(input = io::INPUT_IDS, rw)]
+    pub ids: DevPtrMut<i64>,
+    #[arg(input = io::HIDDEN_STATES, rw)]
+    pub hidden: DevPtrMut<Act>,
+    #[arg(input = io::REQ_SLOTS, rw)]
+    pub req_slots: DevPtrMut<i32>,
+    #[arg(input = io::PREFIX_LENS, rw)]
+    pub prefix_lens: DevPtrMut<i32>,
+    #[arg(input = io::ACCEPT_LENS, rw)]
+    pub accept_lens: DevPtrMut<i32>,
+    #[arg(table)]
+    pub page_table: DevPtr<i32>,
+    #[arg(layout)]
+    pub kv_layout: DevPtr<i64>,
+    #[arg(status, rw)]
+    pub status: DevPtrMut<i64>,
+    /// Real requests of the step (≤ batch).
+    pub b: u32,
+    pub batch: u32,
+    /// Bit 0/1/2: `src_req` / `src_prefix` / `src_accept` hold i32.
+    pub flags: u32,
+    /// Added to every prefix length, as an i32 (−N when the caller passes `seq_lens`).
+    pub prefix_bias: u32,
+}
+
+/// `emit`: CTA i < b copies row i of the outputs to the caller's tensors.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct EmitParams {
+    #[arg(buffer)]
+    pub probs: DevPtr<f32>,
+    #[arg(buffer)]
+    pub ids: DevPtr<i64>,
+    #[arg(buffer)]
+    pub hidden: DevPtr<Act>,
+    #[arg(status)]
+    pub status: DevPtr<i64>,
+    pub batch: u32,
+}
+
+pub const IO_THREADS: u32 = 256;
+
+impl Kernel for AdmitParams {
+    const ENTRY: Entry = Entry::Admit;
+    fn threads(_: &KernelFacts) -> u32 {
+        IO_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], AdmitScalars) {
+        (
+            [b.batch, 1, 1],
+            AdmitScalars {
+                b: b.batch,
+                batch: b.batch,
+                flags: 0,
+                prefix_bias: 0,
+            },
+        )
+    }
+    fn extents(s: &AdmitScalars, f: &KernelFacts) -> AdmitPtrs<Extent> {
+        let (bb, n, h) = (s.batch as u64, f.n as u64, f.hidden as u64);
+        let words = |w: usize| Extent::Elems(w as u64);
+        AdmitPtrs {
+            src_ids: Extent::Elems(s.b as u64 * n),
+            src_hidden: Extent::Elems(s.b as u64 * n * h),
+            src_req: Extent::Elems(s.b as u64),
+            src_prefix: Extent::Elems(s.b as u64),
+            src_accept: Extent::Elems(s.b as u64),
+            out_probs: Extent::Elems(s.b as u64 * f.topk as u64),
+            out_ids: Extent::Elems(s.b as u64 * f.topk as u64),
+            out_hidden: Extent::Elems(s.b as u64 * h),
+            ids: Extent::Elems(bb * n),
+            hidden: Extent::Elems(bb * n * h),
+            req_slots: Extent::Elems(bb),
+            prefix_lens: Extent::Elems(bb),
+            accept_lens: Extent::Elems(bb),
+            page_table: Extent::Elems(0),
+            kv_layout: words(crate::kv::KV_WORDS),
+            status: words(crate::kv::STATUS_WORDS),
+        }
+    }
+}
+
+impl Kernel for EmitParams {
+    const ENTRY: Entry = Entry::Emit;
+    fn threads(_: &KernelFacts) -> u32 {
+        IO_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], EmitScalars) {
+        ([b.batch, 1, 1], EmitScalars { batch: b.batch })
+    }
+    fn extents(s: &EmitScalars, f: &KernelFacts) -> EmitPtrs<Extent> {
+        let (bb, k) = (s.batch as u64, f.topk as u64);
+        EmitPtrs {
+            probs: Extent::Elems(bb * k),
+            ids: Extent::Elems(bb * k),
+            hidden: Extent::Elems(bb * f.hidden as u64),
+            status: Extent::Elems(crate::kv::STATUS_WORDS as u64),
+        }
+    }
+}
+
+pub fn constants(f: &KernelFacts) -> Constants {
+    vec![
+        act(f),
+        u("HIDDEN", f.hidden),
+        u("VOCAB", f.vocab),
+        u("N", f.n),
+        u("TOPK", f.topk),
+        u("PAGE_SIZE", f.page_size),
+        u("MAX_CONTEXT", f.max_context),
+    ]
+}

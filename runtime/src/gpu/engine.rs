@@ -1,0 +1,505 @@
+//! Engine memory: the caller's K/V pool, page table and weights are registered once and used
+//! in place (`memory.rs`); a step's inputs are the caller's device tensors and everything
+//! runs on the caller's stream. Each bucket's graph is `admit` (the caller's inputs copied
+//! into the bucket's input buffers and checked per request on the device), the plan's
+//! launches, then `emit` (the outputs copied to the caller's tensors). Per step the host
+//! sets the captured `admit` node's parameters (the step's pointers and b) and launches the
+//! graph: O(1) host work, no copy through the host, no synchronization.
+//!
+//! A request that breaks a device rule (`kv::DeviceRule`) writes nothing — its row is
+//! turned into padding before any launch reads it — and is counted in the status words,
+//! which `last_error` reads (synchronizing, when the caller chooses).
+
+use std::ffi::c_void;
+use std::time::Instant;
+
+use cudarc::driver::{result, sys, CudaGraph};
+use specplan_format::{io, BucketFacts, KernelFacts, Plan, Replay, ValidatedPlan};
+use specplan_kernels::abi::{Kernel, KernelParams};
+use specplan_kernels::entries::io::{AdmitParams, AdmitPtrs, EmitParams, EmitPtrs};
+use specplan_kernels::kv::{self, DeviceRule};
+use specplan_kernels::Entry;
+
+use super::device::{cuda, cuda_rc, DevMem, GpuError};
+use super::launch::{launch_packed, pack_slots};
+use super::memory::{bind_weights, check_kv, check_table, EngineMemory, Memory, WeightBinding};
+use super::{meta_block, GpuOptions, GpuRuntime, Mode, StepInfo};
+
+/// A `[b]` integer tensor of the caller: its address and whether it holds i32 (else i64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceInts {
+    pub ptr: u64,
+    pub i32: bool,
+}
+
+/// Where `emit` copies a step's outputs: `[b, K]` f32, `[b, K]` i64, `[b, H]` act (0 leaves
+/// that output in the runtime's buffers only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceOutputs {
+    pub topk_p: u64,
+    pub topk_index: u64,
+    pub hidden_states: u64,
+}
+
+/// One engine-memory step: `b` requests whose inputs are the caller's device tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceStep {
+    pub b: usize,
+    /// `[b, N]` i64.
+    pub input_ids: u64,
+    /// `[b, N, H]` in the plan's activation type.
+    pub hidden_states: u64,
+    /// `[b]` rows of the registered page table.
+    pub req_pool_indices: DeviceInts,
+    /// `[b]` tokens already cached per request (plus `prefix_bias`).
+    pub prefix_lens: DeviceInts,
+    /// `[b]` accepted tokens per request.
+    pub accept_lens: DeviceInts,
+    /// Added to every prefix length on the device (−N when the caller passes SGLang's
+    /// `seq_lens`, which count the N new tokens).
+    pub prefix_bias: i32,
+    pub outputs: DeviceOutputs,
+    /// The caller's stream (`CUstream`, e.g. `torch.cuda.current_stream().cuda_stream`).
+    pub stream: u64,
+}
+
+/// What the device rules found since the status was last read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceError {
+    /// Requests refused (each wrote nothing).
+    pub count: u64,
+    /// The lowest refused request index of a step and the rule it broke.
+    pub request: u64,
+    pub rule: Option<DeviceRule>,
+}
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rule = self.rule.map_or("an unknown rule", |r| r.describe());
+        write!(
+            f,
+            "{} request(s) refused on the device (each wrote nothing); request {}: {rule}",
+            self.count, self.request
+        )
+    }
+}
+
+pub(crate) struct EngineState {
+    /// Kernel indices of `admit` and `emit` in the plan.
+    pub admit: u32,
+    pub emit: u32,
+    /// The stream of the last step (what `last_error` synchronizes).
+    last_stream: sys::CUstream,
+    /// Buckets whose graph has had its admit parameters set by a step.
+    armed: Vec<bool>,
+}
+
+/// The per-step values of `admit` (the placeholders at capture time).
+pub(crate) struct StepArgs {
+    pub ptrs: AdmitPtrs<u64>,
+    pub b: u32,
+    pub flags: u32,
+    pub prefix_bias: i32,
+}
+
+impl StepArgs {
+    pub fn placeholder(batch: u32) -> StepArgs {
+        StepArgs {
+            ptrs: AdmitPtrs {
+                src_ids: 0,
+                src_hidden: 0,
+                src_req: 0,
+                src_prefix: 0,
+                src_accept: 0,
+                out_probs: 0,
+                out_ids: 0,
+                out_hidden: 0,
+                ids: 0,
+                hidden: 0,
+                req_slots: 0,
+                prefix_lens: 0,
+                accept_lens: 0,
+                page_table: 0,
+                kv_layout: 0,
+                status: 0,
+            },
+            b: batch,
+            flags: 0,
+            prefix_bias: 0,
+        }
+    }
+}
+
+fn kernel_of(plan: &Plan, entry: Entry) -> Result<u32, GpuError> {
+    plan.kernels
+        .iter()
+        .position(|k| k.entry == entry)
+        .map(|i| i as u32)
+        .ok_or_else(|| GpuError::Registration(format!("the plan has no {entry} kernel (recompile it)")))
+}
+
+impl EngineState {
+    pub fn armed(&self, bi: usize) -> bool {
+        self.armed.get(bi).copied().unwrap_or(false)
+    }
+
+    /// `admit`'s packed parameters for bucket `bi` with this step's values (the bucket's
+    /// input buffers and the runtime's words filled in).
+    pub fn admit_blob(&self, plan: &Plan, mem: &Memory, bi: usize, a: &StepArgs) -> Vec<u8> {
+        let b = &plan.buckets[bi];
+        let buf = |name: &str| b.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
+        let ptrs = AdmitPtrs {
+            ids: buf(io::INPUT_IDS),
+            hidden: buf(io::HIDDEN_STATES),
+            req_slots: buf(io::REQ_SLOTS),
+            prefix_lens: buf(io::PREFIX_LENS),
+            accept_lens: buf(io::ACCEPT_LENS),
+            page_table: mem.table.ptr,
+            kv_layout: mem.layout_ptr(),
+            status: mem.status_ptr(),
+            ..a.ptrs.clone()
+        };
+        let (_, mut s) = AdmitParams::launch(
+            &specplan_format::bucket_facts(b),
+            &specplan_format::kernel_facts_of(plan),
+        );
+        s.b = a.b;
+        s.flags = a.flags;
+        s.prefix_bias = a.prefix_bias as u32;
+        pack_slots(&Entry::Admit.abi(), &AdmitParams::assemble(ptrs, s))
+    }
+
+    pub fn issue_admit(
+        &self,
+        funcs: &[sys::CUfunction],
+        b: &BucketFacts,
+        f: &KernelFacts,
+        blob: &mut [u8],
+        stream: sys::CUstream,
+    ) -> Result<(), GpuError> {
+        let (grid, _) = AdmitParams::launch(b, f);
+        let block = [AdmitParams::threads(f), 1, 1];
+        launch_packed(funcs[self.admit as usize], grid, block, 0, blob, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn issue_emit(
+        &self,
+        plan: &Plan,
+        mem: &Memory,
+        funcs: &[sys::CUfunction],
+        bi: usize,
+        b: &BucketFacts,
+        f: &KernelFacts,
+        stream: sys::CUstream,
+    ) -> Result<(), GpuError> {
+        let bk = &plan.buckets[bi];
+        let buf = |name: &str| bk.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
+        let ptrs = EmitPtrs {
+            probs: buf(io::TOPK_PROBS),
+            ids: buf(io::TOPK_IDS),
+            hidden: buf(io::HIDDEN_OUT),
+            status: mem.status_ptr(),
+        };
+        let (grid, s) = EmitParams::launch(b, f);
+        let mut blob = pack_slots(&Entry::Emit.abi(), &EmitParams::assemble(ptrs, s));
+        launch_packed(
+            funcs[self.emit as usize],
+            grid,
+            [EmitParams::threads(f), 1, 1],
+            0,
+            &mut blob,
+            stream,
+        )
+    }
+}
+
+/// The node of the `admit` launch in a captured graph: the graph's root (it was captured
+/// first, so everything else depends on it), a kernel node of `func`.
+pub(crate) fn find_node(g: &CudaGraph, func: sys::CUfunction) -> Result<sys::CUgraphNode, GpuError> {
+    let none = |why: &str| GpuError::Cuda {
+        call: "cuGraphGetRootNodes",
+        message: format!("the captured graph's admit node: {why}"),
+    };
+    let mut n = 0usize;
+    // SAFETY: a live graph; the first call asks for the count only.
+    cuda_rc("cuGraphGetRootNodes", unsafe {
+        sys::cuGraphGetRootNodes(g.cu_graph(), std::ptr::null_mut(), &mut n)
+    })?;
+    let mut roots = vec![std::ptr::null_mut(); n];
+    // SAFETY: `roots` holds `n` entries.
+    cuda_rc("cuGraphGetRootNodes", unsafe {
+        sys::cuGraphGetRootNodes(g.cu_graph(), roots.as_mut_ptr(), &mut n)
+    })?;
+    let [node] = roots[..n.min(roots.len())] else {
+        return Err(none(&format!("{n} root nodes, expected the admit launch alone")));
+    };
+    let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+    // SAFETY: a node of the live graph; out-pointer to a local.
+    cuda_rc("cuGraphNodeGetType", unsafe { sys::cuGraphNodeGetType(node, &mut ty) })?;
+    if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+        return Err(none("the root is not a kernel node"));
+    }
+    // SAFETY: zeroed plain C struct, filled by the call.
+    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: a kernel node; out-pointer to a local.
+    cuda_rc("cuGraphKernelNodeGetParams", unsafe {
+        sys::cuGraphKernelNodeGetParams_v2(node, &mut p)
+    })?;
+    if !p.func.is_null() && p.func != func {
+        return Err(none("the root kernel is not admit"));
+    }
+    Ok(node)
+}
+
+impl GpuRuntime {
+    /// Loads a plan onto the caller's memory (engine mode): the registrations are checked,
+    /// weights given under a plan weight's own name are used in place (others are packed
+    /// once from their sources into runtime memory), and every bucket's graph is captured
+    /// against these addresses. The runtime allocates only its arena, its graphs and a few
+    /// words. The caller keeps every registered tensor alive and in place for the runtime's
+    /// life.
+    pub fn with_engine_memory(plan: ValidatedPlan, m: EngineMemory, opts: GpuOptions) -> Result<GpuRuntime, GpuError> {
+        let t0 = Instant::now();
+        check_kv(&plan, &m.kv)?;
+        check_table(&plan, &m.table)?;
+        let bindings = bind_weights(&plan, m.weights, &|_| None)?;
+        let state = EngineState {
+            admit: kernel_of(&plan, Entry::Admit)?,
+            emit: kernel_of(&plan, Entry::Emit)?,
+            last_stream: std::ptr::null_mut(),
+            armed: vec![false; plan.buckets.len()],
+        };
+        let core = Self::core(&plan, &opts)?;
+        let (weights, owned) = place_weights(&plan, &bindings)?;
+        let mem = Memory {
+            arena: DevMem::new(plan.arena_bytes() as usize)?,
+            weights,
+            kv: m.kv,
+            table: m.table,
+            meta: meta_block()?,
+            _owned: owned,
+        };
+        Self::finish(plan, core, mem, Mode::Engine(state), &opts, t0)
+    }
+
+    fn engine(&self) -> Result<&EngineState, GpuError> {
+        match &self.mode {
+            Mode::Engine(e) => Ok(e),
+            Mode::Owned(_) => Err(GpuError::Mode("an engine-memory step")),
+        }
+    }
+
+    /// One draft-extend step on the caller's device tensors, on the caller's stream:
+    /// returns once the work is enqueued (no synchronization, no copy through the host).
+    /// Outputs land in `s.outputs` (and in the runtime's buffers, valid until the next
+    /// step). Requests the device rules refuse write nothing; `last_error` reports them.
+    /// Batches above the largest bucket run as consecutive replays of the largest bucket.
+    pub fn step_device(&mut self, s: &DeviceStep) -> Result<StepInfo, GpuError> {
+        let t0 = Instant::now();
+        let n = self.plan.spec.num_draft_tokens as u64;
+        let (h, k) = (self.plan.model.hidden as u64, self.plan.spec.topk as u64);
+        let act = self.plan.capture.dtype.size();
+        if s.b == 0 {
+            return Err(GpuError::Step("a step needs at least one request".into()));
+        }
+        for (name, p) in [
+            ("input_ids", s.input_ids),
+            ("hidden_states", s.hidden_states),
+            ("req_pool_indices", s.req_pool_indices.ptr),
+            ("prefix_lens", s.prefix_lens.ptr),
+            ("accept_lens", s.accept_lens.ptr),
+        ] {
+            if p == 0 {
+                return Err(GpuError::Step(format!("{name} is a null pointer")));
+            }
+        }
+        let stream = s.stream as sys::CUstream;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller's stream handle; out-pointer to a local.
+        cuda_rc("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(stream, &mut status)
+        })?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(GpuError::Step(
+                "the stream is being captured: a step sets its graph's parameters on the host, which a capture would not record; run it outside the capture".into(),
+            ));
+        }
+        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
+        let flags = s.req_pool_indices.i32 as u32 | (s.prefix_lens.i32 as u32) << 1 | (s.accept_lens.i32 as u32) << 2;
+        let width = |d: DeviceInts| if d.i32 { 4 } else { 8 };
+        let mut info = StepInfo {
+            bucket: 0,
+            graph: true,
+            prep_us: 0.0,
+        };
+        for start in (0..s.b).step_by(max_b.max(1)) {
+            let end = (start + max_b).min(s.b);
+            let st = start as u64;
+            let at = |p: u64, per: u64| if p == 0 { 0 } else { p + st * per };
+            let args = StepArgs {
+                ptrs: AdmitPtrs {
+                    src_ids: at(s.input_ids, n * 8),
+                    src_hidden: at(s.hidden_states, n * h * act),
+                    src_req: at(s.req_pool_indices.ptr, width(s.req_pool_indices)),
+                    src_prefix: at(s.prefix_lens.ptr, width(s.prefix_lens)),
+                    src_accept: at(s.accept_lens.ptr, width(s.accept_lens)),
+                    out_probs: at(s.outputs.topk_p, k * 4),
+                    out_ids: at(s.outputs.topk_index, k * 8),
+                    out_hidden: at(s.outputs.hidden_states, h * act),
+                    ..StepArgs::placeholder(0).ptrs
+                },
+                b: (end - start) as u32,
+                flags,
+                prefix_bias: s.prefix_bias,
+            };
+            let bi = self
+                .bucket_for(end - start)
+                .ok_or_else(|| self.no_bucket(end - start))?;
+            let graph = self.replay_engine(bi, &args, stream, t0, &mut info)?;
+            info.graph &= graph;
+            info.bucket = self.plan.buckets[bi].batch;
+        }
+        if let Mode::Engine(e) = &mut self.mode {
+            e.last_stream = stream;
+        }
+        Ok(info)
+    }
+
+    /// Sets bucket `bi`'s admit parameters and launches its graph on `stream` (or issues the
+    /// launches eagerly when the bucket has no graph). Returns whether a graph ran.
+    fn replay_engine(
+        &mut self,
+        bi: usize,
+        a: &StepArgs,
+        stream: sys::CUstream,
+        t0: Instant,
+        info: &mut StepInfo,
+    ) -> Result<bool, GpuError> {
+        let e = self.engine()?;
+        let mut blob = e.admit_blob(&self.plan, &self.mem, bi, a);
+        match self.graphs[bi].as_ref() {
+            Some(g) => {
+                let node = g.admit.ok_or(GpuError::Mode("an engine-memory step"))?;
+                let f = specplan_format::kernel_facts_of(&self.plan);
+                let b = specplan_format::bucket_facts(&self.plan.buckets[bi]);
+                let (grid, _) = AdmitParams::launch(&b, &f);
+                let mut params = [blob.as_mut_ptr() as *mut c_void];
+                // SAFETY: zeroed plain C struct; every field the call reads is set below.
+                let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                p.func = self.funcs[e.admit as usize];
+                (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid[0], grid[1], grid[2]);
+                (p.blockDimX, p.blockDimY, p.blockDimZ) = (AdmitParams::threads(&f), 1, 1);
+                p.kernelParams = params.as_mut_ptr();
+                // SAFETY: `node` is the admit node of this exec's graph; the parameters
+                // point at a struct laid out as admit declares, read during the call (the
+                // driver copies them). The update affects later launches of the exec only.
+                cuda_rc("cuGraphExecKernelNodeSetParams", unsafe {
+                    sys::cuGraphExecKernelNodeSetParams_v2(g.graph.cu_graph_exec(), node, &p)
+                })?;
+                info.prep_us += t0.elapsed().as_secs_f64() * 1e6;
+                // SAFETY: a live exec on the caller's stream, in this runtime's context.
+                cuda_rc("cuGraphLaunch", unsafe {
+                    sys::cuGraphLaunch(g.graph.cu_graph_exec(), stream)
+                })?;
+                if let Mode::Engine(e) = &mut self.mode {
+                    e.armed[bi] = true;
+                }
+                Ok(true)
+            }
+            None => {
+                if let Replay::Eager(reason) = &self.plan.buckets[bi].replay {
+                    let msg = format!("bucket {} runs eagerly: {reason:?}", self.plan.buckets[bi].batch);
+                    self.log_once(msg);
+                }
+                self.gemms.set_stream(stream)?;
+                info.prep_us += t0.elapsed().as_secs_f64() * 1e6;
+                let issued = self.issue_bucket(bi, stream, Some(&mut blob));
+                self.gemms.set_stream(self.stream.cu_stream())?;
+                issued.map(|_| false)
+            }
+        }
+    }
+
+    /// What the device rules refused since the last call (`None`: nothing), then clears it.
+    /// Synchronizes the stream of the last step first.
+    pub fn last_error(&mut self) -> Result<Option<DeviceError>, GpuError> {
+        let stream = self.engine()?.last_stream;
+        if !stream.is_null() {
+            // SAFETY: the caller's stream of the last step (alive while the caller uses it).
+            cuda("cuStreamSynchronize", unsafe { result::stream::synchronize(stream) })?;
+        }
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let mut words = [0i64; 2];
+        let at = self.mem.status_ptr() + (kv::STATUS_ERR_COUNT * 8) as u64;
+        // SAFETY: the first two status words; every step that writes them is done.
+        cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(&mut words, at) })?;
+        let reset = [0i64, -1];
+        // SAFETY: as above.
+        cuda("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(at, &reset) })?;
+        let (count, first) = (words[0] as u64, words[1] as u64);
+        if count == 0 {
+            return Ok(None);
+        }
+        Ok(Some(DeviceError {
+            count,
+            request: first >> 8,
+            rule: DeviceRule::from_code(first & 0xff),
+        }))
+    }
+
+    /// Device addresses of the runtime's output buffers for a step of `b` requests (valid
+    /// until the next step): `(topk_probs, topk_ids, hidden_out)`.
+    pub fn output_ptrs(&self, b: usize) -> Result<(u64, u64, u64), GpuError> {
+        Ok((
+            self.bucket_output_ptr(io::TOPK_PROBS, b)?,
+            self.bucket_output_ptr(io::TOPK_IDS, b)?,
+            self.bucket_output_ptr(io::HIDDEN_OUT, b)?,
+        ))
+    }
+}
+
+/// Device addresses of every plan weight: in place, or packed into one runtime allocation
+/// (concatenated or gathered rows, device-to-device copies at load).
+fn place_weights(plan: &Plan, bindings: &[WeightBinding]) -> Result<(Vec<u64>, Vec<DevMem>), GpuError> {
+    let packed: u64 = plan
+        .weights
+        .iter()
+        .zip(bindings)
+        .filter(|(_, b)| !matches!(b, WeightBinding::InPlace(_)))
+        .map(|(w, _)| w.bytes.div_ceil(256) * 256)
+        .sum();
+    let region = DevMem::new(packed as usize)?;
+    let mut at = region.ptr;
+    let mut ptrs = Vec::with_capacity(bindings.len());
+    for (w, b) in plan.weights.iter().zip(bindings) {
+        let copy = |dst: u64, src: u64, bytes: u64| {
+            // SAFETY: `dst` lies in `region` (sized for every packed weight), `src` in a
+            // caller tensor whose shape was checked; synchronous device copy at load.
+            cuda("cuMemcpyDtoD", unsafe {
+                result::memcpy_dtod_sync(dst, src, bytes as usize)
+            })
+        };
+        match b {
+            WeightBinding::InPlace(p) => ptrs.push(*p),
+            WeightBinding::Concat(parts) => {
+                let mut off = at;
+                for &(src, bytes) in parts {
+                    copy(off, src, bytes)?;
+                    off += bytes;
+                }
+                ptrs.push(at);
+                at += w.bytes.div_ceil(256) * 256;
+            }
+            WeightBinding::Gather { table, row_bytes, ids } => {
+                for (r, &id) in ids.iter().enumerate() {
+                    copy(at + r as u64 * row_bytes, table + id as u64 * row_bytes, *row_bytes)?;
+                }
+                ptrs.push(at);
+                at += w.bytes.div_ceil(256) * 256;
+            }
+        }
+    }
+    Ok((ptrs, vec![region]))
+}
