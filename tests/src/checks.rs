@@ -356,3 +356,30 @@ pub fn contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u64) -> 
     ));
     Ok(report.join(", "))
 }
+
+/// A few steps that run every kernel of a plan at its smallest and largest bucket, as a
+/// graph and eagerly, in owned memory, and once in engine memory: what the compute
+/// sanitizers watch (`.ci/gpu sanitize`).
+pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng) -> Result<(), String> {
+    use specplan_runtime::gpu::GpuOptions;
+    let weights = crate::random::random_weights(plan, rng);
+    let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(g)?;
+    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
+    let smallest = plan.buckets.first().map_or(1, |b| b.batch as usize);
+    for b in [smallest, max_b] {
+        let c = make_case(plan, rng, b, 100);
+        for (i, &s) in c.slots.iter().enumerate() {
+            rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
+        }
+        rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
+        for eager in [false, true] {
+            rt.step(&request(&c, Hidden::Host(&c.hidden_bits)), eager).map_err(g)?;
+            rt.read_outputs().map_err(g)?;
+        }
+    }
+    let blocks = plan.capture.page_size > 1;
+    for b in [smallest, max_b] {
+        crate::engine::engine_once(plan, rng, blocks, b)?;
+    }
+    Ok(())
+}

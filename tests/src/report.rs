@@ -102,11 +102,27 @@ pub struct GemmRecord {
     pub candidates: usize,
 }
 
+/// One engine-memory `specbench` row: the step on caller memory and the caller's stream.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineRow {
+    pub plan: String,
+    pub batch: usize,
+    pub prefix: usize,
+    /// Host time of one `step_device` call (parameters set, graph launched), median µs.
+    pub host_us: f64,
+    /// The step on the stream (admit, the bucket's graph, emit), CUDA events, median µs.
+    pub step_us: f64,
+    /// The owned-memory replay of the same shape in the same run, µs.
+    pub owned_replay_us: f64,
+    pub load_ms: f64,
+}
+
 /// `specbench.json`: the ceilings, then the rows.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Bench {
     pub ceilings: Option<Ceilings>,
     pub rows: Vec<BenchRow>,
+    pub engine: Vec<EngineRow>,
     pub ops: Vec<OpTime>,
     pub gemms: Vec<GemmRecord>,
 }

@@ -5,6 +5,10 @@
 //! ```text
 //! gpucheck PLAN_DIR OUT_DIR [--quick]          every plan; OUT_DIR/gpucheck.json
 //! gpucheck contract PLAN SPECPLAN_BIN WORK_DIR  `specplan run` on cpu, cuda graph, cuda eager
+//! gpucheck sanitize PLAN...                     every kernel at the smallest and largest bucket
+//! gpucheck entries                              the kernel entry names, `|`-separated
+//! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
+//!                                               engine memory (`specplan_tests::engine`)
 //! ```
 //!
 //! Per plan and batch size b (bucket sizes and sizes in between, so padding is exercised,
@@ -144,6 +148,75 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
     rep
 }
 
+/// The engine-memory checks and the load time onto caller memory.
+fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
+    let mut rng = Rng(seed());
+    let mut ok = true;
+    let mut all = Vec::new();
+    for (path, blocks) in [(sglang, false), (vllm, true)] {
+        match load_file(std::path::Path::new(path)).map_err(|e| e.to_string()).and_then(|p| {
+            specplan_tests::engine::engine_check(&p, &mut rng, blocks)
+        }) {
+            Ok(reports) => {
+                for r in &reports {
+                    let verdict = if r.failures.is_empty() { "ok" } else { "FAIL" };
+                    println!(
+                        "engine {:<20} b {:>3}: outputs == owned ({} diffs), written K/V == owned ({} diffs), other pool values changed {}, table changed {}, step returned in {:.1} µs with the stream busy: {}{}  {verdict}",
+                        r.layout,
+                        r.b,
+                        r.output_diffs,
+                        r.kv_written_diffs,
+                        r.kv_unwritten_changed,
+                        r.table_changed,
+                        r.host_us,
+                        r.pending_after_step,
+                        r.refused.iter().map(|x| format!("; {x}")).collect::<String>()
+                    );
+                    for f in &r.failures {
+                        println!("    {f}");
+                    }
+                    ok &= r.failures.is_empty();
+                }
+                all.extend(reports);
+            }
+            Err(e) => {
+                println!("engine {path}: ERROR {e}");
+                ok = false;
+            }
+        }
+    }
+    let load_ms = match load_file(std::path::Path::new(load)).map_err(|e| e.to_string()).and_then(|p| {
+        let r = specplan_tests::engine::engine_load_ms(&p);
+        if let Ok((first, second, t)) = &r {
+            println!(
+                "engine load of {} ({} buckets) onto caller memory: first {first:.1} ms, then {second:.1} ms (setup {:.1}, GEMM choice {:.1} ms: {} cached / {} timed, graphs {:.1} ms)",
+                p.name,
+                p.buckets.len(),
+                t.setup_ms,
+                t.gemm.ms,
+                t.gemm.cached,
+                t.gemm.timed,
+                t.graphs_ms
+            );
+        }
+        r
+    }) {
+        Ok((first, second, _)) => serde_json::json!({"first_ms": first, "second_ms": second}),
+        Err(e) => {
+            println!("engine load: ERROR {e}");
+            ok = false;
+            serde_json::Value::Null
+        }
+    };
+    let report = serde_json::json!({"cases": all, "load": load_ms});
+    let path = std::path::Path::new(out).join("engine.json");
+    if let Err(e) = std::fs::create_dir_all(out).map_err(|e| e.to_string()).and_then(|_| write_atomic(&path, &json(&report))) {
+        eprintln!("cannot write the report: {e}");
+    }
+    println!("engine: {}", if ok { "all checks passed" } else { "FAILED" });
+    ExitCode::from(if ok { 0 } else { 1 })
+}
+
 fn passed(r: &PlanReport) -> bool {
     r.errors.is_empty() && r.cases.iter().all(|c| c.ok) && r.attention.iter().all(|a| a.ok)
 }
@@ -169,6 +242,36 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         };
+    }
+    if args.get(1).map(String::as_str) == Some("entries") {
+        // The kernel names, for the sanitizers' --kernel-name filter.
+        let names: Vec<&str> = specplan_format::Entry::ALL.iter().map(|e| e.name()).collect();
+        println!("{}", names.join("|"));
+        return ExitCode::SUCCESS;
+    }
+    if args.get(1).map(String::as_str) == Some("sanitize") {
+        let mut rng = Rng(seed());
+        let mut failed = false;
+        for path in &args[2..] {
+            let r = load_file(std::path::Path::new(path))
+                .map_err(|e| e.to_string())
+                .and_then(|p| specplan_tests::checks::sanitize_steps(&p, &mut rng));
+            match r {
+                Ok(()) => println!("sanitize {path}: steps ran"),
+                Err(e) => {
+                    println!("sanitize {path}: ERROR {e}");
+                    failed = true;
+                }
+            }
+        }
+        return ExitCode::from(failed as u8);
+    }
+    if args.get(1).map(String::as_str) == Some("engine") {
+        let [_, _, out, sglang, vllm, load, ..] = args.as_slice() else {
+            eprintln!("usage: gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN");
+            return ExitCode::from(2);
+        };
+        return engine(out, sglang, vllm, load);
     }
     let [_, dir, out, rest @ ..] = args.as_slice() else {
         eprintln!("usage: gpucheck PLAN_DIR OUT_DIR [--quick]");

@@ -24,7 +24,7 @@ use specplan_format::{load_file, LaunchKind, ValidatedPlan};
 use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, StepRequest};
 use specplan_tests::gpu::{ceilings, median, DeviceBuf, Timer, RUNS, WARMUP};
 use specplan_tests::random::pattern_weights;
-use specplan_tests::report::{Bench, BenchRow, Ceilings, GemmRecord, OpTime};
+use specplan_tests::report::{Bench, BenchRow, Ceilings, EngineRow, GemmRecord, OpTime};
 use specplan_tests::{json, plan_files, write_atomic, Rng};
 
 const BATCHES: [usize; 4] = [1, 8, 32, 64];
@@ -127,6 +127,7 @@ fn bench_plan(
     );
     let max_l = (plan.capture.max_context_len as usize).saturating_sub(n);
     let builds: f64 = rt.graph_build_ms.iter().sum();
+    let (arena, kv_bytes) = (rt.arena_bytes(), rt.kv_bytes());
     let mut tuned = Vec::new();
     for (m, gn, k, ch) in rt.gemm_choices() {
         if BATCHES.iter().any(|&b| m == (b * n) as u64) || m <= 64 {
@@ -245,12 +246,61 @@ fn bench_plan(
             bench.rows.push(row);
         }
     }
+    drop(rt);
+    bench_engine(name, plan, &flush, bench)?;
     println!(
         "{name}: plan+weights load {load_ms:.0} ms, graphs {builds:.1} ms for {} buckets, arena {} B, kv {} B",
         plan.buckets.len(),
-        rt.arena_bytes(),
-        rt.kv_bytes()
+        arena,
+        kv_bytes
     );
+    Ok(())
+}
+
+/// The same steps in engine memory (caller's pool, table, weights, inputs and stream), at
+/// L 1024: host time of the call and the step's time on the stream, beside the owned replay.
+fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut Bench) -> Result<(), String> {
+    let n = plan.spec.num_draft_tokens as usize;
+    let l = 1024usize;
+    if l + n > plan.capture.max_context_len as usize {
+        return Ok(());
+    }
+    for b in BATCHES.into_iter().filter(|&b| plan.buckets.iter().any(|x| x.batch as usize == b)) {
+        let t0 = Instant::now();
+        let mut f = specplan_tests::engine::bench_fixture(plan, b, l)?;
+        let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let timer = Timer::new(f.stream.cu_stream())?;
+        let step = f.step;
+        let mut hosts = Vec::new();
+        let step_us = timer.time_flushed(flush, || {
+            let h0 = Instant::now();
+            f.runtime.step_device(&step).map_err(g)?;
+            hosts.push(h0.elapsed().as_secs_f64() * 1e6);
+            Ok(())
+        })?;
+        if let Some(e) = f.runtime.last_error().map_err(g)? {
+            return Err(format!("{name} engine b={b}: {e}"));
+        }
+        let owned_replay_us = bench
+            .rows
+            .iter()
+            .find(|r| r.plan == name && r.batch == b && r.prefix == l)
+            .map_or(f64::NAN, |r| r.replay_us);
+        let row = EngineRow {
+            plan: name.into(),
+            batch: b,
+            prefix: l,
+            host_us: median(hosts),
+            step_us,
+            owned_replay_us,
+            load_ms,
+        };
+        println!(
+            "  engine memory ({name}, B {b}, L {l}): host {:.2} µs per step call, step {:.1} µs on the stream (owned replay {:.1} µs)",
+            row.host_us, row.step_us, row.owned_replay_us
+        );
+        bench.engine.push(row);
+    }
     Ok(())
 }
 

@@ -1,0 +1,540 @@
+//! The engine-memory check: an engine-like pool, page table and weights allocated here (as
+//! SGLang lays them out — per-layer `[slots, Hkv, D]` K and V tensors and a token-slot
+//! `req_to_token` table — or as vLLM does — per layer `[2, blocks, block, Hkv, D]` and a
+//! block table), rows in scattered order, device inputs, a stream of its own. A step in
+//! engine memory must equal the same step in owned memory bit for bit, change exactly the
+//! N new slots of each real request, leave the table alone, not synchronize, and refuse a
+//! bad request (writing nothing for it) while computing the others.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use cudarc::driver::result;
+use specplan_format::{DType, Packing, ValidatedPlan};
+use specplan_runtime::bits::to_act_bits;
+use specplan_runtime::cpu::WeightData;
+use specplan_runtime::gpu::{
+    DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, DeviceTensor, EngineMemory, GpuOptions, GpuRuntime, Hidden,
+    KvRegistration, StepRequest, TableMode, TableRegistration,
+};
+use specplan_runtime::step::StepInputs;
+
+use crate::gpu::DeviceBuf;
+use crate::random::{make_case, Case};
+use crate::tolerance::{bit_diffs, f32_bit_diffs};
+use crate::Rng;
+
+fn err<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+fn download<T: Copy + Default>(ptr: u64, n: usize) -> Result<Vec<T>, String> {
+    let mut v = vec![T::default(); n];
+    // SAFETY: `ptr` holds at least n elements (the caller's allocation); synchronous.
+    unsafe { result::memcpy_dtoh_sync(&mut v, ptr) }.map_err(|e| format!("{e:?}"))?;
+    Ok(v)
+}
+
+/// The engine's memory for one case: pool, table, weights, inputs, outputs (all device).
+struct Fixture {
+    _bufs: Vec<DeviceBuf>,
+    kv: KvRegistration,
+    table: TableRegistration,
+    table_host: Vec<i32>,
+    /// Pool contents at the start, per layer (K then V), raw bits; slot-major.
+    k0: Vec<Vec<u16>>,
+    v0: Vec<Vec<u16>>,
+    weights: HashMap<String, DeviceTensor>,
+    /// Request rows of the table.
+    rows: Vec<i64>,
+}
+
+fn upload<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T]) -> Result<u64, String> {
+    let b = DeviceBuf::from_slice(data)?;
+    let p = b.ptr;
+    bufs.push(b);
+    Ok(p)
+}
+
+/// Device copies of the plan's weights: the packed q/k/v under their sources (so the
+/// runtime packs them once), every other weight under its own name (used in place).
+fn device_weights(plan: &ValidatedPlan, w: &[WeightData], bufs: &mut Vec<DeviceBuf>) -> Result<HashMap<String, DeviceTensor>, String> {
+    let act = plan.capture.dtype;
+    let m = &plan.model;
+    let mut out = HashMap::new();
+    for (d, data) in plan.weights.iter().zip(w) {
+        let qkv = d.packing == Packing::ConcatRows && d.name.contains("qkv");
+        match data {
+            WeightData::I64(v) => {
+                let ptr = upload(bufs, v)?;
+                out.insert(d.name.clone(), DeviceTensor { ptr, dtype: DType::I64, shape: d.shape.clone() });
+            }
+            WeightData::F32(v) if qkv => {
+                let cols = d.shape[1] as usize;
+                let mut row = 0usize;
+                for (s, rows) in d.sources.iter().zip([m.heads, m.kv_heads, m.kv_heads]) {
+                    let rows = (rows * m.head_dim) as usize;
+                    let ptr = upload(bufs, &to_act_bits(&v[row * cols..(row + rows) * cols], act))?;
+                    out.insert(s.clone(), DeviceTensor { ptr, dtype: act, shape: vec![rows as u64, cols as u64] });
+                    row += rows;
+                }
+            }
+            WeightData::F32(v) => {
+                let ptr = upload(bufs, &to_act_bits(v, act))?;
+                out.insert(d.name.clone(), DeviceTensor { ptr, dtype: act, shape: d.shape.clone() });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The engine's pool and table for case `c`, holding the case's cache: engine slot (or
+/// block) t holds what the owned pool's page t holds. `blocks`: vLLM's layout, else SGLang's.
+fn fixture(plan: &ValidatedPlan, c: &Case, w: &[WeightData], blocks: bool, rng: &mut Rng) -> Result<Fixture, String> {
+    let m = &plan.model;
+    let ps = plan.capture.page_size as usize;
+    let slot = (m.kv_heads * m.head_dim) as usize;
+    let layers = m.layers as usize;
+    let mut bufs = Vec::new();
+    let pool_slots = c.used_pages * ps;
+    let per_layer = pool_slots * slot;
+    let (mut k0, mut v0) = (Vec::new(), Vec::new());
+    let (mut kp, mut vp) = (Vec::new(), Vec::new());
+    for l in 0..layers {
+        let (k, v) = (&c.k0[l * per_layer..(l + 1) * per_layer], &c.v0[l * per_layer..(l + 1) * per_layer]);
+        if blocks {
+            // One [2, blocks, block, Hkv, D] tensor per layer: K then V halves.
+            let both: Vec<u16> = k.iter().chain(v).copied().collect();
+            let base = upload(&mut bufs, &both)?;
+            kp.push(base);
+            vp.push(base + (per_layer * 2) as u64);
+        } else {
+            kp.push(upload(&mut bufs, k)?);
+            vp.push(upload(&mut bufs, v)?);
+        }
+        k0.push(k.to_vec());
+        v0.push(v.to_vec());
+    }
+    // Table rows in scattered order; unused entries -1. Token slots (SGLang) or blocks.
+    let n = plan.spec.num_draft_tokens as usize;
+    let rows_n = 2 * c.b + 3;
+    let perm = rng.permutation(rows_n);
+    let cols = if blocks {
+        c.pages.iter().map(|p| p.len()).max().unwrap_or(1) + 1
+    } else {
+        c.step.prefix_lens.iter().map(|&l| l as usize + n).max().unwrap_or(n) + 8
+    };
+    let stride = cols + 5;
+    let mut table = vec![-1i32; rows_n * stride];
+    let rows: Vec<i64> = (0..c.b).map(|i| perm[i] as i64).collect();
+    for i in 0..c.b {
+        let row = &mut table[rows[i] as usize * stride..];
+        if blocks {
+            row[..c.pages[i].len()].copy_from_slice(&c.pages[i]);
+        } else {
+            let used = c.step.prefix_lens[i] as usize + n;
+            for (p, e) in row[..used].iter_mut().enumerate() {
+                *e = c.pages[i][p / ps] * ps as i32 + (p % ps) as i32;
+            }
+        }
+    }
+    let tp = upload(&mut bufs, &table)?;
+    let weights = device_weights(plan, w, &mut bufs)?;
+    Ok(Fixture {
+        _bufs: bufs,
+        kv: KvRegistration {
+            k: kp,
+            v: vp,
+            slots: pool_slots as u64,
+            stride: slot as u64,
+        },
+        table: TableRegistration {
+            ptr: tp,
+            mode: if blocks { TableMode::PageIds } else { TableMode::TokenSlots },
+            rows: rows_n as u64,
+            cols: cols as u64,
+            stride: stride as u64,
+        },
+        table_host: table,
+        k0,
+        v0,
+        weights,
+        rows,
+    })
+}
+
+/// What one engine step produced, read back.
+struct Outputs {
+    probs: Vec<f32>,
+    ids: Vec<i64>,
+    hidden: Vec<u16>,
+}
+
+/// One engine step on device copies of `x`'s inputs, with SGLang's conventions: i64
+/// request rows, i64 `seq_lens` (prefix + N) with bias −N, i32 accept lengths.
+fn engine_step(rt: &mut GpuRuntime, x: &StepInputs, hidden: &[u16], rows: &[i64], stream: u64, nosync: Option<&DeviceBuf>) -> Result<(Outputs, f64, bool), String> {
+    let plan = rt.plan().clone();
+    let (n, k, h) = (plan.spec.num_draft_tokens as i64, plan.spec.topk as usize, plan.model.hidden as usize);
+    let b = x.batch;
+    let seq: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64 + n).collect();
+    let ins = [
+        DeviceBuf::from_slice(&x.input_ids)?,
+        DeviceBuf::from_slice(hidden)?,
+        DeviceBuf::from_slice(rows)?,
+        DeviceBuf::from_slice(&seq)?,
+        DeviceBuf::from_slice(&x.accept_lens)?,
+    ];
+    let outs = [DeviceBuf::new(b * k * 4)?, DeviceBuf::new(b * k * 8)?, DeviceBuf::new(b * h * 2)?];
+    for o in &outs {
+        o.fill(0xff, std::ptr::null_mut())?;
+    }
+    let step = DeviceStep {
+        b,
+        input_ids: ins[0].ptr,
+        hidden_states: ins[1].ptr,
+        req_pool_indices: DeviceInts { ptr: ins[2].ptr, i32: false },
+        prefix_lens: DeviceInts { ptr: ins[3].ptr, i32: false },
+        accept_lens: DeviceInts { ptr: ins[4].ptr, i32: true },
+        prefix_bias: -(n as i32),
+        outputs: DeviceOutputs {
+            topk_p: outs[0].ptr,
+            topk_index: outs[1].ptr,
+            hidden_states: outs[2].ptr,
+        },
+        stream,
+    };
+    // A barrier before the step, so the uploads above are done.
+    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
+    if let Some(busy) = nosync {
+        // A long memset ahead of the step on the same stream: a step that synchronized or
+        // copied to the host would wait for it.
+        busy.fill(0x5a, stream as _)?;
+    }
+    let t0 = Instant::now();
+    rt.step_device(&step).map_err(err)?;
+    let host_us = t0.elapsed().as_secs_f64() * 1e6;
+    // SAFETY: the caller's stream; querying has no preconditions.
+    let pending = unsafe { cudarc::driver::sys::cuStreamQuery(stream as _) } == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY;
+    // SAFETY: as above.
+    unsafe { result::stream::synchronize(stream as _) }.map_err(|e| format!("{e:?}"))?;
+    Ok((
+        Outputs {
+            probs: download(outs[0].ptr, b * k)?,
+            ids: download(outs[1].ptr, b * k)?,
+            hidden: download(outs[2].ptr, b * h)?,
+        },
+        host_us,
+        pending,
+    ))
+}
+
+/// Result of one engine case.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct EngineReport {
+    pub layout: &'static str,
+    pub b: usize,
+    pub output_diffs: usize,
+    pub kv_written_diffs: usize,
+    pub kv_unwritten_changed: usize,
+    pub table_changed: usize,
+    pub host_us: f64,
+    pub pending_after_step: bool,
+    pub refused: Vec<String>,
+    pub failures: Vec<String>,
+}
+
+/// The pool's elements (per layer, slot-major) the real requests' new positions own.
+fn written_slots(plan: &ValidatedPlan, c: &Case, skip: Option<usize>) -> Vec<bool> {
+    let ps = plan.capture.page_size as usize;
+    let n = plan.spec.num_draft_tokens as usize;
+    let slot = (plan.model.kv_heads * plan.model.head_dim) as usize;
+    let mut w = vec![false; c.used_pages * ps * slot];
+    for i in (0..c.b).filter(|&i| Some(i) != skip) {
+        for j in 0..n {
+            let p = c.step.prefix_lens[i] as usize + j;
+            let t = c.pages[i][p / ps] as usize * ps + p % ps;
+            w[t * slot..(t + 1) * slot].iter_mut().for_each(|x| *x = true);
+        }
+    }
+    w
+}
+
+/// Runs case `c` in engine memory (`eng`) and owned memory (`own`), and compares.
+#[allow(clippy::too_many_arguments)]
+fn compare(
+    plan: &ValidatedPlan,
+    eng: &mut GpuRuntime,
+    own: &mut GpuRuntime,
+    fx: &Fixture,
+    c: &Case,
+    engine_x: &StepInputs,
+    bad: Option<(usize, DeviceRule)>,
+    stream: u64,
+    rep: &mut EngineReport,
+) -> Result<(), String> {
+    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    let busy = DeviceBuf::new(1 << 30)?;
+    let (eo, host_us, pending) = engine_step(eng, engine_x, &c.hidden_bits, &fx.rows, stream, Some(&busy))?;
+    rep.host_us = host_us;
+    rep.pending_after_step = pending;
+    if !pending {
+        rep.failures.push("the stream was idle right after the step returned: it synchronized".into());
+    }
+    // The owned reference: the same requests (the bad one made valid), same initial cache.
+    for (i, &s) in c.slots.iter().enumerate() {
+        own.set_pages(s as usize, &c.pages[i]).map_err(err)?;
+    }
+    own.write_kv(&c.k0, &c.v0, c.used_pages).map_err(err)?;
+    own.poison().map_err(err)?;
+    let req = StepRequest {
+        slots: &c.slots,
+        input_ids: &c.step.input_ids,
+        hidden: Hidden::Host(&c.hidden_bits),
+        prefix_lens: &c.step.prefix_lens,
+        accept_lens: &c.step.accept_lens,
+    };
+    own.step(&req, false).map_err(err)?;
+    let oo = own.read_outputs().map_err(err)?;
+    let (ok_, ov) = own.read_kv(c.used_pages).map_err(err)?;
+    let skip = bad.map(|b| b.0);
+    let rows = |i: usize| Some(i) != skip;
+    for i in (0..c.b).filter(|&i| rows(i)) {
+        rep.output_diffs += f32_bit_diffs(&eo.probs[i * k..(i + 1) * k], &oo.topk_probs[i * k..(i + 1) * k])
+            + bit_diffs(&eo.ids[i * k..(i + 1) * k], &oo.topk_ids[i * k..(i + 1) * k])
+            + bit_diffs(&eo.hidden[i * h..(i + 1) * h], &oo.hidden_out[i * h..(i + 1) * h]);
+    }
+    // The caller's pool: written slots equal the owned pool's; every other element kept.
+    let written = written_slots(plan, c, skip);
+    let per = written.len();
+    for l in 0..plan.model.layers as usize {
+        for (pool, init, owned) in [(fx.kv.k[l], &fx.k0[l], &ok_[l * per..(l + 1) * per]), (fx.kv.v[l], &fx.v0[l], &ov[l * per..(l + 1) * per])] {
+            let got: Vec<u16> = download(pool, per)?;
+            for e in 0..per {
+                if written[e] {
+                    rep.kv_written_diffs += (got[e] != owned[e]) as usize;
+                } else {
+                    rep.kv_unwritten_changed += (got[e] != init[e]) as usize;
+                }
+            }
+        }
+    }
+    let table: Vec<i32> = download(fx.table.ptr, fx.table_host.len())?;
+    rep.table_changed = bit_diffs(&table, &fx.table_host);
+    let reported = eng.last_error().map_err(err)?;
+    match (bad, &reported) {
+        (None, None) => {}
+        (None, Some(e)) => rep.failures.push(format!("no bad request, but the device reported: {e}")),
+        (Some((i, rule)), Some(e)) if e.request == i as u64 && e.rule == Some(rule) && e.count == 1 => {
+            rep.refused.push(format!("request {i}: {rule:?} refused and reported"))
+        }
+        (Some((i, rule)), got) => rep.failures.push(format!("request {i} broke {rule:?}, the device reported {got:?}")),
+    }
+    for (what, count) in [
+        ("output values differ from owned memory", rep.output_diffs),
+        ("written K/V values differ from owned memory", rep.kv_written_diffs),
+        ("pool values outside the written slots changed", rep.kv_unwritten_changed),
+        ("page-table entries changed", rep.table_changed),
+    ] {
+        if count > 0 {
+            rep.failures.push(format!("{count} {what}"));
+        }
+    }
+    Ok(())
+}
+
+/// The engine-memory check on one plan: good steps at several batch sizes (padding, chunks)
+/// and one step per bad-request rule. `blocks`: vLLM's layout (page size > 1), else SGLang's.
+pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result<Vec<EngineReport>, String> {
+    let layout = if blocks { "vllm-blocks" } else { "sglang-token-slots" };
+    let weights = crate::random::random_weights(plan, rng);
+    let mut own = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(err)?;
+    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
+    let mut reports = Vec::new();
+    let mut cases: Vec<(usize, Option<DeviceRule>)> = vec![(1, None), (3, None), (max_b, None)];
+    if max_b + 3 <= plan.capture.max_requests as usize {
+        cases.push((max_b + 3, None));
+    }
+    cases.extend([(4, Some(DeviceRule::Accept)), (4, Some(DeviceRule::Row)), (4, Some(DeviceRule::Slot))]);
+    for (b, rule) in cases {
+        let c = make_case(plan, rng, b, 60);
+        let fx = fixture(plan, &c, &weights, blocks, rng)?;
+        let mem = EngineMemory {
+            kv: fx.kv.clone(),
+            table: fx.table.clone(),
+            weights: &fx.weights,
+        };
+        let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+        let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
+        let mut x = c.step.clone();
+        let bad = rule.map(|r| (1usize, r));
+        let mut fx = fx;
+        match rule {
+            Some(DeviceRule::Accept) => x.accept_lens[1] = 0,
+            // Positions past the end of the row (the plan's own bound still holds).
+            Some(DeviceRule::Row) => {
+                x.prefix_lens[1] = (fx.table.cols * if blocks { plan.capture.page_size as u64 } else { 1 }) as i32
+            }
+            Some(DeviceRule::Slot) => {
+                // Request 1's first new position names a slot past the pool.
+                let l = x.prefix_lens[1] as usize;
+                let ps = plan.capture.page_size as usize;
+                let at = fx.rows[1] as usize * fx.table.stride as usize + if blocks { l / ps } else { l };
+                fx.table_host[at] = (fx.kv.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
+                // SAFETY: one entry inside the table allocation; synchronous.
+                unsafe { result::memcpy_htod_sync(fx.table.ptr + at as u64 * 4, &fx.table_host[at..at + 1]) }
+                    .map_err(|e| format!("{e:?}"))?;
+            }
+            _ => {}
+        }
+        let mut rep = EngineReport {
+            layout,
+            b,
+            ..EngineReport::default()
+        };
+        compare(plan, &mut eng, &mut own, &fx, &c, &x, bad, stream.cu_stream() as u64, &mut rep)?;
+        reports.push(rep);
+    }
+    Ok(reports)
+}
+
+/// Load time of a plan onto caller memory (weights, pool and table allocated here, not
+/// initialized: only the addresses matter), twice: the first load may time GEMMs into the
+/// cache and pays the libraries' first use; the second is what an engine process pays.
+pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtime::gpu::LoadTimes), String> {
+    let m = &plan.model;
+    let act = plan.capture.dtype;
+    let mut bufs = Vec::new();
+    let mut weights = HashMap::new();
+    for w in &plan.weights {
+        let b = DeviceBuf::new(w.bytes as usize)?;
+        weights.insert(w.name.clone(), DeviceTensor { ptr: b.ptr, dtype: w.dtype, shape: w.shape.clone() });
+        bufs.push(b);
+    }
+    let slots = 4096u64;
+    let stride = (m.kv_heads * m.head_dim) as u64;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for _ in 0..m.layers {
+        let kb = DeviceBuf::new((slots * stride * act.size()) as usize)?;
+        let vb = DeviceBuf::new((slots * stride * act.size()) as usize)?;
+        k.push(kb.ptr);
+        v.push(vb.ptr);
+        bufs.extend([kb, vb]);
+    }
+    let cols = plan.capture.max_context_len as u64;
+    let table = DeviceBuf::new((cols * 128 * 4) as usize)?;
+    let mut times = Vec::new();
+    let mut last = None;
+    for _ in 0..2 {
+        let mem = EngineMemory {
+            kv: KvRegistration { k: k.clone(), v: v.clone(), slots, stride },
+            table: TableRegistration { ptr: table.ptr, mode: TableMode::TokenSlots, rows: 128, cols, stride: cols },
+            weights: &weights,
+        };
+        let t0 = Instant::now();
+        let rt = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        last = Some(rt.load);
+    }
+    drop(bufs);
+    Ok((times[0], times[1], last.unwrap_or_default()))
+}
+
+/// Caller memory and inputs for timing an engine step: every request at prefix `l`, token
+/// slots in scattered order, weights and cache filled with a constant (values do not change
+/// the time; finite ones keep every kernel on its usual path).
+pub struct BenchFixture {
+    _bufs: Vec<DeviceBuf>,
+    pub runtime: GpuRuntime,
+    pub step: DeviceStep,
+    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFixture, String> {
+    let m = &plan.model;
+    let act = plan.capture.dtype;
+    let n = plan.spec.num_draft_tokens as usize;
+    let mut bufs: Vec<DeviceBuf> = Vec::new();
+    let fill = |bufs: &mut Vec<DeviceBuf>, bytes: usize| -> Result<u64, String> {
+        let d = DeviceBuf::new(bytes)?;
+        d.fill(0x3c, std::ptr::null_mut())?;
+        let p = d.ptr;
+        bufs.push(d);
+        Ok(p)
+    };
+    let mut weights = HashMap::new();
+    for w in &plan.weights {
+        let ptr = fill(&mut bufs, w.bytes as usize)?;
+        weights.insert(w.name.clone(), DeviceTensor { ptr, dtype: w.dtype, shape: w.shape.clone() });
+    }
+    let stride = (m.kv_heads * m.head_dim) as u64;
+    let slots = (b * (l + n)) as u64 + 16;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for _ in 0..m.layers {
+        k.push(fill(&mut bufs, (slots * stride * act.size()) as usize)?);
+        v.push(fill(&mut bufs, (slots * stride * act.size()) as usize)?);
+    }
+    let cols = l + n;
+    let order = Rng(0x5eed_0000 + slots).permutation(b * cols);
+    let table: Vec<i32> = order.iter().map(|&t| t as i32).collect();
+    let tp = upload(&mut bufs, &table)?;
+    let mem = EngineMemory {
+        kv: KvRegistration { k, v, slots, stride },
+        table: TableRegistration {
+            ptr: tp,
+            mode: TableMode::TokenSlots,
+            rows: b as u64,
+            cols: cols as u64,
+            stride: cols as u64,
+        },
+        weights: &weights,
+    };
+    let runtime = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+    let stream = runtime.context().new_stream().map_err(|e| format!("{e:?}"))?;
+    let ids: Vec<i64> = (0..b * n).map(|i| (i % 1000) as i64).collect();
+    let rows: Vec<i64> = (0..b as i64).collect();
+    let prefix = vec![l as i32; b];
+    let accept = vec![n as i32; b];
+    let hidden = fill(&mut bufs, b * n * m.hidden as usize * act.size() as usize)?;
+    let (k_, h) = (plan.spec.topk as usize, m.hidden as usize);
+    let step = DeviceStep {
+        b,
+        input_ids: upload(&mut bufs, &ids)?,
+        hidden_states: hidden,
+        req_pool_indices: DeviceInts { ptr: upload(&mut bufs, &rows)?, i32: false },
+        prefix_lens: DeviceInts { ptr: upload(&mut bufs, &prefix)?, i32: true },
+        accept_lens: DeviceInts { ptr: upload(&mut bufs, &accept)?, i32: true },
+        prefix_bias: 0,
+        outputs: DeviceOutputs {
+            topk_p: fill(&mut bufs, b * k_ * 4)?,
+            topk_index: fill(&mut bufs, b * k_ * 8)?,
+            hidden_states: fill(&mut bufs, b * h * act.size() as usize)?,
+        },
+        stream: stream.cu_stream() as u64,
+    };
+    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
+    Ok(BenchFixture {
+        _bufs: bufs,
+        runtime,
+        step,
+        stream,
+    })
+}
+
+/// One engine-memory step at batch `b` (for the sanitizers: little work, every kernel).
+pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) -> Result<(), String> {
+    let weights = crate::random::random_weights(plan, rng);
+    let c = make_case(plan, rng, b, 40);
+    let fx = fixture(plan, &c, &weights, blocks, rng)?;
+    let mem = EngineMemory {
+        kv: fx.kv.clone(),
+        table: fx.table.clone(),
+        weights: &fx.weights,
+    };
+    let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+    let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
+    engine_step(&mut eng, &c.step, &c.hidden_bits, &fx.rows, stream.cu_stream() as u64, None)?;
+    match eng.last_error().map_err(err)? {
+        None => Ok(()),
+        Some(e) => Err(e.to_string()),
+    }
+}
