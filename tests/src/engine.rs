@@ -58,7 +58,11 @@ fn upload<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T]) -> Result<u64, String>
 
 /// Device copies of the plan's weights: the packed q/k/v under their sources (so the
 /// runtime packs them once), every other weight under its own name (used in place).
-fn device_weights(plan: &ValidatedPlan, w: &[WeightData], bufs: &mut Vec<DeviceBuf>) -> Result<HashMap<String, DeviceTensor>, String> {
+fn device_weights(
+    plan: &ValidatedPlan,
+    w: &[WeightData],
+    bufs: &mut Vec<DeviceBuf>,
+) -> Result<HashMap<String, DeviceTensor>, String> {
     let act = plan.capture.dtype;
     let m = &plan.model;
     let mut out = HashMap::new();
@@ -67,7 +71,14 @@ fn device_weights(plan: &ValidatedPlan, w: &[WeightData], bufs: &mut Vec<DeviceB
         match data {
             WeightData::I64(v) => {
                 let ptr = upload(bufs, v)?;
-                out.insert(d.name.clone(), DeviceTensor { ptr, dtype: DType::I64, shape: d.shape.clone() });
+                out.insert(
+                    d.name.clone(),
+                    DeviceTensor {
+                        ptr,
+                        dtype: DType::I64,
+                        shape: d.shape.clone(),
+                    },
+                );
             }
             WeightData::F32(v) if qkv => {
                 let cols = d.shape[1] as usize;
@@ -75,13 +86,27 @@ fn device_weights(plan: &ValidatedPlan, w: &[WeightData], bufs: &mut Vec<DeviceB
                 for (s, rows) in d.sources.iter().zip([m.heads, m.kv_heads, m.kv_heads]) {
                     let rows = (rows * m.head_dim) as usize;
                     let ptr = upload(bufs, &to_act_bits(&v[row * cols..(row + rows) * cols], act))?;
-                    out.insert(s.clone(), DeviceTensor { ptr, dtype: act, shape: vec![rows as u64, cols as u64] });
+                    out.insert(
+                        s.clone(),
+                        DeviceTensor {
+                            ptr,
+                            dtype: act,
+                            shape: vec![rows as u64, cols as u64],
+                        },
+                    );
                     row += rows;
                 }
             }
             WeightData::F32(v) => {
                 let ptr = upload(bufs, &to_act_bits(v, act))?;
-                out.insert(d.name.clone(), DeviceTensor { ptr, dtype: act, shape: d.shape.clone() });
+                out.insert(
+                    d.name.clone(),
+                    DeviceTensor {
+                        ptr,
+                        dtype: act,
+                        shape: d.shape.clone(),
+                    },
+                );
             }
         }
     }
@@ -101,7 +126,10 @@ fn fixture(plan: &ValidatedPlan, c: &Case, w: &[WeightData], blocks: bool, rng: 
     let (mut k0, mut v0) = (Vec::new(), Vec::new());
     let (mut kp, mut vp) = (Vec::new(), Vec::new());
     for l in 0..layers {
-        let (k, v) = (&c.k0[l * per_layer..(l + 1) * per_layer], &c.v0[l * per_layer..(l + 1) * per_layer]);
+        let (k, v) = (
+            &c.k0[l * per_layer..(l + 1) * per_layer],
+            &c.v0[l * per_layer..(l + 1) * per_layer],
+        );
         if blocks {
             // One [2, blocks, block, Hkv, D] tensor per layer: K then V halves.
             let both: Vec<u16> = k.iter().chain(v).copied().collect();
@@ -150,7 +178,11 @@ fn fixture(plan: &ValidatedPlan, c: &Case, w: &[WeightData], blocks: bool, rng: 
         },
         table: TableRegistration {
             ptr: tp,
-            mode: if blocks { TableMode::PageIds } else { TableMode::TokenSlots },
+            mode: if blocks {
+                TableMode::PageIds
+            } else {
+                TableMode::TokenSlots
+            },
             rows: rows_n as u64,
             cols: cols as u64,
             stride: stride as u64,
@@ -172,9 +204,20 @@ struct Outputs {
 
 /// One engine step on device copies of `x`'s inputs, with SGLang's conventions: i64
 /// request rows, i64 `seq_lens` (prefix + N) with bias −N, i32 accept lengths.
-fn engine_step(rt: &mut GpuRuntime, x: &StepInputs, hidden: &[u16], rows: &[i64], stream: u64, nosync: Option<&DeviceBuf>) -> Result<(Outputs, f64, bool), String> {
+fn engine_step(
+    rt: &mut GpuRuntime,
+    x: &StepInputs,
+    hidden: &[u16],
+    rows: &[i64],
+    stream: u64,
+    nosync: Option<&DeviceBuf>,
+) -> Result<(Outputs, f64, bool), String> {
     let plan = rt.plan().clone();
-    let (n, k, h) = (plan.spec.num_draft_tokens as i64, plan.spec.topk as usize, plan.model.hidden as usize);
+    let (n, k, h) = (
+        plan.spec.num_draft_tokens as i64,
+        plan.spec.topk as usize,
+        plan.model.hidden as usize,
+    );
     let b = x.batch;
     let seq: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64 + n).collect();
     let ins = [
@@ -184,7 +227,11 @@ fn engine_step(rt: &mut GpuRuntime, x: &StepInputs, hidden: &[u16], rows: &[i64]
         DeviceBuf::from_slice(&seq)?,
         DeviceBuf::from_slice(&x.accept_lens)?,
     ];
-    let outs = [DeviceBuf::new(b * k * 4)?, DeviceBuf::new(b * k * 8)?, DeviceBuf::new(b * h * 2)?];
+    let outs = [
+        DeviceBuf::new(b * k * 4)?,
+        DeviceBuf::new(b * k * 8)?,
+        DeviceBuf::new(b * h * 2)?,
+    ];
     for o in &outs {
         o.fill(0xff, std::ptr::null_mut())?;
     }
@@ -192,9 +239,18 @@ fn engine_step(rt: &mut GpuRuntime, x: &StepInputs, hidden: &[u16], rows: &[i64]
         b,
         input_ids: ins[0].ptr,
         hidden_states: ins[1].ptr,
-        req_pool_indices: DeviceInts { ptr: ins[2].ptr, i32: false },
-        prefix_lens: DeviceInts { ptr: ins[3].ptr, i32: false },
-        accept_lens: DeviceInts { ptr: ins[4].ptr, i32: true },
+        req_pool_indices: DeviceInts {
+            ptr: ins[2].ptr,
+            i32: false,
+        },
+        prefix_lens: DeviceInts {
+            ptr: ins[3].ptr,
+            i32: false,
+        },
+        accept_lens: DeviceInts {
+            ptr: ins[4].ptr,
+            i32: true,
+        },
         prefix_bias: -(n as i32),
         outputs: DeviceOutputs {
             topk_p: outs[0].ptr,
@@ -214,7 +270,8 @@ fn engine_step(rt: &mut GpuRuntime, x: &StepInputs, hidden: &[u16], rows: &[i64]
     rt.step_device(&step).map_err(err)?;
     let host_us = t0.elapsed().as_secs_f64() * 1e6;
     // SAFETY: the caller's stream; querying has no preconditions.
-    let pending = unsafe { cudarc::driver::sys::cuStreamQuery(stream as _) } == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY;
+    let pending = unsafe { cudarc::driver::sys::cuStreamQuery(stream as _) }
+        == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY;
     // SAFETY: as above.
     unsafe { result::stream::synchronize(stream as _) }.map_err(|e| format!("{e:?}"))?;
     Ok((
@@ -278,7 +335,8 @@ fn compare(
     rep.host_us = host_us;
     rep.pending_after_step = pending;
     if !pending {
-        rep.failures.push("the stream was idle right after the step returned: it synchronized".into());
+        rep.failures
+            .push("the stream was idle right after the step returned: it synchronized".into());
     }
     // The owned reference: the same requests (the bad one made valid), same initial cache.
     for (i, &s) in c.slots.iter().enumerate() {
@@ -307,7 +365,10 @@ fn compare(
     let written = written_slots(plan, c, skip);
     let per = written.len();
     for l in 0..plan.model.layers as usize {
-        for (pool, init, owned) in [(fx.kv.k[l], &fx.k0[l], &ok_[l * per..(l + 1) * per]), (fx.kv.v[l], &fx.v0[l], &ov[l * per..(l + 1) * per])] {
+        for (pool, init, owned) in [
+            (fx.kv.k[l], &fx.k0[l], &ok_[l * per..(l + 1) * per]),
+            (fx.kv.v[l], &fx.v0[l], &ov[l * per..(l + 1) * per]),
+        ] {
             let got: Vec<u16> = download(pool, per)?;
             for e in 0..per {
                 if written[e] {
@@ -323,16 +384,23 @@ fn compare(
     let reported = eng.last_error().map_err(err)?;
     match (bad, &reported) {
         (None, None) => {}
-        (None, Some(e)) => rep.failures.push(format!("no bad request, but the device reported: {e}")),
+        (None, Some(e)) => rep
+            .failures
+            .push(format!("no bad request, but the device reported: {e}")),
         (Some((i, rule)), Some(e)) if e.request == i as u64 && e.rule == Some(rule) && e.count == 1 => {
             rep.refused.push(format!("request {i}: {rule:?} refused and reported"))
         }
-        (Some((i, rule)), got) => rep.failures.push(format!("request {i} broke {rule:?}, the device reported {got:?}")),
+        (Some((i, rule)), got) => rep
+            .failures
+            .push(format!("request {i} broke {rule:?}, the device reported {got:?}")),
     }
     for (what, count) in [
         ("output values differ from owned memory", rep.output_diffs),
         ("written K/V values differ from owned memory", rep.kv_written_diffs),
-        ("pool values outside the written slots changed", rep.kv_unwritten_changed),
+        (
+            "pool values outside the written slots changed",
+            rep.kv_unwritten_changed,
+        ),
         ("page-table entries changed", rep.table_changed),
     ] {
         if count > 0 {
@@ -354,7 +422,11 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
     if max_b + 3 <= plan.capture.max_requests as usize {
         cases.push((max_b + 3, None));
     }
-    cases.extend([(4, Some(DeviceRule::Accept)), (4, Some(DeviceRule::Row)), (4, Some(DeviceRule::Slot))]);
+    cases.extend([
+        (4, Some(DeviceRule::Accept)),
+        (4, Some(DeviceRule::Row)),
+        (4, Some(DeviceRule::Slot)),
+    ]);
     for (b, rule) in cases {
         let c = make_case(plan, rng, b, 60);
         let fx = fixture(plan, &c, &weights, blocks, rng)?;
@@ -391,7 +463,17 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
             b,
             ..EngineReport::default()
         };
-        compare(plan, &mut eng, &mut own, &fx, &c, &x, bad, stream.cu_stream() as u64, &mut rep)?;
+        compare(
+            plan,
+            &mut eng,
+            &mut own,
+            &fx,
+            &c,
+            &x,
+            bad,
+            stream.cu_stream() as u64,
+            &mut rep,
+        )?;
         reports.push(rep);
     }
     Ok(reports)
@@ -407,7 +489,14 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
     let mut weights = HashMap::new();
     for w in &plan.weights {
         let b = DeviceBuf::new(w.bytes as usize)?;
-        weights.insert(w.name.clone(), DeviceTensor { ptr: b.ptr, dtype: w.dtype, shape: w.shape.clone() });
+        weights.insert(
+            w.name.clone(),
+            DeviceTensor {
+                ptr: b.ptr,
+                dtype: w.dtype,
+                shape: w.shape.clone(),
+            },
+        );
         bufs.push(b);
     }
     let slots = 4096u64;
@@ -426,8 +515,19 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
     let mut last = None;
     for _ in 0..2 {
         let mem = EngineMemory {
-            kv: KvRegistration { k: k.clone(), v: v.clone(), slots, stride },
-            table: TableRegistration { ptr: table.ptr, mode: TableMode::TokenSlots, rows: 128, cols, stride: cols },
+            kv: KvRegistration {
+                k: k.clone(),
+                v: v.clone(),
+                slots,
+                stride,
+            },
+            table: TableRegistration {
+                ptr: table.ptr,
+                mode: TableMode::TokenSlots,
+                rows: 128,
+                cols,
+                stride: cols,
+            },
             weights: &weights,
         };
         let t0 = Instant::now();
@@ -464,7 +564,14 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
     let mut weights = HashMap::new();
     for w in &plan.weights {
         let ptr = fill(&mut bufs, w.bytes as usize)?;
-        weights.insert(w.name.clone(), DeviceTensor { ptr, dtype: w.dtype, shape: w.shape.clone() });
+        weights.insert(
+            w.name.clone(),
+            DeviceTensor {
+                ptr,
+                dtype: w.dtype,
+                shape: w.shape.clone(),
+            },
+        );
     }
     let stride = (m.kv_heads * m.head_dim) as u64;
     let slots = (b * (l + n)) as u64 + 16;
@@ -500,9 +607,18 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
         b,
         input_ids: upload(&mut bufs, &ids)?,
         hidden_states: hidden,
-        req_pool_indices: DeviceInts { ptr: upload(&mut bufs, &rows)?, i32: false },
-        prefix_lens: DeviceInts { ptr: upload(&mut bufs, &prefix)?, i32: true },
-        accept_lens: DeviceInts { ptr: upload(&mut bufs, &accept)?, i32: true },
+        req_pool_indices: DeviceInts {
+            ptr: upload(&mut bufs, &rows)?,
+            i32: false,
+        },
+        prefix_lens: DeviceInts {
+            ptr: upload(&mut bufs, &prefix)?,
+            i32: true,
+        },
+        accept_lens: DeviceInts {
+            ptr: upload(&mut bufs, &accept)?,
+            i32: true,
+        },
         prefix_bias: 0,
         outputs: DeviceOutputs {
             topk_p: fill(&mut bufs, b * k_ * 4)?,
@@ -532,7 +648,14 @@ pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) 
     };
     let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
     let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
-    engine_step(&mut eng, &c.step, &c.hidden_bits, &fx.rows, stream.cu_stream() as u64, None)?;
+    engine_step(
+        &mut eng,
+        &c.step,
+        &c.hidden_bits,
+        &fx.rows,
+        stream.cu_stream() as u64,
+        None,
+    )?;
     match eng.last_error().map_err(err)? {
         None => Ok(()),
         Some(e) => Err(e.to_string()),

@@ -154,9 +154,10 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
     let mut ok = true;
     let mut all = Vec::new();
     for (path, blocks) in [(sglang, false), (vllm, true)] {
-        match load_file(std::path::Path::new(path)).map_err(|e| e.to_string()).and_then(|p| {
-            specplan_tests::engine::engine_check(&p, &mut rng, blocks)
-        }) {
+        match load_file(std::path::Path::new(path))
+            .map_err(|e| e.to_string())
+            .and_then(|p| specplan_tests::engine::engine_check(&p, &mut rng, blocks))
+        {
             Ok(reports) => {
                 for r in &reports {
                     let verdict = if r.failures.is_empty() { "ok" } else { "FAIL" };
@@ -210,7 +211,10 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
     };
     let report = serde_json::json!({"cases": all, "load": load_ms});
     let path = std::path::Path::new(out).join("engine.json");
-    if let Err(e) = std::fs::create_dir_all(out).map_err(|e| e.to_string()).and_then(|_| write_atomic(&path, &json(&report))) {
+    if let Err(e) = std::fs::create_dir_all(out)
+        .map_err(|e| e.to_string())
+        .and_then(|_| write_atomic(&path, &json(&report)))
+    {
         eprintln!("cannot write the report: {e}");
     }
     println!("engine: {}", if ok { "all checks passed" } else { "FAILED" });

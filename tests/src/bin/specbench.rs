@@ -265,7 +265,10 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
     if l + n > plan.capture.max_context_len as usize {
         return Ok(());
     }
-    for b in BATCHES.into_iter().filter(|&b| plan.buckets.iter().any(|x| x.batch as usize == b)) {
+    for b in BATCHES
+        .into_iter()
+        .filter(|&b| plan.buckets.iter().any(|x| x.batch as usize == b))
+    {
         let t0 = Instant::now();
         let mut f = specplan_tests::engine::bench_fixture(plan, b, l)?;
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
