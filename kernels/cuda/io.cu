@@ -16,6 +16,7 @@
 //     page_table  const int*        the registered table; kv_layout const long long* its words
 //     status      long long*        the runtime's status words (kv.rs)
 //     b, batch, flags, prefix_bias  real requests, bucket, dtype flags, added to prefixes (i32)
+//     base, epoch   the step-wide index of request 0 (chunks), the step's status tag
 //   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
 //   A = src_accept[i], request i < b is admitted when it passes, in order:
 //     RULE_REQUEST  0 <= r < TABLE_ROWS
@@ -27,18 +28,22 @@
 //     RULE_ID       each src_ids[i][j] is in [0, VOCAB)
 //   Admitted: req_slots[i] = r, prefix_lens[i] = L, accept_lens[i] = A, ids and hidden rows
 //   copied. Otherwise (and for i >= b, padding): req_slots[i] = -1 (no K/V read or written
-//   anywhere), prefix 0, accept N, ids 0, hidden 0; a request i < b that broke rule R adds
-//   1 to status[STATUS_ERR_COUNT] and lowers status[STATUS_ERR_FIRST] to (i << 8) | R.
+//   anywhere), prefix 0, accept N, ids 0, hidden 0. A request i < b that broke rule R
+//   counts in the status words, both tagged with the step (epoch << 32): STATUS_ERR_COUNT
+//   holds the step's refused requests, STATUS_ERR_FIRST its lowest (base + i) << 8 | R; a
+//   word tagged with another step is replaced, not merged (no reset between steps).
 //   CTA 0 writes b and the out pointers to the status words for emit.
 //
 // Entry emit
 //   Constants: as admit.
 //   Launch:    grid (batch, 1, 1), block (EMIT_THREADS = 256, 1, 1), no dynamic shared memory.
-//   Params: probs const float* [batch, TOPK], ids const long long* [batch, TOPK],
+//   Params: req_slots const int* [batch] (as admit wrote them),
+//           probs const float* [batch, TOPK], ids const long long* [batch, TOPK],
 //           hidden const act_t* [batch, HIDDEN] (the bucket's outputs), status const long long*,
 //           batch unsigned.
-//   CTA i < status[STATUS_STEP_B] copies row i of each output to the status's out pointer
-//   (skipping a null one), bit exact.
+//   CTA i < status[STATUS_STEP_B] with req_slots[i] >= 0 (admitted) copies row i of each
+//   output to the status's out pointer (skipping a null one), bit exact; a refused
+//   request's output rows are left as the caller had them.
 #include "common.cuh"
 
 // AdmitParams and EmitParams are declared by the generated prelude, from specplan_kernels
@@ -50,6 +55,20 @@ constexpr int kN = (int)N;
 constexpr long long kH = (long long)HIDDEN;
 constexpr int kK = (int)TOPK;
 static_assert(kN > 0 && kK > 0 && PAGE_SIZE > 0u, "N, TOPK and PAGE_SIZE are positive");
+
+// Folds `value` into a status word tagged with this step: a word of another step is
+// replaced; one of this step becomes fold(old, value). Refusals are rare: a CAS loop.
+template <typename F>
+__device__ void fold_tagged(long long* word, unsigned epoch, unsigned long long value, F fold) {
+    auto* w = reinterpret_cast<unsigned long long*>(word);
+    const unsigned long long tag = (unsigned long long)epoch << 32;
+    unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(w), seen;
+    do {
+        seen = old;
+        const unsigned long long next = (seen >> 32) == epoch ? tag | fold(seen & 0xffffffffull, value) : tag | value;
+        old = atomicCAS(w, seen, next);
+    } while (old != seen);
+}
 
 __device__ __forceinline__ long long load_int(const long long* p, long long i, bool is_i32) {
     return is_i32 ? (long long)reinterpret_cast<const int*>(p)[i] : p[i];
@@ -107,9 +126,12 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     const bool ok = real && rule == 0;
     if (threadIdx.x == 0) {
         if (real && rule != 0) {
-            atomicAdd(reinterpret_cast<unsigned long long*>(p.status + STATUS_ERR_COUNT), 1ull);
-            atomicMin(reinterpret_cast<unsigned long long*>(p.status + STATUS_ERR_FIRST),
-                      ((unsigned long long)i << 8) | (unsigned long long)rule);
+            // 24 bits of request index (clamped) and 8 of rule under the 32-bit tag.
+            const unsigned long long at = min((unsigned long long)p.base + i, 0xffffffull);
+            fold_tagged(p.status + STATUS_ERR_COUNT, p.epoch, 1ull,
+                        [](unsigned long long a, unsigned long long v) { return min(a + v, 0xffffffffull); });
+            fold_tagged(p.status + STATUS_ERR_FIRST, p.epoch, (at << 8) | (unsigned long long)rule,
+                        [](unsigned long long a, unsigned long long v) { return min(a, v); });
         }
         p.req_slots[i] = ok ? (int)s_req : -1;
         p.prefix_lens[i] = ok ? (int)s_len : 0;
@@ -129,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
 extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
     using namespace io;
     const unsigned i = blockIdx.x;
-    if (i >= p.batch || (long long)i >= p.status[STATUS_STEP_B]) return;  // uniform per CTA
+    if (i >= p.batch || (long long)i >= p.status[STATUS_STEP_B] || p.req_slots[i] < 0) return;  // uniform per CTA
     float* probs = reinterpret_cast<float*>(p.status[STATUS_OUT_PROBS]);
     long long* ids = reinterpret_cast<long long*>(p.status[STATUS_OUT_IDS]);
     act_t* hidden = reinterpret_cast<act_t*>(p.status[STATUS_OUT_HIDDEN]);

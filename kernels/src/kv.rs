@@ -21,10 +21,28 @@ pub const KV_WORD_KV_STRIDE: usize = 5;
 
 /// Words of the step status (i64 each), in runtime memory.
 pub const STATUS_WORDS: usize = 8;
-/// Requests found invalid by `admit` since the status was last read.
+/// `epoch << 32 | n`: the step tagged `epoch` refused `n` requests (`admit`). A word tagged
+/// with another step says nothing about this one.
 pub const STATUS_ERR_COUNT: usize = 0;
-/// The smallest `request << 8 | rule` among them (`u64::MAX`: none).
+/// `epoch << 32 | request << 8 | rule`: the step's lowest refused request (24 bits) and the
+/// rule it broke.
 pub const STATUS_ERR_FIRST: usize = 1;
+
+/// What the status words say about the step tagged `epoch`: `(refused, first request, rule
+/// code)`, or `None` when it refused nothing.
+pub fn step_refusals(words: [u64; 2], epoch: u32) -> Option<(u64, u64, u64)> {
+    let [count, first] = words;
+    let mine = |w: u64| (w >> 32) as u32 == epoch;
+    if !mine(count) || count & 0xffff_ffff == 0 {
+        return None;
+    }
+    let first = if mine(first) {
+        first & 0xffff_ffff
+    } else {
+        u32::MAX as u64
+    };
+    Some((count & 0xffff_ffff, first >> 8, first & 0xff))
+}
 /// Real requests of the step being run (written by `admit`, read by `emit`).
 pub const STATUS_STEP_B: usize = 2;
 /// The caller's output addresses for the step (0: not copied).
@@ -129,4 +147,17 @@ pub(crate) fn prelude_lines() -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod status_tests {
+    use super::step_refusals;
+
+    #[test]
+    fn words_of_another_step_say_nothing() {
+        let tag = |e: u64, v: u64| (e << 32) | v;
+        assert_eq!(step_refusals([tag(7, 2), tag(7, (5 << 8) | 3)], 7), Some((2, 5, 3)));
+        assert_eq!(step_refusals([tag(6, 2), tag(6, (5 << 8) | 3)], 7), None);
+        assert_eq!(step_refusals([0, u64::MAX], 1), None);
+    }
 }

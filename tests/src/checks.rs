@@ -359,8 +359,13 @@ pub fn contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u64) -> 
 
 /// A few steps that run every kernel of a plan at its smallest and largest bucket, as a
 /// graph and eagerly, in owned memory, and once in engine memory: what the compute
-/// sanitizers watch (`.ci/gpu sanitize`).
-pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng) -> Result<(), String> {
+/// sanitizers watch (`.ci/gpu sanitize`). Before each owned step it prints the arena map
+/// (`map NAME START END WRITER`, addresses in hex) so a report's address can be traced to
+/// the buffer and what writes it. `prefill_gemm_outputs`: every buffer a GEMM writes
+/// (without accumulating) is first written from the host, and engine steps are skipped —
+/// initcheck then says whether any uninitialized read was not of a GEMM's output.
+pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs: bool) -> Result<(), String> {
+    use specplan_format::LaunchKind;
     use specplan_runtime::gpu::GpuOptions;
     let weights = crate::random::random_weights(plan, rng);
     let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(g)?;
@@ -372,10 +377,61 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng) -> Result<(), String>
             rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
         }
         rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
+        let Some(bk) = plan.buckets.iter().find(|x| x.batch as usize == b) else {
+            return Err(format!("no bucket of batch {b}"));
+        };
+        let gemm_out: Vec<u32> = bk
+            .launches
+            .iter()
+            .filter_map(|l| match &l.kind {
+                LaunchKind::Gemm(d) if !d.accumulate => Some(d.c),
+                _ => None,
+            })
+            .collect();
+        // Which launches write buffer `id` (GEMM C, or a kernel's read-write pointer).
+        let writes = |l: &specplan_format::Launch, id: u32| {
+            match &l.kind {
+            LaunchKind::Gemm(d) => d.c == id,
+            LaunchKind::Kernel { kernel, args, .. } => plan.kernels.get(*kernel as usize).is_some_and(|k| {
+                k.entry.abi().fields.iter().zip(args).any(|(f, a)| {
+                    matches!((f.kind, a), (specplan_kernels::abi::FieldKind::Ptr(pf), specplan_format::ArgValue::Buffer(b)) if *b == id && pf.access.writes())
+                })
+            }),
+        }
+        };
+        for (id, x) in bk.buffers.iter().enumerate() {
+            let writer: Vec<String> = bk
+                .launches
+                .iter()
+                .filter(|l| writes(l, id as u32))
+                .map(|l| match &l.kind {
+                    LaunchKind::Gemm(_) => format!("gemm:{}", l.op),
+                    LaunchKind::Kernel { .. } => format!("kernel:{}", l.op),
+                })
+                .collect();
+            let writer = if writer.is_empty() {
+                "-".to_string()
+            } else {
+                writer.join(",")
+            };
+            if let Some((p, n)) = rt.buffer_ptr(b as u32, &x.name) {
+                println!("map {} {p:#x} {:#x} {writer}", x.name, p + n as u64);
+            }
+        }
         for eager in [false, true] {
+            if prefill_gemm_outputs {
+                for &id in &gemm_out {
+                    let x = &bk.buffers[id as usize];
+                    rt.write_buffer(b as u32, &x.name, &vec![0u8; x.bytes as usize])
+                        .map_err(g)?;
+                }
+            }
             rt.step(&request(&c, Hidden::Host(&c.hidden_bits)), eager).map_err(g)?;
             rt.read_outputs().map_err(g)?;
         }
+    }
+    if prefill_gemm_outputs {
+        return Ok(());
     }
     let blocks = plan.capture.page_size > 1;
     for b in [smallest, max_b] {

@@ -4,7 +4,11 @@
 //! block table), rows in scattered order, device inputs, a stream of its own. A step in
 //! engine memory must equal the same step in owned memory bit for bit, change exactly the
 //! N new slots of each real request, leave the table alone, not synchronize, and refuse a
-//! bad request (writing nothing for it) while computing the others.
+//! bad request (writing nothing for it: no K/V, no output rows) while computing the others.
+//! Each case replays its runtime three times with fresh input and output tensors and both
+//! integer conventions (the replay path after the first launch), and checks that a good
+//! step after a bad one reports nothing. Weight views at 16-byte offsets (a slice of a
+//! fused tensor) take GEMM algorithms chosen for that alignment.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -14,8 +18,8 @@ use specplan_format::{DType, Packing, ValidatedPlan};
 use specplan_runtime::bits::to_act_bits;
 use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::{
-    DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, DeviceTensor, EngineMemory, GpuOptions, GpuRuntime, Hidden,
-    KvRegistration, StepRequest, TableMode, TableRegistration,
+    DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime,
+    Hidden, KvRegistration, StepRequest, TableMode, TableRegistration,
 };
 use specplan_runtime::step::StepInputs;
 
@@ -56,12 +60,28 @@ fn upload<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T]) -> Result<u64, String>
     Ok(p)
 }
 
+/// Uploads `data` `offset` bytes into a fresh allocation (a view, as a slice of a larger
+/// tensor would be).
+fn upload_at<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T], offset: usize) -> Result<u64, String> {
+    if offset == 0 {
+        return upload(bufs, data);
+    }
+    let b = DeviceBuf::new(std::mem::size_of_val(data) + offset)?;
+    let p = b.ptr + offset as u64;
+    bufs.push(b);
+    // SAFETY: `p` lies `offset` bytes into an allocation of the data's size plus `offset`.
+    unsafe { result::memcpy_htod_sync(p, data) }.map_err(|e| format!("{e:?}"))?;
+    Ok(p)
+}
+
 /// Device copies of the plan's weights: the packed q/k/v under their sources (so the
-/// runtime packs them once), every other weight under its own name (used in place).
+/// runtime packs them once), every other weight under its own name (used in place),
+/// `offset` bytes into its allocation.
 fn device_weights(
     plan: &ValidatedPlan,
     w: &[WeightData],
     bufs: &mut Vec<DeviceBuf>,
+    offset: usize,
 ) -> Result<HashMap<String, DeviceTensor>, String> {
     let act = plan.capture.dtype;
     let m = &plan.model;
@@ -98,7 +118,7 @@ fn device_weights(
                 }
             }
             WeightData::F32(v) => {
-                let ptr = upload(bufs, &to_act_bits(v, act))?;
+                let ptr = upload_at(bufs, &to_act_bits(v, act), offset)?;
                 out.insert(
                     d.name.clone(),
                     DeviceTensor {
@@ -115,7 +135,14 @@ fn device_weights(
 
 /// The engine's pool and table for case `c`, holding the case's cache: engine slot (or
 /// block) t holds what the owned pool's page t holds. `blocks`: vLLM's layout, else SGLang's.
-fn fixture(plan: &ValidatedPlan, c: &Case, w: &[WeightData], blocks: bool, rng: &mut Rng) -> Result<Fixture, String> {
+fn fixture(
+    plan: &ValidatedPlan,
+    c: &Case,
+    w: &[WeightData],
+    blocks: bool,
+    views: bool,
+    rng: &mut Rng,
+) -> Result<Fixture, String> {
     let m = &plan.model;
     let ps = plan.capture.page_size as usize;
     let slot = (m.kv_heads * m.head_dim) as usize;
@@ -167,7 +194,7 @@ fn fixture(plan: &ValidatedPlan, c: &Case, w: &[WeightData], blocks: bool, rng: 
         }
     }
     let tp = upload(&mut bufs, &table)?;
-    let weights = device_weights(plan, w, &mut bufs)?;
+    let weights = device_weights(plan, w, &mut bufs, if views { 16 } else { 0 })?;
     Ok(Fixture {
         _bufs: bufs,
         kv: KvRegistration {
@@ -186,6 +213,7 @@ fn fixture(plan: &ValidatedPlan, c: &Case, w: &[WeightData], blocks: bool, rng: 
             rows: rows_n as u64,
             cols: cols as u64,
             stride: stride as u64,
+            page_size: if blocks { plan.capture.page_size as u64 } else { 1 },
         },
         table_host: table,
         k0,
@@ -202,15 +230,26 @@ struct Outputs {
     hidden: Vec<u16>,
 }
 
-/// One engine step on device copies of `x`'s inputs, with SGLang's conventions: i64
-/// request rows, i64 `seq_lens` (prefix + N) with bias −N, i32 accept lengths.
+/// How a step passes its integer inputs. `Sglang`: i64 request rows, i64 `seq_lens`
+/// (prefix + N) with bias −N, i32 accept lengths; `Plain`: i32 rows, i32 prefix lengths
+/// with bias 0, i64 accept lengths.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ints {
+    Sglang,
+    Plain,
+}
+
+/// One engine step on fresh device copies of `x`'s inputs (outputs filled with 0xff first).
+/// Returns the outputs, the host time of `step_device` and whether the stream was still
+/// busy when it returned (with `busy`, a long memset queued ahead of the step).
 fn engine_step(
     rt: &mut GpuRuntime,
     x: &StepInputs,
     hidden: &[u16],
     rows: &[i64],
+    ints: Ints,
     stream: u64,
-    nosync: Option<&DeviceBuf>,
+    busy: Option<&DeviceBuf>,
 ) -> Result<(Outputs, f64, bool), String> {
     let plan = rt.plan().clone();
     let (n, k, h) = (
@@ -219,14 +258,24 @@ fn engine_step(
         plan.model.hidden as usize,
     );
     let b = x.batch;
-    let seq: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64 + n).collect();
-    let ins = [
-        DeviceBuf::from_slice(&x.input_ids)?,
-        DeviceBuf::from_slice(hidden)?,
-        DeviceBuf::from_slice(rows)?,
-        DeviceBuf::from_slice(&seq)?,
-        DeviceBuf::from_slice(&x.accept_lens)?,
-    ];
+    let sglang = ints == Ints::Sglang;
+    let ins = if sglang {
+        let seq: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64 + n).collect();
+        [
+            DeviceBuf::from_slice(rows)?,
+            DeviceBuf::from_slice(&seq)?,
+            DeviceBuf::from_slice(&x.accept_lens)?,
+        ]
+    } else {
+        let rows32: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let acc64: Vec<i64> = x.accept_lens.iter().map(|&a| a as i64).collect();
+        [
+            DeviceBuf::from_slice(&rows32)?,
+            DeviceBuf::from_slice(&x.prefix_lens)?,
+            DeviceBuf::from_slice(&acc64)?,
+        ]
+    };
+    let (ids, hid) = (DeviceBuf::from_slice(&x.input_ids)?, DeviceBuf::from_slice(hidden)?);
     let outs = [
         DeviceBuf::new(b * k * 4)?,
         DeviceBuf::new(b * k * 8)?,
@@ -237,21 +286,21 @@ fn engine_step(
     }
     let step = DeviceStep {
         b,
-        input_ids: ins[0].ptr,
-        hidden_states: ins[1].ptr,
+        input_ids: ids.ptr,
+        hidden_states: hid.ptr,
         req_pool_indices: DeviceInts {
-            ptr: ins[2].ptr,
-            i32: false,
+            ptr: ins[0].ptr,
+            i32: !sglang,
         },
         prefix_lens: DeviceInts {
-            ptr: ins[3].ptr,
-            i32: false,
+            ptr: ins[1].ptr,
+            i32: !sglang,
         },
         accept_lens: DeviceInts {
-            ptr: ins[4].ptr,
-            i32: true,
+            ptr: ins[2].ptr,
+            i32: sglang,
         },
-        prefix_bias: -(n as i32),
+        prefix_bias: if sglang { -(n as i32) } else { 0 },
         outputs: DeviceOutputs {
             topk_p: outs[0].ptr,
             topk_index: outs[1].ptr,
@@ -261,10 +310,12 @@ fn engine_step(
     };
     // A barrier before the step, so the uploads above are done.
     result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
-    if let Some(busy) = nosync {
-        // A long memset ahead of the step on the same stream: a step that synchronized or
-        // copied to the host would wait for it.
-        busy.fill(0x5a, stream as _)?;
+    if let Some(busy) = busy {
+        // A long memset ahead of the step on the same stream (several ms): a step that
+        // synchronized or copied to the host would wait for it.
+        for _ in 0..3 {
+            busy.fill(0x5a, stream as _)?;
+        }
     }
     let t0 = Instant::now();
     rt.step_device(&step).map_err(err)?;
@@ -290,7 +341,14 @@ fn engine_step(
 pub struct EngineReport {
     pub layout: &'static str,
     pub b: usize,
+    /// Weights given as views 16 bytes into their allocations (compared within
+    /// tolerances: their GEMM algorithms differ from owned memory's).
+    pub weight_views: bool,
+    pub steps: usize,
     pub output_diffs: usize,
+    /// Largest relative RMS error of the hidden states against owned memory (views only).
+    pub hidden_rel: f64,
+    pub refused_rows_written: usize,
     pub kv_written_diffs: usize,
     pub kv_unwritten_changed: usize,
     pub table_changed: usize,
@@ -316,7 +374,142 @@ fn written_slots(plan: &ValidatedPlan, c: &Case, skip: Option<usize>) -> Vec<boo
     w
 }
 
-/// Runs case `c` in engine memory (`eng`) and owned memory (`own`), and compares.
+impl Fixture {
+    /// Puts the case's initial cache back into the caller's pool.
+    fn restore(&self) -> Result<(), String> {
+        for l in 0..self.kv.k.len() {
+            for (pool, init) in [(self.kv.k[l], &self.k0[l]), (self.kv.v[l], &self.v0[l])] {
+                // SAFETY: the pool holds the layer's initial contents' size; synchronous.
+                unsafe { result::memcpy_htod_sync(pool, init.as_slice()) }.map_err(|e| format!("{e:?}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One step of a case: what the engine is given, how, and which request it must refuse.
+struct StepCase<'a> {
+    x: &'a StepInputs,
+    ints: Ints,
+    bad: Option<(usize, DeviceRule)>,
+    busy: Option<&'a DeviceBuf>,
+}
+
+/// Compares one engine step with the owned reference `oo` / `(ok_, ov)` of the valid case.
+#[allow(clippy::too_many_arguments)]
+fn check_step(
+    plan: &ValidatedPlan,
+    eng: &mut GpuRuntime,
+    fx: &Fixture,
+    c: &Case,
+    s: &StepCase,
+    oo: &specplan_runtime::gpu::HostOutputs,
+    owned_kv: (&[u16], &[u16]),
+    stream: u64,
+    views: bool,
+    rep: &mut EngineReport,
+) -> Result<(), String> {
+    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    fx.restore()?;
+    let (eo, host_us, pending) = engine_step(eng, s.x, &c.hidden_bits, &fx.rows, s.ints, stream, s.busy)?;
+    rep.steps += 1;
+    if s.busy.is_some() {
+        rep.host_us = host_us;
+        rep.pending_after_step = pending;
+        if !pending {
+            rep.failures
+                .push("the stream was idle right after the step returned: it synchronized".into());
+        }
+    }
+    let skip = s.bad.map(|b| b.0);
+    for i in 0..c.b {
+        let (pr, ir, hr) = (i * k..(i + 1) * k, i * k..(i + 1) * k, i * h..(i + 1) * h);
+        if Some(i) == skip {
+            // A refused request's output rows keep the caller's 0xff fill.
+            rep.refused_rows_written += eo.probs[pr].iter().filter(|p| p.to_bits() != u32::MAX).count()
+                + eo.ids[ir].iter().filter(|&&x| x != -1).count()
+                + eo.hidden[hr].iter().filter(|&&x| x != u16::MAX).count();
+        } else if views {
+            let g: Vec<f64> = eo.hidden[hr.clone()]
+                .iter()
+                .map(|&x| specplan_runtime::bits::from_act_bits(x, plan.capture.dtype) as f64)
+                .collect();
+            let w: Vec<f64> = oo.hidden_out[hr]
+                .iter()
+                .map(|&x| specplan_runtime::bits::from_act_bits(x, plan.capture.dtype) as f64)
+                .collect();
+            rep.hidden_rel = rep.hidden_rel.max(crate::tolerance::rel_rms(&g, &w));
+            let bad_p = eo.probs[pr.clone()]
+                .iter()
+                .zip(&oo.topk_probs[pr.clone()])
+                .filter(|(g, w)| !crate::tolerance::prob_close(**g as f64, **w as f64, 2e-2, 2e-3))
+                .count();
+            let bad_ids = crate::tolerance::id_mismatches(
+                &eo.ids[ir.clone()],
+                &oo.topk_ids[ir],
+                &eo.probs[pr.clone()],
+                &oo.topk_probs[pr],
+                2e-3,
+            )
+            .len();
+            rep.output_diffs += bad_p + bad_ids;
+        } else {
+            rep.output_diffs += f32_bit_diffs(&eo.probs[pr.clone()], &oo.topk_probs[pr])
+                + bit_diffs(&eo.ids[ir.clone()], &oo.topk_ids[ir])
+                + bit_diffs(&eo.hidden[hr.clone()], &oo.hidden_out[hr]);
+        }
+    }
+    // The caller's pool: written slots equal the owned pool's (bitwise, or within the
+    // activation's rounding for views); every other element kept.
+    let written = written_slots(plan, c, skip);
+    let per = written.len();
+    for l in 0..plan.model.layers as usize {
+        for (pool, init, owned) in [
+            (fx.kv.k[l], &fx.k0[l], &owned_kv.0[l * per..(l + 1) * per]),
+            (fx.kv.v[l], &fx.v0[l], &owned_kv.1[l * per..(l + 1) * per]),
+        ] {
+            let got: Vec<u16> = download(pool, per)?;
+            for e in 0..per {
+                if written[e] {
+                    let differs = if views {
+                        let (g, w) = (
+                            specplan_runtime::bits::from_act_bits(got[e], plan.capture.dtype),
+                            specplan_runtime::bits::from_act_bits(owned[e], plan.capture.dtype),
+                        );
+                        (g - w).abs() > 2e-2 * w.abs() + 2e-2 || !g.is_finite()
+                    } else {
+                        got[e] != owned[e]
+                    };
+                    rep.kv_written_diffs += differs as usize;
+                } else {
+                    rep.kv_unwritten_changed += (got[e] != init[e]) as usize;
+                }
+            }
+        }
+    }
+    let table: Vec<i32> = download(fx.table.ptr, fx.table_host.len())?;
+    rep.table_changed += bit_diffs(&table, &fx.table_host);
+    let reported = eng.last_error().map_err(err)?;
+    match (s.bad, &reported) {
+        (None, None) => {}
+        (None, Some(e)) => rep.failures.push(format!(
+            "step {}: no bad request, but the device reported: {e}",
+            rep.steps
+        )),
+        (Some((i, rule)), Some(e)) if e.request == i as u64 && e.rule == Some(rule) && e.count == 1 => {
+            rep.refused.push(format!("request {i}: {rule:?} refused and reported"))
+        }
+        (Some((i, rule)), got) => rep.failures.push(format!(
+            "step {}: request {i} broke {rule:?}, the device reported {got:?}",
+            rep.steps
+        )),
+    }
+    Ok(())
+}
+
+/// Runs case `c` in owned memory (the valid requests), then three engine steps on one
+/// runtime: `engine_x` (with its bad request, if any) in SGLang's integers with a busy
+/// stream, `engine_x` again in plain integers with fresh tensors, and the valid case.
 #[allow(clippy::too_many_arguments)]
 fn compare(
     plan: &ValidatedPlan,
@@ -326,19 +519,10 @@ fn compare(
     c: &Case,
     engine_x: &StepInputs,
     bad: Option<(usize, DeviceRule)>,
+    views: bool,
     stream: u64,
     rep: &mut EngineReport,
 ) -> Result<(), String> {
-    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
-    let busy = DeviceBuf::new(1 << 30)?;
-    let (eo, host_us, pending) = engine_step(eng, engine_x, &c.hidden_bits, &fx.rows, stream, Some(&busy))?;
-    rep.host_us = host_us;
-    rep.pending_after_step = pending;
-    if !pending {
-        rep.failures
-            .push("the stream was idle right after the step returned: it synchronized".into());
-    }
-    // The owned reference: the same requests (the bad one made valid), same initial cache.
     for (i, &s) in c.slots.iter().enumerate() {
         own.set_pages(s as usize, &c.pages[i]).map_err(err)?;
     }
@@ -354,48 +538,33 @@ fn compare(
     own.step(&req, false).map_err(err)?;
     let oo = own.read_outputs().map_err(err)?;
     let (ok_, ov) = own.read_kv(c.used_pages).map_err(err)?;
-    let skip = bad.map(|b| b.0);
-    let rows = |i: usize| Some(i) != skip;
-    for i in (0..c.b).filter(|&i| rows(i)) {
-        rep.output_diffs += f32_bit_diffs(&eo.probs[i * k..(i + 1) * k], &oo.topk_probs[i * k..(i + 1) * k])
-            + bit_diffs(&eo.ids[i * k..(i + 1) * k], &oo.topk_ids[i * k..(i + 1) * k])
-            + bit_diffs(&eo.hidden[i * h..(i + 1) * h], &oo.hidden_out[i * h..(i + 1) * h]);
-    }
-    // The caller's pool: written slots equal the owned pool's; every other element kept.
-    let written = written_slots(plan, c, skip);
-    let per = written.len();
-    for l in 0..plan.model.layers as usize {
-        for (pool, init, owned) in [
-            (fx.kv.k[l], &fx.k0[l], &ok_[l * per..(l + 1) * per]),
-            (fx.kv.v[l], &fx.v0[l], &ov[l * per..(l + 1) * per]),
-        ] {
-            let got: Vec<u16> = download(pool, per)?;
-            for e in 0..per {
-                if written[e] {
-                    rep.kv_written_diffs += (got[e] != owned[e]) as usize;
-                } else {
-                    rep.kv_unwritten_changed += (got[e] != init[e]) as usize;
-                }
-            }
-        }
-    }
-    let table: Vec<i32> = download(fx.table.ptr, fx.table_host.len())?;
-    rep.table_changed = bit_diffs(&table, &fx.table_host);
-    let reported = eng.last_error().map_err(err)?;
-    match (bad, &reported) {
-        (None, None) => {}
-        (None, Some(e)) => rep
-            .failures
-            .push(format!("no bad request, but the device reported: {e}")),
-        (Some((i, rule)), Some(e)) if e.request == i as u64 && e.rule == Some(rule) && e.count == 1 => {
-            rep.refused.push(format!("request {i}: {rule:?} refused and reported"))
-        }
-        (Some((i, rule)), got) => rep
-            .failures
-            .push(format!("request {i} broke {rule:?}, the device reported {got:?}")),
+    let busy = DeviceBuf::new(4 << 30)?;
+    let steps = [
+        StepCase {
+            x: engine_x,
+            ints: Ints::Sglang,
+            bad,
+            busy: Some(&busy),
+        },
+        StepCase {
+            x: engine_x,
+            ints: Ints::Plain,
+            bad,
+            busy: None,
+        },
+        StepCase {
+            x: &c.step,
+            ints: Ints::Sglang,
+            bad: None,
+            busy: None,
+        },
+    ];
+    for s in &steps {
+        check_step(plan, eng, fx, c, s, &oo, (&ok_, &ov), stream, views, rep)?;
     }
     for (what, count) in [
         ("output values differ from owned memory", rep.output_diffs),
+        ("output values written for refused requests", rep.refused_rows_written),
         ("written K/V values differ from owned memory", rep.kv_written_diffs),
         (
             "pool values outside the written slots changed",
@@ -407,60 +576,84 @@ fn compare(
             rep.failures.push(format!("{count} {what}"));
         }
     }
+    if views && rep.hidden_rel > 1e-2 {
+        rep.failures.push(format!(
+            "hidden states rel {:.2e} against owned memory (bound 1e-2)",
+            rep.hidden_rel
+        ));
+    }
     Ok(())
 }
 
-/// The engine-memory check on one plan: good steps at several batch sizes (padding, chunks)
-/// and one step per bad-request rule. `blocks`: vLLM's layout (page size > 1), else SGLang's.
+/// One engine case: `b` requests, the request at `bad.0` breaking `bad.1`, weights as views.
+struct EngineCase {
+    b: usize,
+    bad: Option<(usize, DeviceRule)>,
+    views: bool,
+}
+
+/// The engine-memory check on one plan: good steps at several batch sizes (padding, chunks),
+/// one step per bad-request rule (one of them in a later chunk), weights given as views.
+/// `blocks`: vLLM's layout (page size > 1), else SGLang's. Both runtimes take cuBLASLt's
+/// first heuristic choice, so equal shapes and alignments get equal algorithms.
 pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result<Vec<EngineReport>, String> {
     let layout = if blocks { "vllm-blocks" } else { "sglang-token-slots" };
     let weights = crate::random::random_weights(plan, rng);
-    let mut own = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(err)?;
+    let opts = || GpuOptions {
+        gemms: GemmPolicy::Heuristic,
+        ..GpuOptions::default()
+    };
+    let mut own = GpuRuntime::new(plan.clone(), &weights, opts()).map_err(err)?;
     let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
     let mut reports = Vec::new();
-    let mut cases: Vec<(usize, Option<DeviceRule>)> = vec![(1, None), (3, None), (max_b, None)];
+    let case = |b, bad, views| EngineCase { b, bad, views };
+    let mut cases = vec![case(1, None, false), case(3, None, false), case(max_b, None, false)];
     if max_b + 3 <= plan.capture.max_requests as usize {
-        cases.push((max_b + 3, None));
+        cases.push(case(max_b + 3, None, false));
+        // A bad request in the second chunk is reported by its index in the whole batch.
+        cases.push(case(max_b + 3, Some((max_b + 1, DeviceRule::Accept)), false));
     }
     cases.extend([
-        (4, Some(DeviceRule::Accept)),
-        (4, Some(DeviceRule::Row)),
-        (4, Some(DeviceRule::Slot)),
+        case(4, Some((1, DeviceRule::Accept)), false),
+        case(4, Some((1, DeviceRule::Row)), false),
+        case(4, Some((1, DeviceRule::Slot)), false),
+        case(3, None, true),
     ]);
-    for (b, rule) in cases {
-        let c = make_case(plan, rng, b, 60);
-        let fx = fixture(plan, &c, &weights, blocks, rng)?;
+    for ec in cases {
+        let c = make_case(plan, rng, ec.b, 60);
+        let mut fx = fixture(plan, &c, &weights, blocks, ec.views, rng)?;
         let mem = EngineMemory {
             kv: fx.kv.clone(),
             table: fx.table.clone(),
             weights: &fx.weights,
         };
-        let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+        let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, opts()).map_err(err)?;
         let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
         let mut x = c.step.clone();
-        let bad = rule.map(|r| (1usize, r));
-        let mut fx = fx;
-        match rule {
-            Some(DeviceRule::Accept) => x.accept_lens[1] = 0,
-            // Positions past the end of the row (the plan's own bound still holds).
-            Some(DeviceRule::Row) => {
-                x.prefix_lens[1] = (fx.table.cols * if blocks { plan.capture.page_size as u64 } else { 1 }) as i32
+        if let Some((at, rule)) = ec.bad {
+            match rule {
+                DeviceRule::Accept => x.accept_lens[at] = 0,
+                // Positions past the end of the row (the plan's own bound still holds).
+                DeviceRule::Row => {
+                    x.prefix_lens[at] = (fx.table.cols * if blocks { plan.capture.page_size as u64 } else { 1 }) as i32
+                }
+                DeviceRule::Slot => {
+                    // The request's first new position names a slot past the pool.
+                    let l = x.prefix_lens[at] as usize;
+                    let ps = plan.capture.page_size as usize;
+                    let e = fx.rows[at] as usize * fx.table.stride as usize + if blocks { l / ps } else { l };
+                    fx.table_host[e] = (fx.kv.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
+                    // SAFETY: one entry inside the table allocation; synchronous.
+                    unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
+                        .map_err(|e| format!("{e:?}"))?;
+                }
+                other => return Err(format!("no engine case breaks {other:?}")),
             }
-            Some(DeviceRule::Slot) => {
-                // Request 1's first new position names a slot past the pool.
-                let l = x.prefix_lens[1] as usize;
-                let ps = plan.capture.page_size as usize;
-                let at = fx.rows[1] as usize * fx.table.stride as usize + if blocks { l / ps } else { l };
-                fx.table_host[at] = (fx.kv.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
-                // SAFETY: one entry inside the table allocation; synchronous.
-                unsafe { result::memcpy_htod_sync(fx.table.ptr + at as u64 * 4, &fx.table_host[at..at + 1]) }
-                    .map_err(|e| format!("{e:?}"))?;
-            }
-            _ => {}
         }
         let mut rep = EngineReport {
             layout,
-            b,
+            b: ec.b,
+            weight_views: ec.views,
             ..EngineReport::default()
         };
         compare(
@@ -470,7 +663,8 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
             &fx,
             &c,
             &x,
-            bad,
+            ec.bad,
+            ec.views,
             stream.cu_stream() as u64,
             &mut rep,
         )?;
@@ -527,6 +721,7 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
                 rows: 128,
                 cols,
                 stride: cols,
+                page_size: 1,
             },
             weights: &weights,
         };
@@ -592,6 +787,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
             rows: b as u64,
             cols: cols as u64,
             stride: cols as u64,
+            page_size: 1,
         },
         weights: &weights,
     };
@@ -640,7 +836,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
 pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) -> Result<(), String> {
     let weights = crate::random::random_weights(plan, rng);
     let c = make_case(plan, rng, b, 40);
-    let fx = fixture(plan, &c, &weights, blocks, rng)?;
+    let fx = fixture(plan, &c, &weights, blocks, false, rng)?;
     let mem = EngineMemory {
         kv: fx.kv.clone(),
         table: fx.table.clone(),
@@ -653,6 +849,7 @@ pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) 
         &c.step,
         &c.hidden_bits,
         &fx.rows,
+        Ints::Sglang,
         stream.cu_stream() as u64,
         None,
     )?;

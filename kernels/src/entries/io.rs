@@ -66,12 +66,22 @@ pub struct AdmitParams {
     pub flags: u32,
     /// Added to every prefix length, as an i32 (−N when the caller passes `seq_lens`).
     pub prefix_bias: u32,
+    /// The step-wide index of request 0 (a chunk of a batch above the largest bucket
+    /// starts past 0): refused requests are reported by their index in the whole step.
+    pub base: u32,
+    /// The step's tag in the status words: a word tagged with another step is stale and is
+    /// overwritten, not merged, so no reset is needed between steps.
+    pub epoch: u32,
 }
 
-/// `emit`: CTA i < b copies row i of the outputs to the caller's tensors.
+/// `emit`: CTA i < b whose request was admitted copies row i of the outputs to the caller's
+/// tensors (a refused request's rows are left as the caller had them).
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct EmitParams {
+    /// `[batch]` rows as `admit` wrote them (−1: refused or padding).
+    #[arg(input = io::REQ_SLOTS)]
+    pub req_slots: DevPtr<i32>,
     #[arg(buffer)]
     pub probs: DevPtr<f32>,
     #[arg(buffer)]
@@ -98,6 +108,8 @@ impl Kernel for AdmitParams {
                 batch: b.batch,
                 flags: 0,
                 prefix_bias: 0,
+                base: 0,
+                epoch: 0,
             },
         )
     }
@@ -136,6 +148,7 @@ impl Kernel for EmitParams {
     fn extents(s: &EmitScalars, f: &KernelFacts) -> EmitPtrs<Extent> {
         let (bb, k) = (s.batch as u64, f.topk as u64);
         EmitPtrs {
+            req_slots: Extent::Elems(bb),
             probs: Extent::Elems(bb * k),
             ids: Extent::Elems(bb * k),
             hidden: Extent::Elems(bb * f.hidden as u64),

@@ -7,8 +7,11 @@
 //! graph: O(1) host work, no copy through the host, no synchronization.
 //!
 //! A request that breaks a device rule (`kv::DeviceRule`) writes nothing — its row is
-//! turned into padding before any launch reads it — and is counted in the status words,
-//! which `last_error` reads (synchronizing, when the caller chooses).
+//! turned into padding before any launch reads it, and `emit` skips it — and is counted in
+//! the status words, tagged with the step (so no reset races a later step), which
+//! `last_error` reads after waiting on an event recorded at the end of the step (the
+//! caller's stream handle is never kept). Steps share the runtime's arena and status
+//! words: the caller serializes them (one stream, or its own ordering between streams).
 
 use std::ffi::c_void;
 use std::time::Instant;
@@ -20,7 +23,7 @@ use specplan_kernels::entries::io::{AdmitParams, AdmitPtrs, EmitParams, EmitPtrs
 use specplan_kernels::kv::{self, DeviceRule};
 use specplan_kernels::Entry;
 
-use super::device::{cuda, cuda_rc, DevMem, GpuError};
+use super::device::{cuda, cuda_rc, DevMem, Event, GpuError};
 use super::launch::{launch_packed, pack_slots};
 use super::memory::{bind_weights, check_kv, check_table, EngineMemory, Memory, WeightBinding};
 use super::{meta_block, GpuOptions, GpuRuntime, Mode, StepInfo};
@@ -63,12 +66,13 @@ pub struct DeviceStep {
     pub stream: u64,
 }
 
-/// What the device rules found since the status was last read.
+/// What the device rules refused in the last step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceError {
-    /// Requests refused (each wrote nothing).
+    /// Requests refused (each wrote nothing: no K/V, no output rows).
     pub count: u64,
-    /// The lowest refused request index of a step and the rule it broke.
+    /// The lowest refused request index of the step (in the whole batch) and the rule it
+    /// broke.
     pub request: u64,
     pub rule: Option<DeviceRule>,
 }
@@ -88,10 +92,15 @@ pub(crate) struct EngineState {
     /// Kernel indices of `admit` and `emit` in the plan.
     pub admit: u32,
     pub emit: u32,
-    /// The stream of the last step (what `last_error` synchronizes).
-    last_stream: sys::CUstream,
+    /// Recorded on the caller's stream at the end of every step (what `last_error` waits
+    /// on; the stream itself may be gone by then).
+    done: Event,
+    /// The last step's tag in the status words (0: no step yet).
+    epoch: u32,
     /// Buckets whose graph has had its admit parameters set by a step.
     armed: Vec<bool>,
+    /// The plan's kernel facts (read on every step).
+    facts: KernelFacts,
 }
 
 /// The per-step values of `admit` (the placeholders at capture time).
@@ -100,6 +109,8 @@ pub(crate) struct StepArgs {
     pub b: u32,
     pub flags: u32,
     pub prefix_bias: i32,
+    pub base: u32,
+    pub epoch: u32,
 }
 
 impl StepArgs {
@@ -126,6 +137,8 @@ impl StepArgs {
             b: batch,
             flags: 0,
             prefix_bias: 0,
+            base: 0,
+            epoch: 0,
         }
     }
 }
@@ -159,13 +172,12 @@ impl EngineState {
             status: mem.status_ptr(),
             ..a.ptrs.clone()
         };
-        let (_, mut s) = AdmitParams::launch(
-            &specplan_format::bucket_facts(b),
-            &specplan_format::kernel_facts_of(plan),
-        );
+        let (_, mut s) = AdmitParams::launch(&specplan_format::bucket_facts(b), &self.facts);
         s.b = a.b;
         s.flags = a.flags;
         s.prefix_bias = a.prefix_bias as u32;
+        s.base = a.base;
+        s.epoch = a.epoch;
         pack_slots(&Entry::Admit.abi(), &AdmitParams::assemble(ptrs, s))
     }
 
@@ -196,6 +208,7 @@ impl EngineState {
         let bk = &plan.buckets[bi];
         let buf = |name: &str| bk.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
         let ptrs = EmitPtrs {
+            req_slots: buf(io::REQ_SLOTS),
             probs: buf(io::TOPK_PROBS),
             ids: buf(io::TOPK_IDS),
             hidden: buf(io::HIDDEN_OUT),
@@ -263,12 +276,27 @@ impl GpuRuntime {
         let t0 = Instant::now();
         check_kv(&plan, &m.kv)?;
         check_table(&plan, &m.table)?;
-        let bindings = bind_weights(&plan, m.weights, &|_| None)?;
+        // A gathered weight (FR-Spec's hot rows) names its ids tensor among the sources:
+        // given on the device, it is read once here (load time; never on the replay path).
+        let ids_of = |name: &str| -> Option<Vec<i64>> {
+            let t = m.weights.get(name)?;
+            if t.dtype != specplan_format::DType::I64 || t.shape.len() != 1 || t.ptr == 0 || t.ptr % 8 != 0 {
+                return None;
+            }
+            let mut v = vec![0i64; usize::try_from(t.shape[0]).ok()?];
+            // SAFETY: the caller's i64 tensor of shape [n] (its registration says so);
+            // synchronous copy at load.
+            unsafe { result::memcpy_dtoh_sync(&mut v, t.ptr) }.ok()?;
+            Some(v)
+        };
+        let bindings = bind_weights(&plan, m.weights, &ids_of)?;
         let state = EngineState {
             admit: kernel_of(&plan, Entry::Admit)?,
             emit: kernel_of(&plan, Entry::Emit)?,
-            last_stream: std::ptr::null_mut(),
+            done: Event::new(false)?,
+            epoch: 0,
             armed: vec![false; plan.buckets.len()],
+            facts: specplan_format::kernel_facts_of(&plan),
         };
         let core = Self::core(&plan, &opts)?;
         let (weights, owned) = place_weights(&plan, &bindings)?;
@@ -315,6 +343,8 @@ impl GpuRuntime {
             }
         }
         let stream = s.stream as sys::CUstream;
+        // The null, legacy and per-thread stream handles mean the current context's.
+        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: the caller's stream handle; out-pointer to a local.
         cuda_rc("cuStreamIsCapturing", unsafe {
@@ -325,7 +355,18 @@ impl GpuRuntime {
                 "the stream is being captured: a step sets its graph's parameters on the host, which a capture would not record; run it outside the capture".into(),
             ));
         }
-        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        let epoch = match &mut self.mode {
+            Mode::Engine(e) => {
+                // Tags 0 (fresh words) and u32::MAX (the initial first-refusal word) never
+                // name a step.
+                e.epoch = e.epoch.wrapping_add(1).max(1);
+                if e.epoch == u32::MAX {
+                    e.epoch = 1;
+                }
+                e.epoch
+            }
+            Mode::Owned(_) => return Err(GpuError::Mode("an engine-memory step")),
+        };
         let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
         let flags = s.req_pool_indices.i32 as u32 | (s.prefix_lens.i32 as u32) << 1 | (s.accept_lens.i32 as u32) << 2;
         let width = |d: DeviceInts| if d.i32 { 4 } else { 8 };
@@ -353,17 +394,21 @@ impl GpuRuntime {
                 b: (end - start) as u32,
                 flags,
                 prefix_bias: s.prefix_bias,
+                base: start as u32,
+                epoch,
             };
             let bi = self
                 .bucket_for(end - start)
                 .ok_or_else(|| self.no_bucket(end - start))?;
-            let graph = self.replay_engine(bi, &args, stream, t0, &mut info)?;
+            // Host preparation of this chunk (the first chunk's includes the checks above).
+            let t = if start == 0 { t0 } else { Instant::now() };
+            let graph = self.replay_engine(bi, &args, stream, t, &mut info)?;
             info.graph &= graph;
             info.bucket = self.plan.buckets[bi].batch;
         }
-        if let Mode::Engine(e) = &mut self.mode {
-            e.last_stream = stream;
-        }
+        let e = self.engine()?;
+        // SAFETY: the runtime's event, recorded on the caller's live stream.
+        cuda("cuEventRecord", unsafe { result::event::record(e.done.0, stream) })?;
         Ok(info)
     }
 
@@ -382,15 +427,15 @@ impl GpuRuntime {
         match self.graphs[bi].as_ref() {
             Some(g) => {
                 let node = g.admit.ok_or(GpuError::Mode("an engine-memory step"))?;
-                let f = specplan_format::kernel_facts_of(&self.plan);
+                let f = &e.facts;
                 let b = specplan_format::bucket_facts(&self.plan.buckets[bi]);
-                let (grid, _) = AdmitParams::launch(&b, &f);
+                let (grid, _) = AdmitParams::launch(&b, f);
                 let mut params = [blob.as_mut_ptr() as *mut c_void];
                 // SAFETY: zeroed plain C struct; every field the call reads is set below.
                 let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
                 p.func = self.funcs[e.admit as usize];
                 (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid[0], grid[1], grid[2]);
-                (p.blockDimX, p.blockDimY, p.blockDimZ) = (AdmitParams::threads(&f), 1, 1);
+                (p.blockDimX, p.blockDimY, p.blockDimZ) = (AdmitParams::threads(f), 1, 1);
                 p.kernelParams = params.as_mut_ptr();
                 // SAFETY: `node` is the admit node of this exec's graph; the parameters
                 // point at a struct laid out as admit declares, read during the call (the
@@ -422,31 +467,27 @@ impl GpuRuntime {
         }
     }
 
-    /// What the device rules refused since the last call (`None`: nothing), then clears it.
-    /// Synchronizes the stream of the last step first.
-    pub fn last_error(&mut self) -> Result<Option<DeviceError>, GpuError> {
-        let stream = self.engine()?.last_stream;
-        if !stream.is_null() {
-            // SAFETY: the caller's stream of the last step (alive while the caller uses it).
-            cuda("cuStreamSynchronize", unsafe { result::stream::synchronize(stream) })?;
-        }
-        cuda("cuStreamSynchronize", self.stream.synchronize())?;
-        let mut words = [0i64; 2];
-        let at = self.mem.status_ptr() + (kv::STATUS_ERR_COUNT * 8) as u64;
-        // SAFETY: the first two status words; every step that writes them is done.
-        cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(&mut words, at) })?;
-        let reset = [0i64, -1];
-        // SAFETY: as above.
-        cuda("cuMemcpyHtoD", unsafe { result::memcpy_htod_sync(at, &reset) })?;
-        let (count, first) = (words[0] as u64, words[1] as u64);
-        if count == 0 {
+    /// What the device rules refused in the last step (`None`: nothing, or no step yet).
+    /// Waits for the last step to finish (an event recorded at its end).
+    pub fn last_error(&self) -> Result<Option<DeviceError>, GpuError> {
+        let e = self.engine()?;
+        if e.epoch == 0 {
             return Ok(None);
         }
-        Ok(Some(DeviceError {
-            count,
-            request: first >> 8,
-            rule: DeviceRule::from_code(first & 0xff),
-        }))
+        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        // SAFETY: the runtime's event, recorded by the last step.
+        cuda("cuEventSynchronize", unsafe { result::event::synchronize(e.done.0) })?;
+        let mut words = [0u64; 2];
+        let at = self.mem.status_ptr() + (kv::STATUS_ERR_COUNT * 8) as u64;
+        // SAFETY: the first two status words; the last step that writes them is done.
+        cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(&mut words, at) })?;
+        Ok(
+            kv::step_refusals(words, e.epoch).map(|(count, request, code)| DeviceError {
+                count,
+                request,
+                rule: DeviceRule::from_code(code),
+            }),
+        )
     }
 
     /// Device addresses of the runtime's output buffers for a step of `b` requests (valid

@@ -21,14 +21,15 @@ pub(crate) struct GemmCache {
 
 fn key(s: &GemmShape) -> String {
     format!(
-        "m{} n{} k{} acc{} w{} a{} c{}",
+        "m{} n{} k{} acc{} w{} a{} c{} al{}",
         s.m,
         s.n,
         s.k,
         s.accumulate as u8,
         s.w.name(),
         s.a.name(),
-        s.c.name()
+        s.c.name(),
+        s.align
     )
 }
 
@@ -133,6 +134,7 @@ mod tests {
             w: DType::Bf16,
             a: DType::Bf16,
             c: DType::F32,
+            align: 256,
         };
         let c = GemmChoice {
             first_us: 10.5,

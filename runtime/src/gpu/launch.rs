@@ -22,6 +22,11 @@ pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc)
     let dt = |id: u32| b.buffers.get(id as usize).map_or(plan.capture.dtype, |x| x.dtype);
     let off = |id: u32| b.buffers.get(id as usize).map_or(0, |x| x.offset);
     let w = plan.weights.get(g.w as usize);
+    let ptrs = GemmPtrs {
+        w: mem.weights.get(g.w as usize).copied().unwrap_or(0),
+        a: mem.arena.ptr + off(g.a),
+        c: mem.arena.ptr + off(g.c),
+    };
     (
         GemmShape {
             m: g.m as u32,
@@ -31,12 +36,9 @@ pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc)
             w: w.map_or(plan.capture.dtype, |x| x.dtype),
             a: dt(g.a),
             c: dt(g.c),
+            align: ptrs.align(),
         },
-        GemmPtrs {
-            w: mem.weights.get(g.w as usize).copied().unwrap_or(0),
-            a: mem.arena.ptr + off(g.a),
-            c: mem.arena.ptr + off(g.c),
-        },
+        ptrs,
     )
 }
 

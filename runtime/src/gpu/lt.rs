@@ -38,6 +38,18 @@ pub(crate) struct GemmShape {
     pub w: DType,
     pub a: DType,
     pub c: DType,
+    /// The largest power of two (at most 256) dividing every operand's address: cuBLASLt
+    /// algorithms assume their operands' alignment, so a weight view (a slice of a fused
+    /// tensor) needs algorithms chosen for it, and the cache keeps them apart.
+    pub align: u32,
+}
+
+impl GemmPtrs {
+    /// The alignment class of these operands (see `GemmShape::align`).
+    pub(crate) fn align(&self) -> u32 {
+        let all = self.w | self.a | self.c | 256;
+        1u32 << all.trailing_zeros().min(8)
+    }
 }
 
 /// Operands of one call: device addresses of W, A and C (= D).
@@ -221,7 +233,7 @@ impl Lt {
         let pref = lt_ok("cublasLtMatmulPreferenceCreate", lt::create_matmul_pref())?;
         let ws_bytes = self.ws.1 as u64;
         // SAFETY: live preference; the attribute is a u64 byte count.
-        let set = unsafe {
+        let mut set = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
                 lsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -229,6 +241,20 @@ impl Lt {
                 8,
             )
         };
+        // Candidates must accept the operands' real alignment (the default assumes 256 bytes).
+        let align = s.align;
+        use lsys::cublasLtMatmulPreferenceAttributes_t as P;
+        for attr in [
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+        ] {
+            if set.is_ok() {
+                // SAFETY: live preference; the attribute is a u32 byte count.
+                set = unsafe { lt::set_matmul_pref_attribute(pref, attr, &align as *const u32 as *const c_void, 4) };
+            }
+        }
         // SAFETY: zeroed results are overwritten by the call for the returned count.
         let mut found: Vec<lsys::cublasLtMatmulHeuristicResult_t> =
             (0..CANDIDATES).map(|_| unsafe { std::mem::zeroed() }).collect();

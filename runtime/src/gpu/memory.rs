@@ -52,6 +52,11 @@ pub struct TableRegistration {
     pub rows: u64,
     pub cols: u64,
     pub stride: u64,
+    /// Tokens one entry covers: 1 for token slots; the engine's block size for page ids,
+    /// which must equal the plan's `page_size` (the kernels compute a token's slot as
+    /// `page · page_size + position mod page_size`; another block size would read and
+    /// write other tokens' K/V without leaving the pool, so no device rule could see it).
+    pub page_size: u64,
 }
 
 /// Everything an engine registers once.
@@ -141,6 +146,23 @@ pub fn check_table(plan: &Plan, t: &TableRegistration) -> Result<(), GpuError> {
             format!(
                 "shape [{}, {}] must have rows and columns in [1, 2^31 - 1]",
                 t.rows, t.cols
+            ),
+        ));
+    }
+    let want = match t.mode {
+        TableMode::TokenSlots => 1,
+        TableMode::PageIds => plan.capture.page_size as u64,
+    };
+    if t.page_size != want {
+        return Err(bad(
+            what,
+            format!(
+                "{} tokens per entry, the plan needs {want} ({})",
+                t.page_size,
+                match t.mode {
+                    TableMode::TokenSlots => "a token-slot table maps one token per entry",
+                    TableMode::PageIds => "the plan's page_size: compile the plan with the engine's block size",
+                }
             ),
         ));
     }
@@ -255,7 +277,12 @@ pub fn bind_weights(
                 let table = tensors.get(ts).ok_or_else(|| missing(ts))?;
                 let vocab = plan.model.vocab as u64;
                 check(ts, table, act, &[vocab, cols])?;
-                let ids = host_ids(is).ok_or_else(|| missing(is))?;
+                let ids = host_ids(is).ok_or_else(|| {
+                    GpuError::Weights(format!(
+                        "{}: neither it nor its source {is} (a 1-D i64 tensor of {} vocabulary ids) was given",
+                        w.name, w.shape[0]
+                    ))
+                })?;
                 if ids.len() as u64 != w.shape[0] || ids.iter().any(|&x| x < 0 || x as u64 >= vocab) {
                     return Err(GpuError::Weights(format!(
                         "{is}: {} ids, expected {} in [0, {vocab})",
@@ -431,8 +458,18 @@ mod tests {
             rows: 4,
             cols: 64,
             stride: 64,
+            page_size: 1,
         };
         assert!(check_table(&p, &t).is_ok());
+        let e = check_table(
+            &p,
+            &TableRegistration {
+                page_size: 4,
+                ..t.clone()
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("one token per entry"), "{e}");
         assert!(check_table(
             &p,
             &TableRegistration {
@@ -467,10 +504,28 @@ mod tests {
                 mode: TableMode::PageIds,
                 cols: 2,
                 stride: 2,
-                ..t
+                page_size: 4,
+                ..t.clone()
             }
         )
         .is_ok());
+        // A block size other than the plan's page_size would land on other tokens' slots.
+        let e = check_table(
+            &p,
+            &TableRegistration {
+                mode: TableMode::PageIds,
+                cols: 2,
+                stride: 2,
+                page_size: 16,
+                ..t
+            },
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("block_table: 16 tokens per entry, the plan needs 4"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -481,6 +536,7 @@ mod tests {
             rows: 4,
             cols: 64,
             stride: 80,
+            page_size: 1,
         };
         let w = layout_words(&kv_ok(), &t);
         assert_eq!(w[kv::KV_WORD_MODE], 1);

@@ -13,8 +13,10 @@
 //! inputs live in `crate::admission`, shared with the CPU path.
 //!
 //! Replay path invariants (both modes): no device-to-host copy, no synchronization, no
-//! allocation; host work is O(b·N + b) (owned: plus copying the caller's host hidden
-//! states, which are the input itself; engine: O(1) — one parameter update and one launch).
+//! device allocation (host allocations are a parameter block's few hundred bytes); host
+//! work is O(b·N + b) (owned: plus copying the caller's host hidden states, which are the
+//! input itself; engine: O(1) per bucket replayed — one parameter update, one launch and
+//! one event record), never growing with the KV.
 
 mod device;
 mod engine;

@@ -101,6 +101,7 @@ impl GpuRuntime {
                 rows,
                 cols,
                 stride: cols,
+                page_size: plan.capture.page_size as u64,
             },
             meta: meta_block()?,
             _owned: Vec::new(),

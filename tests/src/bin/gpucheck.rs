@@ -5,7 +5,8 @@
 //! ```text
 //! gpucheck PLAN_DIR OUT_DIR [--quick]          every plan; OUT_DIR/gpucheck.json
 //! gpucheck contract PLAN SPECPLAN_BIN WORK_DIR  `specplan run` on cpu, cuda graph, cuda eager
-//! gpucheck sanitize PLAN...                     every kernel at the smallest and largest bucket
+//! gpucheck sanitize PLAN... [--prefill-gemm-outputs]
+//!                                               every kernel at the smallest and largest bucket
 //! gpucheck entries                              the kernel entry names, `|`-separated
 //! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
 //!                                               engine memory (`specplan_tests::engine`)
@@ -161,17 +162,26 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
             Ok(reports) => {
                 for r in &reports {
                     let verdict = if r.failures.is_empty() { "ok" } else { "FAIL" };
+                    let how = if r.weight_views {
+                        format!(
+                            "weight views: outputs within tolerance ({} off, hidden rel {:.1e})",
+                            r.output_diffs, r.hidden_rel
+                        )
+                    } else {
+                        format!("outputs == owned ({} diffs)", r.output_diffs)
+                    };
                     println!(
-                        "engine {:<20} b {:>3}: outputs == owned ({} diffs), written K/V == owned ({} diffs), other pool values changed {}, table changed {}, step returned in {:.1} µs with the stream busy: {}{}  {verdict}",
+                        "engine {:<20} b {:>3} x{} steps: {how}, written K/V == owned ({} diffs), refused rows written {}, other pool values changed {}, table changed {}, step returned in {:.1} µs with the stream busy: {}{}  {verdict}",
                         r.layout,
                         r.b,
-                        r.output_diffs,
+                        r.steps,
                         r.kv_written_diffs,
+                        r.refused_rows_written,
                         r.kv_unwritten_changed,
                         r.table_changed,
                         r.host_us,
                         r.pending_after_step,
-                        r.refused.iter().map(|x| format!("; {x}")).collect::<String>()
+                        r.refused.first().map(|x| format!("; {x}")).unwrap_or_default()
                     );
                     for f in &r.failures {
                         println!("    {f}");
@@ -256,10 +266,11 @@ fn main() -> ExitCode {
     if args.get(1).map(String::as_str) == Some("sanitize") {
         let mut rng = Rng(seed());
         let mut failed = false;
-        for path in &args[2..] {
+        let prefill = args.iter().any(|a| a == "--prefill-gemm-outputs");
+        for path in args[2..].iter().filter(|a| !a.starts_with("--")) {
             let r = load_file(std::path::Path::new(path))
                 .map_err(|e| e.to_string())
-                .and_then(|p| specplan_tests::checks::sanitize_steps(&p, &mut rng));
+                .and_then(|p| specplan_tests::checks::sanitize_steps(&p, &mut rng, prefill));
             match r {
                 Ok(()) => println!("sanitize {path}: steps ran"),
                 Err(e) => {
