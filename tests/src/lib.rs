@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod random;
 pub mod reference;
 pub mod report;
+pub mod sanitize;
 pub mod tolerance;
 
 /// xorshift64*: no dependency, reproducible from the printed seed.

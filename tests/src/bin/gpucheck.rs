@@ -5,7 +5,7 @@
 //! ```text
 //! gpucheck PLAN_DIR OUT_DIR [--quick]          every plan; OUT_DIR/gpucheck.json
 //! gpucheck contract PLAN SPECPLAN_BIN WORK_DIR  `specplan run` on cpu, cuda graph, cuda eager
-//! gpucheck sanitize PLAN... [--prefill-gemm-outputs]
+//! gpucheck sanitize PLAN... [--prefill-gemm-outputs | --kernels-only]
 //!                                               every kernel at the smallest and largest bucket
 //! gpucheck entries                              the kernel entry names, `|`-separated
 //! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
@@ -267,10 +267,17 @@ fn main() -> ExitCode {
         let mut rng = Rng(seed());
         let mut failed = false;
         let prefill = args.iter().any(|a| a == "--prefill-gemm-outputs");
+        let kernels_only = args.iter().any(|a| a == "--kernels-only");
         for path in args[2..].iter().filter(|a| !a.starts_with("--")) {
             let r = load_file(std::path::Path::new(path))
                 .map_err(|e| e.to_string())
-                .and_then(|p| specplan_tests::checks::sanitize_steps(&p, &mut rng, prefill));
+                .and_then(|p| {
+                    if kernels_only {
+                        specplan_tests::sanitize::kernel_steps(&p, &mut rng)
+                    } else {
+                        specplan_tests::sanitize::sanitize_steps(&p, &mut rng, prefill)
+                    }
+                });
             match r {
                 Ok(()) => println!("sanitize {path}: steps ran"),
                 Err(e) => {

@@ -10,16 +10,13 @@
 //! step after a bad one reports nothing. Weight views at 16-byte offsets (a slice of a
 //! fused tensor) take GEMM algorithms chosen for that alignment.
 
-use std::collections::HashMap;
 use std::time::Instant;
 
 use cudarc::driver::result;
-use specplan_format::{DType, Packing, ValidatedPlan};
-use specplan_runtime::bits::to_act_bits;
-use specplan_runtime::cpu::WeightData;
+use specplan_format::ValidatedPlan;
 use specplan_runtime::gpu::{
-    DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime,
-    Hidden, KvRegistration, StepRequest, TableMode, TableRegistration,
+    DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime, Hidden,
+    StepRequest,
 };
 use specplan_runtime::step::StepInputs;
 
@@ -28,203 +25,14 @@ use crate::random::{make_case, Case};
 use crate::tolerance::{bit_diffs, f32_bit_diffs};
 use crate::Rng;
 
-fn err<E: std::fmt::Display>(e: E) -> String {
-    e.to_string()
-}
+mod bench;
+mod fixture;
 
-fn download<T: Copy + Default>(ptr: u64, n: usize) -> Result<Vec<T>, String> {
-    let mut v = vec![T::default(); n];
-    // SAFETY: `ptr` holds at least n elements (the caller's allocation); synchronous.
-    unsafe { result::memcpy_dtoh_sync(&mut v, ptr) }.map_err(|e| format!("{e:?}"))?;
-    Ok(v)
-}
-
-/// The engine's memory for one case: pool, table, weights, inputs, outputs (all device).
-struct Fixture {
-    _bufs: Vec<DeviceBuf>,
-    kv: KvRegistration,
-    table: TableRegistration,
-    table_host: Vec<i32>,
-    /// Pool contents at the start, per layer (K then V), raw bits; slot-major.
-    k0: Vec<Vec<u16>>,
-    v0: Vec<Vec<u16>>,
-    weights: HashMap<String, DeviceTensor>,
-    /// Request rows of the table.
-    rows: Vec<i64>,
-}
-
-fn upload<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T]) -> Result<u64, String> {
-    let b = DeviceBuf::from_slice(data)?;
-    let p = b.ptr;
-    bufs.push(b);
-    Ok(p)
-}
-
-/// Uploads `data` `offset` bytes into a fresh allocation (a view, as a slice of a larger
-/// tensor would be).
-fn upload_at<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T], offset: usize) -> Result<u64, String> {
-    if offset == 0 {
-        return upload(bufs, data);
-    }
-    let b = DeviceBuf::new(std::mem::size_of_val(data) + offset)?;
-    let p = b.ptr + offset as u64;
-    bufs.push(b);
-    // SAFETY: `p` lies `offset` bytes into an allocation of the data's size plus `offset`.
-    unsafe { result::memcpy_htod_sync(p, data) }.map_err(|e| format!("{e:?}"))?;
-    Ok(p)
-}
-
-/// Device copies of the plan's weights: the packed q/k/v under their sources (so the
-/// runtime packs them once), every other weight under its own name (used in place),
-/// `offset` bytes into its allocation.
-fn device_weights(
-    plan: &ValidatedPlan,
-    w: &[WeightData],
-    bufs: &mut Vec<DeviceBuf>,
-    offset: usize,
-) -> Result<HashMap<String, DeviceTensor>, String> {
-    let act = plan.capture.dtype;
-    let m = &plan.model;
-    let mut out = HashMap::new();
-    for (d, data) in plan.weights.iter().zip(w) {
-        let qkv = d.packing == Packing::ConcatRows && d.name.contains("qkv");
-        match data {
-            WeightData::I64(v) => {
-                let ptr = upload(bufs, v)?;
-                out.insert(
-                    d.name.clone(),
-                    DeviceTensor {
-                        ptr,
-                        dtype: DType::I64,
-                        shape: d.shape.clone(),
-                    },
-                );
-            }
-            WeightData::F32(v) if qkv => {
-                let cols = d.shape[1] as usize;
-                let mut row = 0usize;
-                for (s, rows) in d.sources.iter().zip([m.heads, m.kv_heads, m.kv_heads]) {
-                    let rows = (rows * m.head_dim) as usize;
-                    let ptr = upload(bufs, &to_act_bits(&v[row * cols..(row + rows) * cols], act))?;
-                    out.insert(
-                        s.clone(),
-                        DeviceTensor {
-                            ptr,
-                            dtype: act,
-                            shape: vec![rows as u64, cols as u64],
-                        },
-                    );
-                    row += rows;
-                }
-            }
-            WeightData::F32(v) => {
-                let ptr = upload_at(bufs, &to_act_bits(v, act), offset)?;
-                out.insert(
-                    d.name.clone(),
-                    DeviceTensor {
-                        ptr,
-                        dtype: act,
-                        shape: d.shape.clone(),
-                    },
-                );
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// The engine's pool and table for case `c`, holding the case's cache: engine slot (or
-/// block) t holds what the owned pool's page t holds. `blocks`: vLLM's layout, else SGLang's.
-fn fixture(
-    plan: &ValidatedPlan,
-    c: &Case,
-    w: &[WeightData],
-    blocks: bool,
-    views: bool,
-    rng: &mut Rng,
-) -> Result<Fixture, String> {
-    let m = &plan.model;
-    let ps = plan.capture.page_size as usize;
-    let slot = (m.kv_heads * m.head_dim) as usize;
-    let layers = m.layers as usize;
-    let mut bufs = Vec::new();
-    let pool_slots = c.used_pages * ps;
-    let per_layer = pool_slots * slot;
-    let (mut k0, mut v0) = (Vec::new(), Vec::new());
-    let (mut kp, mut vp) = (Vec::new(), Vec::new());
-    for l in 0..layers {
-        let (k, v) = (
-            &c.k0[l * per_layer..(l + 1) * per_layer],
-            &c.v0[l * per_layer..(l + 1) * per_layer],
-        );
-        if blocks {
-            // One [2, blocks, block, Hkv, D] tensor per layer: K then V halves.
-            let both: Vec<u16> = k.iter().chain(v).copied().collect();
-            let base = upload(&mut bufs, &both)?;
-            kp.push(base);
-            vp.push(base + (per_layer * 2) as u64);
-        } else {
-            kp.push(upload(&mut bufs, k)?);
-            vp.push(upload(&mut bufs, v)?);
-        }
-        k0.push(k.to_vec());
-        v0.push(v.to_vec());
-    }
-    // Table rows in scattered order; unused entries -1. Token slots (SGLang) or blocks.
-    let n = plan.spec.num_draft_tokens as usize;
-    let rows_n = 2 * c.b + 3;
-    let perm = rng.permutation(rows_n);
-    let cols = if blocks {
-        c.pages.iter().map(|p| p.len()).max().unwrap_or(1) + 1
-    } else {
-        c.step.prefix_lens.iter().map(|&l| l as usize + n).max().unwrap_or(n) + 8
-    };
-    let stride = cols + 5;
-    let mut table = vec![-1i32; rows_n * stride];
-    let rows: Vec<i64> = (0..c.b).map(|i| perm[i] as i64).collect();
-    for i in 0..c.b {
-        let row = &mut table[rows[i] as usize * stride..];
-        if blocks {
-            row[..c.pages[i].len()].copy_from_slice(&c.pages[i]);
-        } else {
-            let used = c.step.prefix_lens[i] as usize + n;
-            for (p, e) in row[..used].iter_mut().enumerate() {
-                *e = c.pages[i][p / ps] * ps as i32 + (p % ps) as i32;
-            }
-        }
-    }
-    let tp = upload(&mut bufs, &table)?;
-    let weights = device_weights(plan, w, &mut bufs, if views { 16 } else { 0 })?;
-    Ok(Fixture {
-        _bufs: bufs,
-        kv: KvRegistration {
-            k: kp,
-            v: vp,
-            slots: pool_slots as u64,
-            stride: slot as u64,
-        },
-        table: TableRegistration {
-            ptr: tp,
-            mode: if blocks {
-                TableMode::PageIds
-            } else {
-                TableMode::TokenSlots
-            },
-            rows: rows_n as u64,
-            cols: cols as u64,
-            stride: stride as u64,
-            page_size: if blocks { plan.capture.page_size as u64 } else { 1 },
-        },
-        table_host: table,
-        k0,
-        v0,
-        weights,
-        rows,
-    })
-}
+pub use bench::{bench_fixture, engine_load_ms, engine_once, BenchFixture};
+use fixture::{download, err, fixture, Fixture};
 
 /// What one engine step produced, read back.
-struct Outputs {
+pub(crate) struct Outputs {
     probs: Vec<f32>,
     ids: Vec<i64>,
     hidden: Vec<u16>,
@@ -234,7 +42,7 @@ struct Outputs {
 /// (prefix + N) with bias −N, i32 accept lengths; `Plain`: i32 rows, i32 prefix lengths
 /// with bias 0, i64 accept lengths.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Ints {
+pub(crate) enum Ints {
     Sglang,
     Plain,
 }
@@ -242,7 +50,7 @@ enum Ints {
 /// One engine step on fresh device copies of `x`'s inputs (outputs filled with 0xff first).
 /// Returns the outputs, the host time of `step_device` and whether the stream was still
 /// busy when it returned (with `busy`, a long memset queued ahead of the step).
-fn engine_step(
+pub(crate) fn engine_step(
     rt: &mut GpuRuntime,
     x: &StepInputs,
     hidden: &[u16],
@@ -374,19 +182,6 @@ fn written_slots(plan: &ValidatedPlan, c: &Case, skip: Option<usize>) -> Vec<boo
     w
 }
 
-impl Fixture {
-    /// Puts the case's initial cache back into the caller's pool.
-    fn restore(&self) -> Result<(), String> {
-        for l in 0..self.kv.k.len() {
-            for (pool, init) in [(self.kv.k[l], &self.k0[l]), (self.kv.v[l], &self.v0[l])] {
-                // SAFETY: the pool holds the layer's initial contents' size; synchronous.
-                unsafe { result::memcpy_htod_sync(pool, init.as_slice()) }.map_err(|e| format!("{e:?}"))?;
-            }
-        }
-        Ok(())
-    }
-}
-
 /// One step of a case: what the engine is given, how, and which request it must refuse.
 struct StepCase<'a> {
     x: &'a StepInputs,
@@ -515,7 +310,7 @@ fn compare(
     plan: &ValidatedPlan,
     eng: &mut GpuRuntime,
     own: &mut GpuRuntime,
-    fx: &Fixture,
+    fx: &mut Fixture,
     c: &Case,
     engine_x: &StepInputs,
     bad: Option<(usize, DeviceRule)>,
@@ -560,6 +355,9 @@ fn compare(
         },
     ];
     for s in &steps {
+        if s.bad.is_none() {
+            fx.restore_table()?;
+        }
         check_step(plan, eng, fx, c, s, &oo, (&ok_, &ov), stream, views, rep)?;
     }
     for (what, count) in [
@@ -660,7 +458,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
             plan,
             &mut eng,
             &mut own,
-            &fx,
+            &mut fx,
             &c,
             &x,
             ec.bad,
@@ -671,190 +469,4 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
         reports.push(rep);
     }
     Ok(reports)
-}
-
-/// Load time of a plan onto caller memory (weights, pool and table allocated here, not
-/// initialized: only the addresses matter), twice: the first load may time GEMMs into the
-/// cache and pays the libraries' first use; the second is what an engine process pays.
-pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtime::gpu::LoadTimes), String> {
-    let m = &plan.model;
-    let act = plan.capture.dtype;
-    let mut bufs = Vec::new();
-    let mut weights = HashMap::new();
-    for w in &plan.weights {
-        let b = DeviceBuf::new(w.bytes as usize)?;
-        weights.insert(
-            w.name.clone(),
-            DeviceTensor {
-                ptr: b.ptr,
-                dtype: w.dtype,
-                shape: w.shape.clone(),
-            },
-        );
-        bufs.push(b);
-    }
-    let slots = 4096u64;
-    let stride = (m.kv_heads * m.head_dim) as u64;
-    let (mut k, mut v) = (Vec::new(), Vec::new());
-    for _ in 0..m.layers {
-        let kb = DeviceBuf::new((slots * stride * act.size()) as usize)?;
-        let vb = DeviceBuf::new((slots * stride * act.size()) as usize)?;
-        k.push(kb.ptr);
-        v.push(vb.ptr);
-        bufs.extend([kb, vb]);
-    }
-    let cols = plan.capture.max_context_len as u64;
-    let table = DeviceBuf::new((cols * 128 * 4) as usize)?;
-    let mut times = Vec::new();
-    let mut last = None;
-    for _ in 0..2 {
-        let mem = EngineMemory {
-            kv: KvRegistration {
-                k: k.clone(),
-                v: v.clone(),
-                slots,
-                stride,
-            },
-            table: TableRegistration {
-                ptr: table.ptr,
-                mode: TableMode::TokenSlots,
-                rows: 128,
-                cols,
-                stride: cols,
-                page_size: 1,
-            },
-            weights: &weights,
-        };
-        let t0 = Instant::now();
-        let rt = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
-        last = Some(rt.load);
-    }
-    drop(bufs);
-    Ok((times[0], times[1], last.unwrap_or_default()))
-}
-
-/// Caller memory and inputs for timing an engine step: every request at prefix `l`, token
-/// slots in scattered order, weights and cache filled with a constant (values do not change
-/// the time; finite ones keep every kernel on its usual path).
-pub struct BenchFixture {
-    _bufs: Vec<DeviceBuf>,
-    pub runtime: GpuRuntime,
-    pub step: DeviceStep,
-    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
-}
-
-pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFixture, String> {
-    let m = &plan.model;
-    let act = plan.capture.dtype;
-    let n = plan.spec.num_draft_tokens as usize;
-    let mut bufs: Vec<DeviceBuf> = Vec::new();
-    let fill = |bufs: &mut Vec<DeviceBuf>, bytes: usize| -> Result<u64, String> {
-        let d = DeviceBuf::new(bytes)?;
-        d.fill(0x3c, std::ptr::null_mut())?;
-        let p = d.ptr;
-        bufs.push(d);
-        Ok(p)
-    };
-    let mut weights = HashMap::new();
-    for w in &plan.weights {
-        let ptr = fill(&mut bufs, w.bytes as usize)?;
-        weights.insert(
-            w.name.clone(),
-            DeviceTensor {
-                ptr,
-                dtype: w.dtype,
-                shape: w.shape.clone(),
-            },
-        );
-    }
-    let stride = (m.kv_heads * m.head_dim) as u64;
-    let slots = (b * (l + n)) as u64 + 16;
-    let (mut k, mut v) = (Vec::new(), Vec::new());
-    for _ in 0..m.layers {
-        k.push(fill(&mut bufs, (slots * stride * act.size()) as usize)?);
-        v.push(fill(&mut bufs, (slots * stride * act.size()) as usize)?);
-    }
-    let cols = l + n;
-    let order = Rng(0x5eed_0000 + slots).permutation(b * cols);
-    let table: Vec<i32> = order.iter().map(|&t| t as i32).collect();
-    let tp = upload(&mut bufs, &table)?;
-    let mem = EngineMemory {
-        kv: KvRegistration { k, v, slots, stride },
-        table: TableRegistration {
-            ptr: tp,
-            mode: TableMode::TokenSlots,
-            rows: b as u64,
-            cols: cols as u64,
-            stride: cols as u64,
-            page_size: 1,
-        },
-        weights: &weights,
-    };
-    let runtime = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
-    let stream = runtime.context().new_stream().map_err(|e| format!("{e:?}"))?;
-    let ids: Vec<i64> = (0..b * n).map(|i| (i % 1000) as i64).collect();
-    let rows: Vec<i64> = (0..b as i64).collect();
-    let prefix = vec![l as i32; b];
-    let accept = vec![n as i32; b];
-    let hidden = fill(&mut bufs, b * n * m.hidden as usize * act.size() as usize)?;
-    let (k_, h) = (plan.spec.topk as usize, m.hidden as usize);
-    let step = DeviceStep {
-        b,
-        input_ids: upload(&mut bufs, &ids)?,
-        hidden_states: hidden,
-        req_pool_indices: DeviceInts {
-            ptr: upload(&mut bufs, &rows)?,
-            i32: false,
-        },
-        prefix_lens: DeviceInts {
-            ptr: upload(&mut bufs, &prefix)?,
-            i32: true,
-        },
-        accept_lens: DeviceInts {
-            ptr: upload(&mut bufs, &accept)?,
-            i32: true,
-        },
-        prefix_bias: 0,
-        outputs: DeviceOutputs {
-            topk_p: fill(&mut bufs, b * k_ * 4)?,
-            topk_index: fill(&mut bufs, b * k_ * 8)?,
-            hidden_states: fill(&mut bufs, b * h * act.size() as usize)?,
-        },
-        stream: stream.cu_stream() as u64,
-    };
-    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
-    Ok(BenchFixture {
-        _bufs: bufs,
-        runtime,
-        step,
-        stream,
-    })
-}
-
-/// One engine-memory step at batch `b` (for the sanitizers: little work, every kernel).
-pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) -> Result<(), String> {
-    let weights = crate::random::random_weights(plan, rng);
-    let c = make_case(plan, rng, b, 40);
-    let fx = fixture(plan, &c, &weights, blocks, false, rng)?;
-    let mem = EngineMemory {
-        kv: fx.kv.clone(),
-        table: fx.table.clone(),
-        weights: &fx.weights,
-    };
-    let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
-    let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
-    engine_step(
-        &mut eng,
-        &c.step,
-        &c.hidden_bits,
-        &fx.rows,
-        Ints::Sglang,
-        stream.cu_stream() as u64,
-        None,
-    )?;
-    match eng.last_error().map_err(err)? {
-        None => Ok(()),
-        Some(e) => Err(e.to_string()),
-    }
 }

@@ -1,0 +1,205 @@
+//! Engine memory for timing and for the sanitizers: load time onto caller memory, a
+//! constant-filled fixture for timing steps, one step at a given batch.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use cudarc::driver::result;
+use specplan_format::ValidatedPlan;
+use specplan_runtime::gpu::{
+    DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GpuOptions, GpuRuntime, KvRegistration,
+    TableMode, TableRegistration,
+};
+
+use crate::gpu::DeviceBuf;
+use crate::random::make_case;
+use crate::Rng;
+
+use super::fixture::{err, fixture, upload};
+use super::{engine_step, Ints};
+
+/// Load time of a plan onto caller memory (weights, pool and table allocated here, not
+/// initialized: only the addresses matter), twice: the first load may time GEMMs into the
+/// cache and pays the libraries' first use; the second is what an engine process pays.
+pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtime::gpu::LoadTimes), String> {
+    let m = &plan.model;
+    let act = plan.capture.dtype;
+    let mut bufs = Vec::new();
+    let mut weights = HashMap::new();
+    for w in &plan.weights {
+        let b = DeviceBuf::new(w.bytes as usize)?;
+        weights.insert(
+            w.name.clone(),
+            DeviceTensor {
+                ptr: b.ptr,
+                dtype: w.dtype,
+                shape: w.shape.clone(),
+            },
+        );
+        bufs.push(b);
+    }
+    let slots = 4096u64;
+    let stride = (m.kv_heads * m.head_dim) as u64;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for _ in 0..m.layers {
+        let kb = DeviceBuf::new((slots * stride * act.size()) as usize)?;
+        let vb = DeviceBuf::new((slots * stride * act.size()) as usize)?;
+        k.push(kb.ptr);
+        v.push(vb.ptr);
+        bufs.extend([kb, vb]);
+    }
+    let cols = plan.capture.max_context_len as u64;
+    let table = DeviceBuf::new((cols * 128 * 4) as usize)?;
+    let mut times = Vec::new();
+    let mut last = None;
+    for _ in 0..2 {
+        let mem = EngineMemory {
+            kv: KvRegistration {
+                k: k.clone(),
+                v: v.clone(),
+                slots,
+                stride,
+            },
+            table: TableRegistration {
+                ptr: table.ptr,
+                mode: TableMode::TokenSlots,
+                rows: 128,
+                cols,
+                stride: cols,
+                page_size: 1,
+            },
+            weights: &weights,
+        };
+        let t0 = Instant::now();
+        let rt = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        last = Some(rt.load);
+    }
+    drop(bufs);
+    Ok((times[0], times[1], last.unwrap_or_default()))
+}
+
+/// Caller memory and inputs for timing an engine step: every request at prefix `l`, token
+/// slots in scattered order, weights and cache filled with a constant (values do not change
+/// the time; finite ones keep every kernel on its usual path).
+pub struct BenchFixture {
+    _bufs: Vec<DeviceBuf>,
+    pub runtime: GpuRuntime,
+    pub step: DeviceStep,
+    pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFixture, String> {
+    let m = &plan.model;
+    let act = plan.capture.dtype;
+    let n = plan.spec.num_draft_tokens as usize;
+    let mut bufs: Vec<DeviceBuf> = Vec::new();
+    let fill = |bufs: &mut Vec<DeviceBuf>, bytes: usize| -> Result<u64, String> {
+        let d = DeviceBuf::new(bytes)?;
+        d.fill(0x3c, std::ptr::null_mut())?;
+        let p = d.ptr;
+        bufs.push(d);
+        Ok(p)
+    };
+    let mut weights = HashMap::new();
+    for w in &plan.weights {
+        let ptr = fill(&mut bufs, w.bytes as usize)?;
+        weights.insert(
+            w.name.clone(),
+            DeviceTensor {
+                ptr,
+                dtype: w.dtype,
+                shape: w.shape.clone(),
+            },
+        );
+    }
+    let stride = (m.kv_heads * m.head_dim) as u64;
+    let slots = (b * (l + n)) as u64 + 16;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for _ in 0..m.layers {
+        k.push(fill(&mut bufs, (slots * stride * act.size()) as usize)?);
+        v.push(fill(&mut bufs, (slots * stride * act.size()) as usize)?);
+    }
+    let cols = l + n;
+    let order = Rng(0x5eed_0000 + slots).permutation(b * cols);
+    let table: Vec<i32> = order.iter().map(|&t| t as i32).collect();
+    let tp = upload(&mut bufs, &table)?;
+    let mem = EngineMemory {
+        kv: KvRegistration { k, v, slots, stride },
+        table: TableRegistration {
+            ptr: tp,
+            mode: TableMode::TokenSlots,
+            rows: b as u64,
+            cols: cols as u64,
+            stride: cols as u64,
+            page_size: 1,
+        },
+        weights: &weights,
+    };
+    let runtime = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+    let stream = runtime.context().new_stream().map_err(|e| format!("{e:?}"))?;
+    let ids: Vec<i64> = (0..b * n).map(|i| (i % 1000) as i64).collect();
+    let rows: Vec<i64> = (0..b as i64).collect();
+    let prefix = vec![l as i32; b];
+    let accept = vec![n as i32; b];
+    let hidden = fill(&mut bufs, b * n * m.hidden as usize * act.size() as usize)?;
+    let (k_, h) = (plan.spec.topk as usize, m.hidden as usize);
+    let step = DeviceStep {
+        b,
+        input_ids: upload(&mut bufs, &ids)?,
+        hidden_states: hidden,
+        req_pool_indices: DeviceInts {
+            ptr: upload(&mut bufs, &rows)?,
+            i32: false,
+        },
+        prefix_lens: DeviceInts {
+            ptr: upload(&mut bufs, &prefix)?,
+            i32: true,
+        },
+        accept_lens: DeviceInts {
+            ptr: upload(&mut bufs, &accept)?,
+            i32: true,
+        },
+        prefix_bias: 0,
+        outputs: DeviceOutputs {
+            topk_p: fill(&mut bufs, b * k_ * 4)?,
+            topk_index: fill(&mut bufs, b * k_ * 8)?,
+            hidden_states: fill(&mut bufs, b * h * act.size() as usize)?,
+        },
+        stream: stream.cu_stream() as u64,
+    };
+    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
+    Ok(BenchFixture {
+        _bufs: bufs,
+        runtime,
+        step,
+        stream,
+    })
+}
+
+/// One engine-memory step at batch `b` (for the sanitizers: little work, every kernel).
+pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) -> Result<(), String> {
+    let weights = crate::random::random_weights(plan, rng);
+    let c = make_case(plan, rng, b, 40);
+    let fx = fixture(plan, &c, &weights, blocks, false, rng)?;
+    let mem = EngineMemory {
+        kv: fx.kv.clone(),
+        table: fx.table.clone(),
+        weights: &fx.weights,
+    };
+    let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+    let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
+    engine_step(
+        &mut eng,
+        &c.step,
+        &c.hidden_bits,
+        &fx.rows,
+        Ints::Sglang,
+        stream.cu_stream() as u64,
+        None,
+    )?;
+    match eng.last_error().map_err(err)? {
+        None => Ok(()),
+        Some(e) => Err(e.to_string()),
+    }
+}
