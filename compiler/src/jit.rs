@@ -14,17 +14,16 @@ use specplan_format::{KernelBinary, KernelDesc};
 /// Highest PTX ISA the GPU machine's driver (580, CUDA 13.0) accepts.
 pub const MAX_PTX_ISA: (u32, u32) = (9, 0);
 
-const PROVISION: &str = "provision it with `.ci/with-nvrtc <command>` (installs the pinned pip wheels \
-nvidia-cuda-nvrtc==13.0.88 and nvidia-cuda-runtime==13.0.96 into ~/.cache/specplan and sets \
-LD_LIBRARY_PATH and SPECPLAN_CUDA_INCLUDE), or point LD_LIBRARY_PATH at a directory holding \
-libnvrtc.so.13 and libnvrtc-builtins.so.13.0 and SPECPLAN_CUDA_INCLUDE at the CUDA headers";
+pub const PROVISION: &str = "provision it with `.ci/with-nvrtc <command>` (installs the pinned pip wheels \
+nvidia-cuda-nvrtc==13.0.88 and nvidia-cuda-runtime==13.0.96 into ~/.cache/specplan, where specplan \
+finds them afterwards without it), `pip install nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96` \
+into the active Python environment, or set CUDA_HOME to a CUDA 13.0 toolkit; `specplan doctor` shows \
+where it looked";
 
 #[derive(Debug, thiserror::Error)]
 pub enum JitError {
-    #[error("NVRTC (libnvrtc.so) was not found on the loader path; {PROVISION}")]
-    NotFound,
-    #[error("SPECPLAN_CUDA_INCLUDE is not set or has no cuda_bf16.h ({0}); {PROVISION}")]
-    NoHeaders(String),
+    #[error("NVRTC (libnvrtc.so.13 with the CUDA headers) was not found (looked at: {0}); {PROVISION}")]
+    NotFound(String),
     #[error("kernel {kernel} failed to compile for {arch}:\n{log}\n{excerpt}")]
     Compile {
         kernel: String,
@@ -60,26 +59,23 @@ pub struct JitStats {
 }
 
 impl Jit {
-    /// NVRTC from the loader path, headers from `SPECPLAN_CUDA_INCLUDE`, cache in
-    /// `SPECPLAN_CACHE_DIR` or `~/.cache/specplan/kernels` (`SPECPLAN_CACHE_DIR=off` disables it).
+    /// NVRTC and the CUDA headers from where `nvrtc_locate` finds them (no environment
+    /// needed); kernels cached in `SPECPLAN_CACHE_DIR` or `~/.cache/specplan/kernels`
+    /// (`SPECPLAN_CACHE_DIR=off` disables the cache).
     pub fn from_env() -> Result<Jit, JitError> {
-        // SAFETY: probing dlopen candidates has no preconditions; it only loads libraries.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(JitError::NotFound);
-        }
-        let include = std::env::var("SPECPLAN_CUDA_INCLUDE").unwrap_or_default();
-        if include.is_empty() || !Path::new(&include).join("cuda_bf16.h").is_file() {
-            return Err(JitError::NoHeaders(if include.is_empty() {
-                "unset".into()
-            } else {
-                include
-            }));
-        }
+        Self::discover(&[])
+    }
+
+    /// As `from_env`, also looking in `nvidia` wheel folders the caller knows of (the
+    /// Python package passes its environment's).
+    pub fn discover(extra: &[PathBuf]) -> Result<Jit, JitError> {
+        let found = crate::nvrtc_locate::locate(extra).map_err(JitError::NotFound)?;
+        let include = found.include_dir.to_string_lossy().into_owned();
         let (mut major, mut minor) = (0, 0);
         // SAFETY: the library is present (checked above); the out-pointers are valid locals.
         let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
         if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-            return Err(JitError::NotFound);
+            return Err(JitError::NotFound(format!("{}: nvrtcVersion failed", found.origin)));
         }
         let version = match std::env::var("SPECPLAN_NVRTC_VERSION") {
             Ok(v) if v.starts_with(&format!("{major}.{minor}")) => v,

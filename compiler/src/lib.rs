@@ -20,6 +20,7 @@ pub mod error;
 pub mod graph;
 pub mod jit;
 pub mod lower;
+pub mod nvrtc_locate;
 pub mod passes;
 pub mod schedule;
 pub mod verify;
