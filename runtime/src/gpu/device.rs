@@ -161,3 +161,44 @@ impl Drop for Event {
         let _ = unsafe { result::event::destroy(self.0) };
     }
 }
+
+/// The CUDA driver and its GPUs, for diagnostics (`specplan doctor`): driver version,
+/// device count, and per device its name, compute capability and memory. Creates no
+/// context; an absent driver is reported, not an error.
+pub fn driver_report() -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    // SAFETY: probing dlopen candidates has no preconditions; it only loads libraries.
+    if !unsafe { sys::is_culib_present() } {
+        out.insert("driver".into(), "no CUDA driver (libcuda.so.1) on this machine".into());
+        return out;
+    }
+    if let Err(e) = result::init() {
+        out.insert("driver".into(), format!("libcuda loads, but cuInit failed: {e:?}"));
+        return out;
+    }
+    let mut version = 0;
+    // SAFETY: out-pointer to a local.
+    if unsafe { sys::cuDriverGetVersion(&mut version) } == sys::CUresult::CUDA_SUCCESS {
+        out.insert("driver".into(), format!("CUDA {}.{}", version / 1000, (version % 1000) / 10));
+    }
+    let count = result::device::get_count().unwrap_or(0);
+    out.insert("gpus".into(), count.to_string());
+    for i in 0..count {
+        let Ok(dev) = result::device::get(i) else { continue };
+        let name = result::device::get_name(dev).unwrap_or_else(|_| "?".into());
+        let attr = |a| {
+            // SAFETY: a valid device handle and a documented attribute.
+            unsafe { result::device::get_attribute(dev, a) }.unwrap_or(0)
+        };
+        use sys::CUdevice_attribute::{
+            CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJ, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MIN,
+        };
+        // SAFETY: a valid device handle.
+        let mem = unsafe { result::device::total_mem(dev) }.unwrap_or(0);
+        out.insert(
+            format!("gpu{i}"),
+            format!("{name}, sm_{}{}, {:.1} GiB", attr(MAJ), attr(MIN), mem as f64 / (1u64 << 30) as f64),
+        );
+    }
+    out
+}

@@ -1,0 +1,134 @@
+"""specplan: compiled draft-extend plans for EAGLE speculative decoding, replayed as CUDA
+graphs on an engine's own KV cache, page table, weights and stream.
+
+    import specplan
+    plan = specplan.Plan.compile(preset="tiny")          # or Plan.load("p.plan")
+    runner = specplan.DraftExtendRunner(plan, weights, k_cache, v_cache, req_to_token=table)
+    out = runner.run(input_ids, hidden_states, req_pool_indices, prefix_lens, accept_lens)
+    out.topk_p, out.topk_index, out.hidden_states
+
+Importing this package, loading and compiling plans need no GPU and no PyTorch; the runner
+needs both (it takes the caller's tensors by address and never links libtorch).
+"""
+
+import os
+import sys
+
+from . import _native
+from ._runner import DeviceError, DraftExtendOutput, DraftExtendRunner
+
+__version__ = _native.__version__
+__all__ = ["Plan", "DraftExtendRunner", "DraftExtendOutput", "DeviceError", "doctor"]
+
+
+def _nvidia_dirs():
+    """`nvidia` wheel folders on this interpreter's path (where pip put nvidia-cuda-nvrtc
+    and nvidia-cuda-runtime, this package's dependencies)."""
+    out = []
+    for entry in sys.path:
+        d = os.path.join(entry or ".", "nvidia")
+        if os.path.isdir(d) and d not in out:
+            out.append(d)
+    return out
+
+
+class Plan:
+    """A validated plan. `Plan.load(path)` or `Plan.compile(preset=..., **flags)`."""
+
+    __slots__ = ("_p",)
+
+    def __init__(self, native):
+        if not isinstance(native, _native.Plan):
+            raise TypeError("use Plan.load(path) or Plan.compile(...)")
+        self._p = native
+
+    @classmethod
+    def load(cls, path):
+        """Loads and validates a plan file; ValueError with the plan error on a bad file."""
+        return cls(_native.Plan.load(os.fspath(path)))
+
+    @classmethod
+    def from_bytes(cls, data):
+        return cls(_native.Plan.from_bytes(bytes(data)))
+
+    @classmethod
+    def compile(cls, preset=None, *, config=None, hf_config=None, **flags):
+        """Compiles a plan from a preset, a TOML config or a Hugging Face config.json, with
+        the CLI's flags in snake_case (`speculative_num_draft_tokens=8` or
+        `num_draft_tokens=8`, `buckets=[1, 8, 32]`, `page_size=1`, `max_context_len=4096`,
+        `no_kernels=True`, ...). NVRTC is found by itself (this environment's nvidia wheels,
+        the .ci/with-nvrtc cache, CUDA_HOME, /usr/local/cuda)."""
+        cfg = os.fspath(config) if config is not None else None
+        hf = os.fspath(hf_config) if hf_config is not None else None
+        return cls(_native.Plan.compile(preset, cfg, hf, flags, _nvidia_dirs()))
+
+    def save(self, path):
+        self._p.save(os.fspath(path))
+
+    def text(self):
+        """The canonical text, one fact per line (as `specplan show` prints it)."""
+        return self._p.text()
+
+    def weights(self):
+        """[(name, dtype, shape, sources)] of every weight the plan reads."""
+        return self._p.weights()
+
+    def __repr__(self):
+        return repr(self._p)
+
+
+def _plan_property(name, doc):
+    return property(lambda self: getattr(self._p, name), doc=doc)
+
+
+for _name, _doc in [
+    ("name", "the plan's name"),
+    ("buckets", "batch buckets, ascending"),
+    ("graph_buckets", "buckets replayed as CUDA graphs"),
+    ("num_draft_tokens", "N: rows per request"),
+    ("topk", "top-K of the next draft"),
+    ("hidden_size", "the draft head's hidden size"),
+    ("vocab_size", "the draft vocabulary"),
+    ("num_layers", "decoder layers of the draft head"),
+    ("num_heads", "attention heads"),
+    ("num_kv_heads", "K/V heads"),
+    ("head_dim", "head dimension"),
+    ("page_size", "tokens per KV page"),
+    ("max_requests", "request slots (largest batch a step may have)"),
+    ("max_context_len", "longest context (prefix + N)"),
+    ("dtype", "'bf16' or 'fp16'"),
+    ("has_kernels", "whether the plan carries kernel binaries"),
+    ("intermediate_size", "the MLP's intermediate size"),
+    ("rms_norm_eps", "RMSNorm epsilon"),
+    ("rope_inv_freq", "RoPE inverse frequencies after scaling, [head_dim / 2]"),
+    ("sliding_windows", "per layer, the sliding window (None: full causal)"),
+    ("fc_bias", "whether fc has a bias"),
+]:
+    setattr(Plan, _name, _plan_property(_name, _doc))
+
+
+def doctor():
+    """What specplan finds on this machine: NVRTC and the CUDA headers (and where it looked),
+    the CUDA driver and GPUs, PyTorch. Returns a dict; `python -m specplan` prints it."""
+    report = {"specplan": __version__, "python": sys.version.split()[0]}
+    report.update(_native.nvrtc_report(_nvidia_dirs()))
+    report.update(_native.driver_report())
+    try:
+        import torch  # noqa: F401 (optional)
+
+        report["torch"] = f"{torch.__version__} (CUDA {torch.version.cuda}, available: {torch.cuda.is_available()})"
+    except ImportError:
+        report["torch"] = "not installed (needed for DraftExtendRunner only)"
+    problems = []
+    if "nvrtc_error" in report:
+        problems.append("Plan.compile cannot build kernels (Plan.load and no_kernels=True still work)")
+    if report.get("gpus", "0") == "0":
+        problems.append("no GPU: DraftExtendRunner cannot be constructed")
+    report["would_fail"] = "; ".join(problems) or "nothing"
+    return report
+
+
+def _doctor_main():
+    for k, v in doctor().items():
+        print(f"{k:>16}: {v}")
+    return 0

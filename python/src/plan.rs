@@ -1,0 +1,356 @@
+//! `Plan`: a validated plan, loaded from a file or compiled from a preset or config with the
+//! CLI's flags (snake_case), and its facts.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use specplan_compiler::config::{self, Overrides, Source};
+use specplan_compiler::jit::Jit;
+use specplan_format::{Replay, ValidatedPlan};
+
+/// A validated draft-extend plan.
+#[pyclass(module = "specplan._native", frozen)]
+pub struct Plan {
+    pub(crate) inner: ValidatedPlan,
+}
+
+/// The compile flags `Plan.compile` accepts (the CLI's, snake_case), with short aliases.
+const FLAGS: &[&str] = &[
+    "speculative_eagle_topk",
+    "speculative_num_steps",
+    "speculative_num_draft_tokens",
+    "topk",
+    "num_steps",
+    "num_draft_tokens",
+    "buckets",
+    "max_bs",
+    "page_size",
+    "max_context_len",
+    "kv_pool_pages",
+    "max_requests",
+    "dtype",
+    "sliding_window",
+    "hot_vocab_size",
+    "no_kernels",
+];
+
+fn nearest(name: &str) -> Option<&'static str> {
+    // Edit distance, small strings: a plain dynamic program.
+    let dist = |a: &str, b: &str| {
+        let b: Vec<char> = b.chars().collect();
+        let mut prev: Vec<usize> = (0..=b.len()).collect();
+        for (i, ca) in a.chars().enumerate() {
+            let mut cur = vec![i + 1; b.len() + 1];
+            for (j, cb) in b.iter().enumerate() {
+                cur[j + 1] = (prev[j] + (ca != *cb) as usize).min(prev[j + 1] + 1).min(cur[j] + 1);
+            }
+            prev = cur;
+        }
+        prev[b.len()]
+    };
+    FLAGS
+        .iter()
+        .map(|f| (dist(name, f), *f))
+        .filter(|(d, _)| *d <= 3)
+        .min()
+        .map(|(_, f)| f)
+}
+
+fn u32_flag(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
+    v.extract::<u32>()
+        .map_err(|_| PyTypeError::new_err(format!("{name}: expected a non-negative integer below 2^32, got {v}")))
+}
+
+fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
+    let mut o = Overrides::default();
+    let mut no_kernels = false;
+    let Some(flags) = flags else {
+        return Ok((o, no_kernels));
+    };
+    for (k, v) in flags.iter() {
+        let name: String = k.extract()?;
+        match name.as_str() {
+            "speculative_eagle_topk" | "topk" => o.topk = Some(u32_flag(&name, &v)?),
+            "speculative_num_steps" | "num_steps" => o.num_steps = Some(u32_flag(&name, &v)?),
+            "speculative_num_draft_tokens" | "num_draft_tokens" => o.num_draft_tokens = Some(u32_flag(&name, &v)?),
+            "buckets" => {
+                o.buckets = Some(if let Ok(s) = v.extract::<String>() {
+                    s
+                } else if let Ok(list) = v.extract::<Vec<u32>>() {
+                    list.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+                } else {
+                    return Err(PyTypeError::new_err(format!(
+                        "buckets: expected \"auto\", a comma-separated string or a list of integers, got {v}"
+                    )));
+                })
+            }
+            "max_bs" => o.max_bs = Some(u32_flag(&name, &v)?),
+            "page_size" => o.page_size = Some(u32_flag(&name, &v)?),
+            "max_context_len" => o.max_context_len = Some(u32_flag(&name, &v)?),
+            "kv_pool_pages" => o.kv_pool_pages = Some(u32_flag(&name, &v)?),
+            "max_requests" => o.max_requests = Some(u32_flag(&name, &v)?),
+            "dtype" => {
+                o.dtype = Some(
+                    v.extract::<String>()
+                        .map_err(|_| PyTypeError::new_err(format!("dtype: expected \"bf16\" or \"fp16\", got {v}")))?,
+                )
+            }
+            "sliding_window" => o.sliding_window = Some(u32_flag(&name, &v)?),
+            "hot_vocab_size" => o.hot_vocab_size = Some(u32_flag(&name, &v)?),
+            "no_kernels" => {
+                no_kernels = v
+                    .extract::<bool>()
+                    .map_err(|_| PyTypeError::new_err(format!("no_kernels: expected a bool, got {v}")))?
+            }
+            other => {
+                let hint = nearest(other).map_or(String::new(), |f| format!(" (did you mean {f}?)"));
+                return Err(PyTypeError::new_err(format!(
+                    "Plan.compile() got an unexpected keyword argument {other:?}{hint}"
+                )));
+            }
+        }
+    }
+    Ok((o, no_kernels))
+}
+
+fn read(what: &str, path: &str) -> PyResult<String> {
+    std::fs::read_to_string(path).map_err(|e| PyValueError::new_err(format!("{what} {path}: {e}")))
+}
+
+#[pymethods]
+impl Plan {
+    /// Loads and validates a plan file (ValueError with the plan error on a bad file).
+    #[staticmethod]
+    fn load(path: PathBuf) -> PyResult<Plan> {
+        specplan_format::load_file(&path)
+            .map(|inner| Plan { inner })
+            .map_err(|e| PyValueError::new_err(format!("cannot load plan {}: {e}", path.display())))
+    }
+
+    /// Decodes and validates a plan from bytes.
+    #[staticmethod]
+    fn from_bytes(data: &[u8]) -> PyResult<Plan> {
+        specplan_format::decode(data)
+            .map(|inner| Plan { inner })
+            .map_err(|e| PyValueError::new_err(format!("cannot decode plan: {e}")))
+    }
+
+    /// Compiles a plan from a preset, a TOML config or a Hugging Face config.json (exactly
+    /// one), with the CLI's flags. `nvidia_dirs`: wheel folders to look for NVRTC in.
+    #[staticmethod]
+    #[pyo3(signature = (preset=None, config=None, hf_config=None, flags=None, nvidia_dirs=Vec::new()))]
+    fn compile(
+        py: Python<'_>,
+        preset: Option<String>,
+        config: Option<String>,
+        hf_config: Option<String>,
+        flags: Option<&Bound<'_, PyDict>>,
+        nvidia_dirs: Vec<PathBuf>,
+    ) -> PyResult<Plan> {
+        let source = match (preset, config, hf_config) {
+            (Some(p), None, None) => Source::Preset(p),
+            (None, Some(c), None) => Source::Toml {
+                text: read("config", &c)?,
+                name: c,
+            },
+            (None, None, Some(h)) => Source::HfConfig {
+                text: read("hf_config", &h)?,
+                name: h,
+            },
+            _ => {
+                return Err(PyValueError::new_err(
+                    "Plan.compile needs exactly one of preset=, config= (TOML) or hf_config= (config.json)",
+                ))
+            }
+        };
+        let (o, no_kernels) = overrides(flags)?;
+        let cfg = config::resolve(&source, &o).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        py.detach(|| {
+            let jit = if no_kernels {
+                None
+            } else {
+                Some(Jit::discover(&nvidia_dirs).map_err(|e| PyRuntimeError::new_err(e.to_string()))?)
+            };
+            let target = specplan_compiler::Target::default();
+            specplan_compiler::compile(&cfg, &target, jit.as_ref(), &|_, _| {})
+                .map(|c| Plan { inner: c.plan })
+                .map_err(|e| PyValueError::new_err(e.to_string()))
+        })
+    }
+
+    /// Writes the plan (atomically: a temporary file renamed into place).
+    fn save(&self, path: PathBuf) -> PyResult<()> {
+        let bytes = specplan_format::encode(&self.inner)
+            .map_err(|e| PyValueError::new_err(format!("cannot encode the plan: {e}")))?;
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        let tmp = dir.join(format!(
+            ".{}.tmp-{}",
+            path.file_name().map_or("plan".into(), |n| n.to_string_lossy()),
+            std::process::id()
+        ));
+        std::fs::write(&tmp, bytes)
+            .and_then(|_| std::fs::rename(&tmp, &path))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                PyValueError::new_err(format!("cannot write {}: {e}", path.display()))
+            })
+    }
+
+    /// The canonical text (one fact per line), as `specplan show` prints it.
+    fn text(&self) -> String {
+        specplan_format::to_text(&self.inner)
+    }
+
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name.clone()
+    }
+    #[getter]
+    fn buckets(&self) -> Vec<u32> {
+        self.inner.buckets.iter().map(|b| b.batch).collect()
+    }
+    /// Buckets replayed as CUDA graphs (the others run eagerly).
+    #[getter]
+    fn graph_buckets(&self) -> Vec<u32> {
+        self.inner
+            .buckets
+            .iter()
+            .filter(|b| b.replay == Replay::Graph)
+            .map(|b| b.batch)
+            .collect()
+    }
+    #[getter]
+    fn num_draft_tokens(&self) -> u32 {
+        self.inner.spec.num_draft_tokens
+    }
+    #[getter]
+    fn topk(&self) -> u32 {
+        self.inner.spec.topk
+    }
+    #[getter]
+    fn hidden_size(&self) -> u64 {
+        self.inner.model.hidden as u64
+    }
+    #[getter]
+    fn vocab_size(&self) -> u64 {
+        self.inner.model.vocab as u64
+    }
+    #[getter]
+    fn num_layers(&self) -> u64 {
+        self.inner.model.layers as u64
+    }
+    #[getter]
+    fn num_kv_heads(&self) -> u64 {
+        self.inner.model.kv_heads as u64
+    }
+    #[getter]
+    fn num_heads(&self) -> u64 {
+        self.inner.model.heads as u64
+    }
+    #[getter]
+    fn head_dim(&self) -> u64 {
+        self.inner.model.head_dim as u64
+    }
+    #[getter]
+    fn page_size(&self) -> u32 {
+        self.inner.capture.page_size
+    }
+    #[getter]
+    fn max_requests(&self) -> u32 {
+        self.inner.capture.max_requests
+    }
+    #[getter]
+    fn max_context_len(&self) -> u32 {
+        self.inner.capture.max_context_len
+    }
+    /// "bf16" or "fp16": the activations, K/V and weights.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.capture.dtype.name()
+    }
+    #[getter]
+    fn intermediate_size(&self) -> u64 {
+        self.inner.model.intermediate as u64
+    }
+    #[getter]
+    fn rms_norm_eps(&self) -> f32 {
+        self.inner.model.rms_norm_eps
+    }
+    /// RoPE inverse frequencies after scaling, `[head_dim / 2]` (what the kernels use).
+    #[getter]
+    fn rope_inv_freq(&self) -> Vec<f32> {
+        self.inner.rope_inv_freq.clone()
+    }
+    /// Per layer, the sliding window (None: full causal attention).
+    #[getter]
+    fn sliding_windows(&self) -> Vec<Option<u32>> {
+        self.inner.layers.iter().map(|l| l.window).collect()
+    }
+    #[getter]
+    fn fc_bias(&self) -> bool {
+        self.inner.model.fc_bias
+    }
+    /// Whether every kernel carries a binary (a plan compiled with no_kernels=True cannot
+    /// run on a GPU).
+    #[getter]
+    fn has_kernels(&self) -> bool {
+        self.inner.kernels.iter().all(|k| k.binary.is_some())
+    }
+
+    /// The weights the plan reads, as `[(name, dtype, shape, sources)]`: a runner takes a
+    /// tensor under the name itself (used in place) or under its sources (packed once).
+    fn weights<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let rows: Vec<(String, &'static str, Vec<u64>, Vec<String>)> = self
+            .inner
+            .weights
+            .iter()
+            .map(|w| (w.name.clone(), w.dtype.name(), w.shape.clone(), w.sources.clone()))
+            .collect();
+        PyList::new(py, rows)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Plan({:?}, buckets={:?}, num_draft_tokens={}, topk={}, dtype={})",
+            self.inner.name,
+            self.buckets(),
+            self.num_draft_tokens(),
+            self.topk(),
+            self.dtype()
+        )
+    }
+}
+
+/// Where NVRTC was found (or every place looked at), for `specplan.doctor()`.
+#[pyfunction]
+#[pyo3(signature = (nvidia_dirs=Vec::new()))]
+pub fn nvrtc_report(nvidia_dirs: Vec<PathBuf>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    match specplan_compiler::nvrtc_locate::locate(&nvidia_dirs) {
+        Ok(found) => {
+            out.insert("nvrtc_origin".into(), found.origin.clone());
+            out.insert(
+                "nvrtc_library".into(),
+                found
+                    .library
+                    .as_ref()
+                    .map_or("on the loader path".into(), |p| p.display().to_string()),
+            );
+            out.insert("cuda_include".into(), found.include_dir.display().to_string());
+            match Jit::discover(&nvidia_dirs) {
+                Ok(j) => out.insert("nvrtc_version".into(), j.version),
+                Err(e) => out.insert("nvrtc_error".into(), e.to_string()),
+            };
+        }
+        Err(tried) => {
+            out.insert("nvrtc_error".into(), format!("not found; looked at: {tried}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,284 @@
+"""Tests that need no GPU and no PyTorch: plans (load, compile, facts, errors) and the
+runner's argument checks, with a light stand-in for torch (what CI runs)."""
+
+import os
+import sys
+import types
+
+import pytest
+
+import specplan
+
+
+def test_compile_a_preset_without_a_gpu():
+    plan = specplan.Plan.compile(preset="tiny")
+    assert plan.buckets == sorted(plan.buckets) and plan.buckets
+    assert plan.has_kernels, "NVRTC is found without environment variables"
+    assert (plan.num_draft_tokens, plan.topk, plan.dtype) == (4, 4, "bf16")
+    assert plan.hidden_size > 0 and plan.vocab_size > 0 and plan.num_layers > 0
+    assert plan.num_kv_heads > 0 and plan.head_dim > 0 and plan.page_size >= 1
+    names = [w[0] for w in plan.weights()]
+    assert "embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+def test_compile_flags_and_errors(tmp_path):
+    plan = specplan.Plan.compile(preset="tiny", num_draft_tokens=8, buckets=[1, 2, 4], page_size=1, no_kernels=True)
+    assert plan.buckets == [1, 2, 4] and plan.num_draft_tokens == 8 and not plan.has_kernels
+    with pytest.raises(TypeError, match="did you mean page_size"):
+        specplan.Plan.compile(preset="tiny", page_sise=16)
+    with pytest.raises(TypeError, match="max_bs"):
+        specplan.Plan.compile(preset="tiny", max_bs="lots")
+    with pytest.raises(ValueError, match="no_such_preset|preset"):
+        specplan.Plan.compile(preset="no_such_preset")
+    with pytest.raises(ValueError, match="exactly one"):
+        specplan.Plan.compile()
+
+
+def test_save_load_round_trip_and_bad_files(tmp_path):
+    plan = specplan.Plan.compile(preset="tiny", no_kernels=True)
+    path = tmp_path / "tiny.plan"
+    plan.save(path)
+    again = specplan.Plan.load(path)
+    assert again.text() == plan.text()
+    bad = tmp_path / "bad.plan"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="cannot load plan"):
+        specplan.Plan.load(bad)
+    with pytest.raises(ValueError, match="cannot load plan"):
+        specplan.Plan.load(tmp_path / "missing.plan")
+    assert sorted(os.listdir(tmp_path)) == ["bad.plan", "tiny.plan"], "no temporary file left behind"
+
+
+def test_doctor_reports_nvrtc_and_driver():
+    r = specplan.doctor()
+    assert "nvrtc_origin" in r or "nvrtc_error" in r
+    assert "driver" in r and "would_fail" in r
+
+
+# ---- a stand-in for torch: enough of its surface for the runner's checks ----
+
+
+class _Dtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+
+class _Device:
+    def __init__(self, type_, index=None):
+        self.type, self.index = type_, index
+
+    def __eq__(self, other):
+        return isinstance(other, _Device) and (self.type, self.index) == (other.type, other.index)
+
+    def __hash__(self):
+        return hash((self.type, self.index))
+
+    def __repr__(self):
+        return f"{self.type}:{self.index}" if self.index is not None else self.type
+
+
+def _fake_torch():
+    t = types.ModuleType("torch")
+    for n in ["bfloat16", "float16", "float32", "int64", "int32"]:
+        setattr(t, n, _Dtype(n))
+    cuda0 = _Device("cuda", 0)
+
+    class Tensor:
+        _next = 0x7F0000000000
+
+        def __init__(self, shape, dtype, device=cuda0, strides=None):
+            self.shape = tuple(shape)
+            self.dtype = dtype
+            self.device = device
+            if strides is None:
+                strides, acc = [], 1
+                for s in reversed(self.shape):
+                    strides.insert(0, acc)
+                    acc *= s
+            self._strides = tuple(strides)
+            Tensor._next += 1 << 20
+            self._ptr = Tensor._next
+
+        def stride(self, i=None):
+            return self._strides if i is None else self._strides[i]
+
+        def dim(self):
+            return len(self.shape)
+
+        def numel(self):
+            n = 1
+            for s in self.shape:
+                n *= s
+            return n
+
+        def data_ptr(self):
+            return self._ptr
+
+        def get_device(self):
+            return self.device.index if self.device.type == "cuda" else -1
+
+        def is_contiguous(self):
+            return self._strides == Tensor(self.shape, self.dtype)._strides
+
+        def __getitem__(self, s):
+            return self
+
+    t.Tensor = Tensor
+    t.empty = lambda shape, dtype=None, device=None: Tensor(shape, dtype, device or cuda0)
+    t.cuda = types.SimpleNamespace(
+        is_available=lambda: True,
+        current_device=lambda: 0,
+        device=lambda i: _Null(),
+        current_stream=lambda i=None: types.SimpleNamespace(cuda_stream=0),
+    )
+    t._C = types.SimpleNamespace()
+    return t, cuda0
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    torch, cuda0 = _fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch, cuda0
+
+
+def _pools(torch, plan, n_slots=64, dtype=None, layers=None):
+    dt = dtype or torch.bfloat16
+    shape = (n_slots, plan.num_kv_heads, plan.head_dim)
+    return [torch.Tensor(shape, dt) for _ in range(layers or plan.num_layers)]
+
+
+def test_runner_registration_checks_name_the_argument(fake):
+    torch, cuda0 = fake
+    plan = specplan.Plan.compile(preset="tiny")
+    k, v = _pools(torch, plan), _pools(torch, plan)
+    table = torch.Tensor((8, 128), torch.int32)
+    R = specplan.DraftExtendRunner
+    with pytest.raises(TypeError, match=r"k_cache\[0\]: dtype torch.float32"):
+        R(plan, {}, _pools(torch, plan, dtype=torch.float32), v, req_to_token=table)
+    with pytest.raises(ValueError, match=r"k_cache: expected a list of 1 tensors|k_cache: expected a list of"):
+        R(plan, {}, k + k, v, req_to_token=table)
+    with pytest.raises(ValueError, match="exactly one of req_to_token"):
+        R(plan, {}, k, v)
+    with pytest.raises(ValueError, match="exactly one of req_to_token"):
+        R(plan, {}, k, v, req_to_token=table, block_table=table)
+    with pytest.raises(TypeError, match="req_to_token: dtype torch.int64"):
+        R(plan, {}, k, v, req_to_token=torch.Tensor((8, 128), torch.int64))
+    with pytest.raises(ValueError, match=r"k_cache\[0\]: shape"):
+        R(plan, {}, [torch.Tensor((64, 3, 5), torch.bfloat16)] * plan.num_layers, v, req_to_token=table)
+    bad_stride = [torch.Tensor((64, plan.num_kv_heads, plan.head_dim), torch.bfloat16,
+                               strides=(plan.num_kv_heads * plan.head_dim, 1, plan.num_kv_heads))] * plan.num_layers
+    with pytest.raises(ValueError, match="contiguous"):
+        R(plan, {}, bad_stride, v, req_to_token=table)
+    with pytest.raises(TypeError, match=r"weights\['w'\]: expected a torch.Tensor"):
+        R(plan, {"w": 3}, k, v, req_to_token=table)
+    with pytest.raises(ValueError, match="on cpu"):
+        R(plan, {"w": torch.Tensor((4,), torch.bfloat16, device=_Device("cpu"))}, k, v, req_to_token=table)
+    with pytest.raises(TypeError, match="plan: expected a specplan.Plan"):
+        R("tiny.plan", {}, k, v, req_to_token=table)
+    # Every host check passed: the native side needs a GPU, which this machine lacks (or
+    # the stand-in pointers are refused) -- either way a clear error, no crash.
+    with pytest.raises((RuntimeError, ValueError)):
+        R(plan, {}, k, v, req_to_token=table)
+
+
+class _RecordingEngine:
+    def __init__(self):
+        self.calls = []
+
+    def step(self, *args):
+        self.calls.append(args)
+
+
+def _bare_runner(torch, plan):
+    """A runner whose native engine records its calls (the host checks are what is tested)."""
+    r = object.__new__(specplan.DraftExtendRunner)
+    r.plan, r._torch = plan, torch
+    r._act = torch.bfloat16
+    r._n, r._h, r._k = plan.num_draft_tokens, plan.hidden_size, plan.topk
+    r._max_b, r._max_ctx = plan.max_requests, plan.max_context_len
+    r._device, r._index = _Device("cuda", 0), 0
+    r._engine = _RecordingEngine()
+    r._out_p = torch.Tensor((r._max_b, r._k), torch.float32)
+    r._out_i = torch.Tensor((r._max_b, r._k), torch.int64)
+    r._out_h = torch.Tensor((r._max_b, r._h), torch.bfloat16)
+    r._views = {}
+    r._i32, r._i64 = torch.int32, torch.int64
+    r._stream = lambda: 0x5EED
+    return r
+
+
+def test_run_checks_every_input_before_launching(fake):
+    torch, _ = fake
+    plan = specplan.Plan.compile(preset="tiny")
+    r = _bare_runner(torch, plan)
+    b, n, h = 3, plan.num_draft_tokens, plan.hidden_size
+    ids = torch.Tensor((b * n,), torch.int64)
+    hid = torch.Tensor((b * n, h), torch.bfloat16)
+    req = torch.Tensor((b,), torch.int64)
+    pre = torch.Tensor((b,), torch.int32)
+    acc = torch.Tensor((b,), torch.int32)
+    out = r.run(ids, hid, req, pre, acc, prefix_includes_new_tokens=True)
+    (call,) = r._engine.calls
+    assert call[0] == b and call[1] == ids.data_ptr() and call[2] == hid.data_ptr()
+    assert call[4] is False and call[6] is True and call[7] == -n and call[9] is True and call[-1] == 0x5EED
+    assert out is r.run(ids, hid, req, pre, acc), "views are cached per batch size"
+    cases = [
+        ((torch.Tensor((b * n,), torch.int32), hid, req, pre, acc), TypeError, "input_ids: dtype"),
+        ((torch.Tensor((b * n + 1,), torch.int64), hid, req, pre, acc), ValueError, "input_ids: shape"),
+        ((ids, torch.Tensor((b * n, h), torch.float16), req, pre, acc), TypeError, "hidden_states: dtype"),
+        ((ids, torch.Tensor((b * n, h + 1), torch.bfloat16), req, pre, acc), ValueError, "hidden_states: shape"),
+        ((ids, hid, torch.Tensor((b,), torch.float32), pre, acc), TypeError, "req_pool_indices: dtype"),
+        ((ids, hid, req, torch.Tensor((b + 1,), torch.int32), acc), ValueError, r"prefix_lens: shape \(4,\)"),
+        ((ids, hid, req, pre, torch.Tensor((b,), torch.int32, device=_Device("cpu"))), ValueError, "accept_lens: on cpu"),
+        ((ids, hid, req, pre, torch.Tensor((b, 2), torch.int32, strides=(1, b))), ValueError, "accept_lens: shape"),
+        ((ids, hid, req, pre, [1, 2, 3]), TypeError, "accept_lens: expected a torch.Tensor"),
+    ]
+    for args, exc, msg in cases:
+        before = len(r._engine.calls)
+        with pytest.raises(exc, match=msg):
+            r.run(*args)
+        assert len(r._engine.calls) == before, f"{msg}: nothing launched"
+    big = plan.max_requests + 1
+    with pytest.raises(ValueError, match="outside"):
+        r.run(torch.Tensor((big * n,), torch.int64), torch.Tensor((big * n, h), torch.bfloat16),
+              torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64))
+    with pytest.raises(ValueError, match=r"prefix_lens_cpu\[1\]"):
+        r.run(ids, hid, req, pre, acc, prefix_lens_cpu=[0, plan.max_context_len, 0])
+
+
+def test_sglang_adapter_reads_forward_batch_fields(fake):
+    from specplan.sglang import SGLangDraftExtendRunner
+
+    torch, _ = fake
+    plan = specplan.Plan.compile(preset="tiny")
+    r = _bare_runner(torch, plan)
+    a = SGLangDraftExtendRunner(r)
+    b, n, h = 2, plan.num_draft_tokens, plan.hidden_size
+    spec = types.SimpleNamespace(hidden_states=torch.Tensor((b * n, h), torch.bfloat16),
+                                 accept_length=torch.Tensor((b,), torch.int32))
+    fb = types.SimpleNamespace(
+        input_ids=torch.Tensor((b * n,), torch.int64), req_pool_indices=torch.Tensor((b,), torch.int64),
+        seq_lens=torch.Tensor((b,), torch.int64), seq_lens_cpu=[n + 3, n + 9], spec_info=spec, batch_size=b,
+    )
+    out = a.execute(fb)
+    (call,) = r._engine.calls
+    assert call[7] == -n, "seq_lens count the N new tokens"
+    assert call[8] == spec.accept_length.data_ptr()
+    assert hasattr(out, "topk_p") and hasattr(out, "topk_index") and hasattr(out, "hidden_states")
+    fb.seq_lens_cpu = [n - 1, n]
+    with pytest.raises(ValueError, match=r"prefix_lens_cpu\[0\]: prefix -1"):
+        a.execute(fb)
