@@ -87,6 +87,64 @@ fn invalid_flags_are_rejected_with_the_flag_name() {
                 ..Default::default()
             },
         ),
+        // Bucket lists are taken as given or refused: never sorted, deduplicated or cut.
+        (
+            "buckets-unsorted",
+            Overrides {
+                buckets: Some("8,4,2".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "buckets-repeated",
+            Overrides {
+                buckets: Some("1,4,4,8".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "buckets-zero",
+            Overrides {
+                buckets: Some("0,2".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "buckets-empty-entry",
+            Overrides {
+                buckets: Some("1,,2".into()),
+                ..Default::default()
+            },
+        ),
+        (
+            "max-bs-below-buckets",
+            Overrides {
+                buckets: Some("1,2,4,8".into()),
+                max_bs: Some(4),
+                ..Default::default()
+            },
+        ),
+        (
+            "sliding-window-past-bound",
+            Overrides {
+                sliding_window: Some(u32::MAX),
+                ..Default::default()
+            },
+        ),
+        (
+            "context-past-positions",
+            Overrides {
+                max_context_len: Some(1 << 23),
+                ..Default::default()
+            },
+        ),
+        (
+            "pool-past-bound",
+            Overrides {
+                kv_pool_pages: Some(u32::MAX),
+                ..Default::default()
+            },
+        ),
     ];
     let mut out = String::new();
     for (name, o) in cases {
@@ -113,6 +171,22 @@ fn invalid_flags_are_rejected_with_the_flag_name() {
     )
     .expect_err("hf missing keys");
     out.push_str(&format!("## hf-missing-keys-and-flags\n{e}\n"));
+    // JSON has no NaN or infinity; a Python writer puts them there anyway.
+    for (name, text) in [
+        ("hf-nan", "{\"hidden_size\": 64,\n \"rope_theta\": NaN}"),
+        ("hf-infinity", "{\"rope_theta\": -Infinity}"),
+        ("hf-number-overflow", "{\"rope_theta\": 1e999}"),
+    ] {
+        let e = resolve(
+            &Source::HfConfig {
+                name: "x".into(),
+                text: text.into(),
+            },
+            &Overrides::default(),
+        )
+        .expect_err(name);
+        out.push_str(&format!("## {name}\n{e}\n"));
+    }
     insta::assert_snapshot!(out);
 }
 

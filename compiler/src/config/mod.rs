@@ -5,11 +5,15 @@
 //! Every rule violation is collected (not just the first) with the field, value and rule,
 //! and the speculative rules suggest the flag value that would fix them.
 
+mod keys;
+pub mod limits;
 mod model;
 
 use serde_json::Value;
 use specplan_format::{DType, SpecDesc};
 
+pub use keys::levenshtein;
+use limits::*;
 pub use model::{rope_inv_freq, ModelConfig};
 
 /// One violated rule: the field (as the user wrote it) and what is wrong with it.
@@ -26,11 +30,20 @@ pub struct ConfigError(pub Vec<FieldError>);
 
 /// Collects field errors while reading a config.
 #[derive(Default)]
-pub struct Errors(Vec<FieldError>);
+pub struct Errors {
+    list: Vec<FieldError>,
+    /// Paths of non-finite numbers (already reported): a TOML `nan` reads as an absent
+    /// value, which must not be reported again as "missing".
+    non_finite: Vec<String>,
+}
 
 impl Errors {
     pub fn push(&mut self, field: String, message: String) {
-        self.0.push(FieldError { field, message });
+        let path = field.split(' ').next().unwrap_or(&field);
+        if message.starts_with("missing") && self.non_finite.iter().any(|p| p == path) {
+            return;
+        }
+        self.list.push(FieldError { field, message });
     }
 }
 
@@ -140,19 +153,21 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
                     "--preset".into(),
                     format!("unknown preset \"{name}\" (known: {})", known.join(", ")),
                 );
-                return Err(ConfigError(e.0));
+                return Err(ConfigError(e.list));
             }
         },
         Source::Toml { name, text } => (name.clone(), parse_toml(text, name, &mut e), false),
         Source::HfConfig { name, text } => match serde_json::from_str::<Value>(text) {
             Ok(v) => (name.clone(), Some(v), true),
             Err(err) => {
-                e.push(name.clone(), format!("not valid JSON: {err}"));
+                e.push(name.clone(), keys::json_error(text, &err));
                 (name.clone(), None, true)
             }
         },
     };
-    let Some(root) = root else { return Err(ConfigError(e.0)) };
+    let Some(root) = root else {
+        return Err(ConfigError(e.list));
+    };
     let empty = Value::Object(Default::default());
     let (model_v, spec_v, cap_v) = if hf {
         (&root, &empty, &empty)
@@ -178,28 +193,44 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
         }
     }
     if let (Some(m), Some(w)) = (model.as_mut(), o.sliding_window) {
-        if w == 0 {
+        if w == 0 || w > MAX_CONTEXT {
             e.push(
-                "capture.sliding_window (--sliding-window)".into(),
-                "0 is not a window; give W ≥ 1".into(),
+                "model.sliding_window (--sliding-window)".into(),
+                format!("{w} is not a window in [1, {MAX_CONTEXT}]"),
             );
         }
         m.windows = vec![Some(w); m.windows.len()];
     }
+    if let (Some(m), Some(s), Some(c)) = (&model, &spec, &capture) {
+        if e.list.is_empty() {
+            limits::check_derived(&m.desc, s, c, &mut e);
+        }
+    }
     match (model, spec, capture) {
-        (Some(model), Some(spec), Some(capture)) if e.0.is_empty() => Ok(Config {
+        (Some(model), Some(spec), Some(capture)) if e.list.is_empty() => Ok(Config {
             name,
             model,
             spec,
             capture,
         }),
-        _ => Err(ConfigError(e.0)),
+        _ => Err(ConfigError(e.list)),
     }
 }
 
+/// Parses a TOML config, checks its tables, keys and numbers ([`keys::check_toml`]) and
+/// returns it as JSON with Hugging Face key names, as the readers take it.
 fn parse_toml(text: &str, name: &str, e: &mut Errors) -> Option<Value> {
-    match toml::from_str::<Value>(text) {
-        Ok(v) => Some(v),
+    match toml::from_str::<toml::Table>(text) {
+        Ok(t) => {
+            keys::check_toml(&t, e);
+            match serde_json::to_value(&t) {
+                Ok(v) => Some(v),
+                Err(err) => {
+                    e.push(name.to_string(), format!("cannot be read as a config: {err}"));
+                    None
+                }
+            }
+        }
         Err(err) => {
             e.push(name.to_string(), format!("not valid TOML: {}", err.message()));
             None
@@ -297,58 +328,55 @@ fn read_capture(
     spec: Option<&SpecDesc>,
     e: &mut Errors,
 ) -> Option<CaptureConfig> {
-    const BUCKETS: &str = "capture.buckets (--buckets)";
-    let max_bs = o
-        .max_bs
-        .or_else(|| uint_field(v, "max_bs", "capture.max_bs (--max-bs)", e))
-        .unwrap_or(DEFAULT_MAX_BS);
-    if max_bs == 0 || max_bs > 4096 {
+    const MAX_BS: &str = "capture.max_bs (--max-bs)";
+    const CTX: &str = "capture.max_context_len (--max-context-len)";
+    let max_bs_given = o.max_bs.or_else(|| uint_field(v, "max_bs", MAX_BS, e));
+    let max_bs = max_bs_given.unwrap_or(DEFAULT_MAX_BS);
+    if max_bs == 0 || max_bs > MAX_BATCH {
         // Checked before the bucket list is built from it.
-        e.push(
-            "capture.max_bs (--max-bs)".into(),
-            format!("{max_bs} must be in [1, 4096]"),
-        );
+        e.push(MAX_BS.into(), format!("{max_bs} must be in [1, {MAX_BATCH}]"));
         return None;
     }
-    let bucket_text = match (&o.buckets, v.get("buckets")) {
-        (Some(s), _) => Some(s.clone()),
-        (None, Some(Value::String(s))) => Some(s.clone()),
-        (None, Some(Value::Array(a))) => Some(a.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")),
-        (None, Some(x)) => {
+    let buckets = read_buckets(v, o, max_bs, e);
+    if let (Some(given), Some(largest)) = (max_bs_given, buckets.as_ref().and_then(|b| b.last())) {
+        if *largest > given {
             e.push(
-                BUCKETS.into(),
-                format!("expected \"auto\" or a list of batch sizes, got {x}"),
+                MAX_BS.into(),
+                format!("{given} is below the largest bucket {largest} of capture.buckets (give a larger --max-bs or smaller buckets)"),
             );
-            None
         }
-        (None, None) => Some("auto".into()),
-    };
-    let buckets = bucket_text.and_then(|t| parse_buckets(&t, max_bs, e));
+    }
     let page_size = o
         .page_size
         .or_else(|| uint_field(v, "page_size", "capture.page_size (--page-size)", e))
         .unwrap_or(1);
-    if !page_size.is_power_of_two() || page_size > 1024 {
+    if !page_size.is_power_of_two() || page_size > MAX_PAGE_SIZE {
         e.push(
             "capture.page_size (--page-size)".into(),
-            format!("{page_size} must be a power of two in [1, 1024]"),
+            format!("{page_size} must be a power of two in [1, {MAX_PAGE_SIZE}]"),
         );
     }
     let max_pos = m.desc.max_position_embeddings;
-    let ctx = o
-        .max_context_len
-        .or_else(|| uint_field(v, "max_context_len", "capture.max_context_len (--max-context-len)", e))
-        .unwrap_or(max_pos);
+    let ctx_given = o.max_context_len.or_else(|| uint_field(v, "max_context_len", CTX, e));
+    let ctx = ctx_given.unwrap_or(max_pos);
+    let ctx_ok = ctx <= max_pos && ctx <= MAX_CONTEXT;
     if ctx > max_pos {
         e.push(
-            "capture.max_context_len (--max-context-len)".into(),
+            CTX.into(),
             format!("{ctx} exceeds the model's max_position_embeddings {max_pos}"),
         );
+    } else if ctx > MAX_CONTEXT {
+        let from = if ctx_given.is_none() {
+            " (the default: max_position_embeddings; give a smaller --max-context-len)"
+        } else {
+            ""
+        };
+        e.push(CTX.into(), format!("{ctx}{from} exceeds {MAX_CONTEXT}"));
     }
     if let Some(s) = spec {
         if ctx <= s.num_draft_tokens {
             e.push(
-                "capture.max_context_len (--max-context-len)".into(),
+                CTX.into(),
                 format!(
                     "{ctx} must exceed num_draft_tokens {} (prefix + N rows must fit)",
                     s.num_draft_tokens
@@ -356,22 +384,7 @@ fn read_capture(
             );
         }
     }
-    let dtype_text = o
-        .dtype
-        .clone()
-        .or_else(|| v.get("dtype").and_then(|d| d.as_str()).map(str::to_string));
-    let dtype = match dtype_text.as_deref() {
-        None => m.torch_dtype.unwrap_or(DType::Bf16),
-        Some("bf16") | Some("bfloat16") => DType::Bf16,
-        Some("fp16") | Some("f16") | Some("float16") => DType::F16,
-        Some(other) => {
-            e.push(
-                "capture.dtype (--dtype)".into(),
-                format!("\"{other}\" is not supported (expected bf16 or fp16)"),
-            );
-            DType::Bf16
-        }
-    };
+    let dtype = read_dtype(v, o, m, e);
     let hot = o
         .hot_vocab_size
         .or_else(|| uint_field(v, "hot_vocab_size", "capture.hot_vocab_size (--hot-vocab-size)", e));
@@ -384,30 +397,108 @@ fn read_capture(
         }
     }
     let buckets = buckets?;
-    let pages_per_req = ctx.div_ceil(page_size.max(1));
     let max_b = *buckets.last()?;
-    let default_pool = (max_b as u64 * pages_per_req as u64 + 1).min(u32::MAX as u64) as u32;
-    let pool = o
-        .kv_pool_pages
-        .or_else(|| uint_field(v, "kv_pool_pages", "capture.kv_pool_pages (--kv-pool-pages)", e))
-        .unwrap_or(default_pool);
+    // Sizes derived from a refused context length would only repeat its error.
+    let (kv_pool_pages, max_requests) = read_pool_and_slots(v, o, m, ctx_ok.then_some(ctx), page_size, max_b, e);
+    Some(CaptureConfig {
+        buckets,
+        page_size,
+        max_context_len: ctx,
+        kv_pool_pages,
+        max_requests,
+        dtype,
+        hot_vocab_size: hot,
+    })
+}
+
+fn read_dtype(v: &Value, o: &Overrides, m: &ModelConfig, e: &mut Errors) -> DType {
+    let text = match (&o.dtype, v.get("dtype")) {
+        (Some(s), _) => Some(s.clone()),
+        (None, None | Some(Value::Null)) => None,
+        (None, Some(Value::String(s))) => Some(s.clone()),
+        (None, Some(x)) => {
+            e.push(
+                "capture.dtype (--dtype)".into(),
+                format!("expected a string (bf16 or fp16), got {x}"),
+            );
+            None
+        }
+    };
+    match text.as_deref() {
+        None => m.torch_dtype.unwrap_or(DType::Bf16),
+        Some("bf16") | Some("bfloat16") => DType::Bf16,
+        Some("fp16") | Some("f16") | Some("float16") => DType::F16,
+        Some(other) => {
+            e.push(
+                "capture.dtype (--dtype)".into(),
+                format!("\"{other}\" is not supported (expected bf16 or fp16)"),
+            );
+            DType::Bf16
+        }
+    }
+}
+
+/// `kv_pool_pages` and `max_requests`, with the sizes derived from them: the pool's bytes
+/// and the page table's entries (checked arithmetic, against the plan validator's bounds;
+/// not checked when the context length `ctx` was refused).
+fn read_pool_and_slots(
+    v: &Value,
+    o: &Overrides,
+    m: &ModelConfig,
+    ctx: Option<u32>,
+    page_size: u32,
+    max_b: u32,
+    e: &mut Errors,
+) -> (u32, u32) {
+    const POOL: &str = "capture.kv_pool_pages (--kv-pool-pages)";
+    const REQS: &str = "capture.max_requests (--max-requests)";
+    let pages_per_req = ctx.unwrap_or(1).div_ceil(page_size.max(1)) as u64;
+    let pool_given = o.kv_pool_pages.or_else(|| uint_field(v, "kv_pool_pages", POOL, e));
+    let pool = pool_given
+        .map_or(max_b as u64 * pages_per_req + 1, u64::from)
+        .min(u32::MAX as u64) as u32;
+    let from = if pool_given.is_none() {
+        " (the default: largest bucket × pages per request + 1 scratch page; give --kv-pool-pages)"
+    } else {
+        ""
+    };
     if pool < 2 {
         e.push(
-            "capture.kv_pool_pages (--kv-pool-pages)".into(),
+            POOL.into(),
             format!("{pool} must be at least 2 (one page for requests, one scratch page)"),
         );
+    } else if pool > MAX_POOL_PAGES {
+        e.push(
+            POOL.into(),
+            format!("{pool}{from} exceeds {MAX_POOL_PAGES} (page ids are i32)"),
+        );
+    } else if ctx.is_some() {
+        let d = &m.desc;
+        // K and V, every layer, 2-byte elements.
+        let page_bytes = page_size as u64 * d.kv_heads as u64 * d.head_dim as u64 * 2 * 2 * d.layers as u64;
+        let bytes = (pool as u64).checked_mul(page_bytes);
+        if bytes.is_none_or(|b| b > MAX_REGION_BYTES) {
+            e.push(
+                POOL.into(),
+                format!(
+                    "{pool}{from} pages of {page_bytes} bytes (K and V of {} layers) exceed the 64 GiB ({MAX_REGION_BYTES} bytes) a KV pool may take",
+                    d.layers
+                ),
+            );
+        }
     }
-    const REQS: &str = "capture.max_requests (--max-requests)";
     let max_requests = o
         .max_requests
         .or_else(|| uint_field(v, "max_requests", REQS, e))
         .unwrap_or(max_b);
-    let pages_cols = ctx.div_ceil(page_size.max(1)) as u64;
-    if (max_requests as u64 + 1) * pages_cols > i32::MAX as u64 {
+    let entries = (max_requests as u64 + 1) * pages_per_req;
+    if max_requests > MAX_REQUESTS {
+        e.push(REQS.into(), format!("{max_requests} exceeds {MAX_REQUESTS}"));
+    } else if entries > MAX_TABLE_ENTRIES && ctx.is_some() {
         e.push(
             REQS.into(),
             format!(
-                "{max_requests} request slots × {pages_cols} pages each exceed the 2^31 entries a page table may hold"
+                "{max_requests} request slots + 1 scratch slot × {pages_per_req} pages each = {entries} page-table entries exceed {MAX_TABLE_ENTRIES}"
             ),
         );
     }
@@ -417,39 +508,62 @@ fn read_capture(
             format!("{max_requests} is below the largest bucket {max_b} (every request of a step needs a slot)"),
         );
     }
-    Some(CaptureConfig {
-        buckets,
-        page_size,
-        max_context_len: ctx,
-        kv_pool_pages: pool,
-        max_requests,
-        dtype,
-        hot_vocab_size: hot,
-    })
+    (pool, max_requests)
 }
 
+fn read_buckets(v: &Value, o: &Overrides, max_bs: u32, e: &mut Errors) -> Option<Vec<u32>> {
+    const BUCKETS: &str = "capture.buckets (--buckets)";
+    let text = match (&o.buckets, v.get("buckets")) {
+        (Some(s), _) => s.clone(),
+        (None, Some(Value::String(s))) => s.clone(),
+        (None, Some(Value::Array(a))) => a.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
+        (None, None | Some(Value::Null)) => "auto".into(),
+        (None, Some(x)) => {
+            e.push(
+                BUCKETS.into(),
+                format!("expected \"auto\" or a list of batch sizes, got {x}"),
+            );
+            return None;
+        }
+    };
+    parse_buckets(&text, max_bs, e)
+}
+
+/// "auto" or an explicit list, taken as given: every entry in `[1, MAX_BATCH]`, strictly
+/// ascending (an unsorted or repeated list is refused, never sorted or deduplicated).
 fn parse_buckets(text: &str, max_bs: u32, e: &mut Errors) -> Option<Vec<u32>> {
     const BUCKETS: &str = "capture.buckets (--buckets)";
     if text.trim() == "auto" {
         return Some(auto_buckets(max_bs));
     }
-    let mut out = Vec::new();
+    let mut out: Vec<u32> = Vec::new();
     for part in text.split(',') {
-        match part.trim().parse::<u32>() {
-            Ok(b) if (1..=4096).contains(&b) => out.push(b),
+        let b = match part.trim().parse::<u32>() {
+            Ok(b) if (1..=MAX_BATCH).contains(&b) => b,
             _ => {
                 e.push(
                     BUCKETS.into(),
                     format!(
-                        "\"{}\" is not a batch size in [1, 4096] (expected \"auto\" or e.g. 1,2,4,8)",
+                        "\"{}\" is not a batch size in [1, {MAX_BATCH}] (expected \"auto\" or e.g. 1,2,4,8)",
                         part.trim()
                     ),
                 );
                 return None;
             }
+        };
+        if let Some(&prev) = out.last() {
+            if b <= prev {
+                let what = if b == prev { "repeats" } else { "is below" };
+                e.push(
+                    BUCKETS.into(),
+                    format!(
+                        "\"{text}\": {b} {what} the bucket before it ({prev}); give distinct batch sizes in ascending order"
+                    ),
+                );
+                return None;
+            }
         }
+        out.push(b);
     }
-    out.sort_unstable();
-    out.dedup();
     Some(out)
 }

@@ -1,11 +1,13 @@
 //! The draft model's config: a TOML `[model]` table or a Hugging Face `config.json`.
 //!
-//! Both arrive as a JSON value with Hugging Face key names. Unknown keys are ignored; a
-//! missing or ill-typed required key is an error naming the key, the value and the rule.
+//! Both arrive as a JSON value with Hugging Face key names. Unknown keys are ignored here
+//! (a `config.json` carries many; a TOML table's keys were checked by `keys`); a missing,
+//! ill-typed or out-of-bounds key is an error naming the key, the value and the rule.
 
 use serde_json::Value;
 use specplan_format::{DType, ModelDesc, RopeScaling};
 
+use super::limits::*;
 use super::Errors;
 
 /// The resolved model: the plan's `ModelDesc` plus what capture needs.
@@ -32,7 +34,8 @@ impl Reader<'_> {
         self.obj.get(key).filter(|v| !v.is_null())
     }
 
-    fn uint(&self, key: &str, required: bool, e: &mut Errors) -> Option<u32> {
+    /// A positive integer at most `max` (the bound the kernels and the plan format hold).
+    fn uint(&self, key: &str, required: bool, max: u32, e: &mut Errors) -> Option<u32> {
         match self.present(key) {
             None => {
                 if required {
@@ -41,7 +44,11 @@ impl Reader<'_> {
                 None
             }
             Some(v) => match v.as_u64() {
-                Some(x) if x > 0 && x <= u32::MAX as u64 => Some(x as u32),
+                Some(x) if x > 0 && x <= max as u64 => Some(x as u32),
+                Some(x) if x > 0 => {
+                    e.push(self.path(key), format!("{x} exceeds {max}, the largest supported"));
+                    None
+                }
                 _ => {
                     e.push(self.path(key), format!("expected a positive integer, got {v}"));
                     None
@@ -58,8 +65,17 @@ impl Reader<'_> {
                 }
                 None
             }
+            // Stored as f32: a value that overflows (1e39) or flushes to zero (1e-50) in
+            // f32 is refused here, not turned into inf or 0 in the plan.
             Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() && x > 0.0 => Some(x),
+                Some(x) if x.is_finite() && x > 0.0 && (x as f32).is_finite() && x as f32 > 0.0 => Some(x),
+                Some(x) if x.is_finite() && x > 0.0 => {
+                    e.push(
+                        self.path(key),
+                        format!("{v} is not representable as a positive finite f32"),
+                    );
+                    None
+                }
                 _ => {
                     e.push(self.path(key), format!("expected a positive number, got {v}"));
                     None
@@ -80,16 +96,16 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
         return None;
     };
     let r = Reader { obj, prefix };
-    let hidden = r.uint("hidden_size", true, e);
-    let intermediate = r.uint("intermediate_size", true, e);
-    let heads = r.uint("num_attention_heads", true, e);
-    let kv_heads = r.uint("num_key_value_heads", false, e).or(heads);
-    let layers = r.uint("num_hidden_layers", true, e);
-    let vocab = r.uint("vocab_size", true, e);
+    let hidden = r.uint("hidden_size", true, MAX_HIDDEN, e);
+    let intermediate = r.uint("intermediate_size", true, MAX_INTERMEDIATE, e);
+    let heads = r.uint("num_attention_heads", true, MAX_HEADS, e);
+    let kv_heads = r.uint("num_key_value_heads", false, MAX_HEADS, e).or(heads);
+    let layers = r.uint("num_hidden_layers", true, MAX_LAYERS, e);
+    let vocab = r.uint("vocab_size", true, MAX_VOCAB, e);
     let eps = r.float("rms_norm_eps", true, e);
     let theta = r.float("rope_theta", false, e).unwrap_or(10000.0);
-    let max_pos = r.uint("max_position_embeddings", true, e);
-    let head_dim = match r.uint("head_dim", false, e) {
+    let max_pos = r.uint("max_position_embeddings", true, u32::MAX, e);
+    let head_dim = match r.uint("head_dim", false, u32::MAX, e) {
         Some(d) => Some(d),
         None => match (hidden, heads) {
             (Some(h), Some(n)) if h % n == 0 => Some(h / n),
@@ -142,21 +158,14 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
         }
     }
     if let Some(d) = head_dim {
-        if d % 16 != 0 || d == 0 || d > 256 {
+        if d % 16 != 0 || d == 0 || d > MAX_HEAD_DIM {
             e.push(
                 r.path("head_dim"),
-                format!("{d} is not supported (the attention kernel's tensor-core steps need a multiple of 16, at most 256)"),
+                format!("{d} is not supported (the attention kernel's tensor-core steps need a multiple of 16, at most {MAX_HEAD_DIM})"),
             );
         }
     }
     let layers_n = layers?;
-    if layers_n > 256 {
-        e.push(
-            r.path("num_hidden_layers"),
-            format!("{layers_n} exceeds 256 (a draft head has a few layers)"),
-        );
-        return None;
-    }
     let windows = match (window, r.present("layer_types")) {
         (w, None) => vec![w; layers_n as usize],
         (w, Some(Value::Array(types))) => {
@@ -204,13 +213,7 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             head_dim: head_dim?,
             layers: layers_n,
             vocab: vocab?,
-            rms_norm_eps: match eps? as f32 {
-                x if x > 0.0 && x.is_finite() => x,
-                _ => {
-                    e.push(r.path("rms_norm_eps"), "not representable as a positive f32".into());
-                    return None;
-                }
-            },
+            rms_norm_eps: eps? as f32,
             rope_theta: theta as f32,
             rope_scaling: rope_scaling?,
             max_position_embeddings: max_pos?,
@@ -230,7 +233,7 @@ fn read_window(r: &Reader, e: &mut Errors) -> Option<u32> {
             true
         }
     };
-    let w = r.uint("sliding_window", false, e);
+    let w = r.uint("sliding_window", false, MAX_CONTEXT, e);
     if enabled {
         w
     } else {
@@ -261,7 +264,7 @@ fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
             let factor = s.float("factor", true, e);
             let low = s.float("low_freq_factor", true, e);
             let high = s.float("high_freq_factor", true, e);
-            let orig = s.uint("original_max_position_embeddings", true, e);
+            let orig = s.uint("original_max_position_embeddings", true, u32::MAX, e);
             if let (Some(l), Some(h)) = (low, high) {
                 if h <= l {
                     e.push(
