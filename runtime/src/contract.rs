@@ -1,8 +1,19 @@
 //! The `run` contract: weights, inputs and outputs as safetensors files.
 //!
 //! Everything is checked before any work — name, dtype, shape, value bounds — and a
-//! violation names the tensor, the index and the bound. Outputs are written only after
-//! the whole step succeeded, through a temporary file renamed into place.
+//! violation names the tensor, the index and the bound. Beyond what the step API checks
+//! ([`StepInputs::check`]), the contract checks what only files carry:
+//! - every float value (weights, hidden states, K/V caches) is finite *after* rounding to
+//!   the plan's activation type, which is what the device holds (an f32 70000 is finite,
+//!   but infinite in fp16);
+//! - `k_cache` and `v_cache` are both in the plan's activation type (they are written
+//!   back in it), with equal shapes;
+//! - the FR-Spec id map and an unexpected `fc.bias`.
+//!
+//! Outputs are written only after the whole step succeeded, by the rules of [`output`]
+//! (atomic for files; never replacing a device, FIFO, link, read-only file or an input).
+
+pub mod output;
 
 use std::path::Path;
 
@@ -11,8 +22,8 @@ use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
 use crate::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
-use crate::step::{input_error, pad_to_bucket, InputError, PageTable, StepInputs};
-use specplan_format::{Packing, ValidatedPlan};
+use crate::step::{first_non_finite, input_error, pad_to_bucket, InputError, PageTable, StepInputs};
+use specplan_format::{DType, Packing, ValidatedPlan};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
@@ -20,12 +31,10 @@ pub enum ContractError {
     Io { path: String, message: String },
     #[error("{file}: not a safetensors file: {message}")]
     Format { file: String, message: String },
-    #[error("{file}: {source}")]
-    Input {
-        file: String,
-        #[source]
-        source: InputError,
-    },
+    // The input error is part of this message, not a `source`: a chain printer would
+    // print it twice.
+    #[error("{file}: {error}")]
+    Input { file: String, error: InputError },
     #[error(transparent)]
     Exec(#[from] crate::cpu::ExecError),
     #[error(transparent)]
@@ -38,7 +47,7 @@ impl ContractError {
     fn input(file: &str, e: InputError) -> Self {
         ContractError::Input {
             file: file.into(),
-            source: e,
+            error: e,
         }
     }
 }
@@ -61,8 +70,27 @@ fn dtype_name(d: Dtype) -> String {
     format!("{d:?}").to_lowercase()
 }
 
-/// A float tensor as f32 (bf16, f16 or f32 in the file), checked against `shape`.
-fn floats(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, InputError> {
+/// The safetensors dtype of a plan activation type.
+fn file_dtype(act: DType) -> Dtype {
+    match act {
+        DType::F16 => Dtype::F16,
+        _ => Dtype::BF16,
+    }
+}
+
+/// `[i][j]..` of a flat index into `shape`.
+fn index_of(mut flat: usize, shape: &[usize]) -> String {
+    let mut parts = vec![0; shape.len()];
+    for (p, &d) in parts.iter_mut().zip(shape).rev() {
+        *p = flat % d.max(1);
+        flat /= d.max(1);
+    }
+    parts.iter().map(|p| format!("[{p}]")).collect()
+}
+
+/// A float tensor as f32 (bf16, f16 or f32 in the file), checked against `shape` and for
+/// finite values in the plan's activation type `act` (the first bad index is named).
+fn floats(st: &SafeTensors, name: &str, shape: &[usize], act: DType) -> Result<Vec<f32>, InputError> {
     let t = st
         .tensor(name)
         .map_err(|_| input_error(name, String::new(), "missing".into()))?;
@@ -74,7 +102,7 @@ fn floats(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, Inp
         ));
     }
     let d = t.data();
-    Ok(match t.dtype() {
+    let v: Vec<f32> = match t.dtype() {
         Dtype::BF16 => d
             .chunks_exact(2)
             .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
@@ -91,10 +119,14 @@ fn floats(st: &SafeTensors, name: &str, shape: &[usize]) -> Result<Vec<f32>, Inp
             return Err(input_error(
                 name,
                 String::new(),
-                format!("has dtype {}, expected bf16 or f32", dtype_name(other)),
+                format!("has dtype {}, expected bf16, f16 or f32", dtype_name(other)),
             ))
         }
-    })
+    };
+    match first_non_finite(&v, act) {
+        Some((i, message)) => Err(input_error(name, index_of(i, shape), message)),
+        None => Ok(v),
+    }
 }
 
 fn ints(
@@ -143,6 +175,7 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
     let st = parse(&bytes, &file)?;
     let m = &plan.model;
     let (h, v) = (m.hidden as usize, m.vocab as usize);
+    let act = plan.capture.dtype;
     let fail = |e: InputError| ContractError::input(&file, e);
     // A bias the plan does not expect would be silently dropped: refuse it.
     if !m.fc_bias && st.tensor("fc.bias").is_ok() {
@@ -175,17 +208,17 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
             }
             Packing::Single => {
                 let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
-                WeightData::F32(floats(&st, &w.sources[0], &shape).map_err(fail)?)
+                WeightData::F32(floats(&st, &w.sources[0], &shape, act).map_err(fail)?)
             }
             Packing::ConcatRows => {
                 let mut all = Vec::with_capacity(w.shape.iter().product::<u64>() as usize);
                 for s in &w.sources {
-                    all.extend(floats(&st, s, &[rows_of(s), cols]).map_err(fail)?);
+                    all.extend(floats(&st, s, &[rows_of(s), cols], act).map_err(fail)?);
                 }
                 WeightData::F32(all)
             }
             Packing::GatherRows => {
-                let table = floats(&st, &w.sources[0], &[v, h]).map_err(fail)?;
+                let table = floats(&st, &w.sources[0], &[v, h], act).map_err(fail)?;
                 let (ids, _) = ints(&st, &w.sources[1], Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
                 check_hot_ids(&ids, v).map_err(fail)?;
                 WeightData::F32(
@@ -235,7 +268,8 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
         )));
     }
     let b = shape[0];
-    let hidden = floats(&st, "hidden_states", &[b, n, m.hidden as usize]).map_err(fail)?;
+    let act = plan.capture.dtype;
+    let hidden = floats(&st, "hidden_states", &[b, n, m.hidden as usize], act).map_err(fail)?;
     let (prefix, _) = ints(&st, "prefix_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
     let (accept, _) = ints(&st, "accept_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
     let (table, tshape) = ints(&st, "page_table", Dtype::I32, None).map_err(fail)?;
@@ -266,6 +300,19 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
                 ),
             ));
         }
+        // One KV dtype, the plan's: the caches are written back in it, and a cache in
+        // another type would come back rounded.
+        if t.dtype() != file_dtype(act) {
+            return Err(input_error(
+                name,
+                String::new(),
+                format!(
+                    "has dtype {}, expected {} (the plan's activation type; k_cache and v_cache are both in it)",
+                    dtype_name(t.dtype()),
+                    dtype_name(file_dtype(act))
+                ),
+            ));
+        }
         Ok((s, t.dtype()))
     };
     let (ks, kdt) = kv_shape_of("k_cache").map_err(fail)?;
@@ -290,8 +337,8 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
     // Check the cheap bounds before converting the (large) caches.
     step.check(plan, pages).map_err(fail)?;
     let per_layer = pages * ks[2] * ks[3] * ks[4];
-    let k_all = floats(&st, "k_cache", &ks).map_err(fail)?;
-    let v_all = floats(&st, "v_cache", &vs).map_err(fail)?;
+    let k_all = floats(&st, "k_cache", &ks, act).map_err(fail)?;
+    let v_all = floats(&st, "v_cache", &vs, act).map_err(fail)?;
     // One extra page past the caller's: the scratch page padded rows write to.
     let scratch = ks[2] * ks[3] * ks[4];
     let split = |all: Vec<f32>| -> Vec<Vec<f32>> {
@@ -443,16 +490,25 @@ fn to_bytes(v: &[f32], dt: Dtype) -> Vec<u8> {
     }
 }
 
-/// Writes the outputs file atomically: top-K, hidden_out (bf16) and the updated caches
-/// (the caller's pages only, in the caller's dtype).
+/// Writes the outputs file ([`encode_outputs`]) by the rules of [`output`].
 pub fn write_outputs(
     plan: &ValidatedPlan,
     path: &Path,
     res: &StepResult,
     inputs: &InputsFile,
 ) -> Result<(), ContractError> {
+    let bytes = encode_outputs(plan, res, inputs)?;
+    output::write_file(path, &bytes).map_err(|e| ContractError::Write {
+        path: e.path,
+        message: e.message,
+    })
+}
+
+/// The outputs file's bytes: top-K, hidden_out (bf16) and the updated caches (the
+/// caller's pages only, in the caller's dtype).
+pub fn encode_outputs(plan: &ValidatedPlan, res: &StepResult, inputs: &InputsFile) -> Result<Vec<u8>, ContractError> {
     let werr = |e: String| ContractError::Write {
-        path: path.display().to_string(),
+        path: "outputs".into(),
         message: e,
     };
     let m = &plan.model;
@@ -499,28 +555,5 @@ pub fn write_outputs(
                 .map_err(|e| werr(e.to_string()))
         })
         .collect::<Result<_, _>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| werr(e.to_string()))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    // A temporary name unique to this process, synced, then renamed over the target: a
-    // reader sees the old file or the whole new one, and a failure leaves no partial file.
-    let tmp = dir.join(format!(
-        ".{}.{}.partial",
-        path.file_name()
-            .map_or("out".into(), |f| f.to_string_lossy().into_owned()),
-        std::process::id()
-    ));
-    let written = (|| -> std::io::Result<()> {
-        use std::io::Write as _;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    written.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        werr(e.to_string())
-    })
+    safetensors::serialize(views, None).map_err(|e| werr(e.to_string()))
 }

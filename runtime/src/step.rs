@@ -4,8 +4,22 @@
 //! before a replay: padded requests get prefix length 0, accept length N, token 0, zero
 //! hidden states and a page-table row that points only at the scratch page, so their K/V
 //! writes land on a page no request owns.
+//!
+//! Who checks what, for host inputs:
+//! - [`StepInputs::check`] (the library): batch size, every tensor's shape, input ids in
+//!   the vocabulary, hidden states finite *after* rounding to the plan's activation type,
+//!   lengths, page-table rows against the pool, and no two requests writing one cache
+//!   slot (the rules of [`crate::admission`]). O(b·N·H) for the hidden states, O(b·N + b)
+//!   otherwise; it never reads the KV cache or the weights.
+//! - The file contract ([`crate::contract`], `specplan run`) adds what only files carry:
+//!   dtypes and shapes of every tensor, finite weights and K/V caches (after rounding to
+//!   the activation type; the first bad index is named), one KV dtype equal to the plan's,
+//!   the FR-Spec id map.
+//! - An engine calling the GPU step API owns its weights and K/V pool: their values are
+//!   not checked per step (a NaN there gives NaN outputs, as in any engine); the step's
+//!   own inputs pass the rules of [`crate::admission`].
 
-use specplan_format::{BucketPlan, Plan};
+use specplan_format::{BucketPlan, DType, Plan};
 pub use specplan_kernels::kv::TableMode;
 
 use crate::admission;
@@ -45,10 +59,34 @@ pub fn input_error(tensor: &str, index: String, message: String) -> InputError {
     }
 }
 
+/// The first value of `v` that is not finite once rounded to the activation type `act`
+/// (what the device holds), with the reason; `None` when all are finite.
+pub fn first_non_finite(v: &[f32], act: DType) -> Option<(usize, String)> {
+    let (max, name) = match act {
+        DType::F16 => (half::f16::MAX.to_f32(), "fp16"),
+        _ => (half::bf16::MAX.to_f32(), "bf16"),
+    };
+    // Values up to the type's largest finite value stay finite; above it, rounding may
+    // still give that value (round to nearest), so the exact rounding decides.
+    let bad = |x: f32| !x.is_finite() || (x.abs() > max && !crate::bits::round_act(x, act).is_finite());
+    let i = v.iter().position(|&x| bad(x))?;
+    let x = v[i];
+    Some((
+        i,
+        if x.is_finite() {
+            format!("{x} is not finite in {name}, the plan's activation type (|x| ≤ {max})")
+        } else {
+            format!("{x} is not finite")
+        },
+    ))
+}
+
 impl StepInputs {
     /// Checks every value bound of the contract against `plan` and a pool of `pool_pages`
-    /// caller-owned pages (the rules of [`crate::admission`]). O(b·N·H) for the hidden
-    /// states' finiteness, O(b·N + b) otherwise; never touches the KV cache.
+    /// caller-owned pages (the rules of [`crate::admission`]), and that every hidden state
+    /// is finite after rounding to the plan's activation type. O(b·N·H) for the hidden
+    /// states, O(b·N + b) otherwise; never touches the KV cache or the weights (see the
+    /// module docs for what the file contract checks beyond this).
     pub fn check(&self, plan: &Plan, pool_pages: usize) -> Result<(), InputError> {
         let b = self.batch;
         let n = plan.spec.num_draft_tokens as usize;
@@ -74,11 +112,11 @@ impl StepInputs {
             &format!("[{b}, {}]", self.page_cols),
         )?;
         admission::check_ids(&self.input_ids, plan.model.vocab, n)?;
-        if let Some((i, x)) = self.hidden_states.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+        if let Some((i, message)) = first_non_finite(&self.hidden_states, plan.capture.dtype) {
             return Err(input_error(
                 "hidden_states",
                 format!("[{}][{}][{}]", i / (n * h), i / h % n, i % h),
-                format!("{x} is not finite"),
+                message,
             ));
         }
         let ps = plan.capture.page_size as usize;
@@ -171,4 +209,23 @@ pub fn pad_to_bucket(
     out.accept_lens[..b].copy_from_slice(&x.accept_lens);
     out.req_slots[..b].copy_from_slice(&slots[..b]);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finiteness_is_judged_after_the_cast() {
+        // fp16's largest value is 65504; round to nearest keeps values below 65520 finite.
+        assert_eq!(first_non_finite(&[1.0, 65519.0, -65519.0], DType::F16), None);
+        let (i, m) = first_non_finite(&[1.0, 65520.0], DType::F16).expect("overflows fp16");
+        assert_eq!(i, 1);
+        assert_eq!(m, "65520 is not finite in fp16, the plan's activation type (|x| ≤ 65504)");
+        // The same value is finite in bf16; f32's largest rounds to bf16 infinity.
+        assert_eq!(first_non_finite(&[65520.0], DType::Bf16), None);
+        assert_eq!(first_non_finite(&[f32::MAX], DType::Bf16).map(|x| x.0), Some(0));
+        let (i, m) = first_non_finite(&[0.0, 0.0, f32::NEG_INFINITY, f32::NAN], DType::Bf16).expect("inf");
+        assert_eq!((i, m.as_str()), (2, "-inf is not finite"));
+    }
 }

@@ -1,0 +1,274 @@
+//! Output files that never clobber what they must not: the rules every file `specplan`
+//! writes follows (the `run` outputs here; the CLI's plans and texts too).
+//!
+//! - A new path or an existing regular file is written atomically: a temporary file in the
+//!   same directory, synced, then renamed into place (a new path is linked, so a file that
+//!   appears meanwhile is not replaced). A reader sees the old file or the whole new one,
+//!   and a failure leaves no temporary file behind.
+//! - A FIFO or a character device (`/dev/null`, a terminal) is written through: opened
+//!   for writing without truncating or creating, then streamed. It is never replaced.
+//! - A symbolic link is followed: its target gets the rules above; the link stays. A link
+//!   to nothing is refused.
+//! - Refused, with the reason: a read-only file, a directory, a block device, a socket, and
+//!   an output that is the same file (device and inode) as one of the command's inputs.
+//!
+//! [`check_output`] applies the rules before any work (so a doomed command fails at once);
+//! [`OutputTarget::write`] re-checks the file type just before it writes.
+
+use std::io::Write as _;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// An output that cannot be written, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot write {path}: {message}")]
+pub struct OutputError {
+    pub path: String,
+    pub message: String,
+}
+
+/// What is at an output path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputKind {
+    /// Nothing yet: created atomically.
+    New,
+    /// A regular file with this permission mode: replaced atomically, mode kept.
+    Regular { mode: u32 },
+    /// A FIFO or a character device: written through, never replaced.
+    Stream,
+}
+
+/// A checked output path (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutputTarget {
+    /// The path as the user gave it (for messages).
+    pub path: PathBuf,
+    /// Where the bytes go: `path` with symbolic links resolved.
+    pub resolved: PathBuf,
+    pub kind: OutputKind,
+}
+
+fn err(path: &Path, message: impl Into<String>) -> OutputError {
+    OutputError {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+/// Checks `path` as an output of a command whose inputs are `inputs` (flag, path): the
+/// output must not be any of them. Touches nothing.
+pub fn check_output(path: &Path, inputs: &[(&str, &Path)]) -> Result<OutputTarget, OutputError> {
+    let (resolved, meta) = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (path.to_path_buf(), None),
+        Err(e) => return Err(err(path, e.to_string())),
+        Ok(m) if m.file_type().is_symlink() => {
+            let target = std::fs::canonicalize(path).map_err(|e| {
+                let to = std::fs::read_link(path).map_or("?".into(), |t| t.display().to_string());
+                err(
+                    path,
+                    format!("it is a symbolic link to {to}, which cannot be resolved ({e}); a link is written through, never replaced"),
+                )
+            })?;
+            let m = std::fs::metadata(&target).map_err(|e| err(path, e.to_string()))?;
+            (target, Some(m))
+        }
+        Ok(m) => (path.to_path_buf(), Some(m)),
+    };
+    let Some(meta) = meta else {
+        return Ok(OutputTarget {
+            path: path.to_path_buf(),
+            resolved,
+            kind: OutputKind::New,
+        });
+    };
+    for (flag, input) in inputs {
+        if let Ok(im) = std::fs::metadata(input) {
+            if im.dev() == meta.dev() && im.ino() == meta.ino() {
+                return Err(err(
+                    path,
+                    format!(
+                        "it is the same file as the input {flag} {}; refusing to overwrite an input",
+                        input.display()
+                    ),
+                ));
+            }
+        }
+    }
+    let kind = kind_of(path, &meta)?;
+    if let OutputKind::Regular { mode } = kind {
+        if mode & 0o222 == 0 {
+            return Err(err(
+                path,
+                format!("it is read-only (mode {:o}); refusing to replace it", mode & 0o7777),
+            ));
+        }
+        // Opening without truncation changes nothing; it fails where the user may not
+        // write the file (whatever the directory allows).
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&resolved)
+            .map_err(|e| err(path, format!("it is not writable ({e}); refusing to replace it")))?;
+    }
+    Ok(OutputTarget {
+        path: path.to_path_buf(),
+        resolved,
+        kind,
+    })
+}
+
+fn kind_of(path: &Path, m: &std::fs::Metadata) -> Result<OutputKind, OutputError> {
+    let t = m.file_type();
+    if t.is_file() {
+        Ok(OutputKind::Regular {
+            mode: m.permissions().mode(),
+        })
+    } else if t.is_fifo() || t.is_char_device() {
+        Ok(OutputKind::Stream)
+    } else {
+        let what = if t.is_dir() {
+            "a directory"
+        } else if t.is_block_device() {
+            "a block device"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        };
+        Err(err(path, format!("it is {what}; give a file path")))
+    }
+}
+
+impl OutputTarget {
+    /// Writes `bytes` by the rules of the module docs.
+    pub fn write(&self, bytes: &[u8]) -> Result<(), OutputError> {
+        match self.kind {
+            OutputKind::Stream => self.write_through(bytes),
+            OutputKind::New | OutputKind::Regular { .. } => self.write_atomic(bytes),
+        }
+    }
+
+    /// Removes a file this target created (a `New` target whose write succeeded), when a
+    /// later output of the same command failed: nothing is left half-done.
+    pub fn undo_new(&self) {
+        if self.kind == OutputKind::New {
+            let _ = std::fs::remove_file(&self.resolved);
+        }
+    }
+
+    fn write_through(&self, bytes: &[u8]) -> Result<(), OutputError> {
+        let e = |m: String| err(&self.path, m);
+        // No create, no truncate: a FIFO or a device is opened as it is.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.resolved)
+            .map_err(|x| e(x.to_string()))?;
+        // The path may have changed since the check: write only to what was checked.
+        let m = f.metadata().map_err(|x| e(x.to_string()))?;
+        if !matches!(kind_of(&self.path, &m)?, OutputKind::Stream) {
+            return Err(e(
+                "it changed into a regular file since it was checked; not written".into()
+            ));
+        }
+        f.write_all(bytes).and_then(|_| f.flush()).map_err(|x| e(x.to_string()))
+    }
+
+    fn write_atomic(&self, bytes: &[u8]) -> Result<(), OutputError> {
+        let e = |m: String| err(&self.path, m);
+        let dir = match self.resolved.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let tmp = TempFile::create(&dir, &self.resolved)?;
+        let mode = match self.kind {
+            OutputKind::Regular { mode } => mode & 0o7777,
+            _ => 0o644,
+        };
+        let written = (|| -> std::io::Result<()> {
+            let mut f = &tmp.file;
+            f.write_all(bytes)?;
+            tmp.file.set_permissions(std::fs::Permissions::from_mode(mode))?;
+            tmp.file.sync_all()
+        })();
+        written.map_err(|x| e(x.to_string()))?;
+        match self.kind {
+            // A hard link fails if the name exists: a file (or FIFO, or device) that
+            // appeared since the check is never replaced.
+            OutputKind::New => match std::fs::hard_link(&tmp.path, &self.resolved) {
+                Ok(()) => Ok(()),
+                Err(x) if x.kind() == std::io::ErrorKind::AlreadyExists => {
+                    Err(e("a file appeared at this path while writing; not replaced".into()))
+                }
+                // Filesystems without hard links: rename, after checking again.
+                Err(_) => match std::fs::symlink_metadata(&self.resolved) {
+                    Err(x) if x.kind() == std::io::ErrorKind::NotFound => {
+                        std::fs::rename(&tmp.path, &self.resolved).map_err(|x| e(x.to_string()))
+                    }
+                    _ => Err(e("a file appeared at this path while writing; not replaced".into())),
+                },
+            },
+            _ => {
+                let now = std::fs::symlink_metadata(&self.resolved).map_err(|x| e(x.to_string()))?;
+                if !now.file_type().is_file() {
+                    return Err(e("it is no longer a regular file; not replaced".into()));
+                }
+                std::fs::rename(&tmp.path, &self.resolved).map_err(|x| e(x.to_string()))
+            }
+        }
+        // `tmp` is dropped here: its name is removed (after a link; a renamed name is gone).
+    }
+}
+
+/// Writes `bytes` to `path` by the rules of the module docs (no inputs to compare with).
+pub fn write_file(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
+    check_output(path, &[])?.write(bytes)
+}
+
+/// A temporary file beside the target, removed when dropped.
+struct TempFile {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl TempFile {
+    fn create(dir: &Path, target: &Path) -> Result<TempFile, OutputError> {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        let base = target
+            .file_name()
+            .map_or("out".into(), |f| f.to_string_lossy().into_owned());
+        let mut last = None;
+        for _ in 0..16 {
+            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+            let path = dir.join(format!(".{base}.{}.{n}.partial", std::process::id()));
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+            {
+                Ok(file) => return Ok(TempFile { path, file }),
+                Err(x) if x.kind() == std::io::ErrorKind::AlreadyExists => last = Some(x),
+                Err(x) => {
+                    return Err(err(
+                        target,
+                        format!("cannot create a temporary file in {}: {x}", dir.display()),
+                    ))
+                }
+            }
+        }
+        Err(err(
+            target,
+            format!(
+                "cannot create a temporary file in {}: {}",
+                dir.display(),
+                last.map_or(String::new(), |x| x.to_string())
+            ),
+        ))
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
