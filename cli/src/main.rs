@@ -1,6 +1,12 @@
 //! The `specplan` command line.
 //!
 //! Exit codes: 0 success (for `diff`: equal), 1 `diff` found differences, 2 any error.
+//! Every file it writes follows `specplan_runtime::contract::output` (atomic; never
+//! replacing a device, FIFO, link, read-only file or one of the command's inputs), checked
+//! before any work; a closed standard output ends the command quietly (see `stdout`).
+
+mod dot;
+mod stdout;
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -13,7 +19,8 @@ use specplan_compiler::config::{self, Overrides, Source, PRESETS};
 use specplan_compiler::jit::Jit;
 use specplan_compiler::{compile, graph, Target};
 use specplan_format::{self as format, ValidatedPlan};
-use specplan_runtime::contract;
+use specplan_runtime::contract::{self, output};
+use stdout::{out, outln};
 
 #[derive(Parser)]
 #[command(
@@ -32,7 +39,8 @@ enum Cmd {
     Compile {
         #[command(flatten)]
         input: InputArgs,
-        /// Where to write the plan (written atomically: a failed compile leaves nothing).
+        /// Where to write the plan (written atomically: a failed compile leaves nothing; a
+        /// FIFO or device is written through, a link followed, never replaced).
         #[arg(short, long)]
         out: PathBuf,
         /// Also write the canonical text form next to the plan (PLAN.txt).
@@ -144,6 +152,18 @@ struct InputArgs {
 }
 
 impl InputArgs {
+    /// The files this command reads (an output must be none of them).
+    fn files(&self) -> Vec<(&'static str, &Path)> {
+        let mut v: Vec<(&'static str, &Path)> = Vec::new();
+        if let Some(p) = &self.config {
+            v.push(("--config", p));
+        }
+        if let Some(p) = &self.hf_config {
+            v.push(("--hf-config", p));
+        }
+        v
+    }
+
     fn resolve(&self) -> Result<config::Config> {
         let read = |p: &Path| std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()));
         let name = |p: &Path| {
@@ -180,21 +200,15 @@ impl InputArgs {
     }
 }
 
-/// stdout writes that return errors instead of panicking (a closed pipe, as in
-/// `specplan show p.plan | head`, ends the command quietly).
-macro_rules! outln {
-    ($($t:tt)*) => { writeln!(std::io::stdout(), $($t)*)? };
-}
-macro_rules! out {
-    ($($t:tt)*) => { write!(std::io::stdout(), $($t)*)? };
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
+        // The reader of our output has gone (`| head`): the work is done, nothing to say.
+        Err(e) if stdout::is_closed(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // A closed standard error has nowhere to report to either.
+            let _ = writeln!(std::io::stderr(), "error: {}", stdout::message(&e));
             ExitCode::from(2)
         }
     }
@@ -213,6 +227,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
             no_kernels,
         } => {
             let t0 = Instant::now();
+            // Outputs first (cheap, and a doomed command should fail before compiling),
+            // then the config, then NVRTC: a config error is reported wherever NVRTC is.
+            let inputs = input.files();
+            let plan_out = output::check_output(&out, &inputs)?;
+            let text_out = if text {
+                let mut p = out.clone().into_os_string();
+                p.push(".txt");
+                let mut also = inputs.clone();
+                also.push(("-o", &out));
+                Some(output::check_output(Path::new(&p), &also)?)
+            } else {
+                None
+            };
             let cfg = input.resolve()?;
             let jit = if no_kernels { None } else { Some(Jit::from_env()?) };
             let total = cfg.capture.buckets.len();
@@ -230,13 +257,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             })?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
-            // With --text, the text goes first: if it fails, the plan is not replaced either.
-            if text {
-                let mut p = out.clone().into_os_string();
-                p.push(".txt");
-                write_atomic(Path::new(&p), format::to_text(&compiled.plan).as_bytes())?;
+            // With --text, the text goes first: if it fails, the plan is not replaced
+            // either; if the plan then fails, a text file this command created is removed.
+            if let Some(t) = &text_out {
+                t.write(format::to_text(&compiled.plan).as_bytes())?;
             }
-            write_atomic(&out, &bytes)?;
+            if let Err(e) = plan_out.write(&bytes) {
+                if let Some(t) = &text_out {
+                    t.undo_new();
+                }
+                return Err(e.into());
+            }
             print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64())?;
             match compiled.jit {
                 Some(st) => outln!(
@@ -251,26 +282,34 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Show { plan } => {
             let p = load(&plan)?;
-            std::io::stdout().lock().write_all(format::to_text(&p).as_bytes())?;
+            stdout::print(&format::to_text(&p))?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Diff { a, b, summary } => {
             let (pa, pb) = (load(&a)?, load(&b)?);
             let d = format::diff(&pa, &pb);
-            if d.is_empty() {
-                outln!("plans are equal");
-                return Ok(ExitCode::SUCCESS);
-            }
-            if !summary {
-                for e in &d.entries {
-                    outln!("{e}");
+            let verdict = if d.is_empty() { 0 } else { 1 };
+            let printed = (|| -> Result<()> {
+                if d.is_empty() {
+                    outln!("plans are equal");
+                    return Ok(());
                 }
-                outln!();
+                if !summary {
+                    for e in &d.entries {
+                        outln!("{e}");
+                    }
+                    outln!();
+                }
+                for line in d.summary() {
+                    outln!("{line}");
+                }
+                Ok(())
+            })();
+            match printed {
+                // The verdict stands even when nobody reads the listing.
+                Err(e) if !stdout::is_closed(&e) => Err(e),
+                _ => Ok(ExitCode::from(verdict)),
             }
-            for line in d.summary() {
-                outln!("{line}");
-            }
-            Ok(ExitCode::from(1))
         }
         Cmd::Dot { plan, bucket } => {
             let p = load(&plan)?;
@@ -283,7 +322,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     )
                 })?,
             };
-            out!("{}", plan_dot(&p, b));
+            out!("{}", dot::plan_dot(&p, b));
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Graph { input, unfused, dot } => {
@@ -305,10 +344,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
             device,
             eager,
         } => {
-            let p = load(&plan)?;
             if eager && device == Device::Cpu {
                 bail!("--eager applies to --device cuda only");
             }
+            // Before any work: the output must be writable and none of the inputs.
+            let target = output::check_output(
+                &out,
+                &[("--plan", &plan), ("--weights", &weights), ("--inputs", &inputs)],
+            )?;
+            let p = load(&plan)?;
             let t0 = Instant::now();
             let w = contract::load_weights(&p, &weights)?;
             let mut x = contract::load_inputs(&p, &inputs)?;
@@ -316,7 +360,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 Device::Cpu => contract::run_cpu(&p, w, &mut x)?,
                 Device::Cuda => contract::run_gpu(&p, w, &mut x, eager)?,
             };
-            contract::write_outputs(&p, &out, &res, &x)?;
+            target.write(&contract::encode_outputs(&p, &res, &x)?)?;
             outln!(
                 "ran {} requests in bucket {} on the {} in {:.3} s; wrote {}",
                 x.step.batch,
@@ -346,29 +390,6 @@ fn bucket_list(p: &format::Plan) -> String {
         .map(|b| b.batch.to_string())
         .collect::<Vec<_>>()
         .join(",")
-}
-
-/// Writes through a temporary file in the same directory and renames it into place, so a
-/// reader never sees a half-written plan and a failure leaves the old file untouched.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let mut tmp =
-        tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot create a file in {}", dir.display()))?;
-    tmp.write_all(bytes)
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    // NamedTempFile creates 0600; a plan is an ordinary artifact.
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        tmp.as_file().set_permissions(std::fs::Permissions::from_mode(0o644))?;
-    }
-    tmp.as_file().sync_all()?;
-    tmp.persist(path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
 }
 
 fn mib(b: u64) -> String {
@@ -408,68 +429,4 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> 
         );
     }
     Ok(())
-}
-
-/// Launch-level dataflow of one bucket: launches as boxes, buffers as ellipses.
-fn plan_dot(p: &format::Plan, b: &format::BucketPlan) -> String {
-    use format::{Access, ArgValue, LaunchKind};
-    use std::fmt::Write as _;
-    let mut s = format!(
-        "digraph \"{} bucket {}\" {{\n  rankdir=TB;\n  node [fontname=monospace];\n",
-        format::escape(&p.name),
-        b.batch
-    );
-    for (i, buf) in b.buffers.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "  b{i} [shape=ellipse, label=\"%{}\\n{:?} @{:#x}\"];",
-            format::escape(&buf.name),
-            buf.shape,
-            buf.offset
-        );
-    }
-    for (li, l) in b.launches.iter().enumerate() {
-        let (label, uses): (String, Vec<(u32, Access)>) = match &l.kind {
-            LaunchKind::Kernel { kernel, args, .. } => (
-                p.kernels
-                    .get(*kernel as usize)
-                    .map_or("?".into(), |k| k.entry.name().to_string()),
-                {
-                    let fields = p
-                        .kernels
-                        .get(*kernel as usize)
-                        .map_or(&[][..], |k| k.entry.abi().fields);
-                    args.iter()
-                        .zip(fields)
-                        .filter_map(|(a, f)| match (a, f.kind) {
-                            (ArgValue::Buffer(id), specplan_kernels::abi::FieldKind::Ptr(pf)) => Some((*id, pf.access)),
-                            _ => None,
-                        })
-                        .collect()
-                },
-            ),
-            LaunchKind::Gemm(g) => (
-                format!("gemm {}x{}x{}", g.m, g.n, g.k),
-                vec![
-                    (g.a, Access::Read),
-                    (g.c, if g.accumulate { Access::ReadWrite } else { Access::Write }),
-                ],
-            ),
-        };
-        let _ = writeln!(
-            s,
-            "  l{li} [shape=box, label=\"#{li} {}\\n{label}\"];",
-            format::escape(&l.op)
-        );
-        for (id, access) in uses {
-            if access.reads() {
-                let _ = writeln!(s, "  b{id} -> l{li};");
-            }
-            if access.writes() {
-                let _ = writeln!(s, "  l{li} -> b{id};");
-            }
-        }
-    }
-    s.push_str("}\n");
-    s
 }

@@ -221,7 +221,10 @@ mod tests {
         assert_eq!(first_non_finite(&[1.0, 65519.0, -65519.0], DType::F16), None);
         let (i, m) = first_non_finite(&[1.0, 65520.0], DType::F16).expect("overflows fp16");
         assert_eq!(i, 1);
-        assert_eq!(m, "65520 is not finite in fp16, the plan's activation type (|x| ≤ 65504)");
+        assert_eq!(
+            m,
+            "65520 is not finite in fp16, the plan's activation type (|x| ≤ 65504)"
+        );
         // The same value is finite in bf16; f32's largest rounds to bf16 infinity.
         assert_eq!(first_non_finite(&[65520.0], DType::Bf16), None);
         assert_eq!(first_non_finite(&[f32::MAX], DType::Bf16).map(|x| x.0), Some(0));

@@ -1,0 +1,209 @@
+//! `specplan run`'s contract (issue 14, classes 4, 5 and 7): non-finite caches and
+//! weights, hidden states that overflow the activation type, mixed KV dtypes and outputs
+//! that are inputs are refused, each with one message naming the tensor and the index,
+//! and nothing is written.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use safetensors::tensor::Dtype;
+use specplan_tests::contract_files::{input_tensors, weight_tensors, write_safetensors, FileTensor};
+
+struct Files {
+    dir: tempfile::TempDir,
+    plan: PathBuf,
+    weights: Vec<FileTensor>,
+    inputs: Vec<FileTensor>,
+}
+
+/// `tiny` (with `extra` compile flags), its weights and a 3-request step's inputs.
+fn files(extra: &[&str]) -> Files {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plan = dir.path().join("p.plan");
+    compile_tiny(&plan, extra);
+    let p = specplan_format::load_file(&plan).expect("load plan");
+    Files {
+        weights: weight_tensors(&p, 7).expect("weights"),
+        inputs: input_tensors(&p, 7, 3, 20).expect("inputs"),
+        dir,
+        plan,
+    }
+}
+
+impl Files {
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn tensor<'a>(list: &'a mut [FileTensor], name: &str) -> &'a mut FileTensor {
+        list.iter_mut()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"))
+    }
+
+    /// Writes the files and runs the step into `out`.
+    fn run(&self, out: &Path) -> std::process::Output {
+        write_safetensors(&self.path("w.safetensors"), &self.weights).expect("write weights");
+        write_safetensors(&self.path("i.safetensors"), &self.inputs).expect("write inputs");
+        specplan(&[
+            "run",
+            "--plan",
+            &s(&self.plan),
+            "--weights",
+            &s(&self.path("w.safetensors")),
+            "--inputs",
+            &s(&self.path("i.safetensors")),
+            "--out",
+            &s(out),
+        ])
+    }
+
+    /// Runs and asserts a refusal saying `what` once, with no output file written.
+    fn refused(&self, what: &str) {
+        let out = self.path("o.safetensors");
+        let o = self.run(&out);
+        assert_refused(&o, what);
+        assert_eq!(names(self.dir.path()), ["i.safetensors", "p.plan", "w.safetensors"]);
+    }
+}
+
+/// Sets element `at` (flat) of a 16-bit float tensor to the bits `v`.
+fn set16(t: &mut FileTensor, at: usize, v: u16) {
+    t.bytes[2 * at..2 * at + 2].copy_from_slice(&v.to_le_bytes());
+}
+
+/// The flat index of `idx` in `shape`.
+fn flat(idx: &[usize], shape: &[usize]) -> usize {
+    idx.iter().zip(shape).fold(0, |a, (i, d)| a * d + i)
+}
+
+const BF16_NAN: u16 = 0x7fc0;
+const BF16_INF: u16 = 0x7f80;
+
+#[test]
+fn a_valid_step_runs() {
+    let f = files(&[]);
+    let out = f.path("o.safetensors");
+    let o = f.run(&out);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(out.exists());
+}
+
+#[test]
+fn non_finite_caches_are_refused_with_the_first_bad_index() {
+    for (name, bits, shown) in [("k_cache", BF16_NAN, "NaN"), ("v_cache", BF16_INF, "inf")] {
+        let mut f = files(&[]);
+        let t = Files::tensor(&mut f.inputs, name);
+        let shape = t.shape.clone();
+        set16(t, flat(&[1, 2, 3, 1, 5], &shape), bits);
+        set16(t, flat(&[1, 2, 3, 1, 9], &shape), bits);
+        f.refused(&format!("{name}[1][2][3][1][5]: {shown} is not finite"));
+    }
+}
+
+#[test]
+fn non_finite_weights_are_refused_with_the_first_bad_index() {
+    let mut f = files(&[]);
+    let t = Files::tensor(&mut f.weights, "layers.0.mlp.down_proj.weight");
+    let shape = t.shape.clone();
+    set16(t, flat(&[7, 9], &shape), BF16_NAN);
+    f.refused("layers.0.mlp.down_proj.weight[7][9]: NaN is not finite");
+
+    // A source of a packed (concatenated) weight is named by its own index.
+    let mut f = files(&[]);
+    let t = Files::tensor(&mut f.weights, "layers.1.self_attn.k_proj.weight");
+    let shape = t.shape.clone();
+    set16(t, flat(&[3, 0], &shape), BF16_INF);
+    f.refused("layers.1.self_attn.k_proj.weight[3][0]: inf is not finite");
+}
+
+#[test]
+fn hidden_states_must_be_finite_after_the_cast() {
+    // f32 hidden states for an fp16 plan: 70000 is finite in f32, infinite in fp16.
+    let mut f = files(&["--dtype", "fp16"]);
+    let t = Files::tensor(&mut f.inputs, "hidden_states");
+    let vals: Vec<f32> = t
+        .bytes
+        .chunks_exact(2)
+        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    let shape = t.shape.clone();
+    let mut v32 = vals;
+    v32[flat(&[1, 2, 3], &shape)] = 70000.0;
+    t.dtype = Dtype::F32;
+    t.bytes = v32.iter().flat_map(|x| x.to_le_bytes()).collect();
+    f.refused("hidden_states[1][2][3]: 70000 is not finite in fp16, the plan's activation type (|x| ≤ 65504)");
+}
+
+#[test]
+fn the_kv_caches_are_in_the_plans_dtype() {
+    let to_f32 = |t: &mut FileTensor| {
+        t.bytes = t
+            .bytes
+            .chunks_exact(2)
+            .flat_map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32().to_le_bytes())
+            .collect();
+        t.dtype = Dtype::F32;
+    };
+    // bf16 keys with f32 values: once accepted and written back as bf16.
+    let mut f = files(&[]);
+    to_f32(Files::tensor(&mut f.inputs, "v_cache"));
+    f.refused("v_cache: has dtype f32, expected bf16 (the plan's activation type");
+    let mut f = files(&[]);
+    to_f32(Files::tensor(&mut f.inputs, "k_cache"));
+    to_f32(Files::tensor(&mut f.inputs, "v_cache"));
+    f.refused("k_cache: has dtype f32, expected bf16");
+}
+
+#[test]
+fn an_output_that_is_an_input_is_refused_before_any_work() {
+    let f = files(&[]);
+    write_safetensors(&f.path("w.safetensors"), &f.weights).expect("write weights");
+    write_safetensors(&f.path("i.safetensors"), &f.inputs).expect("write inputs");
+    let before: Vec<Vec<u8>> = ["p.plan", "w.safetensors", "i.safetensors"]
+        .iter()
+        .map(|n| std::fs::read(f.path(n)).expect("read"))
+        .collect();
+    for (flag, name) in [
+        ("--plan", "p.plan"),
+        ("--weights", "w.safetensors"),
+        ("--inputs", "i.safetensors"),
+    ] {
+        let o = f.run(&f.path(name));
+        assert_refused(&o, &format!("is the same file as the input {flag}"));
+    }
+    let after: Vec<Vec<u8>> = ["p.plan", "w.safetensors", "i.safetensors"]
+        .iter()
+        .map(|n| std::fs::read(f.path(n)).expect("read"))
+        .collect();
+    assert!(before == after, "an input changed");
+    assert_eq!(names(f.dir.path()), ["i.safetensors", "p.plan", "w.safetensors"]);
+}
+
+#[test]
+fn run_outputs_stream_into_a_fifo() {
+    let f = files(&[]);
+    let fifo = f.path("pipe");
+    mkfifo(&fifo);
+    let reader = FifoReader::start(&fifo);
+    let o = f.run(&fifo);
+    let got = reader.finish();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(is_fifo(&fifo), "the FIFO was replaced");
+    let st = safetensors::SafeTensors::deserialize(&got).expect("streamed outputs");
+    let mut names_out: Vec<String> = st.names().into_iter().map(|n| n.to_string()).collect();
+    names_out.sort();
+    assert_eq!(
+        names_out,
+        ["hidden_out", "k_cache", "topk_ids", "topk_probs", "v_cache"]
+    );
+    // A read-only output is refused (before the step runs).
+    let ro = f.path("ro.safetensors");
+    std::fs::write(&ro, b"x").expect("write");
+    std::fs::set_permissions(&ro, std::os::unix::fs::PermissionsExt::from_mode(0o444)).expect("chmod");
+    let o = f.run(&ro);
+    assert_refused(&o, "it is read-only");
+    assert_eq!(std::fs::read(&ro).expect("read"), b"x");
+}
