@@ -1,10 +1,17 @@
 //! `include_plan!`: a plan compiled at build time and embedded in the binary.
 //!
-//! The macro runs the compiler (NVRTC too, where it is available) while the calling crate
+//! The macro runs the compiler (with NVRTC for the kernels) while the calling crate
 //! builds, or loads a `.plan` file and validates it, and expands to a module with typed
 //! constants and an accessor that decodes the embedded bytes: no file I/O at run time.
 //! Errors are reported on the macro argument they concern, with the compiler's message.
 //! Config files are registered with `include_bytes!`, so editing one rebuilds the crate.
+//!
+//! Kernels: a plan is compiled with its kernel binaries, so a build where NVRTC is missing
+//! fails with the provisioning hint (`.ci/with-nvrtc <command>`) instead of embedding a
+//! plan the GPU runtime cannot load. `kernels = false` asks for a plan without kernel
+//! binaries explicitly (enough for the CPU executor); NVRTC is then not used at all. A
+//! `.plan` file without binaries (`specplan compile --no-kernels`) needs `kernels = false`
+//! too.
 
 use std::path::PathBuf;
 
@@ -22,6 +29,37 @@ use specplan_format::{encode, load_file};
 struct Arg {
     key: Ident,
     value: Lit,
+}
+
+/// What the caller asked for, and what the build has: `Ok(Some(jit))` to compile kernels,
+/// `Ok(None)` for a plan without kernel binaries (asked for with `kernels = false`; NVRTC
+/// is not even looked for), or the error that fails the build (NVRTC missing, with its
+/// provisioning hint).
+fn kernel_jit<J, E: std::fmt::Display>(
+    kernels: Option<bool>,
+    nvrtc: impl FnOnce() -> Result<J, E>,
+) -> Result<Option<J>, String> {
+    if kernels == Some(false) {
+        return Ok(None);
+    }
+    nvrtc().map(Some).map_err(|e| {
+        format!(
+            "include_plan! compiles the plan's kernels with NVRTC, which this build cannot use: {e}. \
+             To embed a plan without kernel binaries (the CPU executor runs it; the GPU runtime \
+             cannot), pass `kernels = false`"
+        )
+    })
+}
+
+/// A loaded plan without kernel binaries is embedded only when asked for.
+fn check_binaries(kernels: Option<bool>, missing: usize, total: usize) -> Result<(), String> {
+    if missing == 0 || kernels == Some(false) {
+        return Ok(());
+    }
+    Err(format!(
+        "{missing} of the plan's {total} kernels have no binary (it was compiled with --no-kernels); \
+         compile it with NVRTC (`.ci/with-nvrtc specplan compile ...`) or pass `kernels = false` to embed it without"
+    ))
 }
 
 impl Parse for Arg {
@@ -51,6 +89,16 @@ fn string(a: &Arg) -> syn::Result<LitStr> {
     }
 }
 
+fn boolean(a: &Arg) -> syn::Result<bool> {
+    match &a.value {
+        Lit::Bool(b) => Ok(b.value),
+        other => Err(syn::Error::new_spanned(
+            other,
+            format!("`{}` takes true or false", a.key),
+        )),
+    }
+}
+
 fn int(a: &Arg) -> syn::Result<u32> {
     match &a.value {
         Lit::Int(i) => i.base10_parse::<u32>(),
@@ -71,7 +119,17 @@ fn manifest_path(lit: &LitStr) -> syn::Result<PathBuf> {
     Ok(p)
 }
 
-/// See the crate docs; the argument list is documented on the re-export.
+/// `include_plan!(SOURCE, ARGS...)`: a plan compiled (or loaded) at build time, as a
+/// module `plan` with constants and `plan::get()`.
+///
+/// - SOURCE, one of: `preset = "tiny"`, `config = "path.toml"`, `hf_config =
+///   "config.json"` (paths relative to the calling crate's manifest), or `plan =
+///   "p.plan"` (a compiled plan, validated).
+/// - Overrides, as the CLI's flags: `topk`, `num_steps`, `num_draft_tokens`, `max_bs`,
+///   `page_size`, `max_context_len`, `kv_pool_pages`, `max_requests`, `sliding_window`,
+///   `hot_vocab_size` (integers), `buckets`, `dtype` (strings).
+/// - `kernels = false`: embed a plan without kernel binaries; by default kernels are
+///   compiled and a build without NVRTC fails (see the crate docs).
 #[proc_macro]
 pub fn include_plan(input: proc_macro::TokenStream) -> proc_macro::TokenStream {
     expand(input.into()).unwrap_or_else(|e| e.to_compile_error()).into()
@@ -81,6 +139,7 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
     let args: Args = syn::parse2(input)?;
     let mut source: Option<(Ident, LitStr)> = None;
     let mut o = Overrides::default();
+    let mut kernels: Option<bool> = None;
     let mut tracked: Vec<PathBuf> = Vec::new();
     for a in &args.0 {
         let key = a.key.to_string();
@@ -103,10 +162,11 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
             "hot_vocab_size" => o.hot_vocab_size = Some(int(a)?),
             "buckets" => o.buckets = Some(string(a)?.value()),
             "dtype" => o.dtype = Some(string(a)?.value()),
+            "kernels" => kernels = Some(boolean(a)?),
             _ => {
                 return Err(syn::Error::new_spanned(
                     &a.key,
-                    format!("unknown argument `{key}` (expected preset, config, hf_config, plan, topk, num_steps, num_draft_tokens, buckets, max_bs, page_size, max_context_len, kv_pool_pages, max_requests, dtype, sliding_window, hot_vocab_size)"),
+                    format!("unknown argument `{key}` (expected preset, config, hf_config, plan, topk, num_steps, num_draft_tokens, buckets, max_bs, page_size, max_context_len, kv_pool_pages, max_requests, dtype, sliding_window, hot_vocab_size, kernels)"),
                 ))
             }
         }
@@ -120,7 +180,11 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
     let plan = if kind == "plan" {
         let path = manifest_path(&lit)?;
         tracked.push(path.clone());
-        load_file(&path).map_err(|e| syn::Error::new_spanned(&lit, format!("{}: {e}", path.display())))?
+        let plan = load_file(&path).map_err(|e| syn::Error::new_spanned(&lit, format!("{}: {e}", path.display())))?;
+        let missing = plan.kernels.iter().filter(|k| k.binary.is_none()).count();
+        check_binaries(kernels, missing, plan.kernels.len())
+            .map_err(|m| syn::Error::new_spanned(&lit, format!("{}: {m}", path.display())))?;
+        plan
     } else {
         let src = match kind.to_string().as_str() {
             "preset" => Source::Preset(lit.value()),
@@ -139,10 +203,9 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
                 }
             }
         };
+        // The config first: its errors are reported wherever NVRTC is.
         let cfg = resolve(&src, &o).map_err(|e| syn::Error::new_spanned(&lit, e.to_string()))?;
-        // Kernels are compiled when NVRTC is available to the build; a plan without
-        // binaries still runs on the CPU executor.
-        let jit = Jit::from_env().ok();
+        let jit = kernel_jit(kernels, Jit::from_env).map_err(|m| syn::Error::new(Span::call_site(), m))?;
         compile(&cfg, &Target::default(), jit.as_ref(), &|_, _| {})
             .map_err(|e| syn::Error::new_spanned(&lit, e.to_string()))?
             .plan
@@ -190,4 +253,43 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn missing() -> Result<u32, String> {
+        Err("NVRTC (libnvrtc.so) was not found on the loader path; provision it with `.ci/with-nvrtc <command>`".into())
+    }
+
+    #[test]
+    fn missing_nvrtc_fails_the_build_with_the_hint() {
+        for asked in [None, Some(true)] {
+            let e = kernel_jit(asked, missing).expect_err("a build without NVRTC must fail");
+            assert!(e.contains("provision it with `.ci/with-nvrtc <command>`"), "{e}");
+            assert!(e.contains("pass `kernels = false`"), "{e}");
+        }
+    }
+
+    #[test]
+    fn kernels_false_never_looks_for_nvrtc() {
+        let r = kernel_jit(Some(false), || -> Result<u32, String> { panic!("NVRTC looked for") });
+        assert_eq!(r, Ok(None));
+    }
+
+    #[test]
+    fn available_nvrtc_compiles_kernels() {
+        assert_eq!(kernel_jit(None, || Ok::<u32, String>(7)), Ok(Some(7)));
+        assert_eq!(kernel_jit(Some(true), || Ok::<u32, String>(7)), Ok(Some(7)));
+    }
+
+    #[test]
+    fn a_plan_file_without_binaries_needs_kernels_false() {
+        assert!(check_binaries(None, 0, 8).is_ok());
+        assert!(check_binaries(Some(false), 8, 8).is_ok());
+        let e = check_binaries(None, 8, 8).expect_err("kernel-less plan embedded silently");
+        assert!(e.contains("8 of the plan's 8 kernels have no binary"), "{e}");
+        assert!(check_binaries(Some(true), 3, 8).is_err());
+    }
 }

@@ -1,10 +1,18 @@
 //! A downstream crate's use of `include_plan!`: the `tiny` plan is compiled while this crate
 //! builds, embedded, and run here on the CPU reference executor (no file I/O for the plan).
+//! It runs on the CPU only, so it asks for a plan without kernel binaries (`kernels =
+//! false`) and builds where NVRTC is missing; a crate that replays the plan on the GPU
+//! leaves `kernels` out, and its build then needs NVRTC (`.ci/with-nvrtc cargo build`).
 
 use specplan_runtime::cpu::{CpuExecutor, KvPool, WeightData};
 use specplan_runtime::step::{pad_to_bucket, PageTable, StepInputs};
 
-specplan_plan_macros::include_plan!(preset = "tiny", buckets = "1,2,4,8", sliding_window = 64);
+specplan_plan_macros::include_plan!(
+    preset = "tiny",
+    buckets = "1,2,4,8",
+    sliding_window = 64,
+    kernels = false
+);
 
 /// Deterministic pseudo-random values in [-1, 1) (the example needs no RNG crate).
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {

@@ -1,0 +1,3 @@
+specplan_plan_macros::include_plan!(preset = "tiny", kernels = "no");
+
+fn main() {}
