@@ -26,6 +26,18 @@ fn a_fifo_is_written_through_never_replaced() {
     assert!(is_fifo(&fifo), "the FIFO was replaced");
     assert_eq!(got, std::fs::read(&reference).expect("read"), "streamed bytes differ");
     assert_eq!(names(dir.path()), ["pipe", "ref.plan"]);
+
+    // Through a link to the FIFO (as `-o /dev/stdout` is a link to a pipe): both stay.
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink("pipe", &link).expect("symlink");
+    let reader = FifoReader::start(&fifo);
+    let o = specplan(&["compile", "--no-kernels", "--preset", "tiny", "-o", &s(&link)]);
+    let got = reader.finish();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(is_fifo(&fifo), "the FIFO was replaced");
+    assert_eq!(std::fs::read_link(&link).expect("readlink"), Path::new("pipe"));
+    assert_eq!(got, std::fs::read(&reference).expect("read"), "streamed bytes differ");
+    assert_eq!(names(dir.path()), ["link", "pipe", "ref.plan"]);
 }
 
 #[test]

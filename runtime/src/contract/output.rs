@@ -63,15 +63,20 @@ pub fn check_output(path: &Path, inputs: &[(&str, &Path)]) -> Result<OutputTarge
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => (path.to_path_buf(), None),
         Err(e) => return Err(err(path, e.to_string())),
         Ok(m) if m.file_type().is_symlink() => {
-            let target = std::fs::canonicalize(path).map_err(|e| {
+            let dangling = |e: std::io::Error| {
                 let to = std::fs::read_link(path).map_or("?".into(), |t| t.display().to_string());
                 err(
                     path,
                     format!("it is a symbolic link to {to}, which cannot be resolved ({e}); a link is written through, never replaced"),
                 )
-            })?;
-            let m = std::fs::metadata(&target).map_err(|e| err(path, e.to_string()))?;
-            (target, Some(m))
+            };
+            let m = std::fs::metadata(path).map_err(dangling)?;
+            if m.file_type().is_fifo() || m.file_type().is_char_device() {
+                // Opened through the link (`/dev/stdout` names a pipe that has no path).
+                (path.to_path_buf(), Some(m))
+            } else {
+                (std::fs::canonicalize(path).map_err(dangling)?, Some(m))
+            }
         }
         Ok(m) => (path.to_path_buf(), Some(m)),
     };
