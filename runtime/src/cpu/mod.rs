@@ -13,8 +13,12 @@
 //! the kernels. Every access is bounds-checked: a plan `validate` accepts runs here
 //! without a panic, and bad data (a page outside the pool) is an error, not a fault.
 
+mod audit;
 mod entries;
 
+use std::borrow::Cow;
+
+pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
 use specplan_format::{ArgValue, BucketPlan, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan};
 use specplan_kernels::abi::{KernelParams, Slot};
 use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select};
@@ -75,7 +79,16 @@ pub const MAX_CPU_ARENA_BYTES: u64 = 1 << 30;
 
 pub struct CpuExecutor<'p> {
     plan: &'p Plan,
-    weights: Vec<WeightData>,
+    weights: Cow<'p, [WeightData]>,
+}
+
+/// The executor's state after host prep (`launch: None`) and after each launch, for
+/// [`CpuExecutor::run_observed`]. Cell `i` holds the element that starts at arena byte `2i`
+/// (one f64 cell per 2 arena bytes; an element lives in the cell of its first byte).
+pub struct Observed<'a> {
+    pub launch: Option<usize>,
+    pub cells: &'a [f64],
+    pub kv: &'a KvPool,
 }
 
 /// A resolved pointer argument.
@@ -103,6 +116,15 @@ type R<T> = Result<T, String>;
 impl<'p> CpuExecutor<'p> {
     /// `weights[i]` is the plan's weight `i`, already packed (see `contract::load_weights`).
     pub fn new(plan: &'p ValidatedPlan, weights: Vec<WeightData>) -> Result<Self, ExecError> {
+        Self::with_weights(plan, Cow::Owned(weights))
+    }
+
+    /// As [`CpuExecutor::new`], borrowing the weights (runs of many plans over one set).
+    pub fn borrowing(plan: &'p ValidatedPlan, weights: &'p [WeightData]) -> Result<Self, ExecError> {
+        Self::with_weights(plan, Cow::Borrowed(weights))
+    }
+
+    fn with_weights(plan: &'p ValidatedPlan, weights: Cow<'p, [WeightData]>) -> Result<Self, ExecError> {
         if weights.len() != plan.weights.len() {
             return Err(ExecError::Weights(format!(
                 "{} weights given, the plan has {}",
@@ -110,9 +132,9 @@ impl<'p> CpuExecutor<'p> {
                 plan.weights.len()
             )));
         }
-        for (w, d) in plan.weights.iter().zip(&weights) {
-            let n: u64 = w.shape.iter().product();
-            if d.len() as u64 != n {
+        for (w, d) in plan.weights.iter().zip(weights.iter()) {
+            let n = w.shape.iter().try_fold(1u64, |a, &x| a.checked_mul(x));
+            if n != Some(d.len() as u64) {
                 return Err(ExecError::Weights(format!(
                     "{}: {} elements, expected {:?}",
                     w.name,
@@ -131,6 +153,19 @@ impl<'p> CpuExecutor<'p> {
         inputs: &BucketInputs,
         table: &PageTable,
         kv: &mut KvPool,
+    ) -> Result<BucketOutputs, ExecError> {
+        self.run_observed(bucket, inputs, table, kv, &mut |_| {})
+    }
+
+    /// As [`CpuExecutor::run`], showing `observe` the arena and the pool after host prep
+    /// and after every launch (audits of what each launch writes).
+    pub fn run_observed(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &BucketInputs,
+        table: &PageTable,
+        kv: &mut KvPool,
+        observe: &mut dyn FnMut(Observed<'_>),
     ) -> Result<BucketOutputs, ExecError> {
         if bucket.arena_bytes > MAX_CPU_ARENA_BYTES {
             return Err(ExecError::TooLarge {
@@ -174,6 +209,12 @@ impl<'p> CpuExecutor<'p> {
             .map_err(setup)?;
         ctx.store_input("req_slots", inputs.req_slots.iter().map(|&x| x as f64))
             .map_err(setup)?;
+        check_prefixes(self.plan, &inputs.prefix_lens).map_err(setup)?;
+        observe(Observed {
+            launch: None,
+            cells: &ctx.cells,
+            kv: ctx.kv,
+        });
         for (li, launch) in bucket.launches.iter().enumerate() {
             let err = |message: String| ExecError::Launch {
                 launch: li,
@@ -191,6 +232,11 @@ impl<'p> CpuExecutor<'p> {
                     ctx.kernel(k, *grid, args).map_err(err)?
                 }
             }
+            observe(Observed {
+                launch: Some(li),
+                cells: &ctx.cells,
+                kv: ctx.kv,
+            });
         }
         let out = |e: String| ExecError::Setup(format!("outputs: {e}"));
         Ok(BucketOutputs {
@@ -213,6 +259,20 @@ impl<'p> CpuExecutor<'p> {
                 .map(|x| x as i64)
                 .collect(),
         })
+    }
+}
+
+/// The admission rule the kernels rely on (`admission::check_lengths`): every prefix in
+/// `[0, max_context_len - N]`. The attention's work grows with the prefix, so an executor
+/// given an unchecked one could loop for as long as an i32 allows.
+fn check_prefixes(plan: &Plan, prefix_lens: &[i32]) -> R<()> {
+    let max = plan.capture.max_context_len as i64 - plan.spec.num_draft_tokens as i64;
+    match prefix_lens.iter().position(|&l| l < 0 || l as i64 > max) {
+        Some(i) => Err(format!(
+            "prefix_lens[{i}] = {} is outside [0, max_context_len - num_draft_tokens = {max}]",
+            prefix_lens[i]
+        )),
+        None => Ok(()),
     }
 }
 
