@@ -210,7 +210,7 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
             )
         });
     }
-    e.check(b.arena_bytes <= end.div_ceil(ALIGN) * ALIGN, || {
+    e.check(b.arena_bytes.div_ceil(ALIGN) <= end.div_ceil(ALIGN), || {
         (
             Location::bucket(bi, b.batch),
             format!(

@@ -412,7 +412,7 @@ fn weights(p: &Plan, e: &mut Errors) {
     }
     let end = spans.iter().map(|s| s.1).max().unwrap_or(0);
     e.field(
-        p.weight_bytes <= end.div_ceil(ALIGN) * ALIGN && p.weight_bytes <= MAX_REGION_BYTES,
+        p.weight_bytes.div_ceil(ALIGN) <= end.div_ceil(ALIGN) && p.weight_bytes <= MAX_REGION_BYTES,
         "weight_bytes",
         || format!("{} bytes, but the weights end at {end}", p.weight_bytes),
     );

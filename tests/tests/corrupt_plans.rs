@@ -181,3 +181,22 @@ fn validation_accepts_what_the_compiler_emits() {
     let (_, plan) = tiny_bytes();
     assert!(validate(plan).is_ok());
 }
+
+/// Sizes at the top of u64 are reported, never overflowed (found by the mutation test:
+/// rounding the end of a weight or buffer placed near 2^64 up to 256 bytes panicked).
+#[test]
+fn sizes_near_the_top_of_u64_are_rejected_without_overflow() {
+    let msgs = invalid(|p| p.weights[2].offset = u64::MAX - 255);
+    assert!(
+        msgs.contains("weights[2]") && msgs.contains("outside the weight region"),
+        "{msgs}"
+    );
+    let msgs = invalid(|p| p.weights[3].bytes = u64::MAX - 1);
+    assert!(msgs.contains("weights[3]"), "{msgs}");
+    let msgs = invalid(|p| {
+        let b = &mut p.buckets[0];
+        b.arena_bytes = u64::MAX;
+        b.buffers[0].offset = u64::MAX - 255 - b.buffers[0].bytes;
+    });
+    assert!(msgs.contains("buckets[0] (batch 1).arena_bytes"), "{msgs}");
+}
