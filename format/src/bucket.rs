@@ -18,6 +18,15 @@ struct Use {
     launch: usize,
 }
 
+/// One use of a layer's K or V pool by a launch (argument `arg`).
+struct KvUse {
+    layer: u32,
+    kind: KvKind,
+    access: Access,
+    launch: usize,
+    arg: usize,
+}
+
 pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touched: &mut Touched, e: &mut Errors) {
     let n = p.spec.num_draft_tokens;
     let loc = || Location::bucket(bi, b.batch);
@@ -59,6 +68,7 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
     let bf = crate::facts::bucket_facts(b);
     let mut buf_touched = vec![0u64; b.buffers.len()];
     let mut uses: Vec<Use> = Vec::new();
+    let mut kv_uses: Vec<KvUse> = Vec::new();
     for (li, l) in b.launches.iter().enumerate() {
         let lat = |arg: Option<u32>, what: String| {
             (
@@ -98,6 +108,17 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
                     e,
                 );
                 let fields = p.kernels.get(*kernel as usize).map(|k| k.entry.abi().fields);
+                for (arg, (a, field)) in args.iter().zip(fields.unwrap_or(&[])).enumerate() {
+                    if let (ArgValue::KvCache { layer, kind }, FieldKind::Ptr(pf)) = (a, field.kind) {
+                        kv_uses.push(KvUse {
+                            layer: *layer,
+                            kind: *kind,
+                            access: pf.access,
+                            launch: li,
+                            arg,
+                        });
+                    }
+                }
                 for (buf, fi) in bufs {
                     if let Some(FieldKind::Ptr(pf)) = fields.and_then(|fs| fs.get(fi)).map(|x| x.kind) {
                         uses.push(Use {
@@ -140,6 +161,55 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
         }
     }
     data_flow(b, &tag, bi, &uses, &buf_touched, e);
+    kv_flow(p, b, &tag, bi, &kv_uses, e);
+}
+
+/// Each layer's K and V pools are appended by exactly one launch of the bucket, and read
+/// only after it (a launch reading another layer's pools, or a missing or repeated append,
+/// would attend over keys this step did not write).
+fn kv_flow(p: &Plan, b: &BucketPlan, tag: &str, bi: usize, uses: &[KvUse], e: &mut Errors) {
+    let lat = |launch: Option<usize>, arg: Option<usize>, msg: String| {
+        (
+            Location::Bucket {
+                index: bi as u32,
+                batch: b.batch,
+                buffer: None,
+                launch: launch.map(|l| l as u32),
+                arg: arg.map(|a| a as u32),
+            },
+            format!("{tag}.{msg}"),
+        )
+    };
+    for layer in 0..p.model.layers {
+        for kind in [KvKind::K, KvKind::V] {
+            let mine: Vec<&KvUse> = uses.iter().filter(|u| u.layer == layer && u.kind == kind).collect();
+            let writers: Vec<&&KvUse> = mine.iter().filter(|u| u.access.writes()).collect();
+            e.check(writers.len() == 1, || {
+                let at = writers.get(1).map(|w| (w.launch, w.arg));
+                lat(
+                    at.map(|x| x.0),
+                    at.map(|x| x.1),
+                    format!(
+                        "launches: layer {layer}'s {kind:?} pool is appended by {} launches, expected exactly one",
+                        writers.len()
+                    ),
+                )
+            });
+            let Some(w) = writers.first() else { continue };
+            if let Some(r) = mine.iter().find(|u| !u.access.writes() && u.launch < w.launch) {
+                e.check(false, || {
+                    lat(
+                        Some(r.launch),
+                        Some(r.arg),
+                        format!(
+                            "launches[{}].args[{}]: reads layer {layer}'s {kind:?} pool before launch {} appends to it",
+                            r.launch, r.arg, w.launch
+                        ),
+                    )
+                });
+            }
+        }
+    }
 }
 
 /// Buffer rules; false when the buffers are too broken to look at launches.
@@ -369,6 +439,9 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: usize, uses: &[Use], touched: &[u64]
     let mut first = vec![usize::MAX; nb];
     let mut last = vec![0usize; nb];
     let mut written = vec![false; nb];
+    // The launch whose write no launch has read yet: a value written and never read (or
+    // overwritten unread) means a launch whose result is lost.
+    let mut unread: Vec<Option<usize>> = vec![None; nb];
     for u in uses {
         let i = u.buf as usize;
         let buf = &b.buffers[i];
@@ -380,9 +453,22 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: usize, uses: &[Use], touched: &[u64]
             e.check(written[i], || {
                 bat(i, format!("launch {} reads it before any launch writes it", u.launch))
             });
+            unread[i] = None;
         }
         if u.access.writes() {
+            if let (Access::Write, Some(w)) = (u.access, unread[i]) {
+                e.check(false, || {
+                    bat(
+                        i,
+                        format!(
+                            "launch {} overwrites what launch {w} wrote before any launch reads it",
+                            u.launch
+                        ),
+                    )
+                });
+            }
             written[i] = true;
+            unread[i] = Some(u.launch);
         }
         first[i] = first[i].min(u.launch);
         last[i] = last[i].max(u.launch);
@@ -391,6 +477,11 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: usize, uses: &[Use], touched: &[u64]
         e.check(first[i] != usize::MAX, || bat(i, "no launch uses it".into()));
         if buf.role == BufferRole::Output {
             e.check(written[i], || bat(i, "an output no launch writes".into()));
+        }
+        if let (BufferRole::Scratch, Some(w)) = (buf.role, unread[i]) {
+            e.check(false, || {
+                bat(i, format!("launch {w} writes it, and no later launch reads it"))
+            });
         }
         e.check(buf.bytes <= touched[i] || first[i] == usize::MAX, || {
             bat(

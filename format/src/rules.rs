@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use specplan_kernels::abi::{Extent, FieldKind, Slot};
 use specplan_kernels::facts::{BucketFacts, KernelFacts};
-use specplan_kernels::source::{full_source, source_hash};
+use specplan_kernels::source::{full_source, mangled_name, source_hash};
 use specplan_kernels::ConstValue;
 
 use crate::location::Location;
@@ -64,6 +64,20 @@ pub(crate) fn kernels(p: &Plan, f: &KernelFacts, e: &mut Errors) {
         if !same {
             continue;
         }
+        // The name is the instance's mangled name (suffixed `_vN` when two instances differ
+        // only in float constants), so a plan cannot relabel what `show` and `diff` print.
+        let base = mangled_name(k.entry, &k.constants);
+        let suffix = k.name.strip_prefix(base.as_str()).map(|r| r.strip_prefix("_v"));
+        let named = match suffix {
+            Some(None) => k.name == base,
+            Some(Some(n)) => !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()),
+            None => false,
+        };
+        e.check(named, || {
+            at(format!(
+                "the name is not the instance's mangled name {base} (or {base}_vN)"
+            ))
+        });
         let hash = source_hash(&full_source(template, &k.constants, &kf));
         e.check(k.source_hash == hash, || {
             at(format!(

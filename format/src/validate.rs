@@ -6,6 +6,7 @@
 //! Rules (each violation names the field, kernel, bucket, buffer, launch or argument):
 //! 1. Model: dimensions positive and within the kernels' limits (`limits`), `heads % kv_heads
 //!    == 0`, `head_dim` a multiple of 16 and at most 256, finite positive eps and theta,
+//!    rope scaling factors finite and positive (Llama 3: low below high),
 //!    `rope_inv_freq` has `head_dim / 2` finite positive entries, one `LayerDesc` per layer,
 //!    windows positive.
 //! 2. Spec: SGLang's topk / num_steps / num_draft_tokens rules, topk ≤ 32, N ≤ 64.
@@ -16,8 +17,9 @@
 //! 4. Weights: `bytes = prod(shape) · dtype`, 256-byte aligned, inside the weight region,
 //!    no two overlapping, the region no larger than its last weight (rounded), packing
 //!    arities; every weight used by a launch and no larger than what its uses touch.
-//! 5. Kernels (`rules.rs`): unique printable names; constants exactly the entry template's
-//!    constants for the plan's facts (attention: for the window of the layers it serves);
+//! 5. Kernels (`rules.rs`): unique names, each the instance's mangled name; constants
+//!    exactly the entry template's constants for the plan's facts (attention: for the
+//!    window of the layers it serves);
 //!    the source hash equals the regenerated source's; binaries for the plan's arch, bound
 //!    to that source hash, ELF images whose header tables lie inside them; every kernel
 //!    launched.
@@ -33,8 +35,10 @@
 //!    where the launch touches nothing, the field's dtype, and at least the bytes it
 //!    touches; GEMM operands of matching shapes and dtypes.
 //! 8. Data flow: inputs are only read; every other buffer is written before it is read;
-//!    every output is written; every buffer is used and no larger than its uses touch;
-//!    buffers sharing arena bytes are never live at the same time.
+//!    every output is written; no write is lost (overwritten before a read, or a scratch
+//!    value never read); each layer's K and V pools are appended by exactly one launch and
+//!    read only after it; every buffer is used and no larger than its uses touch; buffers
+//!    sharing arena bytes are never live at the same time.
 
 use std::collections::HashSet;
 
@@ -178,6 +182,23 @@ fn model(p: &Plan, e: &mut Errors) {
         "model.rope_theta",
         || format!("{} must be finite and positive", m.rope_theta),
     );
+    let pos = |x: f32| x.is_finite() && x > 0.0;
+    let scaling_ok = match m.rope_scaling {
+        RopeScaling::None => true,
+        RopeScaling::Linear { factor } => pos(factor),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: lo,
+            high_freq_factor: hi,
+            original_max_position_embeddings: orig,
+        } => pos(factor) && pos(lo) && pos(hi) && lo < hi && orig > 0,
+    };
+    e.field(scaling_ok, "model.rope_scaling", || {
+        format!(
+            "{:?}: factors must be finite and positive, low_freq_factor below high_freq_factor, original_max_position_embeddings positive",
+            m.rope_scaling
+        )
+    });
     e.field(
         p.rope_inv_freq.len() as u64 == m.head_dim as u64 / 2,
         "rope_inv_freq",

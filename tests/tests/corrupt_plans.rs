@@ -200,3 +200,60 @@ fn sizes_near_the_top_of_u64_are_rejected_without_overflow() {
     });
     assert!(msgs.contains("buckets[0] (batch 1).arena_bytes"), "{msgs}");
 }
+
+/// Plans the mutation test found `validate` accepting although they compute something else.
+#[test]
+fn lost_results_and_foreign_pools_are_rejected() {
+    fn launch(p: &mut specplan_format::Plan, op: &str) -> usize {
+        p.buckets[0]
+            .launches
+            .iter()
+            .position(|l| l.op == op)
+            .unwrap_or_else(|| panic!("tiny has a launch {op}"))
+    }
+    fn pools_to(p: &mut specplan_format::Plan, op: &str, layer: u32) {
+        let i = launch(p, op);
+        if let LaunchKind::Kernel { args, .. } = &mut p.buckets[0].launches[i].kind {
+            for a in args {
+                if let ArgValue::KvCache { layer: l, .. } = a {
+                    *l = layer;
+                }
+            }
+        }
+    }
+    // Layer 1's keys appended into layer 0's pools: layer 0 appended twice, layer 1 never.
+    let msgs = invalid(|p| pools_to(p, "l1.rope_append", 0));
+    assert!(msgs.contains("layer 0's K pool is appended by 2 launches"), "{msgs}");
+    assert!(msgs.contains("layer 1's V pool is appended by 0 launches"), "{msgs}");
+    // Layer 0's attention over layer 1's pools, which this step has not appended yet.
+    let msgs = invalid(|p| pools_to(p, "l0.attention.attn_partial", 1));
+    assert!(msgs.contains("reads layer 1's K pool before launch"), "{msgs}");
+    // No append at all: attention over stale keys.
+    let msgs = invalid(|p| {
+        let i = launch(p, "l0.rope_append");
+        p.buckets[0].launches.remove(i);
+    });
+    assert!(msgs.contains("layer 0's K pool is appended by 0 launches"), "{msgs}");
+    // A lost result: the o_proj GEMM gone, the attention's output never read.
+    let msgs = invalid(|p| {
+        let i = launch(p, "l1.o_proj");
+        p.buckets[0].launches.remove(i);
+    });
+    assert!(
+        msgs.contains("(l1.attn): launch") && msgs.contains("no later launch reads it"),
+        "{msgs}"
+    );
+    // A launch repeated: its first result overwritten unread.
+    let msgs = invalid(|p| {
+        let i = launch(p, "lm_head");
+        let l = p.buckets[0].launches[i].clone();
+        p.buckets[0].launches.insert(i, l);
+    });
+    assert!(msgs.contains("overwrites what launch"), "{msgs}");
+    // A kernel relabelled (show and diff print the name).
+    let msgs = invalid(|p| p.kernels[0].name = "rmsnorm_bf16_hidden256".into());
+    assert!(msgs.contains("kernels[0]") && msgs.contains("mangled name"), "{msgs}");
+    // Descriptive rope facts that no kernel reads are still checked.
+    let msgs = invalid(|p| p.model.rope_scaling = specplan_format::RopeScaling::Linear { factor: f32::NAN });
+    assert!(msgs.contains("model.rope_scaling"), "{msgs}");
+}

@@ -173,6 +173,8 @@ struct Tally {
     same_as_run: usize,
     validated_only: usize,
     too_large: usize,
+    /// Mutations that left the plan as it was (a value set to itself).
+    unchanged: usize,
     validate_time: Duration,
     run_time: Duration,
     roundtrips: usize,
@@ -239,6 +241,10 @@ fn one(s: &Subject, i: usize, seed: u64, seen: &Mutex<HashSet<u64>>, t: &mut Tal
         t.rejected += 1;
         return;
     };
+    if v.plan() == &s.plan {
+        t.unchanged += 1;
+        return;
+    }
     t.accepted.push(format!("{}: {desc}", s.label));
     let Some(weights) = &s.weights else {
         t.validated_only += 1;
@@ -344,6 +350,7 @@ fn mutated_plans_are_rejected_or_run_safely() {
         t.same_as_run += x.same_as_run;
         t.validated_only += x.validated_only;
         t.too_large += x.too_large;
+        t.unchanged += x.unchanged;
         t.roundtrips += x.roundtrips;
         t.failures.extend(x.failures);
         t.accepted.extend(x.accepted);
@@ -360,8 +367,9 @@ fn mutated_plans_are_rejected_or_run_safely() {
         t1.elapsed()
     );
     println!(
-        "  rejected by validate {}, accepted {} = ran OK {} + ran with a returned error {} + same executor input as a run one {} + validated only (no CPU run: large weights) {} + too large to audit {}",
+        "  rejected by validate {}, unchanged by the mutation {}, accepted {} = ran OK {} + ran with a returned error {} + same executor input as a run one {} + validated only (no CPU run: large weights) {} + too large to audit {}",
         t.rejected,
+        t.unchanged,
         t.accepted.len(),
         t.ran_ok,
         t.ran_err,
@@ -379,7 +387,7 @@ fn mutated_plans_are_rejected_or_run_safely() {
         }
     }
     assert_eq!(
-        t.rejected + t.accepted.len() + t.failures.len(),
+        t.rejected + t.unchanged + t.accepted.len() + t.failures.len(),
         count,
         "every mutant counted"
     );

@@ -190,7 +190,15 @@ pub fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
     xs[rng.below(xs.len())]
 }
 
+/// A boundary value other than `v` (where the list has one).
 pub fn u32_value(v: u32, rng: &mut Rng) -> u32 {
+    (0..8)
+        .map(|_| u32_any(v, rng))
+        .find(|&x| x != v)
+        .unwrap_or(v.wrapping_add(1))
+}
+
+fn u32_any(v: u32, rng: &mut Rng) -> u32 {
     let r = rng.next_u64() as u32;
     pick(
         rng,
@@ -216,7 +224,15 @@ pub fn u32_value(v: u32, rng: &mut Rng) -> u32 {
     )
 }
 
+/// A boundary value other than `v` (where the list has one).
 pub fn u64_value(v: u64, rng: &mut Rng) -> u64 {
+    (0..8)
+        .map(|_| u64_any(v, rng))
+        .find(|&x| x != v)
+        .unwrap_or(v.wrapping_add(1))
+}
+
+fn u64_any(v: u64, rng: &mut Rng) -> u64 {
     let r = rng.next_u64();
     pick(
         rng,
@@ -245,6 +261,13 @@ pub fn u64_value(v: u64, rng: &mut Rng) -> u64 {
 }
 
 pub fn f32_value(v: f32, rng: &mut Rng) -> f32 {
+    (0..8)
+        .map(|_| f32_any(v, rng))
+        .find(|x| x.to_bits() != v.to_bits())
+        .unwrap_or(f32::NAN)
+}
+
+fn f32_any(v: f32, rng: &mut Rng) -> f32 {
     pick(
         rng,
         &[

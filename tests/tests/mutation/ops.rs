@@ -13,6 +13,12 @@ use super::leaves::{self, pick, u32_value, u64_value};
 const DTYPES: [DType; 5] = [DType::Bf16, DType::F16, DType::F32, DType::I32, DType::I64];
 const ALIGN: u64 = 256;
 
+/// An item of `xs` other than `old` (`xs` has at least two distinct items).
+fn other<T: PartialEq + Clone>(rng: &mut Rng, xs: &[T], old: &T) -> T {
+    let rest: Vec<&T> = xs.iter().filter(|x| *x != old).collect();
+    rest[rng.below(rest.len())].clone()
+}
+
 /// Applies one mutation (or, one time in five, two or three).
 pub fn mutate(p: &mut Plan, rng: &mut Rng) -> String {
     let times = if rng.below(5) == 0 { 2 + rng.below(2) } else { 1 };
@@ -101,13 +107,13 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
     let bi = rng.below(p.buckets.len().max(1));
     match rng.below(14) {
         0 => {
-            p.capture.dtype = pick(rng, &DTYPES);
+            p.capture.dtype = other(rng, &DTYPES, &p.capture.dtype);
             Some(format!("capture.dtype -> {:?}", p.capture.dtype))
         }
         1 => {
             let i = rng.below(p.weights.len());
             let w = p.weights.get_mut(i)?;
-            w.dtype = pick(rng, &DTYPES);
+            w.dtype = other(rng, &DTYPES, &w.dtype);
             Some(format!("weights[{i}].dtype -> {:?}", w.dtype))
         }
         2 | 3 => {
@@ -115,10 +121,14 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             let i = rng.below(b.buffers.len());
             let x = b.buffers.get_mut(i)?;
             if rng.below(2) == 0 {
-                x.dtype = pick(rng, &DTYPES);
+                x.dtype = other(rng, &DTYPES, &x.dtype);
                 Some(format!("buckets[{bi}].buffers[{i}].dtype -> {:?}", x.dtype))
             } else {
-                x.role = pick(rng, &[BufferRole::Input, BufferRole::Output, BufferRole::Scratch]);
+                x.role = other(
+                    rng,
+                    &[BufferRole::Input, BufferRole::Output, BufferRole::Scratch],
+                    &x.role,
+                );
                 Some(format!("buckets[{bi}].buffers[{i}].role -> {:?}", x.role))
             }
         }
@@ -130,7 +140,11 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         5 => {
             let i = rng.below(p.weights.len());
             let w = p.weights.get_mut(i)?;
-            w.packing = [Packing::Single, Packing::ConcatRows, Packing::GatherRows][rng.below(3)].clone();
+            w.packing = other(
+                rng,
+                &[Packing::Single, Packing::ConcatRows, Packing::GatherRows],
+                &w.packing,
+            );
             Some(format!("weights[{i}].packing -> {:?}", w.packing))
         }
         6 => {
@@ -169,7 +183,7 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         11 => {
             let ki = rng.below(p.kernels.len());
             let k = p.kernels.get_mut(ki)?;
-            k.entry = pick(rng, Entry::ALL);
+            k.entry = other(rng, Entry::ALL, &k.entry);
             Some(format!("kernels[{ki}].entry -> {}", k.entry))
         }
         12 => {
@@ -225,7 +239,9 @@ fn edit<T: Clone>(v: &mut Vec<T>, rng: &mut Rng) -> Option<String> {
     if v.is_empty() {
         return None;
     }
-    let (i, j) = (rng.below(v.len()), rng.below(v.len()));
+    let i = rng.below(v.len());
+    // j differs from i where it can (a swap or move in place changes nothing).
+    let j = (i + 1 + rng.below(v.len().max(2) - 1)) % v.len();
     Some(match rng.below(6) {
         0 | 1 => {
             v.remove(i);
@@ -326,7 +342,7 @@ fn repoint(p: &mut Plan, rng: &mut Rng) -> Option<String> {
                 *kernel = to(nk, rng);
                 return Some(format!("{at}.kernel: {old} -> {kernel}"));
             }
-            if rng.below(4) == 0 {
+            if rng.below(4) == 0 && args.iter().any(|a| matches!(a, ArgValue::KvCache { .. })) {
                 // Both pools of the launch to another layer (or K and V swapped).
                 let layer = to(nl, rng);
                 let swap = rng.below(2) == 0;
