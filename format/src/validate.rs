@@ -4,6 +4,8 @@
 //! allocation (see ARCHITECTURE.md, "Trust").
 //!
 //! Rules (each violation names the field, kernel, bucket, buffer, launch or argument):
+//! 0. Lengths: buckets, kernels, weights, fusions, and each bucket's buffers and launches
+//!    within caps far above what the compiler emits (`limits`), checked first.
 //! 1. Model: dimensions positive and within the kernels' limits (`limits`), `heads % kv_heads
 //!    == 0`, `head_dim` a multiple of 16 and at most 256, finite positive eps and theta,
 //!    rope scaling factors finite and positive (Llama 3: low below high),
@@ -64,6 +66,17 @@ mod limits {
     pub const MAX_BATCH: u32 = 4096;
     /// 64 GiB: more than any GPU's memory.
     pub const MAX_REGION_BYTES: u64 = 64 << 30;
+    /// List lengths, far above what the compiler emits (256 layers of ~15 launches each),
+    /// so that validation's work is bounded too (its overlap rule is quadratic in a
+    /// bucket's buffers).
+    pub const MAX_BUCKETS: usize = 256;
+    pub const MAX_KERNELS: usize = 1024;
+    pub const MAX_WEIGHTS: usize = 4096;
+    pub const MAX_FUSIONS: usize = 4096;
+    /// Buffers, and launches, of one bucket.
+    pub const MAX_BUCKET_ITEMS: usize = 4096;
+    /// Buffers and launches of all buckets together.
+    pub const MAX_PLAN_ITEMS: usize = 1 << 18;
 }
 pub use limits::*;
 pub use specplan_kernels::facts::MAX_TABLE_ENTRIES;
@@ -108,6 +121,7 @@ impl Errors {
 
 pub fn validate(plan: Plan) -> Result<ValidatedPlan, PlanError> {
     let mut e = Errors(Vec::new());
+    lengths(&plan, &mut e);
     model(&plan, &mut e);
     spec(&plan.spec, &mut e);
     capture(&plan, &mut e);
@@ -223,6 +237,33 @@ fn model(p: &Plan, e: &mut Errors) {
             "must be positive".into()
         });
     }
+}
+
+/// List lengths within the caps (checked first: everything after is linear or worse in them).
+fn lengths(p: &Plan, e: &mut Errors) {
+    for (path, n, max) in [
+        ("buckets", p.buckets.len(), MAX_BUCKETS),
+        ("kernels", p.kernels.len(), MAX_KERNELS),
+        ("weights", p.weights.len(), MAX_WEIGHTS),
+        ("fusions", p.fusions.len(), MAX_FUSIONS),
+    ] {
+        e.field(n <= max, path, || format!("{n} entries exceed {max}"));
+    }
+    let mut total = 0usize;
+    for (bi, b) in p.buckets.iter().enumerate() {
+        for (what, n) in [("buffers", b.buffers.len()), ("launches", b.launches.len())] {
+            e.check(n <= MAX_BUCKET_ITEMS, || {
+                (
+                    Location::bucket(bi, b.batch),
+                    format!("buckets[{bi}].{what}: {n} entries exceed {MAX_BUCKET_ITEMS}"),
+                )
+            });
+            total = total.saturating_add(n);
+        }
+    }
+    e.field(total <= MAX_PLAN_ITEMS, "buckets", || {
+        format!("{total} buffers and launches in all exceed {MAX_PLAN_ITEMS}")
+    });
 }
 
 /// SGLang's rules for the speculative parameters; shared with the compiler's config check.

@@ -199,6 +199,17 @@ fn sizes_near_the_top_of_u64_are_rejected_without_overflow() {
         b.buffers[0].offset = u64::MAX - 255 - b.buffers[0].bytes;
     });
     assert!(msgs.contains("buckets[0] (batch 1).arena_bytes"), "{msgs}");
+    // Lists are capped before any rule walks them (the overlap rule is quadratic).
+    let msgs = invalid(|p| {
+        let l = p.buckets[0].launches[0].clone();
+        p.buckets[0].launches.resize(5000, l);
+    });
+    assert!(msgs.contains("buckets[0].launches: 5000 entries exceed 4096"), "{msgs}");
+    let msgs = invalid(|p| {
+        let k = p.kernels[0].clone();
+        p.kernels.resize(2000, k);
+    });
+    assert!(msgs.contains("kernels: 2000 entries exceed 1024"), "{msgs}");
 }
 
 /// Plans the mutation test found `validate` accepting although they compute something else.
