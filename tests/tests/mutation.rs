@@ -179,6 +179,7 @@ struct Tally {
     too_large: usize,
     /// Mutations that left the plan as it was (a value set to itself).
     unchanged: usize,
+    too_large_example: String,
     validate_time: Duration,
     run_time: Duration,
     roundtrips: usize,
@@ -290,7 +291,7 @@ fn one(s: &Subject, i: usize, seed: u64, seen: &Mutex<HashSet<u64>>, t: &mut Tal
         Ok(Ok(Audit::Refused(_))) => t.ran_err += 1,
         Ok(Err(AuditError::TooLarge(e))) => {
             t.too_large += 1;
-            println!("  too large to audit: {} mutant #{i} [{desc}]: {e}", s.label);
+            t.too_large_example = format!("{} mutant #{i} [{desc}]: {e}", s.label);
         }
         Ok(Err(e)) => t.failures.push(fail(format!("bucket {bucket}: {e}"))),
         Err(e) => t.failures.push(fail(format!(
@@ -355,6 +356,9 @@ fn mutated_plans_are_rejected_or_run_safely() {
         t.validated_only += x.validated_only;
         t.too_large += x.too_large;
         t.unchanged += x.unchanged;
+        if t.too_large_example.is_empty() {
+            t.too_large_example = x.too_large_example;
+        }
         t.roundtrips += x.roundtrips;
         t.failures.extend(x.failures);
         t.accepted.extend(x.accepted);
@@ -385,6 +389,9 @@ fn mutated_plans_are_rejected_or_run_safely() {
         "  {} mutants also decoded from bytes; time in validate {:.1?}, in CPU runs {:.1?} (slowest {:.1?}), over {workers} threads",
         t.roundtrips, t.validate_time, t.run_time, t.slowest_run
     );
+    if !t.too_large_example.is_empty() {
+        println!("  too large to audit, e.g. {}", t.too_large_example);
+    }
     if std::env::var_os("SPECPLAN_MUTATIONS_VERBOSE").is_some() {
         for a in &t.accepted {
             println!("  accepted: {a}");
