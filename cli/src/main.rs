@@ -98,7 +98,15 @@ enum Cmd {
         /// GPU only: issue the launches without a CUDA graph.
         #[arg(long)]
         eager: bool,
+        /// Compile every kernel here (NVRTC) from the plan's validated constants instead of
+        /// running the machine code the plan file carries (for plans from elsewhere: a
+        /// plan's checksum is integrity, not authenticity).
+        #[arg(long)]
+        rebuild_kernels: bool,
     },
+    /// What specplan finds on this machine: NVRTC and the CUDA headers (and every place
+    /// looked at), the CUDA driver and GPUs; what would fail. Exit 1 when NVRTC is missing.
+    Doctor,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -212,6 +220,61 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+/// `specplan doctor`: NVRTC and the headers, the driver and GPUs, and what would fail.
+fn doctor() -> Result<ExitCode> {
+    let mut problems = Vec::new();
+    match specplan_compiler::nvrtc_locate::locate(&[]) {
+        Ok(found) => {
+            outln!("nvrtc:        found ({})", found.origin);
+            outln!(
+                "  library:    {}",
+                found
+                    .library
+                    .as_ref()
+                    .map_or("on the loader path".to_string(), |p| p.display().to_string())
+            );
+            outln!("  headers:    {}", found.include_dir.display());
+            match Jit::from_env() {
+                Ok(j) => outln!("  version:    NVRTC {}", j.version),
+                Err(e) => {
+                    outln!("  unusable:   {e}");
+                    problems.push("compile (kernels): NVRTC does not work");
+                }
+            }
+        }
+        Err(tried) => {
+            outln!("nvrtc:        not found; looked at:");
+            for t in tried.split("; ") {
+                outln!("  {t}");
+            }
+            outln!("  provision:  {}", specplan_compiler::jit::PROVISION);
+            problems.push("compile without --no-kernels, include_plan! with kernels");
+        }
+    }
+    let drv = specplan_runtime::gpu::driver_report();
+    for (k, v) in &drv {
+        outln!("{:<13} {v}", format!("{k}:"));
+    }
+    if drv.get("gpus").is_none_or(|g| g == "0") {
+        problems.push("run --device cuda, the GPU runtime and the Python runner (no GPU)");
+    }
+    outln!(
+        "would fail:   {}",
+        if problems.is_empty() {
+            "nothing".to_string()
+        } else {
+            problems.join("; ")
+        }
+    );
+    Ok(
+        if problems.iter().any(|p| p.contains("NVRTC") || p.contains("compile")) {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        },
+    )
 }
 
 fn load(path: &Path) -> Result<ValidatedPlan> {
@@ -343,6 +406,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             out,
             device,
             eager,
+            rebuild_kernels,
         } => {
             if eager && device == Device::Cpu {
                 bail!("--eager applies to --device cuda only");
@@ -352,7 +416,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 &out,
                 &[("--plan", &plan), ("--weights", &weights), ("--inputs", &inputs)],
             )?;
-            let p = load(&plan)?;
+            let mut p = load(&plan)?;
+            if rebuild_kernels {
+                let jit = Jit::from_env()?;
+                p = specplan_compiler::rebuild_kernels(&p, &jit)?;
+            }
             let t0 = Instant::now();
             let w = contract::load_weights(&p, &weights)?;
             let mut x = contract::load_inputs(&p, &inputs)?;
@@ -381,6 +449,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Doctor => doctor(),
     }
 }
 

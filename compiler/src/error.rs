@@ -17,4 +17,6 @@ pub enum CompileError {
     Plan(#[from] PlanError),
     #[error(transparent)]
     Jit(#[from] crate::jit::JitError),
+    #[error("rebuilding the plan's kernels: {0}")]
+    Rebuild(String),
 }

@@ -35,6 +35,25 @@ pub use config::{Config, Overrides, Source};
 pub use error::CompileError;
 use graph::{OpGraph, Storage, TensorId};
 
+/// Replaces every kernel binary of a validated plan with one compiled here, by `jit`, from
+/// the plan's own (validated) constants and our templates — so the machine code that runs is
+/// what this machine's NVRTC makes of sources we ship, not what the plan file carried (see
+/// ARCHITECTURE.md, "Trust model"). The result is validated again.
+pub fn rebuild_kernels(plan: &ValidatedPlan, jit: &jit::Jit) -> Result<ValidatedPlan, CompileError> {
+    let mut p = plan.plan().clone();
+    let mut sources = Vec::with_capacity(p.kernels.len());
+    for k in &p.kernels {
+        let src = specplan_format::kernel_source(plan, k)
+            .ok_or_else(|| CompileError::Rebuild(format!("kernel {}: no source for its constants", k.name)))?;
+        sources.push(src);
+    }
+    for k in &mut p.kernels {
+        k.binary = None;
+    }
+    jit.compile_all(&mut p.kernels, &sources, p.target.sm)?;
+    validate(p).map_err(|e| CompileError::Rebuild(e.to_string()))
+}
+
 /// Target facts the plan is specialized for.
 #[derive(Clone, Debug)]
 pub struct Target {

@@ -20,6 +20,7 @@ pub use codec::{decode, encode, load_file, FORMAT_VERSION, MAGIC, MAX_PLAN_BYTES
 pub use diff::{diff, DiffEntry, PlanDiff};
 pub use facts::{bucket_facts, kernel_facts, kernel_facts_of};
 pub use location::{Location, Violation};
+pub use rules::kernel_source;
 pub use specplan_kernels::facts::{BucketFacts, KernelFacts, MAX_SMEM_BYTES};
 pub use text::{escape, facts, to_text, Fact};
 pub use types::*;

@@ -26,6 +26,15 @@ pub(crate) fn instance_facts(p: &Plan, f: &KernelFacts, k: &KernelDesc) -> Optio
     }
 }
 
+/// The full NVRTC source of a validated plan's kernel: the template with the prelude its
+/// constants give (what its `source_hash` names). For rebuilding kernels locally instead of
+/// running the binaries a plan file carries.
+pub fn kernel_source(p: &crate::ValidatedPlan, k: &KernelDesc) -> Option<String> {
+    let f = crate::kernel_facts_of(p);
+    let kf = instance_facts(p, &f, k)?;
+    Some(full_source(k.entry.template(), &k.constants, &kf))
+}
+
 pub(crate) fn kernels(p: &Plan, f: &KernelFacts, e: &mut Errors) {
     let mut names = std::collections::HashSet::new();
     for (i, k) in p.kernels.iter().enumerate() {

@@ -1,0 +1,55 @@
+//! `specplan doctor` and `run --rebuild-kernels`: what the machine has, and running a plan
+//! on kernels compiled here instead of the machine code the plan file carries.
+
+mod common;
+
+use common::*;
+use specplan_tests::contract_files::{input_tensors, weight_tensors, write_safetensors};
+
+#[test]
+fn doctor_reports_nvrtc_the_driver_and_what_would_fail() {
+    let out = specplan(&["doctor"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("nvrtc:") && text.contains("driver:") && text.contains("would fail:"),
+        "{text}"
+    );
+    let found = text.contains("nvrtc:        found");
+    assert_eq!(out.status.code(), Some(if found { 0 } else { 1 }), "{text}");
+}
+
+#[test]
+fn rebuilt_kernels_run_the_same_step() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plan = dir.path().join("p.plan");
+    let c = specplan(&["compile", "--preset", "tiny", "-o", plan.to_str().expect("utf-8")]);
+    if !c.status.success() {
+        println!("SKIP: no NVRTC here ({})", text(&c).lines().next().unwrap_or(""));
+        return;
+    }
+    let p = specplan_format::load_file(&plan).expect("load plan");
+    let (w, i) = (dir.path().join("w.safetensors"), dir.path().join("i.safetensors"));
+    write_safetensors(&w, &weight_tensors(&p, 3).expect("weights")).expect("write weights");
+    write_safetensors(&i, &input_tensors(&p, 3, 3, 20).expect("inputs")).expect("write inputs");
+    let run = |out: &str, extra: &[&str]| {
+        let o = dir.path().join(out);
+        let mut args = vec![
+            "run",
+            "--plan",
+            plan.to_str().expect("utf-8"),
+            "--weights",
+            w.to_str().expect("utf-8"),
+        ];
+        args.extend([
+            "--inputs",
+            i.to_str().expect("utf-8"),
+            "--out",
+            o.to_str().expect("utf-8"),
+        ]);
+        args.extend(extra);
+        let r = specplan(&args);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        std::fs::read(o).expect("outputs")
+    };
+    assert_eq!(run("a.safetensors", &[]), run("b.safetensors", &["--rebuild-kernels"]));
+}
