@@ -1,15 +1,19 @@
 //! Stage 2: [`Config`] → unfused [`OpGraph`] of the EAGLE draft-extend v2 forward.
 //!
-//! The graph states the semantics op by op, as `docs/semantics.md` writes them:
+//! The graph states the semantics op by op, as `docs/semantics.md` writes them. EAGLE-1/2:
 //! embed(ids) ‖ hidden → fc → layers (identity input norm on layer 0, QKV, RoPE, K/V append,
 //! causal paged attention, O + residual, post norm, SiLU(gate)·up, down + residual) →
 //! row select i·N + A_i − 1 → lm_head (hot rows under FR-Spec) → softmax → top-K → id map.
+//! EAGLE-3: h = fc(hidden [3·H_t]); layer 0 (`midlayer`) reads
+//! rmsnorm(embed(ids)) ‖ rmsnorm(h) (2H wide) with residual h; the selected row (pre-norm,
+//! the head's hidden output) → final norm → its own lm_head over V_d → softmax → top-K →
+//! id + d2t[id].
 //! Every tensor has B·N rows (T) or B rows; nothing here is fused — `passes` does that.
 
-use specplan_format::{io, DType, Entry, KvKind, Packing};
+use specplan_format::{io, DType, Entry, HeadKind, KvKind, Packing};
 
 use crate::config::Config;
-use crate::graph::{Dim, Op, OpGraph, OpKind, Storage, Tensor, TensorId};
+use crate::graph::{Dim, IdMap, Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
 struct Builder {
     g: OpGraph,
@@ -84,9 +88,15 @@ pub fn lower(cfg: &Config) -> OpGraph {
         rank: 0,
     };
     let inp = inputs(&mut g, cfg);
-    let mut x = fc(&mut g, cfg, &inp);
+    let (mut x, mut first_in) = match cfg.model.desc.head {
+        HeadKind::Eagle1 => (fc(&mut g, cfg, &inp), None),
+        HeadKind::Eagle3 => {
+            let (h, a) = fc3(&mut g, cfg, &inp);
+            (h, Some(a))
+        }
+    };
     for l in 0..cfg.model.desc.layers {
-        x = layer(&mut g, cfg, &inp, l, x);
+        x = layer(&mut g, cfg, &inp, l, x, first_in.take());
     }
     output_head(&mut g, cfg, &inp, x);
     g.g.rebuild_edges();
@@ -100,7 +110,7 @@ fn inputs(g: &mut Builder, cfg: &Config) -> Inputs {
     let table_rows = cfg.capture.max_requests as u64 + 1;
     Inputs {
         ids: g.input(io::INPUT_IDS, DType::I64, vec![t]),
-        hidden: g.input(io::HIDDEN_STATES, act, vec![t, f(m.hidden as u64)]),
+        hidden: g.input(io::HIDDEN_STATES, act, vec![t, f(m.hidden_in() as u64)]),
         prefix: g.input(io::PREFIX_LENS, DType::I32, vec![b]),
         accept: g.input(io::ACCEPT_LENS, DType::I32, vec![b]),
         slots: g.input(io::REQ_SLOTS, DType::I32, vec![b]),
@@ -131,8 +141,34 @@ fn fc(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
     x
 }
 
+/// EAGLE-3: `h = fc(hidden)` (`fc.weight [H, 3·H_t]`, no bias), the residual of layer 0,
+/// and layer 0's input `rmsnorm(embed(ids), input_layernorm) ‖ rmsnorm(h, hidden_norm)`.
+/// Returns `(h, input)`.
+fn fc3(g: &mut Builder, cfg: &Config, inp: &Inputs) -> (TensorId, TensorId) {
+    let m = &cfg.model.desc;
+    let act = cfg.capture.dtype;
+    let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
+    let h = m.hidden as u64;
+    let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(h)]);
+    let emb = g.act("embeds", act, vec![t, f(h)]);
+    g.op("embed", OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
+    let fc_w = g.weight("fc.weight", act, vec![f(h), f(m.hidden_in() as u64)]);
+    let x = g.act("x", act, vec![t, f(h)]);
+    g.linear("fc", inp.hidden, fc_w, None, x);
+    let w_in = g.weight("midlayer.input_layernorm.weight", act, vec![f(h)]);
+    let en = g.act("embeds_norm", act, vec![t, f(h)]);
+    g.op("embed_norm", OpKind::RmsNorm, vec![emb, w_in], vec![en]);
+    let w_hn = g.weight("midlayer.hidden_norm.weight", act, vec![f(h)]);
+    let hn = g.act("x_norm", act, vec![t, f(h)]);
+    g.op("hidden_norm", OpKind::RmsNorm, vec![x, w_hn], vec![hn]);
+    let a = g.act("l0.in", act, vec![t, f(2 * h)]);
+    g.op("concat", OpKind::Concat, vec![en, hn], vec![a]);
+    (x, a)
+}
+
 /// One decoder layer over the residual stream `x`; returns the layer's output stream.
-fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId) -> TensorId {
+/// `input`: the attention's input when it is not the (normed) stream (EAGLE-3's layer 0).
+fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId, input: Option<TensorId>) -> TensorId {
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
     let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
@@ -144,10 +180,17 @@ fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId) -> Te
         f(hkv),
         f(d),
     ];
-    let p = format!("layers.{l}");
+    // Checkpoint names: EAGLE-3's one layer is `midlayer`.
+    let p = match m.head {
+        HeadKind::Eagle1 => format!("layers.{l}"),
+        HeadKind::Eagle3 => "midlayer".to_string(),
+    };
     let w = |g: &mut Builder, name: &str, shape: Vec<Dim>| g.weight(&format!("{p}.{name}.weight"), act, shape);
-    // EAGLE heads replace layer 0's input norm by the identity.
-    let hn = if l == 0 {
+    // EAGLE heads replace layer 0's input norm by the identity (EAGLE-1/2) or by their own
+    // input (EAGLE-3).
+    let hn = if let Some(a) = input {
+        a
+    } else if l == 0 {
         x
     } else {
         let nw = w(g, "input_layernorm", vec![f(h)]);
@@ -155,9 +198,10 @@ fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId) -> Te
         g.op(&format!("l{l}.input_norm"), OpKind::RmsNorm, vec![x, nw], vec![hn]);
         hn
     };
-    let wq = w(g, "self_attn.q_proj", vec![f(hq * d), f(h)]);
-    let wk = w(g, "self_attn.k_proj", vec![f(hkv * d), f(h)]);
-    let wv = w(g, "self_attn.v_proj", vec![f(hkv * d), f(h)]);
+    let kin = g.g.tensor(hn).shape[1].fixed;
+    let wq = w(g, "self_attn.q_proj", vec![f(hq * d), f(kin)]);
+    let wk = w(g, "self_attn.k_proj", vec![f(hkv * d), f(kin)]);
+    let wv = w(g, "self_attn.v_proj", vec![f(hkv * d), f(kin)]);
     let q = g.act(&format!("l{l}.q"), act, vec![t, f(hq * d)]);
     let k = g.act(&format!("l{l}.k"), act, vec![t, f(hkv * d)]);
     let v = g.act(&format!("l{l}.v"), act, vec![t, f(hkv * d)]);
@@ -245,11 +289,22 @@ fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
         vec![x, inp.accept],
         vec![hidden_out],
     );
+    // EAGLE-3: the final norm of the selected rows feeds lm_head; the rows themselves
+    // (pre-norm) leave the head.
+    let lm_in = match m.head {
+        HeadKind::Eagle1 => hidden_out,
+        HeadKind::Eagle3 => {
+            let nw = g.weight("norm.weight", act, vec![f(h)]);
+            let normed = g.act("hidden_normed", act, vec![b, f(h)]);
+            g.op("final_norm", OpKind::RmsNorm, vec![hidden_out, nw], vec![normed]);
+            normed
+        }
+    };
     let k = cfg.spec.topk as u64;
     let (lm_w, vh) = match cfg.capture.hot_vocab_size {
         None => (
-            g.weight("lm_head.weight", act, vec![f(m.vocab as u64), f(h)]),
-            m.vocab as u64,
+            g.weight("lm_head.weight", act, vec![f(m.lm_vocab() as u64), f(h)]),
+            m.lm_vocab() as u64,
         ),
         Some(vh) => {
             let storage = Storage::Weight {
@@ -263,21 +318,43 @@ fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
         }
     };
     let logits = g.act("logits", DType::F32, vec![b, f(vh)]);
-    g.linear("lm_head", hidden_out, lm_w, None, logits);
+    g.linear("lm_head", lm_in, lm_w, None, logits);
     let probs = g.act("probs", DType::F32, vec![b, f(vh)]);
     g.op("softmax", OpKind::Softmax, vec![logits], vec![probs]);
     let top_p = g.output(io::TOPK_PROBS, DType::F32, vec![b, f(k)]);
-    match cfg.capture.hot_vocab_size {
-        None => {
+    match (cfg.capture.hot_vocab_size, m.draft_vocab) {
+        (None, Some(vd)) => {
+            let draft_idx = g.act("topk_draft_ids", DType::I64, vec![b, f(k)]);
+            g.op(
+                "topk",
+                OpKind::TopK { k: k as u32 },
+                vec![probs],
+                vec![top_p, draft_idx],
+            );
+            let d2t = g.weight("d2t", DType::I64, vec![f(vd as u64)]);
+            let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
+            g.op(
+                "map_ids",
+                OpKind::MapIds { map: IdMap::Offset },
+                vec![draft_idx, d2t],
+                vec![top_i],
+            );
+        }
+        (None, None) => {
             let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
             g.op("topk", OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, top_i]);
         }
-        Some(vh) => {
+        (Some(vh), _) => {
             let hot_idx = g.act("topk_hot_ids", DType::I64, vec![b, f(k)]);
             g.op("topk", OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, hot_idx]);
             let map = g.weight("hot_token_ids", DType::I64, vec![f(vh as u64)]);
             let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
-            g.op("map_ids", OpKind::MapIds, vec![hot_idx, map], vec![top_i]);
+            g.op(
+                "map_ids",
+                OpKind::MapIds { map: IdMap::Hot },
+                vec![hot_idx, map],
+                vec![top_i],
+            );
         }
     }
 }

@@ -12,16 +12,22 @@ use specplan_format::{Entry, FusionRecord, Packing};
 use crate::config::Config;
 use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
+mod eagle3;
+
 type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
 
 /// Rules named after the one kernel they fuse into.
 const EMBED_CONCAT: &str = Entry::EmbedConcat.name();
+const EMBED_NORM_CONCAT: &str = Entry::EmbedNormConcat.name();
+const SELECT_NORM: &str = Entry::SelectNorm.name();
 const SOFTMAX_TOPK: &str = Entry::SoftmaxTopk.name();
 
 /// The fusion pipeline, in order.
 pub const PASSES: &[(&str, Pass)] = &[
     (EMBED_CONCAT, embed_concat),
     ("fc_bias_into_embed", fc_bias_into_embed),
+    (EMBED_NORM_CONCAT, eagle3::embed_norm_concat),
+    (SELECT_NORM, eagle3::select_norm),
     ("qkv_rope_append", qkv_rope_append),
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
@@ -393,7 +399,11 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         };
         let OpKind::TopK { k } = g.graph[t].kind else { continue };
         let idx = g.graph[t].outs[1];
-        let map = sole_consumer(g, idx).filter(|&m| g.graph[m].kind == OpKind::MapIds);
+        let map = sole_consumer(g, idx).filter(|&m| matches!(g.graph[m].kind, OpKind::MapIds { .. }));
+        let id_map = map.and_then(|m| match g.graph[m].kind {
+            OpKind::MapIds { map } => Some(map),
+            _ => None,
+        });
         let mut ins = vec![g.graph[s].ins[0]];
         let mut outs = vec![g.graph[t].outs[0]];
         let mut fused = vec![s, t];
@@ -407,10 +417,7 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         }
         let op = Op {
             name: SOFTMAX_TOPK.into(),
-            kind: OpKind::SoftmaxTopK {
-                k,
-                hot_map: map.is_some(),
-            },
+            kind: OpKind::SoftmaxTopK { k, map: id_map },
             ins,
             outs,
             rank: g.graph[s].rank,
@@ -610,7 +617,7 @@ mod tests {
             assert_eq!(
                 count(
                     &g,
-                    |k| matches!(k, OpKind::SoftmaxTopK { hot_map, .. } if *hot_map == hot.is_some())
+                    |k| matches!(k, OpKind::SoftmaxTopK { map, .. } if map.is_some() == hot.is_some())
                 ),
                 1
             );

@@ -278,7 +278,7 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             c.same((false, 0), (true, 0))
         }
         OpKind::TopK { k } | OpKind::SoftmaxTopK { k, .. } => {
-            let hot = matches!(kind, OpKind::SoftmaxTopK { hot_map: true, .. });
+            let hot = matches!(kind, OpKind::SoftmaxTopK { map: Some(_), .. });
             c.arity(1 + hot as usize, 2)?;
             c.dtype(false, 0, &[DType::F32])?;
             let (b, v) = c.rank2(false, 0)?;
@@ -296,11 +296,33 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             }
             Ok(())
         }
-        OpKind::MapIds => {
+        OpKind::MapIds { .. } => {
             c.arity(2, 1)?;
             c.dtype(false, 0, &[DType::I64])?;
             c.dtype(false, 1, &[DType::I64])?;
             c.same((false, 0), (true, 0))
+        }
+        OpKind::EmbedNormConcat => {
+            c.arity(5, 1)?;
+            c.dtype(false, 0, &[DType::I64])?;
+            let (_, h) = c.rank2(false, 1)?;
+            for (i, what) in [(2, "w_embed"), (4, "w_hidden")] {
+                want(c.shape(false, i) == [h], || format!("{what} must be [{h}]"))?;
+            }
+            want(c.shape(false, 3) == [rows, h], || format!("h must be [{rows}, {h}]"))?;
+            want(c.shape(true, 0) == [rows, Dim::fixed(2 * h.fixed)], || {
+                "output must be [T, 2H]".into()
+            })
+        }
+        OpKind::SelectNorm => {
+            c.arity(3, 2)?;
+            let (r, h) = c.rank2(false, 0)?;
+            want(r == rows, || format!("input rows must be {rows}"))?;
+            c.dtype(false, 1, &[DType::I32])?;
+            want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
+            want(c.shape(true, 0) == [batch, h] && c.shape(true, 1) == [batch, h], || {
+                format!("outputs must be [B, {h}]")
+            })
         }
     }
 }

@@ -305,7 +305,7 @@ fn io_shapes(p: &Plan, bi: usize, b: &BucketPlan, tag: &str, e: &mut Errors) {
     let act = p.capture.dtype;
     let want: [(&str, DType, Vec<u64>); 8] = [
         (io::INPUT_IDS, DType::I64, vec![rows]),
-        (io::HIDDEN_STATES, act, vec![rows, h]),
+        (io::HIDDEN_STATES, act, vec![rows, p.model.hidden_in() as u64]),
         (io::PREFIX_LENS, DType::I32, vec![bb]),
         (io::ACCEPT_LENS, DType::I32, vec![bb]),
         (io::REQ_SLOTS, DType::I32, vec![bb]),

@@ -11,12 +11,13 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
     KernelFacts {
         act: c.dtype,
         hidden: m.hidden,
+        hidden_in: m.hidden_in(),
         intermediate: m.intermediate,
         heads: m.heads,
         kv_heads: m.kv_heads,
         head_dim: m.head_dim,
         vocab: m.vocab,
-        cols: c.hot_vocab_size.unwrap_or(m.vocab),
+        cols: c.hot_vocab_size.unwrap_or(m.lm_vocab()),
         n: s.num_draft_tokens,
         topk: s.topk,
         page_size: c.page_size,
@@ -26,6 +27,7 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         window: 0,
         has_bias: m.fc_bias,
         hot_map: c.hot_vocab_size.is_some(),
+        id_offset: m.draft_vocab.is_some(),
     }
 }
 

@@ -151,8 +151,9 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
     fact(
         "model".into(),
         format!(
-            "hidden={} intermediate={} heads={} kv_heads={} head_dim={} layers={} vocab={} rms_norm_eps={:?} rope_theta={:?} rope_scaling={} max_position_embeddings={} fc_bias={}",
-            m.hidden, m.intermediate, m.heads, m.kv_heads, m.head_dim, m.layers, m.vocab, m.rms_norm_eps,
+            "head={} hidden={} intermediate={} heads={} kv_heads={} head_dim={} layers={} vocab={} draft_vocab={} target_hidden={} rms_norm_eps={:?} rope_theta={:?} rope_scaling={} max_position_embeddings={} fc_bias={}",
+            m.head.name(), m.hidden, m.intermediate, m.heads, m.kv_heads, m.head_dim, m.layers, m.vocab,
+            opt(&m.draft_vocab), m.target_hidden, m.rms_norm_eps,
             m.rope_theta, rope(&m.rope_scaling), m.max_position_embeddings, m.fc_bias
         ),
     );

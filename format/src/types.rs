@@ -25,9 +25,30 @@ pub enum RopeScaling {
     },
 }
 
+/// Which EAGLE draft head a plan computes (`docs/semantics.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HeadKind {
+    /// EAGLE-1/2: `fc([embed ‖ hidden])`, layers, `lm_head` (the target's).
+    Eagle1,
+    /// EAGLE-3: `fc` of three target layers' features, layer 0 on
+    /// `[input_layernorm(embed) ‖ hidden_norm(h)]` with residual `h`, a final norm before its
+    /// own `lm_head` over the draft vocabulary, ids mapped by `d2t`.
+    Eagle3,
+}
+
+impl HeadKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadKind::Eagle1 => "eagle1",
+            HeadKind::Eagle3 => "eagle3",
+        }
+    }
+}
+
 /// The draft model's resolved dimensions.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelDesc {
+    pub head: HeadKind,
     pub hidden: u32,
     pub intermediate: u32,
     pub heads: u32,
@@ -40,6 +61,27 @@ pub struct ModelDesc {
     pub rope_scaling: RopeScaling,
     pub max_position_embeddings: u32,
     pub fc_bias: bool,
+    /// EAGLE-3: the target's hidden size H_t (input rows are `3 · H_t` wide). EAGLE-1/2:
+    /// equal to `hidden`.
+    pub target_hidden: u32,
+    /// EAGLE-3 with its own draft vocabulary: V_d, the rows of `lm_head`, whose top-K ids
+    /// map to target ids through `d2t`. `None`: `lm_head` has the target vocabulary's rows.
+    pub draft_vocab: Option<u32>,
+}
+
+impl ModelDesc {
+    /// Width of a row of the input hidden states.
+    pub fn hidden_in(&self) -> u32 {
+        match self.head {
+            HeadKind::Eagle1 => self.hidden,
+            HeadKind::Eagle3 => self.target_hidden.saturating_mul(3),
+        }
+    }
+
+    /// Rows of `lm_head` (before any FR-Spec hot selection).
+    pub fn lm_vocab(&self) -> u32 {
+        self.draft_vocab.unwrap_or(self.vocab)
+    }
 }
 
 /// EAGLE speculative parameters (SGLang's names).

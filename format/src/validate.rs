@@ -176,6 +176,38 @@ fn model(p: &Plan, e: &mut Errors) {
         });
     }
     e.field(
+        m.target_hidden > 0 && m.target_hidden <= MAX_HIDDEN,
+        "model.target_hidden",
+        || format!("{} is outside [1, {MAX_HIDDEN}]", m.target_hidden),
+    );
+    match m.head {
+        crate::types::HeadKind::Eagle1 => {
+            e.field(m.target_hidden == m.hidden, "model.target_hidden", || {
+                format!(
+                    "{} must equal hidden {} for an EAGLE-1/2 head",
+                    m.target_hidden, m.hidden
+                )
+            });
+            e.field(m.draft_vocab.is_none(), "model.draft_vocab", || {
+                "an EAGLE-1/2 head has no draft vocabulary (its lm_head is the target's)".into()
+            });
+        }
+        crate::types::HeadKind::Eagle3 => {
+            e.field(m.layers == 1, "model.layers", || {
+                format!("{} layers: EAGLE-3 heads have one (midlayer)", m.layers)
+            });
+            e.field(!m.fc_bias, "model.fc_bias", || "EAGLE-3's fc has no bias".into());
+            e.field(p.capture.hot_vocab_size.is_none(), "capture.hot_vocab_size", || {
+                "FR-Spec hot rows and EAGLE-3's d2t map are exclusive".into()
+            });
+        }
+    }
+    if let Some(v) = m.draft_vocab {
+        e.field(v >= p.spec.topk && v <= m.vocab, "model.draft_vocab", || {
+            format!("{v} must be in [topk = {}, vocab = {}]", p.spec.topk, m.vocab)
+        });
+    }
+    e.field(
         m.kv_heads == 0 || m.heads.is_multiple_of(m.kv_heads),
         "model.heads",
         || format!("{} is not a multiple of kv_heads {}", m.heads, m.kv_heads),

@@ -188,6 +188,41 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return t;
 }
 
+// RMSNorm of one row by the whole CTA: out[c] = round(x[c] * rsqrt(mean(x^2) + eps) * w[c]),
+// x and w read as fp32, every step in fp32, one rounding at the store. `out` may alias `x`:
+// each element is read before the reduction's barrier and written after it by the thread
+// that read it. 16-byte vectors when all three rows are aligned; the rest element-wise.
+// `scratch`: 32 floats of shared memory. Every thread of the CTA must call it.
+__device__ __forceinline__ void rmsnorm_row(const act_t* x, const act_t* w, act_t* out, long long n, float eps,
+                                            float* scratch) {
+    const bool vec = aligned16(x) && aligned16(out) && aligned16(w);
+    const long long nv = vec ? (n / 8) * 8 : 0;
+    float ss = 0.0f;
+    for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
+        float v[8];
+        load_vec<8>(x + e, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
+    }
+    for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
+        const float v = to_f(x[e]);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = rsqrtf(ss / (float)n + eps);
+    for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
+        float v[8], g[8];
+        load_vec<8>(x + e, v);
+        load_vec<8>(w + e, g);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * g[k];
+        store_vec<8>(out + e, v);
+    }
+    for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
+        out[e] = to_act(to_f(x[e]) * inv * to_f(w[e]));
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // The K/V cache and page table the runtime registered (specplan_kernels::kv): read once
 // per CTA from its device words. A token slot is one [KV_HEADS, HEAD_DIM] row of a layer's

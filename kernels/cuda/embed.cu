@@ -7,7 +7,7 @@
 //   bias_out[r, :]          = bias[:]            (only when HAS_BIAS and both pointers are set)
 //
 // Entry:     embed_concat
-// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS
+// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS, EPS (unused here)
 // Launch:    grid (rows, 1, 1), block (EMBED_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
 //   ids       const long long*  [rows]            token ids (int64)
@@ -19,9 +19,24 @@
 //   rows      unsigned          number of rows; CTAs with blockIdx.x >= rows do nothing
 // Pure copies: bit exact, 16-byte vectors where the row pointers are 16-byte aligned
 // (always the case when HIDDEN % 8 == 0 and the buffers are), any HIDDEN handled.
+//
+// Entry:     embed_norm_concat (EAGLE-3's layer-0 input)
+//   out[r, 0:HIDDEN]        = rmsnorm(table[ids[r], :], w_embed)   (an id outside [0, VOCAB) reads row 0)
+//   out[r, HIDDEN:2*HIDDEN] = rmsnorm(h[r, :], w_hidden)
+//   each RMSNorm as norm.cu's (fp32, eps EPS, one rounding to act_t).
+// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS (unused here), EPS
+// Launch:    grid (rows, 1, 1), block (EMBED_NORM_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory.
+// Params (by value, natural C alignment, fields in this order):
+//   ids       const long long*  [rows]
+//   table     const act_t*      [VOCAB, HIDDEN]   the target's embedding
+//   w_embed   const act_t*      [HIDDEN]          input_layernorm
+//   h         const act_t*      [rows, HIDDEN]    fc(target features): the layer's residual
+//   w_hidden  const act_t*      [HIDDEN]          hidden_norm
+//   out       act_t*            [rows, 2*HIDDEN]
+//   rows      unsigned          CTAs with blockIdx.x >= rows do nothing
 #include "common.cuh"
 
-// EmbedConcatParams is declared by the generated prelude, from specplan_kernels
+// EmbedConcatParams and EmbedNormConcatParams are declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(EmbedConcatParams p) {
@@ -38,4 +53,18 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
     if constexpr (HAS_BIAS) {
         if (p.bias != nullptr && p.bias_out != nullptr) block_copy_act(p.bias_out + (long long)r * H, p.bias, H);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(EMBED_NORM_CONCAT_THREADS) embed_norm_concat(EmbedNormConcatParams p) {
+    __shared__ float scratch[32];
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;  // uniform per CTA: every thread reaches both reductions
+    constexpr long long H = (long long)HIDDEN;
+
+    long long id = p.ids[r];
+    if (id < 0 || id >= (long long)VOCAB) id = 0;  // bad ids must not fault
+
+    act_t* dst = p.out + (long long)r * (2 * H);
+    rmsnorm_row(p.table + id * H, p.w_embed, dst, H, EPS, scratch);
+    rmsnorm_row(p.h + (long long)r * H, p.w_hidden, dst + H, H, EPS, scratch);
 }

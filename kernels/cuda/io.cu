@@ -3,11 +3,12 @@
 // never in a plan's launch lists.
 //
 // Entry admit
-//   Constants: act_t, HIDDEN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
+//   Constants: act_t, HIDDEN, HIDDEN_IN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
 //   Launch:    grid (batch, 1, 1), block (ADMIT_THREADS = 256, 1, 1), no dynamic shared memory.
 //   Params (by value, natural C alignment, fields in this order):
 //     src_ids     const long long*  [b, N]       the caller's token ids
-//     src_hidden  const act_t*      [b, N, HIDDEN]
+//     src_hidden  const act_t*      [b, N, HIDDEN_IN]   (HIDDEN_IN: the head's input width,
+//                                   HIDDEN for EAGLE-1/2, 3 x the target's for EAGLE-3)
 //     src_req     const long long*  [b]          page-table rows (int32 when flags bit 0)
 //     src_prefix  const long long*  [b]          prefix lengths (int32 when flags bit 1)
 //     src_accept  const long long*  [b]          accept lengths (int32 when flags bit 2)
@@ -53,6 +54,7 @@ namespace io {
 
 constexpr int kN = (int)N;
 constexpr long long kH = (long long)HIDDEN;
+constexpr long long kHin = (long long)HIDDEN_IN;
 constexpr int kK = (int)TOPK;
 static_assert(kN > 0 && kK > 0 && PAGE_SIZE > 0u, "N, TOPK and PAGE_SIZE are positive");
 
@@ -140,11 +142,11 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     for (int j = (int)threadIdx.x; j < kN; j += (int)blockDim.x) {
         p.ids[(long long)i * kN + j] = ok ? p.src_ids[(long long)i * kN + j] : 0;
     }
-    act_t* dst = p.hidden + (long long)i * kN * kH;
+    act_t* dst = p.hidden + (long long)i * kN * kHin;
     if (ok) {
-        block_copy_act(dst, p.src_hidden + (long long)i * kN * kH, kN * kH);
+        block_copy_act(dst, p.src_hidden + (long long)i * kN * kHin, kN * kHin);
     } else {
-        for (long long e = threadIdx.x; e < kN * kH; e += blockDim.x) dst[e] = to_act(0.0f);
+        for (long long e = threadIdx.x; e < kN * kHin; e += blockDim.x) dst[e] = to_act(0.0f);
     }
 }
 

@@ -26,37 +26,5 @@ extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS) rmsnorm(RmsNormPar
     const unsigned r = blockIdx.x;
     if (r >= p.rows) return;  // uniform per CTA: no thread reaches the barrier below
     constexpr long long H = (long long)HIDDEN;
-
-    const act_t* x = p.x + (long long)r * H;
-    act_t* out = p.out + (long long)r * H;
-    // 16-byte vectors when all three rows are aligned; `nv` elements go through them and
-    // the rest (all of the row when unaligned) one by one.
-    const bool vec = aligned16(x) && aligned16(out) && aligned16(p.weight);
-    const long long nv = vec ? (H / 8) * 8 : 0;
-
-    float ss = 0.0f;
-    for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
-        float v[8];
-        load_vec<8>(x + e, v);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
-    }
-    for (long long e = nv + threadIdx.x; e < H; e += blockDim.x) {
-        const float v = to_f(x[e]);
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = rsqrtf(ss / (float)HIDDEN + EPS);
-
-    for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
-        float v[8], w[8];
-        load_vec<8>(x + e, v);
-        load_vec<8>(p.weight + e, w);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * w[k];
-        store_vec<8>(out + e, v);
-    }
-    for (long long e = nv + threadIdx.x; e < H; e += blockDim.x) {
-        out[e] = to_act(to_f(x[e]) * inv * to_f(p.weight[e]));
-    }
+    rmsnorm_row(p.x + (long long)r * H, p.weight, p.out + (long long)r * H, H, EPS, scratch);
 }

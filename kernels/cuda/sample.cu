@@ -6,10 +6,11 @@
 //   the TOPK columns c_0..c_{TOPK-1} with the largest x, in descending order, ties
 //   broken toward the LOWER column index;
 //   probs[i*TOPK + k] = expf(x[c_k] - m) / S
-//   ids[i*TOPK + k]   = HOT_MAP ? hot_ids[c_k] : c_k
+//   ids[i*TOPK + k]   = HOT_MAP ? hot_ids[c_k] : (ID_OFFSET ? c_k + hot_ids[c_k] : c_k)
+//                       (FR-Spec's hot list; EAGLE-3's d2t: draft id d -> target id d + d2t[d])
 // NaN free for finite inputs. If COLS < TOPK, the missing entries get prob 0, id -1.
 //
-// Constants: COLS, TOPK (1..32), HOT_MAP, FULL_VOCAB (act_t is not used)
+// Constants: COLS, TOPK (1..32), HOT_MAP, ID_OFFSET, FULL_VOCAB (act_t is not used)
 //
 // Entry softmax_topk: the whole row in one CTA (used when the plan does not split rows).
 //   Launch:  grid (batch, 1, 1), block (SOFTMAX_TOPK_THREADS = 512, 1, 1),
@@ -18,7 +19,8 @@
 //            the Kernel declaration in specplan_kernels::entries::sample).
 //   Params (by value, natural C alignment, fields in this order):
 //     logits   const float*      [batch, COLS]
-//     hot_ids  const long long*  [COLS] hot column -> full-vocabulary id (read only when HOT_MAP)
+//     hot_ids  const long long*  [COLS] hot column -> full-vocabulary id (HOT_MAP), or the
+//                                d2t offsets (ID_OFFSET); read only when either is set
 //     probs    float*            [batch, TOPK]
 //     ids      long long*        [batch, TOPK]
 //     batch    unsigned          CTAs with blockIdx.x >= batch do nothing
@@ -64,6 +66,7 @@ constexpr long long kCols = (long long)COLS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
 static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
 static_assert(COLS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
+static_assert(!(HOT_MAP && ID_OFFSET), "one id map at most");
 static_assert(COLS < (1u << 24), "column indices travel as exact floats between the split kernels");
 
 // Strict order "a ranks before b": larger value, then lower column.
@@ -211,6 +214,7 @@ __device__ __forceinline__ void emit(float v, int c, float m, float sum, const l
     long long id = -1;
     if (valid) {
         if constexpr (HOT_MAP) id = hot_ids[c];
+        else if constexpr (ID_OFFSET) id = (long long)c + hot_ids[c];
         else id = c;
     }
     probs[at] = prob;

@@ -4,7 +4,7 @@
 //   out[i, :] = x[i*N + A - 1, :]
 //
 // Entry:     select_rows
-// Constants: act_t, HIDDEN, N
+// Constants: act_t, HIDDEN, N, EPS (unused here)
 // Launch:    grid (batch, 1, 1), block (SELECT_ROWS_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
 //   x            const act_t*  [batch*N, HIDDEN]
@@ -12,9 +12,18 @@
 //   out          act_t*        [batch, HIDDEN]
 //   batch        unsigned      CTAs with blockIdx.x >= batch do nothing
 // Pure copy: bit exact, 16-byte vectors when the rows are 16-byte aligned.
+//
+// Entry:     select_norm (EAGLE-3: the pre-norm row leaves the head; its norm feeds lm_head)
+//   out[i, :]    = x[i*N + A - 1, :]            (as select_rows)
+//   normed[i, :] = rmsnorm(out[i, :], weight)   (norm.cu's RMSNorm, eps EPS)
+// Constants: act_t, HIDDEN, N, EPS
+// Launch:    grid (batch, 1, 1), block (SELECT_NORM_THREADS = 256, 1, 1), no dynamic shared memory.
+// Params: x const act_t* [batch*N, HIDDEN], accept_lens const int* [batch],
+//         weight const act_t* [HIDDEN], out act_t* [batch, HIDDEN],
+//         normed act_t* [batch, HIDDEN], batch unsigned.
 #include "common.cuh"
 
-// SelectRowsParams is declared by the generated prelude, from specplan_kernels
+// SelectRowsParams and SelectNormParams are declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 extern "C" __global__ void __launch_bounds__(SELECT_ROWS_THREADS) select_rows(SelectRowsParams p) {
@@ -27,4 +36,19 @@ extern "C" __global__ void __launch_bounds__(SELECT_ROWS_THREADS) select_rows(Se
     a = a < 1 ? 1 : (a > kN ? kN : a);
     const long long src_row = (long long)i * kN + (a - 1);
     block_copy_act(p.out + (long long)i * H, p.x + src_row * H, H);
+}
+
+extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(SelectNormParams p) {
+    __shared__ float scratch[32];
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch) return;  // uniform per CTA
+    constexpr long long H = (long long)HIDDEN;
+    constexpr int kN = (int)N;
+
+    int a = p.accept_lens[i];
+    a = a < 1 ? 1 : (a > kN ? kN : a);
+    const act_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
+    block_copy_act(p.out + (long long)i * H, src, H);
+    // Normalize from the source row (the copy above may still be in flight in other threads).
+    rmsnorm_row(src, p.weight, p.normed + (long long)i * H, H, EPS, scratch);
 }

@@ -66,12 +66,12 @@ impl Template {
     /// The entries compiled from this template.
     pub fn entries(self) -> &'static [Entry] {
         match self {
-            Template::Embed => &[Entry::EmbedConcat],
+            Template::Embed => &[Entry::EmbedConcat, Entry::EmbedNormConcat],
             Template::Norm => &[Entry::RmsNorm],
             Template::RopeAppend => &[Entry::RopeAppend],
             Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
             Template::Mlp => &[Entry::SiluMul],
-            Template::Select => &[Entry::SelectRows],
+            Template::Select => &[Entry::SelectRows, Entry::SelectNorm],
             Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
             Template::Io => &[Entry::Admit, Entry::Emit],
         }
@@ -136,12 +136,14 @@ macro_rules! entries {
 
 entries! {
     EmbedConcat => embed::EmbedConcatParams, "embed_concat", Embed;
+    EmbedNormConcat => embed::EmbedNormConcatParams, "embed_norm_concat", Embed;
     RmsNorm => norm::RmsNormParams, "rmsnorm", Norm;
     RopeAppend => rope::RopeAppendParams, "rope_append", RopeAppend;
     AttnPartial => attention::AttnPartialParams, "attn_partial", Attention;
     AttnMerge => attention::AttnMergeParams, "attn_merge", Attention;
     SiluMul => mlp::SiluMulParams, "silu_mul", Mlp;
     SelectRows => select::SelectRowsParams, "select_rows", Select;
+    SelectNorm => select::SelectNormParams, "select_norm", Select;
     SoftmaxTopk => sample::SoftmaxTopkParams, "softmax_topk", Sample;
     TopkPartial => sample::TopkPartialParams, "topk_partial", Sample;
     TopkMerge => sample::TopkMergeParams, "topk_merge", Sample;

@@ -28,6 +28,9 @@ pub struct KernelFacts {
     /// Activation type (`act_t`).
     pub act: DType,
     pub hidden: u32,
+    /// Width of a row of the head's input hidden states: `hidden` for EAGLE-1/2, three
+    /// target layers' (`3 · H_t`) for EAGLE-3.
+    pub hidden_in: u32,
     pub intermediate: u32,
     pub heads: u32,
     pub kv_heads: u32,
@@ -52,6 +55,8 @@ pub struct KernelFacts {
     pub has_bias: bool,
     /// Top-K ids go through the FR-Spec hot map.
     pub hot_map: bool,
+    /// Top-K ids go through EAGLE-3's d2t: draft id d → target id d + d2t[d].
+    pub id_offset: bool,
 }
 
 impl KernelFacts {

@@ -206,6 +206,11 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
                 check_hot_ids(&ids, v).map_err(fail)?;
                 WeightData::I64(ids)
             }
+            Packing::Single if w.name == "d2t" => {
+                let (d2t, _) = ints(&st, "d2t", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                check_d2t(&d2t, v).map_err(fail)?;
+                WeightData::I64(d2t)
+            }
             Packing::Single => {
                 let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
                 WeightData::F32(floats(&st, &w.sources[0], &shape, act).map_err(fail)?)
@@ -231,6 +236,25 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
         out.push(data);
     }
     Ok(out)
+}
+
+/// EAGLE-3's d2t: draft id d maps to target id d + d2t[d], which must be a target id.
+fn check_d2t(d2t: &[i64], vocab: usize) -> Result<(), InputError> {
+    let bad = d2t
+        .iter()
+        .enumerate()
+        .position(|(d, &x)| (d as i64).checked_add(x).is_none_or(|t| t < 0 || t as usize >= vocab));
+    match bad {
+        Some(d) => Err(input_error(
+            "d2t",
+            format!("[{d}]"),
+            format!(
+                "maps draft id {d} to {}, outside the target vocabulary [0, {vocab})",
+                (d as i64).saturating_add(d2t[d])
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 fn check_hot_ids(ids: &[i64], vocab: usize) -> Result<(), InputError> {
@@ -269,7 +293,7 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
     }
     let b = shape[0];
     let act = plan.capture.dtype;
-    let hidden = floats(&st, "hidden_states", &[b, n, m.hidden as usize], act).map_err(fail)?;
+    let hidden = floats(&st, "hidden_states", &[b, n, m.hidden_in() as usize], act).map_err(fail)?;
     let (prefix, _) = ints(&st, "prefix_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
     let (accept, _) = ints(&st, "accept_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
     let (table, tshape) = ints(&st, "page_table", Dtype::I32, None).map_err(fail)?;

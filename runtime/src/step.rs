@@ -90,7 +90,8 @@ impl StepInputs {
     pub fn check(&self, plan: &Plan, pool_pages: usize) -> Result<(), InputError> {
         let b = self.batch;
         let n = plan.spec.num_draft_tokens as usize;
-        let h = plan.model.hidden as usize;
+        // The input rows' width (3·H_t for an EAGLE-3 head).
+        let h = plan.model.hidden_in() as usize;
         let max_b = plan.buckets.last().map_or(0, |x| x.batch as usize);
         admission::check_batch(b, Some(max_b))?;
         admission::check_shape("input_ids", self.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
@@ -195,7 +196,7 @@ pub fn pad_to_bucket(
 ) -> BucketInputs {
     let (bb, b) = (bucket.batch as usize, x.batch);
     let n = plan.spec.num_draft_tokens as usize;
-    let h = plan.model.hidden as usize;
+    let h = plan.model.hidden_in() as usize;
     let mut out = BucketInputs {
         input_ids: vec![0; bb * n],
         hidden_states: vec![0.0; bb * n * h],

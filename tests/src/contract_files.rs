@@ -83,7 +83,8 @@ fn random_act(n: usize, seed: u64, stream: u64, act: DType, f: impl Fn(f32) -> f
 /// fc bias 0.1·u, the embedding u, lm_head 4·u/√cols, every other matrix u/√cols.
 fn init_scale(name: &str, cols: usize) -> (f32, f32) {
     let cols = cols.max(1) as f32;
-    if name.ends_with("layernorm.weight") {
+    // RMSNorm weights: layernorms, EAGLE-3's hidden_norm and final norm.
+    if name.ends_with("norm.weight") {
         (1.0, 0.2)
     } else if name.ends_with("bias") {
         (0.0, 0.1)
@@ -149,6 +150,23 @@ pub fn weight_tensors(plan: &Plan, seed: u64) -> Result<Vec<FileTensor>, String>
     for w in &plan.weights {
         let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
         match w.packing {
+            Packing::Single if w.name == "d2t" => {
+                // EAGLE-3: the draft vocabulary is a sorted random subset of the target's.
+                let mut rng = Rng(stream_seed(seed, u64::MAX - 1));
+                let mut ids = rng.permutation(vocab);
+                ids.truncate(shape[0]);
+                ids.sort_unstable();
+                out.push(FileTensor {
+                    name: "d2t".into(),
+                    dtype: Dtype::I64,
+                    shape: vec![shape[0]],
+                    bytes: ids
+                        .iter()
+                        .enumerate()
+                        .flat_map(|(d, &t)| (t as i64 - d as i64).to_le_bytes())
+                        .collect(),
+                });
+            }
             Packing::Single if w.name == "hot_token_ids" => {
                 if seen.insert(w.name.clone()) {
                     hot(&mut out, shape[0]);
@@ -188,8 +206,9 @@ pub fn input_tensors(plan: &Plan, seed: u64, b: usize, max_prefix: usize) -> Res
     let m = &plan.model;
     let act = plan.capture.dtype;
     let n = plan.spec.num_draft_tokens as usize;
+    // Input rows are 3·H_t wide for an EAGLE-3 head.
     let ps = plan.capture.page_size as usize;
-    let h = m.hidden as usize;
+    let h = m.hidden_in() as usize;
     let max_b = plan.buckets.last().map_or(0, |x| x.batch as usize);
     if b == 0 || b > max_b {
         return Err(format!("batch {b} is outside [1, {max_b}] (the plan's largest bucket)"));
@@ -315,7 +334,11 @@ pub fn plan_json(plan: &Plan) -> String {
         "name": plan.name,
         "compiler": plan.compiler,
         "dtype": plan.capture.dtype.name(),
+        "head": m.head.name(),
         "hidden": m.hidden,
+        "hidden_in": m.hidden_in(),
+        "target_hidden": m.target_hidden,
+        "draft_vocab": m.draft_vocab,
         "intermediate": m.intermediate,
         "heads": m.heads,
         "kv_heads": m.kv_heads,

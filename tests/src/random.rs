@@ -9,7 +9,8 @@ use crate::Rng;
 
 /// Random packed weights for every plan weight, rounded to the activation type (scaled so
 /// activations stay O(1): RMSNorm weights 1 ± 0.2, biases 0.1·u, the embedding u, lm_head
-/// 4·u/√cols, other matrices u/√cols). The FR-Spec map is a random id subset.
+/// 4·u/√cols, other matrices u/√cols). The FR-Spec map is a random id subset; EAGLE-3's
+/// d2t maps the draft ids onto a sorted random subset of the target vocabulary.
 pub fn random_weights(plan: &ValidatedPlan, rng: &mut Rng) -> Vec<WeightData> {
     let vocab = plan.model.vocab as usize;
     let act = plan.capture.dtype;
@@ -17,6 +18,13 @@ pub fn random_weights(plan: &ValidatedPlan, rng: &mut Rng) -> Vec<WeightData> {
         .iter()
         .map(|w| {
             let n: u64 = w.shape.iter().product();
+            if w.dtype == DType::I64 && w.name == "d2t" {
+                // EAGLE-3: draft id d is target id d + d2t[d], over a sorted random subset.
+                let mut p = rng.permutation(vocab);
+                p.truncate(n as usize);
+                p.sort_unstable();
+                return WeightData::I64(p.into_iter().enumerate().map(|(d, t)| t as i64 - d as i64).collect());
+            }
             if w.dtype == DType::I64 {
                 let mut p = rng.permutation(vocab);
                 p.truncate(n as usize);
@@ -54,7 +62,9 @@ pub fn pattern_weights(plan: &ValidatedPlan) -> Vec<WeightData> {
         .iter()
         .map(|w| {
             let n = w.shape.iter().product::<u64>() as usize;
-            if w.dtype == DType::I64 {
+            if w.dtype == DType::I64 && w.name == "d2t" {
+                WeightData::I64(vec![0; n])
+            } else if w.dtype == DType::I64 {
                 WeightData::I64((0..n as i64).collect())
             } else {
                 let scale = 1.0 / (*w.shape.last().unwrap_or(&1) as f32).sqrt();
@@ -85,7 +95,8 @@ pub struct Case {
 
 pub fn make_case(plan: &ValidatedPlan, rng: &mut Rng, b: usize, max_prefix: usize) -> Case {
     let n = plan.spec.num_draft_tokens as usize;
-    let h = plan.model.hidden as usize;
+    // Input rows: 3·H_t wide for an EAGLE-3 head.
+    let h = plan.model.hidden_in() as usize;
     let ps = plan.capture.page_size as usize;
     let act = plan.capture.dtype;
     let prefix: Vec<i32> = (0..b).map(|_| rng.below(max_prefix + 1) as i32).collect();

@@ -39,6 +39,8 @@ pub fn cpu_reference(
 ) -> Result<(BucketOutputs, KvPool), String> {
     let n = plan.spec.num_draft_tokens as usize;
     let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    // Input rows are hidden_in wide (3·H_t for an EAGLE-3 head).
+    let hin = plan.model.hidden_in() as usize;
     let mut pool = case_pool(plan, c);
     let mut table = PageTable::new(plan, c.used_pages as i32);
     for (i, &s) in c.slots.iter().enumerate() {
@@ -57,7 +59,7 @@ pub fn cpu_reference(
         let chunk = StepInputs {
             batch: end - start,
             input_ids: x.input_ids[start * n..end * n].to_vec(),
-            hidden_states: x.hidden_states[start * n * h..end * n * h].to_vec(),
+            hidden_states: x.hidden_states[start * n * hin..end * n * hin].to_vec(),
             prefix_lens: x.prefix_lens[start..end].to_vec(),
             accept_lens: x.accept_lens[start..end].to_vec(),
             page_table: x.page_table[start * x.page_cols..end * x.page_cols].to_vec(),

@@ -42,6 +42,14 @@ pub const MODEL_KEYS: &[&str] = &[
     "sliding_window",
     "use_sliding_window",
     "layer_types",
+    // EAGLE-3 (config/eagle3.rs)
+    "head",
+    "architectures",
+    "target_hidden_size",
+    "draft_vocab_size",
+    "eagle_config",
+    "norm_before_residual",
+    "tie_word_embeddings",
 ];
 
 /// `[model.rope_scaling]` keys.

@@ -5,6 +5,7 @@
 //! Every rule violation is collected (not just the first) with the field, value and rule,
 //! and the speculative rules suggest the flag value that would fix them.
 
+mod eagle3;
 mod keys;
 pub mod limits;
 mod model;
@@ -119,6 +120,11 @@ pub const PRESETS: &[Preset] = &[
         name: "llama3-8b-eagle",
         summary: "EAGLE head of Llama-3-8B-Instruct: H 4096, 32/8 heads, V 128256; topk 4, steps 3, N 8; page 1; buckets auto to 64",
         toml: include_str!("../../presets/llama3-8b-eagle.toml"),
+    },
+    Preset {
+        name: "llama3.1-8b-eagle3",
+        summary: "EAGLE-3 head of Llama-3.1-8B-Instruct: H 4096, fc 3·4096, 32/8 heads, V 128256, V_d 32000 (d2t); topk 4, steps 3, N 8; page 1; buckets auto to 64",
+        toml: include_str!("../../presets/llama3.1-8b-eagle3.toml"),
     },
     Preset {
         name: "tiny",
@@ -388,6 +394,12 @@ fn read_capture(
     let hot = o
         .hot_vocab_size
         .or_else(|| uint_field(v, "hot_vocab_size", "capture.hot_vocab_size (--hot-vocab-size)", e));
+    if hot.is_some() && m.desc.head == specplan_format::HeadKind::Eagle3 {
+        e.push(
+            "capture.hot_vocab_size (--hot-vocab-size)".into(),
+            "does not apply to an EAGLE-3 head: its draft vocabulary already maps to target ids through d2t".into(),
+        );
+    }
     if let (Some(h), Some(s)) = (hot, spec) {
         if h < s.topk || h > m.desc.vocab {
             e.push(

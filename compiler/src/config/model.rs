@@ -165,6 +165,7 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             );
         }
     }
+    let head = super::eagle3::read_head(obj, prefix, hidden, vocab, layers, fc_bias, e);
     let layers_n = layers?;
     let windows = match (window, r.present("layer_types")) {
         (w, None) => vec![w; layers_n as usize],
@@ -206,6 +207,9 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
     };
     Some(ModelConfig {
         desc: ModelDesc {
+            head: head.kind,
+            target_hidden: head.target_hidden,
+            draft_vocab: head.draft_vocab,
             hidden: hidden?,
             intermediate: intermediate?,
             heads: heads?,
@@ -217,7 +221,7 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             rope_theta: theta as f32,
             rope_scaling: rope_scaling?,
             max_position_embeddings: max_pos?,
-            fc_bias,
+            fc_bias: head.fc_bias,
         },
         windows,
         torch_dtype,

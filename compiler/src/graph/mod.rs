@@ -128,8 +128,9 @@ pub enum OpKind {
     Softmax,
     /// ins: probs [B,V] f32 → out: values [B,K] f32, indices [B,K] i64 (ties to the lower index).
     TopK { k: u32 },
-    /// ins: ids [B,K] i64, map [V_h] i64 → out [B,K] i64 (FR-Spec hot → full vocabulary).
-    MapIds,
+    /// ins: ids [B,K] i64, map [C] i64 → out [B,K] i64: FR-Spec's hot → full vocabulary
+    /// (`map[id]`) or EAGLE-3's draft → target (`id + map[id]`, the d2t offsets).
+    MapIds { map: IdMap },
     // --- Fused (passes) ---
     /// Embed ‖ hidden: ins ids, table, hidden [T,H] (, fc bias [H]) → out [T,2H]
     /// (, the fc output [T,H] initialized to the bias, which the fc GEMM accumulates onto).
@@ -139,8 +140,32 @@ pub enum OpKind {
     RopeAppend { layer: u32 },
     /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up.
     SiluMul,
-    /// Softmax + top-K (+ hot→full id map). ins: logits (, map) → out: probs [B,K], ids [B,K].
-    SoftmaxTopK { k: u32, hot_map: bool },
+    /// Softmax + top-K (+ id map). ins: logits (, map) → out: probs [B,K], ids [B,K].
+    SoftmaxTopK { k: u32, map: Option<IdMap> },
+    /// EAGLE-3's layer-0 input: ins ids, table [V,H], w_embed [H], h [T,H], w_hidden [H] →
+    /// out [T,2H] = rmsnorm(embed(ids), w_embed) ‖ rmsnorm(h, w_hidden).
+    EmbedNormConcat,
+    /// Row select + RMSNorm (EAGLE-3's final norm): ins x [T,H], accept_lens [B], w [H] →
+    /// out: the selected rows [B,H], their norm [B,H].
+    SelectNorm,
+}
+
+/// How top-K columns become token ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IdMap {
+    /// FR-Spec: `hot_token_ids[column]`.
+    Hot,
+    /// EAGLE-3: `column + d2t[column]`.
+    Offset,
+}
+
+impl IdMap {
+    pub fn name(self) -> &'static str {
+        match self {
+            IdMap::Hot => "hot",
+            IdMap::Offset => "d2t",
+        }
+    }
 }
 
 impl OpKind {
@@ -160,11 +185,13 @@ impl OpKind {
             OpKind::SelectRows => Entry::SelectRows.name(),
             OpKind::Softmax => "softmax",
             OpKind::TopK { .. } => "topk",
-            OpKind::MapIds => "map_ids",
+            OpKind::MapIds { .. } => "map_ids",
             OpKind::EmbedConcat { .. } => Entry::EmbedConcat.name(),
             OpKind::RopeAppend { .. } => Entry::RopeAppend.name(),
             OpKind::SiluMul => Entry::SiluMul.name(),
             OpKind::SoftmaxTopK { .. } => Entry::SoftmaxTopk.name(),
+            OpKind::EmbedNormConcat => Entry::EmbedNormConcat.name(),
+            OpKind::SelectNorm => Entry::SelectNorm.name(),
         }
     }
 
@@ -186,7 +213,9 @@ impl OpKind {
             | OpKind::SelectRows
             | OpKind::Softmax
             | OpKind::TopK { .. }
-            | OpKind::MapIds
+            | OpKind::MapIds { .. }
+            | OpKind::EmbedNormConcat
+            | OpKind::SelectNorm
             | OpKind::EmbedConcat { .. }
             | OpKind::RopeAppend { .. }
             | OpKind::SiluMul

@@ -17,7 +17,8 @@ fn kind_args(k: &OpKind) -> String {
         }
         OpKind::TopK { k } => format!("(k={k})"),
         OpKind::EmbedConcat { bias } => format!("(bias={bias})"),
-        OpKind::SoftmaxTopK { k, hot_map } => format!("(k={k}, hot_map={hot_map})"),
+        OpKind::SoftmaxTopK { k, map } => format!("(k={k}, map={})", map.map_or("none", |m| m.name())),
+        OpKind::MapIds { map } => format!("({})", map.name()),
         _ => String::new(),
     }
 }

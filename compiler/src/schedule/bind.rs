@@ -6,14 +6,16 @@
 use specplan_format::{ArgValue, BucketFacts, GemmDesc, KernelFacts, Launch, LaunchKind};
 use specplan_kernels::abi::{Kernel, Slot};
 use specplan_kernels::entries::attention::{AttnMergeParams, AttnMergePtrs, AttnPartialParams, AttnPartialPtrs};
-use specplan_kernels::entries::embed::{EmbedConcatParams, EmbedConcatPtrs};
+use specplan_kernels::entries::embed::{
+    EmbedConcatParams, EmbedConcatPtrs, EmbedNormConcatParams, EmbedNormConcatPtrs,
+};
 use specplan_kernels::entries::mlp::{SiluMulParams, SiluMulPtrs};
 use specplan_kernels::entries::norm::{RmsNormParams, RmsNormPtrs};
 use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
 use specplan_kernels::entries::sample::{
     SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs, TopkPartialParams, TopkPartialPtrs,
 };
-use specplan_kernels::entries::select::{SelectRowsParams, SelectRowsPtrs};
+use specplan_kernels::entries::select::{SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs};
 
 use super::liveness::{root, Live, Workspace};
 use super::{ScheduleError, Shared};
@@ -116,12 +118,12 @@ pub(super) fn launches(
                 };
                 attention(&mut b, op, *window, ws)?
             }
-            OpKind::SoftmaxTopK { hot_map, .. } => {
+            OpKind::SoftmaxTopK { map, .. } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::TopK(p)) => Some(*p),
                     _ => None,
                 };
-                softmax_topk(&mut b, op, *hot_map, ws)
+                softmax_topk(&mut b, op, map.is_some(), ws)
             }
             OpKind::EmbedConcat { bias } => {
                 let (ins, outs) = (&op.ins, &op.outs);
@@ -134,6 +136,36 @@ pub(super) fn launches(
                     bias_out: b.arg_if(*bias, outs.get(1)),
                 };
                 b.kernel::<EmbedConcatParams>(op, false, sh.facts, p)
+            }
+            OpKind::EmbedNormConcat => {
+                let ins = &op.ins;
+                let p = EmbedNormConcatPtrs {
+                    ids: b.arg(ins[0]),
+                    table: b.arg(ins[1]),
+                    w_embed: b.arg(ins[2]),
+                    h: b.arg(ins[3]),
+                    w_hidden: b.arg(ins[4]),
+                    out: b.arg(op.outs[0]),
+                };
+                b.kernel::<EmbedNormConcatParams>(op, false, sh.facts, p)
+            }
+            OpKind::SelectNorm => {
+                let p = SelectNormPtrs {
+                    x: b.arg(op.ins[0]),
+                    accept_lens: b.arg(op.ins[1]),
+                    weight: b.arg(op.ins[2]),
+                    out: b.arg(op.outs[0]),
+                    normed: b.arg(op.outs[1]),
+                };
+                b.kernel::<SelectNormParams>(op, false, sh.facts, p)
+            }
+            // The rmsnorm entry runs over the bucket's B·N rows; a norm over other rows (the
+            // unfused final norm of EAGLE-3) has no kernel of its own.
+            OpKind::RmsNorm if sh.g.tensor(op.ins[0]).shape[0].per_batch != sh.facts.n as u64 => {
+                return Err(ScheduleError::NoKernel {
+                    node: at(),
+                    kind: "rmsnorm over B rows (fused into select_norm when it follows select_rows)",
+                })
             }
             OpKind::RmsNorm => {
                 let p = RmsNormPtrs {

@@ -31,7 +31,51 @@ pub struct EmbedConcatParams {
     pub rows: u32,
 }
 
+/// `embed_norm_concat` (EAGLE-3's layer-0 input): `out[r] = rmsnorm(embed(ids[r]), w_embed) ‖
+/// rmsnorm(h[r], w_hidden)`.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct EmbedNormConcatParams {
+    #[arg(input = io::INPUT_IDS)]
+    pub ids: DevPtr<i64>,
+    #[arg(weight)]
+    pub table: DevPtr<Act>,
+    /// `input_layernorm` of the embedding.
+    #[arg(weight)]
+    pub w_embed: DevPtr<Act>,
+    /// `fc` of the target features: the layer's residual.
+    #[arg(buffer)]
+    pub h: DevPtr<Act>,
+    /// `hidden_norm`.
+    #[arg(weight)]
+    pub w_hidden: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
 pub const EMBED_THREADS: u32 = 256;
+
+impl Kernel for EmbedNormConcatParams {
+    const ENTRY: Entry = Entry::EmbedNormConcat;
+    fn threads(_: &KernelFacts) -> u32 {
+        EMBED_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], EmbedNormConcatScalars) {
+        ([b.rows, 1, 1], EmbedNormConcatScalars { rows: b.rows })
+    }
+    fn extents(s: &EmbedNormConcatScalars, f: &KernelFacts) -> EmbedNormConcatPtrs<Extent> {
+        let (rows, h) = (s.rows as u64, f.hidden as u64);
+        EmbedNormConcatPtrs {
+            ids: Extent::Elems(rows),
+            table: Extent::Elems(f.vocab as u64 * h),
+            w_embed: Extent::Elems(h),
+            h: Extent::Elems(rows * h),
+            w_hidden: Extent::Elems(h),
+            out: Extent::Elems(rows * 2 * h),
+        }
+    }
+}
 
 impl Kernel for EmbedConcatParams {
     const ENTRY: Entry = Entry::EmbedConcat;
@@ -61,5 +105,6 @@ pub fn constants(f: &KernelFacts) -> Constants {
         u("HIDDEN", f.hidden),
         u("VOCAB", f.vocab),
         ("HAS_BIAS".into(), ConstValue::Bool(f.has_bias)),
+        ("EPS".into(), ConstValue::F32(f.eps)),
     ]
 }

@@ -24,7 +24,7 @@ pub struct AdmitParams {
     /// `[b, N]` i64 token ids.
     #[arg(caller)]
     pub src_ids: DevPtr<i64>,
-    /// `[b, N, H]` hidden states of the target.
+    /// `[b, N, H_in]` hidden states of the target (H_in: `KernelFacts::hidden_in`).
     #[arg(caller)]
     pub src_hidden: DevPtr<Act>,
     /// `[b]` request rows of the page table (i64, or i32 with flag bit 0).
@@ -114,11 +114,11 @@ impl Kernel for AdmitParams {
         )
     }
     fn extents(s: &AdmitScalars, f: &KernelFacts) -> AdmitPtrs<Extent> {
-        let (bb, n, h) = (s.batch as u64, f.n as u64, f.hidden as u64);
+        let (bb, n, h, hin) = (s.batch as u64, f.n as u64, f.hidden as u64, f.hidden_in as u64);
         let words = |w: usize| Extent::Elems(w as u64);
         AdmitPtrs {
             src_ids: Extent::Elems(s.b as u64 * n),
-            src_hidden: Extent::Elems(s.b as u64 * n * h),
+            src_hidden: Extent::Elems(s.b as u64 * n * hin),
             src_req: Extent::Elems(s.b as u64),
             src_prefix: Extent::Elems(s.b as u64),
             src_accept: Extent::Elems(s.b as u64),
@@ -126,7 +126,7 @@ impl Kernel for AdmitParams {
             out_ids: Extent::Elems(s.b as u64 * f.topk as u64),
             out_hidden: Extent::Elems(s.b as u64 * h),
             ids: Extent::Elems(bb * n),
-            hidden: Extent::Elems(bb * n * h),
+            hidden: Extent::Elems(bb * n * hin),
             req_slots: Extent::Elems(bb),
             prefix_lens: Extent::Elems(bb),
             accept_lens: Extent::Elems(bb),
@@ -161,6 +161,7 @@ pub fn constants(f: &KernelFacts) -> Constants {
     vec![
         act(f),
         u("HIDDEN", f.hidden),
+        u("HIDDEN_IN", f.hidden_in),
         u("VOCAB", f.vocab),
         u("N", f.n),
         u("TOPK", f.topk),

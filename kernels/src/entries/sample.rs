@@ -15,7 +15,7 @@ use super::{act, u};
 pub struct SoftmaxTopkParams {
     #[arg(buffer)]
     pub logits: DevPtr<f32>,
-    /// FR-Spec hot → full id map, or null.
+    /// FR-Spec hot → full id map, EAGLE-3's d2t offsets, or null.
     #[arg(weight)]
     pub hot_ids: DevPtr<i64>,
     #[arg(buffer)]
@@ -64,7 +64,7 @@ fn topk_smem(f: &KernelFacts) -> u64 {
 }
 
 fn hot(f: &KernelFacts) -> Extent {
-    if f.hot_map {
+    if f.hot_map || f.id_offset {
         Extent::Elems(f.cols as u64)
     } else {
         Extent::Unused
@@ -145,6 +145,7 @@ pub fn constants(f: &KernelFacts) -> Constants {
         u("COLS", f.cols),
         u("TOPK", f.topk),
         ("HOT_MAP".into(), ConstValue::Bool(f.hot_map)),
+        ("ID_OFFSET".into(), ConstValue::Bool(f.id_offset)),
         u("FULL_VOCAB", f.vocab),
     ]
 }

@@ -22,7 +22,45 @@ pub struct SelectRowsParams {
     pub batch: u32,
 }
 
+/// `select_norm` (EAGLE-3): `out[i] = x[i·N + A_i − 1]` (the pre-norm row that leaves the
+/// head) and `normed[i] = rmsnorm(out[i], weight)` (what lm_head reads).
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct SelectNormParams {
+    #[arg(buffer)]
+    pub x: DevPtr<Act>,
+    #[arg(input = io::ACCEPT_LENS)]
+    pub accept_lens: DevPtr<i32>,
+    #[arg(weight)]
+    pub weight: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    #[arg(buffer)]
+    pub normed: DevPtrMut<Act>,
+    pub batch: u32,
+}
+
 pub const SELECT_THREADS: u32 = 256;
+
+impl Kernel for SelectNormParams {
+    const ENTRY: Entry = Entry::SelectNorm;
+    fn threads(_: &KernelFacts) -> u32 {
+        SELECT_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], SelectNormScalars) {
+        ([b.batch, 1, 1], SelectNormScalars { batch: b.batch })
+    }
+    fn extents(s: &SelectNormScalars, f: &KernelFacts) -> SelectNormPtrs<Extent> {
+        let (b, h) = (s.batch as u64, f.hidden as u64);
+        SelectNormPtrs {
+            x: Extent::Elems(b * f.n as u64 * h),
+            accept_lens: Extent::Elems(b),
+            weight: Extent::Elems(h),
+            out: Extent::Elems(b * h),
+            normed: Extent::Elems(b * h),
+        }
+    }
+}
 
 impl Kernel for SelectRowsParams {
     const ENTRY: Entry = Entry::SelectRows;
@@ -43,5 +81,10 @@ impl Kernel for SelectRowsParams {
 }
 
 pub fn constants(f: &KernelFacts) -> Constants {
-    vec![act(f), u("HIDDEN", f.hidden), u("N", f.n)]
+    vec![
+        act(f),
+        u("HIDDEN", f.hidden),
+        u("N", f.n),
+        ("EPS".into(), crate::source::ConstValue::F32(f.eps)),
+    ]
 }

@@ -17,7 +17,7 @@ use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
 use super::{Ctx, Ptr, R};
 use crate::step::TableMode;
 
-fn constant<'k>(k: &'k KernelDesc, name: &str) -> R<&'k ConstValue> {
+pub(super) fn constant<'k>(k: &'k KernelDesc, name: &str) -> R<&'k ConstValue> {
     k.constants
         .iter()
         .find(|(n, _)| n == name)
@@ -25,21 +25,21 @@ fn constant<'k>(k: &'k KernelDesc, name: &str) -> R<&'k ConstValue> {
         .ok_or_else(|| format!("kernel {} has no constant {name}", k.name))
 }
 
-fn c_u32(k: &KernelDesc, name: &str) -> R<usize> {
+pub(super) fn c_u32(k: &KernelDesc, name: &str) -> R<usize> {
     match constant(k, name)? {
         ConstValue::U32(v) => Ok(*v as usize),
         other => Err(format!("kernel {}: constant {name} is {other:?}, not a u32", k.name)),
     }
 }
 
-fn c_bool(k: &KernelDesc, name: &str) -> R<bool> {
+pub(super) fn c_bool(k: &KernelDesc, name: &str) -> R<bool> {
     match constant(k, name)? {
         ConstValue::Bool(v) => Ok(*v),
         other => Err(format!("kernel {}: constant {name} is {other:?}, not a bool", k.name)),
     }
 }
 
-fn c_f32(k: &KernelDesc, name: &str) -> R<f32> {
+pub(super) fn c_f32(k: &KernelDesc, name: &str) -> R<f32> {
     match constant(k, name)? {
         ConstValue::F32(v) => Ok(*v),
         other => Err(format!("kernel {}: constant {name} is {other:?}, not an f32", k.name)),
@@ -54,21 +54,21 @@ fn c_table<'k>(k: &'k KernelDesc, name: &str) -> R<&'k [f32]> {
 }
 
 /// A positive constant (a divisor or a loop bound).
-fn c_pos(k: &KernelDesc, name: &str) -> R<usize> {
+pub(super) fn c_pos(k: &KernelDesc, name: &str) -> R<usize> {
     match c_u32(k, name)? {
         0 => Err(format!("kernel {}: constant {name} is 0", k.name)),
         v => Ok(v),
     }
 }
 
-fn buf(p: Ptr, name: &str) -> R<usize> {
+pub(super) fn buf(p: Ptr, name: &str) -> R<usize> {
     match p {
         Ptr::Buf(b) => Ok(b),
         other => Err(format!("argument {name} must be a buffer, is {other:?}")),
     }
 }
 
-fn weight(p: Ptr, name: &str) -> R<usize> {
+pub(super) fn weight(p: Ptr, name: &str) -> R<usize> {
     match p {
         Ptr::Weight(w) => Ok(w),
         other => Err(format!("argument {name} must be a weight, is {other:?}")),
@@ -419,17 +419,23 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// The id of column `c` of a logits row: the hot map's entry, or `c`.
-    fn column_id(&self, hot: bool, map: Ptr, c: usize) -> R<f64> {
-        match (hot, map) {
-            (true, Ptr::Weight(w)) => self.wf(w, c),
-            (true, other) => Err(format!("HOT_MAP without a hot_ids weight ({other:?})")),
-            (false, _) => Ok(c as f64),
+    /// The id of column `c` of a logits row: the hot map's entry (HOT_MAP), `c` plus its
+    /// d2t offset (ID_OFFSET, EAGLE-3), or `c`.
+    fn column_id(&self, k: &KernelDesc, map: Ptr, c: usize) -> R<f64> {
+        let (hot, offset) = (c_bool(k, "HOT_MAP")?, c_bool(k, "ID_OFFSET")?);
+        match (hot, offset, map) {
+            (true, true, _) => Err("HOT_MAP and ID_OFFSET are exclusive".into()),
+            (true, false, Ptr::Weight(w)) => self.wf(w, c),
+            (false, true, Ptr::Weight(w)) => Ok(c as f64 + self.wf(w, c)?),
+            (true, false, other) | (false, true, other) => {
+                Err(format!("an id map without a hot_ids weight ({other:?})"))
+            }
+            (false, false, _) => Ok(c as f64),
         }
     }
 
     pub(super) fn softmax_topk(&mut self, k: &KernelDesc, p: &SoftmaxTopkPtrs<Ptr>, s: &SoftmaxTopkScalars) -> R<()> {
-        let (cols, topk, hot) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_bool(k, "HOT_MAP")?);
+        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
         let (logits, probs, ids) = (buf(p.logits, "logits")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
         for i in 0..s.batch as usize {
             let row: Vec<f64> = (0..cols).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
@@ -442,7 +448,7 @@ impl Ctx<'_> {
                 let (prob, id) = match order.get(slot) {
                     Some(&c) => (
                         ((row[c] - m).exp() / sum) as f32 as f64,
-                        self.column_id(hot, p.hot_ids, c)?,
+                        self.column_id(k, p.hot_ids, c)?,
                     ),
                     None => (0.0, -1.0),
                 };
@@ -493,7 +499,7 @@ impl Ctx<'_> {
     }
 
     pub(super) fn topk_merge(&mut self, k: &KernelDesc, p: &TopkMergePtrs<Ptr>, s: &TopkMergeScalars) -> R<()> {
-        let (cols, topk, hot) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_bool(k, "HOT_MAP")?);
+        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
         let (part, probs, ids) = (buf(p.part, "part")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
         let chunks = s.chunks as usize;
         let rec = 2 + 2 * topk;
@@ -532,7 +538,7 @@ impl Ctx<'_> {
                         } else {
                             0.0
                         };
-                        (prob, self.column_id(hot, p.hot_ids, c as usize)?)
+                        (prob, self.column_id(k, p.hot_ids, c as usize)?)
                     }
                     _ => (0.0, -1.0),
                 };

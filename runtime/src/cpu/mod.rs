@@ -14,6 +14,7 @@
 //! without a panic, and bad data (a page outside the pool) is an error, not a fault.
 
 mod audit;
+mod eagle3;
 mod entries;
 
 use std::borrow::Cow;
@@ -354,6 +355,14 @@ impl Ctx<'_> {
             Entry::EmbedConcat => {
                 let (p, s) = typed::<embed::EmbedConcatParams>(&slots)?;
                 self.embed_concat(k, &p, &s)
+            }
+            Entry::EmbedNormConcat => {
+                let (p, s) = typed::<embed::EmbedNormConcatParams>(&slots)?;
+                self.embed_norm_concat(k, &p, &s)
+            }
+            Entry::SelectNorm => {
+                let (p, s) = typed::<select::SelectNormParams>(&slots)?;
+                self.select_norm(k, &p, &s)
             }
             Entry::RmsNorm => {
                 let (p, s) = typed::<norm::RmsNormParams>(&slots)?;

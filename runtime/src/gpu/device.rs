@@ -179,7 +179,10 @@ pub fn driver_report() -> std::collections::BTreeMap<String, String> {
     let mut version = 0;
     // SAFETY: out-pointer to a local.
     if unsafe { sys::cuDriverGetVersion(&mut version) } == sys::CUresult::CUDA_SUCCESS {
-        out.insert("driver".into(), format!("CUDA {}.{}", version / 1000, (version % 1000) / 10));
+        out.insert(
+            "driver".into(),
+            format!("CUDA {}.{}", version / 1000, (version % 1000) / 10),
+        );
     }
     let count = result::device::get_count().unwrap_or(0);
     out.insert("gpus".into(), count.to_string());
@@ -197,7 +200,12 @@ pub fn driver_report() -> std::collections::BTreeMap<String, String> {
         let mem = unsafe { result::device::total_mem(dev) }.unwrap_or(0);
         out.insert(
             format!("gpu{i}"),
-            format!("{name}, sm_{}{}, {:.1} GiB", attr(MAJ), attr(MIN), mem as f64 / (1u64 << 30) as f64),
+            format!(
+                "{name}, sm_{}{}, {:.1} GiB",
+                attr(MAJ),
+                attr(MIN),
+                mem as f64 / (1u64 << 30) as f64
+            ),
         );
     }
     out

@@ -290,6 +290,24 @@ impl GpuRuntime {
             Some(v)
         };
         let bindings = bind_weights(&plan, m.weights, &ids_of)?;
+        // EAGLE-3's d2t is used in place; its ids leave the runtime as target ids, so it is
+        // read once here and checked against the target vocabulary.
+        if plan.model.draft_vocab.is_some() {
+            let d2t = ids_of("d2t").ok_or_else(|| {
+                GpuError::Weights("d2t: the EAGLE-3 draft→target id offsets (i64 [draft_vocab]) were not given".into())
+            })?;
+            let vocab = plan.model.vocab as i64;
+            if let Some((d, t)) = d2t
+                .iter()
+                .enumerate()
+                .map(|(d, &x)| (d, (d as i64).saturating_add(x)))
+                .find(|&(_, t)| t < 0 || t >= vocab)
+            {
+                return Err(GpuError::Weights(format!(
+                    "d2t[{d}] maps draft id {d} to {t}, outside the target vocabulary [0, {vocab})"
+                )));
+            }
+        }
         let state = EngineState {
             admit: kernel_of(&plan, Entry::Admit)?,
             emit: kernel_of(&plan, Entry::Emit)?,
@@ -327,6 +345,7 @@ impl GpuRuntime {
         let t0 = Instant::now();
         let n = self.plan.spec.num_draft_tokens as u64;
         let (h, k) = (self.plan.model.hidden as u64, self.plan.spec.topk as u64);
+        let hin = self.plan.model.hidden_in() as u64;
         let act = self.plan.capture.dtype.size();
         if s.b == 0 {
             return Err(GpuError::Step("a step needs at least one request".into()));
@@ -382,7 +401,7 @@ impl GpuRuntime {
             let args = StepArgs {
                 ptrs: AdmitPtrs {
                     src_ids: at(s.input_ids, n * 8),
-                    src_hidden: at(s.hidden_states, n * h * act),
+                    src_hidden: at(s.hidden_states, n * hin * act),
                     src_req: at(s.req_pool_indices.ptr, width(s.req_pool_indices)),
                     src_prefix: at(s.prefix_lens.ptr, width(s.prefix_lens)),
                     src_accept: at(s.accept_lens.ptr, width(s.accept_lens)),

@@ -363,6 +363,9 @@ mod tests {
             name: "t".into(),
             compiler: "test".into(),
             model: ModelDesc {
+                head: specplan_format::HeadKind::Eagle1,
+                target_hidden: 256,
+                draft_vocab: None,
                 hidden: 256,
                 intermediate: 688,
                 heads: 4,

@@ -37,8 +37,8 @@ use cudarc::driver::{result, sys, CudaContext, CudaGraph, CudaStream};
 use specplan_format::{bucket_facts, kernel_facts_of, LaunchKind, Plan, Replay, ValidatedPlan};
 use specplan_kernels::kv;
 
-pub use device::{driver_report, GpuError};
 use device::{cuda, DevMem, Module};
+pub use device::{driver_report, GpuError};
 pub use engine::{DeviceError, DeviceInts, DeviceOutputs, DeviceStep};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};

@@ -239,9 +239,10 @@ impl GpuRuntime {
         self.log_once(format!(
             "batch {b} exceeds the largest bucket {max_b}: running in eager chunks"
         ));
+        // Input rows are hidden_in wide (3·H_t for an EAGLE-3 head).
         let (n, h) = (
             self.plan.spec.num_draft_tokens as usize,
-            self.plan.model.hidden as usize,
+            self.plan.model.hidden_in() as usize,
         );
         let act = self.plan.capture.dtype.size() as usize;
         let mut info = StepInfo {
@@ -279,7 +280,7 @@ impl GpuRuntime {
         let (b, n, h) = (
             req.slots.len(),
             p.spec.num_draft_tokens as usize,
-            p.model.hidden as usize,
+            p.model.hidden_in() as usize,
         );
         admission::check_batch(b, None)?;
         admission::check_shape("input_ids", req.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
@@ -361,7 +362,7 @@ impl GpuRuntime {
         let bi = self.bucket_for(b).ok_or_else(|| self.no_bucket(b))?;
         let (n, h) = (
             self.plan.spec.num_draft_tokens as usize,
-            self.plan.model.hidden as usize,
+            self.plan.model.hidden_in() as usize,
         );
         let act = self.plan.capture.dtype.size() as usize;
         let (stream, arena) = (self.stream.cu_stream(), self.mem.arena.ptr);

@@ -120,9 +120,10 @@ fn bench_plan(
     let timer = Timer::new(stream)?;
     // L2 flush buffer (256 MiB, several times the H200's L2).
     let flush = DeviceBuf::new(256 << 20)?;
+    // Input rows: hidden_in wide (3·H_t for an EAGLE-3 head).
     let (n, h, ps) = (
         plan.spec.num_draft_tokens as usize,
-        plan.model.hidden as usize,
+        plan.model.hidden_in() as usize,
         plan.capture.page_size as usize,
     );
     let max_l = (plan.capture.max_context_len as usize).saturating_sub(n);

@@ -28,6 +28,10 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
     let mut weights = HashMap::new();
     for w in &plan.weights {
         let b = DeviceBuf::new(w.bytes as usize)?;
+        if w.name == "d2t" {
+            // EAGLE-3's d2t is read and range-checked at load: zero offsets map d to d.
+            b.fill(0, std::ptr::null_mut())?;
+        }
         weights.insert(
             w.name.clone(),
             DeviceTensor {
@@ -104,6 +108,19 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
     let mut weights = HashMap::new();
     for w in &plan.weights {
         let ptr = fill(&mut bufs, w.bytes as usize)?;
+        if w.name == "d2t" {
+            // A byte pattern is not a d2t map (its ids would leave the vocabulary): zero offsets.
+            let z = upload(&mut bufs, &vec![0i64; (w.bytes / 8) as usize])?;
+            weights.insert(
+                w.name.clone(),
+                DeviceTensor {
+                    ptr: z,
+                    dtype: w.dtype,
+                    shape: w.shape.clone(),
+                },
+            );
+            continue;
+        }
         weights.insert(
             w.name.clone(),
             DeviceTensor {
@@ -142,7 +159,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
     let rows: Vec<i64> = (0..b as i64).collect();
     let prefix = vec![l as i32; b];
     let accept = vec![n as i32; b];
-    let hidden = fill(&mut bufs, b * n * m.hidden as usize * act.size() as usize)?;
+    let hidden = fill(&mut bufs, b * n * m.hidden_in() as usize * act.size() as usize)?;
     let (k_, h) = (plan.spec.topk as usize, m.hidden as usize);
     let step = DeviceStep {
         b,

@@ -1,0 +1,73 @@
+//! The EAGLE-3 entries on the CPU (`embed.cu` `embed_norm_concat`, `select.cu`
+//! `select_norm`), written from their headers with the same guards as the other entries.
+
+use specplan_format::KernelDesc;
+use specplan_kernels::entries::embed::{EmbedNormConcatPtrs, EmbedNormConcatScalars};
+use specplan_kernels::entries::select::{SelectNormPtrs, SelectNormScalars};
+
+use super::entries::{buf, c_f32, c_pos, c_u32, weight};
+use super::{Ctx, R};
+
+impl Ctx<'_> {
+    /// RMSNorm of `row` by weight `w` into buffer `out` at element `at` (norm.cu's maths).
+    fn norm_into(&mut self, row: &[f64], w: usize, eps: f64, out: usize, at: usize) -> R<()> {
+        let ms = row.iter().map(|v| v * v).sum::<f64>() / row.len().max(1) as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (c, v) in row.iter().enumerate() {
+            let y = v * inv * self.wf(w, c)?;
+            self.st(out, at + c, y)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn embed_norm_concat(
+        &mut self,
+        k: &KernelDesc,
+        p: &EmbedNormConcatPtrs<super::Ptr>,
+        s: &EmbedNormConcatScalars,
+    ) -> R<()> {
+        let (h, vocab, eps) = (c_pos(k, "HIDDEN")?, c_u32(k, "VOCAB")? as i64, c_f32(k, "EPS")? as f64);
+        let (ids, table, we, hb, wh, out) = (
+            buf(p.ids, "ids")?,
+            weight(p.table, "table")?,
+            weight(p.w_embed, "w_embed")?,
+            buf(p.h, "h")?,
+            weight(p.w_hidden, "w_hidden")?,
+            buf(p.out, "out")?,
+        );
+        for r in 0..s.rows as usize {
+            let id = self.ld(ids, r)? as i64;
+            let id = if (0..vocab).contains(&id) { id as usize } else { 0 };
+            let e: Vec<f64> = (0..h).map(|c| self.wf(table, id * h + c)).collect::<R<_>>()?;
+            self.norm_into(&e, we, eps, out, r * 2 * h)?;
+            let x: Vec<f64> = (0..h).map(|c| self.ld(hb, r * h + c)).collect::<R<_>>()?;
+            self.norm_into(&x, wh, eps, out, r * 2 * h + h)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn select_norm(
+        &mut self,
+        k: &KernelDesc,
+        p: &SelectNormPtrs<super::Ptr>,
+        s: &SelectNormScalars,
+    ) -> R<()> {
+        let (h, n, eps) = (c_pos(k, "HIDDEN")?, c_pos(k, "N")?, c_f32(k, "EPS")? as f64);
+        let (x, acc, w, out, normed) = (
+            buf(p.x, "x")?,
+            buf(p.accept_lens, "accept_lens")?,
+            weight(p.weight, "weight")?,
+            buf(p.out, "out")?,
+            buf(p.normed, "normed")?,
+        );
+        for i in 0..s.batch as usize {
+            let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
+            let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
+            for (c, v) in row.iter().enumerate() {
+                self.st(out, i * h + c, *v)?;
+            }
+            self.norm_into(&row, w, eps, normed, i * h)?;
+        }
+        Ok(())
+    }
+}

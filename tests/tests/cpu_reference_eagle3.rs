@@ -1,0 +1,477 @@
+//! The CPU reference executor on EAGLE-3 plans against a naive EAGLE-3 forward written here
+//! from the head's definition (docs/semantics.md, "The EAGLE-3 head"), not from the plan:
+//! per request, dense loops over the released checkpoint names (`fc` over three target
+//! layers, `midlayer.*` with its 2H-wide q/k/v, `norm`, a draft-vocabulary `lm_head`, `d2t`).
+//! Fresh random weights, lengths and accept lengths every run (the seed is printed), GQA
+//! 4/2, padding (batches below their bucket), page sizes 1 and 4, and a `t2d` tensor in the
+//! weights file that the contract ignores as SGLang does.
+
+use std::path::Path;
+
+use specplan_compiler::config::{resolve, Overrides, Source};
+use specplan_compiler::{compile, Target};
+use specplan_format::{HeadKind, ValidatedPlan};
+use specplan_runtime::contract::{load_inputs, load_weights, run_cpu, write_outputs};
+use specplan_tests::{seed, Rng};
+
+mod naive;
+use naive::*;
+
+/// The head's weights as the naive forward reads them (bf16-rounded, as in the file).
+struct Head {
+    h: usize,
+    ht3: usize,
+    inter: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    vocab: usize,
+    vd: usize,
+    eps: f64,
+    theta: f64,
+    embed: Vec<f32>,
+    fc: Vec<f32>,
+    n_embed: Vec<f32>,
+    n_hidden: Vec<f32>,
+    n_post: Vec<f32>,
+    n_final: Vec<f32>,
+    wq: Vec<f32>,
+    wk: Vec<f32>,
+    wv: Vec<f32>,
+    wo: Vec<f32>,
+    wg: Vec<f32>,
+    wu: Vec<f32>,
+    wd: Vec<f32>,
+    lm: Vec<f32>,
+    d2t: Vec<i64>,
+}
+
+fn norm_w(rng: &mut Rng, h: usize) -> Vec<f32> {
+    round_bf16(&(0..h).map(|_| 1.0 + 0.2 * rng.uniform()).collect::<Vec<_>>())
+}
+
+fn make_head(plan: &ValidatedPlan, rng: &mut Rng, dir: &Path) -> Head {
+    let m = &plan.model;
+    assert_eq!(m.head, HeadKind::Eagle3);
+    let (h, hq, hkv, d) = (
+        m.hidden as usize,
+        m.heads as usize,
+        m.kv_heads as usize,
+        m.head_dim as usize,
+    );
+    let (vocab, vd, ht3, inter) = (
+        m.vocab as usize,
+        m.lm_vocab() as usize,
+        m.hidden_in() as usize,
+        m.intermediate as usize,
+    );
+    let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    // d2t: the draft vocabulary is a sorted random subset of the target's.
+    let mut targets = rng.permutation(vocab);
+    targets.truncate(vd);
+    targets.sort_unstable();
+    let d2t: Vec<i64> = targets.iter().enumerate().map(|(i, &t)| t as i64 - i as i64).collect();
+    let head = Head {
+        h,
+        ht3,
+        inter,
+        hq,
+        hkv,
+        d,
+        vocab,
+        vd,
+        eps: m.rms_norm_eps as f64,
+        theta: m.rope_theta as f64,
+        embed: rand_vec(rng, vocab * h, 1.0),
+        fc: rand_vec(rng, h * ht3, s(ht3)),
+        n_embed: norm_w(rng, h),
+        n_hidden: norm_w(rng, h),
+        n_post: norm_w(rng, h),
+        n_final: norm_w(rng, h),
+        wq: rand_vec(rng, hq * d * 2 * h, s(2 * h)),
+        wk: rand_vec(rng, hkv * d * 2 * h, s(2 * h)),
+        wv: rand_vec(rng, hkv * d * 2 * h, s(2 * h)),
+        wo: rand_vec(rng, h * hq * d, s(hq * d)),
+        wg: rand_vec(rng, inter * h, s(h)),
+        wu: rand_vec(rng, inter * h, s(h)),
+        wd: rand_vec(rng, h * inter, s(inter)),
+        lm: rand_vec(rng, vd * h, 4.0 * s(h)),
+        d2t,
+    };
+    let t2d: Vec<u8> = {
+        let mut v = vec![0u8; vocab];
+        for &t in &targets {
+            v[t] = 1;
+        }
+        v
+    };
+    let p = "midlayer.";
+    save(
+        &dir.join("weights.safetensors"),
+        &[
+            bf16_tensor("embed_tokens.weight", vec![vocab, h], &head.embed),
+            bf16_tensor("fc.weight", vec![h, ht3], &head.fc),
+            bf16_tensor(&format!("{p}input_layernorm.weight"), vec![h], &head.n_embed),
+            bf16_tensor(&format!("{p}hidden_norm.weight"), vec![h], &head.n_hidden),
+            bf16_tensor(&format!("{p}post_attention_layernorm.weight"), vec![h], &head.n_post),
+            bf16_tensor(&format!("{p}self_attn.q_proj.weight"), vec![hq * d, 2 * h], &head.wq),
+            bf16_tensor(&format!("{p}self_attn.k_proj.weight"), vec![hkv * d, 2 * h], &head.wk),
+            bf16_tensor(&format!("{p}self_attn.v_proj.weight"), vec![hkv * d, 2 * h], &head.wv),
+            bf16_tensor(&format!("{p}self_attn.o_proj.weight"), vec![h, hq * d], &head.wo),
+            bf16_tensor(&format!("{p}mlp.gate_proj.weight"), vec![inter, h], &head.wg),
+            bf16_tensor(&format!("{p}mlp.up_proj.weight"), vec![inter, h], &head.wu),
+            bf16_tensor(&format!("{p}mlp.down_proj.weight"), vec![h, inter], &head.wd),
+            bf16_tensor("norm.weight", vec![h], &head.n_final),
+            bf16_tensor("lm_head.weight", vec![vd, h], &head.lm),
+            i64_tensor("d2t", vec![vd], &head.d2t),
+            Tensor {
+                name: "t2d".into(),
+                dtype: safetensors::tensor::Dtype::BOOL,
+                shape: vec![vocab],
+                bytes: t2d,
+            },
+        ],
+    );
+    head
+}
+
+struct Step {
+    b: usize,
+    ids: Vec<i64>,
+    hidden: Vec<f32>,
+    prefix: Vec<i32>,
+    accept: Vec<i32>,
+    table: Vec<i32>,
+    cols: usize,
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+}
+
+fn make_step(plan: &ValidatedPlan, hd: &Head, rng: &mut Rng, b: usize, dir: &Path) -> Step {
+    let n = plan.spec.num_draft_tokens as usize;
+    let ps = plan.capture.page_size as usize;
+    let max_prefix = 90usize;
+    let cols = (max_prefix + n).div_ceil(ps) + 1;
+    let pages = b * cols + 3;
+    let mut order: Vec<i32> = (0..pages as i32).collect();
+    for i in (1..pages).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let per_page = ps * hd.hkv * hd.d;
+    let st = Step {
+        b,
+        ids: (0..b * n).map(|_| rng.below(hd.vocab) as i64).collect(),
+        hidden: rand_vec(rng, b * n * hd.ht3, 1.0),
+        prefix: (0..b).map(|_| rng.below(max_prefix + 1) as i32).collect(),
+        accept: (0..b).map(|_| 1 + rng.below(n) as i32).collect(),
+        table: (0..b * cols).map(|i| order[i]).collect(),
+        cols,
+        k_cache: rand_vec(rng, pages * per_page, 1.0),
+        v_cache: rand_vec(rng, pages * per_page, 1.0),
+    };
+    let kv_shape = vec![1, pages, ps, hd.hkv, hd.d];
+    save(
+        &dir.join("inputs.safetensors"),
+        &[
+            i64_tensor("input_ids", vec![b, n], &st.ids),
+            bf16_tensor("hidden_states", vec![b, n, hd.ht3], &st.hidden),
+            i32_tensor("prefix_lens", vec![b], &st.prefix),
+            i32_tensor("accept_lens", vec![b], &st.accept),
+            i32_tensor("page_table", vec![b, st.cols], &st.table),
+            bf16_tensor("k_cache", kv_shape.clone(), &st.k_cache),
+            bf16_tensor("v_cache", kv_shape, &st.v_cache),
+        ],
+    );
+    st
+}
+
+/// One written cache slot: (page, slot), its new K and V.
+type SlotWrite = ((usize, usize), Vec<f64>, Vec<f64>);
+
+/// Per request: the selected pre-norm row, the top-K (probability, target id), and every
+/// written cache slot.
+struct Expected {
+    hidden_out: Vec<Vec<f64>>,
+    top: Vec<Vec<(f64, i64)>>,
+    writes: Vec<SlotWrite>,
+}
+
+/// The EAGLE-3 forward of one step, row by row.
+fn naive_eagle3(hd: &Head, st: &Step, n: usize, ps: usize, k_top: usize) -> Expected {
+    let (h, d) = (hd.h, hd.d);
+    let g = hd.hq / hd.hkv;
+    let per_page = ps * hd.hkv * d;
+    let (mut kc, mut vc) = (st.k_cache.clone(), st.v_cache.clone());
+    let slot_of = |i: usize, pos: usize| (st.table[i * st.cols + pos / ps] as usize, pos % ps);
+    let mut out = Expected {
+        hidden_out: vec![],
+        top: vec![],
+        writes: vec![],
+    };
+    for i in 0..st.b {
+        let l0 = st.prefix[i] as usize;
+        // h = fc(target features); the layer's input is [norm(embed) ‖ norm(h)], its residual h.
+        let mut x: Vec<Vec<f64>> = Vec::with_capacity(n);
+        let mut q = Vec::with_capacity(n);
+        for j in 0..n {
+            let row = i * n + j;
+            let feats: Vec<f64> = st.hidden[row * hd.ht3..(row + 1) * hd.ht3]
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            let hrow = matvec(&hd.fc, &feats, h);
+            let id = st.ids[row] as usize;
+            let e: Vec<f64> = hd.embed[id * h..(id + 1) * h].iter().map(|&v| v as f64).collect();
+            let mut a = rms(&e, &hd.n_embed, hd.eps);
+            a.extend(rms(&hrow, &hd.n_hidden, hd.eps));
+            let mut qj = matvec(&hd.wq, &a, hd.hq * d);
+            let mut kj = matvec(&hd.wk, &a, hd.hkv * d);
+            let vj = matvec(&hd.wv, &a, hd.hkv * d);
+            rope(&mut qj, l0 + j, d, hd.theta);
+            rope(&mut kj, l0 + j, d, hd.theta);
+            let (page, slot) = slot_of(i, l0 + j);
+            let base = page * per_page + slot * hd.hkv * d;
+            for t in 0..hd.hkv * d {
+                kc[base + t] = kj[t] as f32;
+                vc[base + t] = vj[t] as f32;
+            }
+            out.writes.push(((page, slot), kj, vj));
+            q.push(qj);
+            x.push(hrow);
+        }
+        let at = |p: usize, kvh: usize, t: usize, cache: &[f32]| {
+            let (page, slot) = slot_of(i, p);
+            cache[page * per_page + (slot * hd.hkv + kvh) * d + t] as f64
+        };
+        for j in 0..n {
+            let mut attn = vec![0.0; hd.hq * d];
+            for head in 0..hd.hq {
+                let kvh = head / g;
+                let scores: Vec<f64> = (0..=l0 + j)
+                    .map(|p| (0..d).map(|t| q[j][head * d + t] * at(p, kvh, t, &kc)).sum::<f64>() / (d as f64).sqrt())
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let den: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (p, s) in scores.iter().enumerate() {
+                    let w = (s - m).exp() / den;
+                    for t in 0..d {
+                        attn[head * d + t] += w * at(p, kvh, t, &vc);
+                    }
+                }
+            }
+            let o = matvec(&hd.wo, &attn, h);
+            for c in 0..h {
+                x[j][c] += o[c];
+            }
+            let m2 = rms(&x[j], &hd.n_post, hd.eps);
+            let gate = matvec(&hd.wg, &m2, hd.inter);
+            let up = matvec(&hd.wu, &m2, hd.inter);
+            let mid: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let down = matvec(&hd.wd, &mid, h);
+            for c in 0..h {
+                x[j][c] += down[c];
+            }
+        }
+        // The pre-norm row leaves the head; its final norm feeds the draft-vocabulary head.
+        let pre = x[st.accept[i] as usize - 1].clone();
+        let normed = rms(&pre, &hd.n_final, hd.eps);
+        let logits = matvec(&hd.lm, &normed, hd.vd);
+        let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = logits.iter().map(|v| (v - m).exp()).sum();
+        let mut idx: Vec<usize> = (0..hd.vd).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        out.top.push(
+            idx.iter()
+                .take(k_top)
+                .map(|&c| ((logits[c] - m).exp() / s, c as i64 + hd.d2t[c]))
+                .collect(),
+        );
+        out.hidden_out.push(pre);
+    }
+    out
+}
+
+fn check(page_size: u32, batches: &[usize]) {
+    let mut rng = Rng(seed());
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/valid/tiny-eagle3.json");
+    let text = std::fs::read_to_string(&path).expect("tiny-eagle3.json");
+    let src = Source::HfConfig {
+        name: "tiny-eagle3".into(),
+        text,
+    };
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2,4,8".into()),
+        page_size: Some(page_size),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    };
+    let cfg = resolve(&src, &o).expect("config");
+    let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan;
+    let (n, ps, k_top) = (
+        plan.spec.num_draft_tokens as usize,
+        plan.capture.page_size as usize,
+        plan.spec.topk as usize,
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hd = make_head(&plan, &mut rng, dir.path());
+    for &b in batches {
+        let st = make_step(&plan, &hd, &mut rng, b, dir.path());
+        let w = load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights load");
+        let mut x = load_inputs(&plan, &dir.path().join("inputs.safetensors")).expect("inputs load");
+        let res = run_cpu(&plan, w, &mut x).expect("cpu run");
+        let out_path = dir.path().join("out.safetensors");
+        write_outputs(&plan, &out_path, &res, &x).expect("write outputs");
+        let (probs, ids, hidden_out, kc, vc) = read_out(&out_path);
+        let want = naive_eagle3(&hd, &st, n, ps, k_top);
+        let h = hd.h;
+        for i in 0..b {
+            let (mut num, mut den) = (0f64, 0f64);
+            for c in 0..h {
+                num += (hidden_out[i * h + c] as f64 - want.hidden_out[i][c]).powi(2);
+                den += want.hidden_out[i][c].powi(2);
+            }
+            let rel = (num / den).sqrt();
+            println!("page {ps} b={b} request {i}: hidden_out (pre-norm) relative error {rel:.2e}");
+            assert!(rel < 8e-3, "b={b} request {i}: hidden_out relative error {rel}");
+            for s in 0..k_top {
+                let (p, id) = want.top[i][s];
+                let got = probs[i * k_top + s] as f64;
+                assert!(
+                    (got - p).abs() < 1e-4 + 1e-3 * p,
+                    "b={b} req {i} slot {s}: prob {got} vs {p}"
+                );
+                let gap_prev = if s > 0 { want.top[i][s - 1].0 - p } else { 1.0 };
+                let gap_next = want.top[i].get(s + 1).map_or(1.0, |x| p - x.0);
+                if gap_prev > 1e-4 && gap_next > 1e-4 {
+                    assert_eq!(ids[i * k_top + s], id, "b={b} req {i} slot {s}: target id after d2t");
+                }
+                assert!((0..hd.vocab as i64).contains(&ids[i * k_top + s]), "a target id");
+            }
+        }
+        let per_page = ps * hd.hkv * hd.d;
+        let mut written = vec![false; kc.len()];
+        for ((page, slot), k, v) in &want.writes {
+            let base = page * per_page + slot * hd.hkv * hd.d;
+            for t in 0..hd.hkv * hd.d {
+                written[base + t] = true;
+                for (got, exp, which) in [(kc[base + t], k[t], "k"), (vc[base + t], v[t], "v")] {
+                    let tol = 1e-2 * exp.abs().max(0.05);
+                    assert!(
+                        (got as f64 - exp).abs() <= tol,
+                        "b={b} {which}_cache page {page} slot {slot} [{t}]: {got} vs {exp}"
+                    );
+                }
+            }
+        }
+        for (e, w) in written.iter().enumerate() {
+            if !w {
+                assert_eq!(
+                    kc[e].to_bits(),
+                    st.k_cache[e].to_bits(),
+                    "b={b}: k_cache element {e} changed"
+                );
+                assert_eq!(
+                    vc[e].to_bits(),
+                    st.v_cache[e].to_bits(),
+                    "b={b}: v_cache element {e} changed"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn eagle3_page4_matches_naive_forward() {
+    check(4, &[1, 3, 8]);
+}
+
+#[test]
+fn eagle3_token_slots_match_naive_forward() {
+    check(1, &[2, 5]);
+}
+
+/// The run contract refuses EAGLE-3 weight files that do not fit the head, naming the
+/// tensor: an fc of the wrong width, no d2t, a d2t mapping outside the target vocabulary,
+/// an lm_head whose rows are not the draft vocabulary.
+#[test]
+fn eagle3_weight_files_that_do_not_fit_are_refused() {
+    let mut rng = Rng(seed());
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/valid/tiny-eagle3.json");
+    let src = Source::HfConfig {
+        name: "tiny-eagle3".into(),
+        text: std::fs::read_to_string(&path).expect("tiny-eagle3.json"),
+    };
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2".into()),
+        max_context_len: Some(256),
+        ..Overrides::default()
+    };
+    let plan = compile(
+        &resolve(&src, &o).expect("config"),
+        &Target::default(),
+        None,
+        &|_, _| {},
+    )
+    .expect("compile")
+    .plan;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hd = make_head(&plan, &mut rng, dir.path());
+    let file = dir.path().join("weights.safetensors");
+    assert!(load_weights(&plan, &file).is_ok(), "the good file loads");
+    let bytes = std::fs::read(&file).expect("weights");
+    let good = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let tensors = |skip: &str, extra: Vec<Tensor>| -> Vec<Tensor> {
+        let mut v: Vec<Tensor> = good
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| n != skip)
+            .map(|(n, t)| Tensor {
+                name: n,
+                dtype: t.dtype(),
+                shape: t.shape().to_vec(),
+                bytes: t.data().to_vec(),
+            })
+            .collect();
+        v.extend(extra);
+        v
+    };
+    let (h, vd) = (hd.h, hd.vd);
+    let mut far = hd.d2t.clone();
+    far[7] = hd.vocab as i64; // 7 + vocab is past the target vocabulary
+    let cases: Vec<(&str, Vec<Tensor>, &str)> = vec![
+        (
+            "fc.weight",
+            vec![bf16_tensor("fc.weight", vec![h, 2 * h], &vec![0.0; 2 * h * h])],
+            "fc.weight",
+        ),
+        ("d2t", vec![], "d2t"),
+        ("d2t", vec![i64_tensor("d2t", vec![vd], &far)], "d2t[7]"),
+        (
+            "lm_head.weight",
+            vec![bf16_tensor(
+                "lm_head.weight",
+                vec![hd.vocab, h],
+                &vec![0.0; hd.vocab * h],
+            )],
+            "lm_head.weight",
+        ),
+    ];
+    for (skip, extra, want) in cases {
+        let bad = dir.path().join("bad.safetensors");
+        save(&bad, &tensors(skip, extra));
+        let err = match load_weights(&plan, &bad) {
+            Ok(_) => panic!("{want}: a weights file that does not fit was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(want), "{want}: {err}");
+        println!("refused: {err}");
+    }
+}
