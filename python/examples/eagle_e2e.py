@@ -222,6 +222,33 @@ def draft_weights(plan, gen, dev):
     return w
 
 
+def draft_weights_eagle3(plan, gen, dev):
+    """Random EAGLE-3 head weights under the released checkpoint names (fc over three target
+    layers, midlayer.* with 2H-wide q/k/v, norm, a draft-vocabulary lm_head, d2t onto a sorted
+    random subset of the target vocabulary)."""
+    act = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
+    h, hq, hkv, d, inter = plan.hidden_size, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.intermediate_size
+    vd, v, hin = plan.draft_vocab_size, plan.vocab_size, plan.hidden_in_size
+    p = "midlayer."
+
+    def lin(o, i):
+        return (torch.randn(o, i, generator=gen, device=dev) / math.sqrt(i)).to(act)
+
+    def norm():
+        return (1 + 0.1 * torch.randn(h, generator=gen, device=dev)).to(act)
+
+    w = {"embed_tokens.weight": torch.randn(v, h, generator=gen, device=dev).to(act), "fc.weight": lin(h, hin),
+         p + "input_layernorm.weight": norm(), p + "hidden_norm.weight": norm(),
+         p + "post_attention_layernorm.weight": norm(), "norm.weight": norm(),
+         p + "self_attn.q_proj.weight": lin(hq * d, 2 * h), p + "self_attn.k_proj.weight": lin(hkv * d, 2 * h),
+         p + "self_attn.v_proj.weight": lin(hkv * d, 2 * h), p + "self_attn.o_proj.weight": lin(h, hq * d),
+         p + "mlp.gate_proj.weight": lin(inter, h), p + "mlp.up_proj.weight": lin(inter, h),
+         p + "mlp.down_proj.weight": lin(h, inter), "lm_head.weight": lin(vd, h) * 4}
+    used = torch.randperm(v, generator=gen, device=dev)[:vd].sort().values
+    w["d2t"] = (used - torch.arange(vd, device=dev)).long()
+    return w
+
+
 class Setup:
     """Shared memory of one configuration: the table, draft pools (used by both draft-extends),
     target, draft head and runner."""

@@ -43,9 +43,15 @@ class Plan:
         self._p = native
 
     @classmethod
-    def load(cls, path):
-        """Loads and validates a plan file; ValueError with the plan error on a bad file."""
-        return cls(_native.Plan.load(os.fspath(path)))
+    def load(cls, path, *, rebuild_kernels=False):
+        """Loads and validates a plan file; ValueError with the plan error on a bad file.
+        rebuild_kernels=True compiles every kernel here (NVRTC) from the plan's validated
+        constants instead of running the machine code the file carries: for plans from
+        elsewhere (a plan file is integrity-checked, not authenticated)."""
+        p = _native.Plan.load(os.fspath(path))
+        if rebuild_kernels:
+            p = p.rebuild_kernels(_nvidia_dirs())
+        return cls(p)
 
     @classmethod
     def from_bytes(cls, data):
@@ -99,6 +105,9 @@ for _name, _doc in [
     ("dtype", "'bf16' or 'fp16'"),
     ("has_kernels", "whether the plan carries kernel binaries"),
     ("intermediate_size", "the MLP's intermediate size"),
+    ("hidden_in_size", "width of an input hidden-state row (3 x the target's for EAGLE-3)"),
+    ("head", "'eagle1' or 'eagle3'"),
+    ("draft_vocab_size", "lm_head rows (EAGLE-3: the draft vocabulary, mapped by d2t)"),
     ("rms_norm_eps", "RMSNorm epsilon"),
     ("rope_inv_freq", "RoPE inverse frequencies after scaling, [head_dim / 2]"),
     ("sliding_windows", "per layer, the sliding window (None: full causal)"),

@@ -107,6 +107,7 @@ class DraftExtendRunner:
         self._act = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
         self._n = plan.num_draft_tokens
         self._h = plan.hidden_size
+        self._hin = plan.hidden_in_size
         self._k = plan.topk
         self._max_b = plan.max_requests
         self._max_ctx = plan.max_context_len
@@ -271,9 +272,10 @@ class DraftExtendRunner:
             raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dtype is not self._act:
             raise TypeError(f"hidden_states: dtype {hidden_states.dtype}, the plan's activations are {self._act}")
-        if hidden_states.numel() != b * n * self._h or hidden_states.shape[-1] != self._h or hidden_states.dim() > 3:
+        hin = self._hin
+        if hidden_states.numel() != b * n * hin or hidden_states.shape[-1] != hin or hidden_states.dim() > 3:
             raise ValueError(
-                f"hidden_states: shape {tuple(hidden_states.shape)}, expected [{b * n}, {self._h}] or [{b}, {n}, {self._h}]"
+                f"hidden_states: shape {tuple(hidden_states.shape)}, expected [{b * n}, {hin}] or [{b}, {n}, {hin}]"
             )
         if hidden_states.get_device() != self._index or not hidden_states.is_contiguous():
             raise ValueError(f"hidden_states: must be contiguous on {self._device} (is on {hidden_states.device})")

@@ -181,6 +181,19 @@ impl Plan {
         })
     }
 
+    /// The same plan with every kernel binary compiled here from the plan's validated
+    /// constants (the machine code a plan file carries is not trusted; see ARCHITECTURE.md).
+    #[pyo3(signature = (nvidia_dirs=Vec::new()))]
+    fn rebuild_kernels(&self, py: Python<'_>, nvidia_dirs: Vec<PathBuf>) -> PyResult<Plan> {
+        let plan = self.inner.clone();
+        py.detach(|| {
+            let jit = Jit::discover(&nvidia_dirs).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+            specplan_compiler::rebuild_kernels(&plan, &jit)
+                .map(|inner| Plan { inner })
+                .map_err(|e| PyValueError::new_err(e.to_string()))
+        })
+    }
+
     /// Writes the plan (atomically: a temporary file renamed into place).
     fn save(&self, path: PathBuf) -> PyResult<()> {
         let bytes = specplan_format::encode(&self.inner)
@@ -273,6 +286,21 @@ impl Plan {
     #[getter]
     fn dtype(&self) -> &'static str {
         self.inner.capture.dtype.name()
+    }
+    /// Width of a row of the input hidden states (3 × the target's hidden size for EAGLE-3).
+    #[getter]
+    fn hidden_in_size(&self) -> u64 {
+        self.inner.model.hidden_in() as u64
+    }
+    /// "eagle1" (EAGLE-1/2) or "eagle3".
+    #[getter]
+    fn head(&self) -> &'static str {
+        self.inner.model.head.name()
+    }
+    /// lm_head rows: the draft vocabulary of an EAGLE-3 head, else the target's.
+    #[getter]
+    fn draft_vocab_size(&self) -> u64 {
+        self.inner.model.lm_vocab() as u64
     }
     #[getter]
     fn intermediate_size(&self) -> u64 {

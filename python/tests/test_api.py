@@ -209,6 +209,7 @@ def _bare_runner(torch, plan):
     r.plan, r._torch = plan, torch
     r._act = torch.bfloat16
     r._n, r._h, r._k = plan.num_draft_tokens, plan.hidden_size, plan.topk
+    r._hin = plan.hidden_in_size
     r._max_b, r._max_ctx = plan.max_requests, plan.max_context_len
     r._device, r._index = _Device("cuda", 0), 0
     r._engine = _RecordingEngine()
@@ -282,3 +283,21 @@ def test_sglang_adapter_reads_forward_batch_fields(fake):
     fb.seq_lens_cpu = [n - 1, n]
     with pytest.raises(ValueError, match=r"prefix_lens_cpu\[0\]: prefix -1"):
         a.execute(fb)
+
+
+def test_rebuilt_kernels_equal_the_honest_ones(tmp_path):
+    plan = specplan.Plan.compile(preset="tiny")
+    path = tmp_path / "tiny.plan"
+    plan.save(path)
+    rebuilt = specplan.Plan.load(path, rebuild_kernels=True)
+    assert rebuilt.has_kernels and rebuilt.text() == plan.text()
+
+
+def test_an_eagle3_plan_reports_its_head():
+    here = os.path.dirname(__file__)
+    cfg = os.path.join(here, "..", "..", "tests", "corpus", "valid", "tiny-eagle3.json")
+    plan = specplan.Plan.compile(hf_config=cfg, num_draft_tokens=4, topk=4, num_steps=3, buckets=[1, 2],
+                                 max_context_len=512, no_kernels=True)
+    assert (plan.head, plan.hidden_in_size, plan.draft_vocab_size, plan.vocab_size) == ("eagle3", 576, 600, 1000)
+    names = [w[0] for w in plan.weights()]
+    assert "d2t" in names and "norm.weight" in names and "midlayer.self_attn.qkv_proj.weight" in names

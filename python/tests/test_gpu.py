@@ -108,3 +108,69 @@ def test_inputs_freed_right_after_run_are_safe(setup):
     assert torch.equal(out.topk_index[:, 0], want[1][:, 0]) or e2e.top1_gap(want[0]) <= e2e.TIE
     rel = (out.hidden_states.float() - want[2].float()).norm() / want[2].float().norm()
     assert rel < 1e-2
+
+
+def _eagle3_reference(plan, w, kpools, vpools, table, req, ids, hidden, prefix, accept):
+    """The EAGLE-3 head in PyTorch (docs/semantics.md): bf16 GEMMs accumulating in fp32."""
+    act = torch.bfloat16
+    b, n = ids.shape
+    hq, hkv, d, eps = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rms_norm_eps
+    inv = torch.tensor(plan.rope_inv_freq, device=ids.device)
+    pos = prefix[:, None] + torch.arange(n, device=ids.device)[None, :]
+    h = hidden.reshape(b * n, -1) @ w["fc.weight"].t()
+    e = w["embed_tokens.weight"][ids].reshape(b * n, -1)
+    a = torch.cat([e2e.rmsnorm(e, w["midlayer.input_layernorm.weight"], eps).to(act),
+                   e2e.rmsnorm(h, w["midlayer.hidden_norm.weight"], eps).to(act)], -1)
+    q = (a @ w["midlayer.self_attn.q_proj.weight"].t()).view(b * n, hq, d)
+    k = (a @ w["midlayer.self_attn.k_proj.weight"].t()).view(b * n, hkv, d)
+    v = (a @ w["midlayer.self_attn.v_proj.weight"].t()).view(b, n, hkv, d)
+    q = e2e.rope(q.float(), pos.reshape(-1), inv).to(act).view(b, n, hq, d)
+    k = e2e.rope(k.float(), pos.reshape(-1), inv).to(act).view(b, n, hkv, d)
+    full = torch.full_like(prefix, n)
+    e2e.write_kv(kpools[0], table, req, pos, full, k)
+    e2e.write_kv(vpools[0], table, req, pos, full, v)
+    o = e2e.attend(q, kpools[0], vpools[0], table, req, pos, prefix + full, None, act)
+    x = torch.addmm(h, o.reshape(b * n, -1), w["midlayer.self_attn.o_proj.weight"].t())
+    m = e2e.rmsnorm(x, w["midlayer.post_attention_layernorm.weight"], eps).to(act)
+    mid = (torch.nn.functional.silu((m @ w["midlayer.mlp.gate_proj.weight"].t()).float())
+           * (m @ w["midlayer.mlp.up_proj.weight"].t()).float()).to(act)
+    x = torch.addmm(x, mid, w["midlayer.mlp.down_proj.weight"].t()).view(b, n, -1)
+    pre = x[torch.arange(b, device=x.device), accept - 1]
+    logits = e2e.rmsnorm(pre, w["norm.weight"], eps).to(act).float() @ w["lm_head.weight"].float().t()
+    tp, ti = torch.topk(torch.softmax(logits, -1), plan.topk, dim=-1)
+    return tp, ti + w["d2t"][ti], pre
+
+
+def test_an_eagle3_plan_runs_with_the_same_api():
+    here = os.path.dirname(__file__)
+    plan = specplan.Plan.compile(hf_config=os.path.join(here, "..", "..", "tests", "corpus", "valid", "tiny-eagle3.json"),
+                                 num_draft_tokens=4, topk=4, num_steps=3, buckets=[1, 2, 4, 8], page_size=1,
+                                 max_context_len=512, max_requests=16)
+    assert plan.head == "eagle3" and plan.hidden_in_size == 3 * 192 and plan.draft_vocab_size == 600
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator(device=dev).manual_seed(3)
+    h, vd, v = plan.hidden_size, plan.draft_vocab_size, plan.vocab_size
+    w = e2e.draft_weights_eagle3(plan, gen, dev)
+    b, n, slots = 5, plan.num_draft_tokens, 4096
+    table = torch.randperm(slots, generator=gen, device=dev)[: 8 * 256].int().view(8, 256)
+    kp = [torch.randn(slots, plan.num_kv_heads, plan.head_dim, generator=gen, device=dev).to(torch.bfloat16)]
+    vp = [torch.randn(slots, plan.num_kv_heads, plan.head_dim, generator=gen, device=dev).to(torch.bfloat16)]
+    runner = specplan.DraftExtendRunner(plan, w, kp, vp, req_to_token=table)
+    req = torch.tensor([3, 0, 6, 1, 5], device=dev)
+    ids = torch.randint(0, v, (b, n), generator=gen, device=dev)
+    hidden = torch.randn(b, n, plan.hidden_in_size, generator=gen, device=dev).to(torch.bfloat16)
+    prefix = torch.randint(0, 200, (b,), generator=gen, device=dev)
+    accept = torch.randint(1, n + 1, (b,), generator=gen, device=dev)
+    kref, vref = [kp[0].clone()], [vp[0].clone()]
+    tp, ti, pre = _eagle3_reference(plan, w, kref, vref, table, req, ids, hidden, prefix, accept)
+    out = runner.run(ids.reshape(-1), hidden.reshape(b * n, -1), req, prefix, accept)
+    torch.cuda.synchronize()
+    assert runner.last_error() is None
+    rel = (out.hidden_states.float() - pre.float()).norm() / pre.float().norm()
+    assert rel < 1e-2, f"hidden_states (pre-norm) rel {rel}"
+    assert ((out.topk_p - tp).abs() <= 2e-2 * tp + 2e-3).all()
+    same = out.topk_index[:, 0] == ti[:, 0]
+    assert bool(same.all()) or e2e.top1_gap(tp) <= e2e.TIE, "target ids after d2t"
+    assert bool(((out.topk_index >= 0) & (out.topk_index < v)).all())
+    krel = (kp[0].float() - kref[0].float()).norm() / kref[0].float().norm()
+    assert krel < 1e-2
