@@ -7,9 +7,14 @@ signatures of BatchPrefillWithPagedKVCacheWrapper.__init__/plan/run, read from t
 that the peer relies on, and compute paged attention in fp32 from FlashInfer's documented
 semantics (bottom-right causal alignment, window_left). CUDA graphs are replaced by re-running
 the forward. Then, on `tiny` plans (GQA, 2 layers, page size 4; sliding window + FR-Spec;
-fp16 with page size 1), `peerprep` writes the contract files, `specplan run --device cpu`
-computes specplan's outputs, and the peer's check must pass; with the window deliberately off
-by one, or the RoPE frequencies permuted, it must fail.
+fp16 with page size 1) and on tiny EAGLE-3 plans (tests/corpus/valid/tiny-eagle3.json: fc over
+3·H_t = 576 columns, draft vocabulary 600 of 1000 mapped by d2t; page size 1 with N 4, and page
+size 4 with N 8), `peerprep` writes the contract files, `specplan run --device cpu` computes
+specplan's outputs, and the peer's check must pass; with the window deliberately off by one,
+or the RoPE frequencies permuted, it must fail, and for EAGLE-3 with d2t off by one, the final
+norm left out, the 2H input concatenated in the wrong order, or the three target-layer blocks
+of fc's columns rotated.
+Finally the `run` command (checks and bench of an EAGLE-1 and an EAGLE-3 plan) and the report.
 
   PYTHONPATH=/path/to/torch python3 tests/peer/cpu_selftest.py [--bin DIR]
 
@@ -232,17 +237,45 @@ def main():
     peer.logits_f32 = lambda h, w: h.float() @ w.float().t()
     dev = torch.device("cpu")
     work = tempfile.mkdtemp(prefix="peer-selftest-")
+    e3 = ["--hf-config", os.path.join(ROOT, "tests/corpus/valid/tiny-eagle3.json"), "--speculative-eagle-topk", "4",
+          "--speculative-num-steps", "3", "--max-context-len", "512"]
     variants = [
-        ("tiny", [], 5, 45),
-        ("tiny-swa16-hot256", ["--sliding-window", "16", "--hot-vocab-size", "256"], 6, 60),
-        ("tiny-fp16-page1", ["--dtype", "fp16", "--page-size", "1"], 3, 40),
+        ("tiny", ["--preset", "tiny"], 5, 45),
+        ("tiny-swa16-hot256", ["--preset", "tiny", "--sliding-window", "16", "--hot-vocab-size", "256"], 6, 60),
+        ("tiny-fp16-page1", ["--preset", "tiny", "--dtype", "fp16", "--page-size", "1"], 3, 40),
+        ("tiny-eagle3", e3 + ["--speculative-num-draft-tokens", "4", "--buckets", "1,2,4"], 4, 60),
+        ("tiny-eagle3-page4-n8", e3 + ["--speculative-num-draft-tokens", "8", "--buckets", "1,3,6", "--page-size", "4"],
+         5, 90),
     ]
     failures = 0
+
+    def report(label, c):
+        print(
+            f"{label}: {'ok' if c['ok'] else 'MISMATCH'}  "
+            f"hidden rel peer/specplan {c['hidden_rel_peer_vs_specplan']:.2e}, "
+            f"peer/f32 {c['hidden_rel_peer_vs_f32']:.2e}, specplan/f32 {c['hidden_rel_specplan_vs_f32']:.2e}; "
+            f"probs |Δ| {c['prob_abs_max']:.2e} (rel {c['prob_rel_max']:.2e}, p ≤ {c['prob_ref_max']:.3g}); "
+            f"ids {c['ids_equal']}/{c['ids_total']} ({c['ids_tied']} ties, {c['ids_mismatch']} mismatched); "
+            f"kv rel {c['kv_rel_peer_vs_specplan']:.2e}"
+        )
+
+    def negative(label, P, W, d, ref, model=None):
+        """A deliberately wrong peer (plan facts, weights or the model class altered) must fail the check."""
+        orig = peer.Model
+        peer.Model = model or orig
+        try:
+            c = peer.run_check(fi, P, "wrong", W, os.path.join(d, "inputs.safetensors"), ref, d, dev)
+        finally:
+            peer.Model = orig
+        first = c["failures"][0] if c["failures"] else ""
+        print(f"{label} (wrong): {'caught' if not c['ok'] else 'NOT CAUGHT'}" + (f"  [{first}]" if first else ""))
+        return c["ok"]
+
     for name, flags, b, maxp in variants:
         d = os.path.join(work, name)
         os.makedirs(d)
         plan = os.path.join(d, "p.plan")
-        sh(tool["specplan"], "compile", "--preset", "tiny", *flags, "--no-kernels", "-o", plan)
+        sh(tool["specplan"], "compile", *flags, "--no-kernels", "-o", plan)
         sh(tool["peerprep"], "contract-files", plan, d, "--batch", str(b), "--max-prefix", str(maxp))
         ref = os.path.join(d, "specplan.safetensors")
         sh(tool["specplan"], "run", "--plan", plan, "--weights", f"{d}/weights.safetensors",
@@ -250,58 +283,100 @@ def main():
         P = peer.load_plan(os.path.join(d, "plan.json"))
         W = peer.st_load(os.path.join(d, "weights.safetensors"))
         c = peer.run_check(fi, P, name, W, os.path.join(d, "inputs.safetensors"), ref, d, dev)
-        print(
-            f"{name}: {'ok' if c['ok'] else 'MISMATCH'}  hidden rel peer/specplan {c['hidden_rel_peer_vs_specplan']:.2e}, "
-            f"peer/f32 {c['hidden_rel_peer_vs_f32']:.2e}, specplan/f32 {c['hidden_rel_specplan_vs_f32']:.2e}; "
-            f"probs |Δ| {c['prob_abs_max']:.2e} (rel {c['prob_rel_max']:.2e}, p ≤ {c['prob_ref_max']:.3g}); "
-            f"ids {c['ids_equal']}/{c['ids_total']} ({c['ids_tied']} ties); kv rel {c['kv_rel_peer_vs_specplan']:.2e}"
-        )
+        report(f"{name} [{P['head']}, hidden_in {P['hidden_in']}, lm rows {P['lm_vocab']}]", c)
         for f in c["failures"]:
             print("    " + f)
         failures += not c["ok"]
-        # The random bench weights load into the same model.
-        peer.Model(P, peer.random_weights(P, dev, seed=1), dev)
+        # The random bench weights carry peerprep's names and shapes and load into the same model.
+        R = peer.random_weights(P, dev, seed=1)
+        got = {k: tuple(v.shape) for k, v in R.items()}
+        want = {k: tuple(v.shape) for k, v in W.items()}
+        if got != want:
+            print(f"{name}: random_weights differ from peerprep's: {sorted(set(got.items()) ^ set(want.items()))}")
+            failures += 1
+        peer.Model(P, R, dev)
         if "swa" in name:
             # Sensitivity: a window off by one must be caught.
             orig = peer.window_left
             peer.window_left = lambda w: -1 if w is None else int(w)
-            c = peer.run_check(fi, P, name, W, os.path.join(d, "inputs.safetensors"), ref, d, dev)
+            failures += negative(f"{name} with window_left = W", P, W, d, ref)
             peer.window_left = orig
-            print(f"{name} with window_left = W (wrong): {'caught' if not c['ok'] else 'NOT CAUGHT'}")
-            failures += c["ok"]
-        if name == "tiny":
+        if name in ("tiny", "tiny-eagle3"):
             # Sensitivity: wrong RoPE frequencies (halves of inv_freq swapped) must be caught.
             inv = P["inv_freq"]
             P2 = dict(P, inv_freq=inv[len(inv) // 2 :] + inv[: len(inv) // 2])
-            c = peer.run_check(fi, P2, name, W, os.path.join(d, "inputs.safetensors"), ref, d, dev)
-            print(f"{name} with RoPE frequencies permuted (wrong): {'caught' if not c['ok'] else 'NOT CAUGHT'}")
-            failures += c["ok"]
+            failures += negative(f"{name} with RoPE frequencies permuted", P2, W, d, ref)
+        if P["head"] == "eagle3":
+            assert P["hidden_in"] == 3 * P["target_hidden"] != P["hidden"] and P["draft_vocab"] < P["vocab"], P
+            # d2t off by one (kept inside the target vocabulary): the ids must mismatch.
+            d2t = W["d2t"].clone()
+            one = torch.where(torch.arange(len(d2t)) + d2t + 1 < P["vocab"], 1, -1)
+            failures += negative(f"{name} with d2t off by one", P, dict(W, d2t=d2t + one), d, ref)
+            # lm_head over the pre-norm rows (the final norm left out).
+            class NoFinalNorm(peer.Model):
+                def __init__(self, *a):
+                    super().__init__(*a)
+                    self.final_norm = None
+
+            failures += negative(f"{name} without the final norm", P, W, d, ref, model=NoFinalNorm)
+            # norm(h) ‖ norm(embed) instead of norm(embed) ‖ norm(h): the same as q/k/v_proj's two
+            # column halves swapped.
+            qkv = {f"midlayer.self_attn.{x}_proj.weight": W[f"midlayer.self_attn.{x}_proj.weight"] for x in "qkv"}
+            H = P["hidden"]
+            failures += negative(f"{name} with the 2H input concatenated hidden first", P,
+                                 dict(W, **{k: torch.cat([v[:, H:], v[:, :H]], 1) for k, v in qkv.items()}), d, ref)
+            # The three target layers' features in the wrong order (fc's column blocks rotated).
+            fc, ht = W["fc.weight"], P["target_hidden"]
+            failures += negative(f"{name} with fc's 3 target-layer blocks rotated", P,
+                                 dict(W, **{"fc.weight": torch.cat([fc[:, ht:], fc[:, :ht]], 1)}), d, ref)
     # The whole `run` command (checks, bench, JSON) and the report over its JSON.
     fake_cuda()
     os.environ["PEER_DEVICE"] = "cpu"
     peer.import_flashinfer = lambda: fi
-    d = os.path.join(work, "tiny-swa16-hot256")
-    out_json = os.path.join(work, "peer.json")
-    sys.argv = [
-        "flashinfer_peer.py", "run", "--plan", "tiny-swa-n4", f"{d}/plan.json", "--weights", f"{d}/weights.safetensors",
-        "--check", "tiny-swa-n4", f"{d}/inputs.safetensors", f"{d}/specplan.safetensors",
-        "--bench", "--batches", "1,3", "--prefixes", "20,5000", "--runs", "3", "--warmup", "1", "--json", out_json,
+    # One process per model as .ci/gpu-bench runs it; the plans are named like the benchmark's
+    # EAGLE-1 / EAGLE-3 pair (both N 4) so the report's comparison of the two has rows.
+    runs = [
+        ("llama3-8b-eagle-n4", os.path.join(work, "tiny-swa16-hot256")),
+        ("llama3.1-8b-eagle3-n4", os.path.join(work, "tiny-eagle3")),
     ]
-    rc = peer.main()
-    doc = peer.json.load(open(out_json))
-    print(f"run: exit {rc}, {len(doc['checks'])} check(s), {len(doc['rows'])} bench rows, errors {doc['errors']}")
-    failures += rc != 0 or len(doc["rows"]) != 2 or not doc["checks"] or bool(doc["errors"])
+    peer_jsons = []
+    for pname, d in runs:
+        out_json = os.path.join(work, f"{pname}.peer.json")
+        peer_jsons.append(out_json)
+        sys.argv = [
+            "flashinfer_peer.py", "run", "--plan", pname, f"{d}/plan.json", "--weights", f"{d}/weights.safetensors",
+            "--check", pname, f"{d}/inputs.safetensors", f"{d}/specplan.safetensors",
+            "--bench", "--batches", "1,3", "--prefixes", "20,5000", "--runs", "3", "--warmup", "1", "--json", out_json,
+        ]
+        rc = peer.main()
+        doc = peer.json.load(open(out_json))
+        heads = sorted({r.get("head") for r in doc["rows"]})
+        print(f"run {pname}: exit {rc}, {len(doc['checks'])} check(s) "
+              f"({'ok' if doc['checks'] and all(c['ok'] for c in doc['checks']) else 'FAILED'}), "
+              f"{len(doc['rows'])} bench rows (heads {heads}), errors {doc['errors']}")
+        failures += rc != 0 or len(doc["rows"]) != 2 or not doc["checks"] or bool(doc["errors"])
     spec = os.path.join(work, "specbench.json")
     with open(spec, "w") as f:
-        f.write('[{"copy_bytes_per_s":4e12,"bf16_flops_per_s":7e14},\n')
-        f.write('{"plan":"tiny-swa-n4","batch":1,"prefix":20,"prep_us":9,"replay_us":100,"full_us":110,"eager_us":120,')
-        f.write('"floor_us":50,"attn_us":10,"attn_tb_s":0.1}]\n')
+        f.write('[{"copy_bytes_per_s":4e12,"bf16_flops_per_s":7e14}')
+        for pname, us in (("llama3-8b-eagle-n4", 110), ("llama3.1-8b-eagle3-n4", 90)):
+            for bb in (1, 3):
+                f.write(f',\n{{"plan":"{pname}","batch":{bb},"prefix":20,"prep_us":9,"replay_us":{us - 10},'
+                        f'"full_us":{us},"eager_us":120,"floor_us":50,"attn_us":10,"attn_tb_s":0.1}}')
+        f.write("]\n")
     r = subprocess.run(
-        [sys.executable, os.path.join(HERE, "report.py"), "--specbench", spec, "--peer", out_json, "--out", work],
+        [sys.executable, os.path.join(HERE, "report.py"), "--specbench", spec, "--peer", *peer_jsons, "--out", work],
         capture_output=True, text=True,
     )
     print("report:", r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr)
     failures += r.returncode != 0
+    md = open(os.path.join(work, "report.md")).read()
+    rows = peer.json.load(open(os.path.join(work, "report.json")))["rows"]
+    e3_rows = [x for x in rows
+               if x["model"] == "llama3.1-8b-eagle3" and x.get("peer_step_us") and x.get("specplan_step_us")]
+    has_cmp = "EAGLE-3 draft head vs EAGLE-1" in md
+    print(f"report: {len(e3_rows)} EAGLE-3 rows with specplan and peer times; EAGLE-3 vs EAGLE-1 section "
+          f"{'present' if has_cmp else 'MISSING'}")
+    failures += len(e3_rows) != 2 or not has_cmp
 
     # The safetensors writer round-trips.
     t = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7), "c": torch.zeros(0, 4)}

@@ -13,8 +13,16 @@ The forward is docs/semantics.md (compiled by compiler/src/lower.rs, run by runt
     x += down(silu(gate(RMSNorm(x))) · up(RMSNorm(x)))
   hidden_out_i = x[i·N + accept_i − 1] (no final norm); logits = hidden_out · lm_headᵀ in fp32
   (FR-Spec: the hot rows); probs = softmax; top-K (FR-Spec: ids mapped through hot_token_ids).
-Dimensions, eps, inv_freq (bit-exact), windows, N, top-K, page size and FR-Spec come from the
-plan's facts (`peerprep plan-json PLAN`), never from defaults.
+An EAGLE-3 head (plan fact head = "eagle3"; shared/domain/eagle3-and-draft-decode.md §1.1),
+one layer (`midlayer.*`):
+  h = fc(hidden) (fc.weight [H, 3·H_t], hidden rows hidden_in = 3·H_t wide);
+  a = RMSNorm_in(embed(ids)) ‖ RMSNorm_hidden(h) [2H]; q, k, v = a·Wqkvᵀ (K-dim 2H), RoPE,
+    K/V and attention as above; x = h + o·Woᵀ; x += MLP(RMSNorm(x)) as above;
+  hidden_out_i = x[i·N + accept_i − 1] (PRE-norm); logits = RMSNorm_final(hidden_out) ·
+  lm_headᵀ in fp32 (lm_head [V_d, H]); probs = softmax over V_d; top-K draft ids d map to
+  target ids d + d2t[d].
+Dimensions, eps, inv_freq (bit-exact), windows, N, top-K, page size, FR-Spec and the head
+kind come from the plan's facts (`peerprep plan-json PLAN`), never from defaults.
 
   flashinfer_peer.py warmup --plan-json P.json [...]
       import FlashInfer and build (JIT) the fa2 modules the plans need.
@@ -51,8 +59,20 @@ import torch.nn.functional as F
 HIDDEN_REL_PEER_SPEC = 2e-2  # per request, relative RMS
 HIDDEN_REL_F32 = 1e-2  # each implementation against the fp32 reference
 KV_REL = 2e-2  # written cache rows, per layer, relative RMS
-PROB_ABS = 2e-3  # top-K probabilities: |Δ| ≤ min(PROB_ABS, PROB_REL·p + 1e-5)
+PROB_ABS = 2e-3  # top-K probabilities: |Δ| ≤ max(min(PROB_ABS, PROB_REL·p + 1e-5), PROB_LOGIT·p)
 PROB_REL = 5e-2
+# A logit difference of 0.02 moves p by about 0.02·p: what two bf16 pipelines differ by at the
+# logit scale of the check's weights (std ≈ 2.3; hidden rows differing by ~4e-3 relative).
+# It only matters above p = PROB_ABS / PROB_LOGIT = 0.1, where the absolute cap alone is
+# tighter than bf16 (peaked rows: EAGLE-3's small draft vocabularies, the tiny plans).
+PROB_LOGIT = 2e-2
+
+
+def prob_bound(p):
+    """The allowed |Δ| of a top-K probability p (a float or a tensor: the larger of the two sides)."""
+    if torch.is_tensor(p):
+        return torch.maximum(torch.clamp(PROB_REL * p + 1e-5, max=PROB_ABS), PROB_LOGIT * p)
+    return max(min(PROB_ABS, PROB_REL * p + 1e-5), PROB_LOGIT * p)
 
 
 def log(*a):
@@ -92,6 +112,19 @@ def load_plan(path):
     p["act"] = DTYPES[p["dtype"]]
     if len(p["inv_freq"]) * 2 != p["head_dim"]:
         raise ValueError(f"{path}: {len(p['inv_freq'])} inv_freq values for head_dim {p['head_dim']}")
+    # Plans from before EAGLE-3 carry no head facts: EAGLE-1, input rows H wide.
+    p["head"] = p.get("head") or "eagle1"
+    if p["head"] not in ("eagle1", "eagle3"):
+        raise ValueError(f"{path}: head {p['head']!r} (the peer computes eagle1 and eagle3)")
+    if p.get("hidden_in") is None:
+        p["hidden_in"] = 3 * p["target_hidden"] if p["head"] == "eagle3" else p["hidden"]
+    p["draft_vocab"] = p.get("draft_vocab")
+    if p["head"] == "eagle3" and p.get("hot_vocab_size"):
+        raise ValueError(f"{path}: an EAGLE-3 head with FR-Spec hot rows (d2t and hot_token_ids are exclusive)")
+    if p["head"] == "eagle3" and p["layers"] != 1:
+        raise ValueError(f"{path}: an EAGLE-3 head with {p['layers']} layers (the peer computes one midlayer)")
+    # Rows of lm_head as the forward uses it: FR-Spec's hot rows, the draft vocabulary, or V.
+    p["lm_vocab"] = p.get("hot_vocab_size") or p["draft_vocab"] or p["vocab"]
     return p
 
 
@@ -180,9 +213,16 @@ def rms_norm(x, w, eps):
 
 
 class Model:
+    """Weights of one head, packed as an engine packs them. EAGLE-1/2: `layers.L.*`, fc over
+    embed ‖ hidden [H, 2H]. EAGLE-3 (P["head"] == "eagle3"): `midlayer.*` (layer 0), fc over
+    the target's features [H, 3·H_t], the two input norms, the final `norm.weight`, lm_head
+    over the draft vocabulary and `d2t` (draft id d → target id d + d2t[d])."""
+
     def __init__(self, P, W, dev):
         self.P = P
         self.eps = P["eps"]
+        self.eagle3 = P["head"] == "eagle3"
+        H = P["hidden"]
         self.embed = W["embed_tokens.weight"]
         self.fc_w = W["fc.weight"]
         self.fc_b = W["fc.bias"] if P["fc_bias"] else None
@@ -190,10 +230,13 @@ class Model:
             raise ValueError("fc.bias given, but the plan has no fc bias")
         self.layers = []
         for l in range(P["layers"]):
-            p = f"layers.{l}."
+            p = "midlayer." if self.eagle3 else f"layers.{l}."
             self.layers.append(
                 {
+                    # EAGLE-1 layer 0 has no input norm; EAGLE-3's layer 0 norms its two inputs.
                     "in_norm": W[p + "input_layernorm.weight"] if l > 0 else None,
+                    "emb_norm": W[p + "input_layernorm.weight"] if self.eagle3 else None,
+                    "hidden_norm": W[p + "hidden_norm.weight"] if self.eagle3 else None,
                     "qkv": torch.cat([W[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]).contiguous(),
                     "o": W[p + "self_attn.o_proj.weight"],
                     "post_norm": W[p + "post_attention_layernorm.weight"],
@@ -201,22 +244,39 @@ class Model:
                     "down": W[p + "mlp.down_proj.weight"],
                 }
             )
+        self.final_norm = W["norm.weight"] if self.eagle3 else None
         lm = W["lm_head.weight"]
+        # id_map: column of lm/probs -> target id (None: the identity).
+        self.hot_ids, self.d2t, self.id_map = None, None, None
         if P.get("hot_vocab_size"):
             self.hot_ids = W["hot_token_ids"].to(dev).long()
             lm = lm[self.hot_ids].contiguous()
-        else:
-            self.hot_ids = None
+            self.id_map = self.hot_ids
+        elif self.eagle3 and P["draft_vocab"] is not None:
+            self.d2t = W["d2t"].to(dev).long()
+            if tuple(self.d2t.shape) != (P["draft_vocab"],):
+                raise ValueError(f"d2t: shape {tuple(self.d2t.shape)}, the plan says ({P['draft_vocab']},)")
+            self.id_map = torch.arange(P["draft_vocab"], device=dev, dtype=torch.int64) + self.d2t
+            bad = ((self.id_map < 0) | (self.id_map >= P["vocab"])).nonzero()
+            if bad.numel():
+                d = int(bad[0, 0])
+                raise ValueError(f"d2t[{d}] maps draft id {d} to {int(self.id_map[d])}, outside [0, {P['vocab']})")
         self.lm = lm
         self.inv_freq = torch.tensor(P["inv_freq"], dtype=torch.float32, device=dev)
         want = {
-            "embed": (P["vocab"], P["hidden"]),
-            "fc_w": (P["hidden"], 2 * P["hidden"]),
-            "lm": (P.get("hot_vocab_size") or P["vocab"], P["hidden"]),
+            "embed": (P["vocab"], H),
+            "fc_w": (H, P["hidden_in"] if self.eagle3 else 2 * H),
+            "lm": (P["lm_vocab"], H),
         }
         for k, s in want.items():
             if tuple(getattr(self, k).shape) != s:
                 raise ValueError(f"{k}: shape {tuple(getattr(self, k).shape)}, the plan says {s}")
+        qkv_k = 2 * H if self.eagle3 else H
+        if self.layers[0]["qkv"].shape[1] != qkv_k:
+            raise ValueError(f"layer 0 q/k/v_proj: {self.layers[0]['qkv'].shape[1]} columns, the plan says {qkv_k}")
+        # Bytes of the weights every step reads whole (the embedding is gathered by row).
+        mats = [self.fc_w, self.lm] + [w[k] for w in self.layers for k in ("qkv", "o", "gate_up", "down")]
+        self.gemm_weight_bytes = sum(t.numel() * t.element_size() for t in mats)
 
 
 def random_weights(P, dev, seed):
@@ -226,6 +286,9 @@ def random_weights(P, dev, seed):
     dt = P["act"]
     H, I, V, D = P["hidden"], P["intermediate"], P["vocab"], P["head_dim"]
     hq, hkv = P["heads"], P["kv_heads"]
+    e3 = P["head"] == "eagle3"
+    hin = P["hidden_in"] if e3 else 2 * H  # fc's input width
+    qk = 2 * H if e3 else H  # layer 0's q/k/v input width
 
     def u(shape, scale, base=0.0):
         t = torch.empty(shape, dtype=torch.float32, device=dev).uniform_(-1.0, 1.0, generator=g)
@@ -233,27 +296,38 @@ def random_weights(P, dev, seed):
 
     W = {
         "embed_tokens.weight": u((V, H), 1.0),
-        "fc.weight": u((H, 2 * H), 1.0 / math.sqrt(2 * H)),
-        "lm_head.weight": u((V, H), 4.0 / math.sqrt(H)),
+        "fc.weight": u((H, hin), 1.0 / math.sqrt(hin)),
+        "lm_head.weight": u((P["draft_vocab"] or V, H), 4.0 / math.sqrt(H)),
     }
     if P["fc_bias"]:
         W["fc.bias"] = u((H,), 0.1)
     for l in range(P["layers"]):
-        p = f"layers.{l}."
-        if l > 0:
+        p = "midlayer." if e3 else f"layers.{l}."
+        k = qk if l == 0 else H
+        if l > 0 or e3:
             W[p + "input_layernorm.weight"] = u((H,), 0.2, 1.0)
+        if e3:
+            W[p + "hidden_norm.weight"] = u((H,), 0.2, 1.0)
         W[p + "post_attention_layernorm.weight"] = u((H,), 0.2, 1.0)
-        W[p + "self_attn.q_proj.weight"] = u((hq * D, H), 1.0 / math.sqrt(H))
-        W[p + "self_attn.k_proj.weight"] = u((hkv * D, H), 1.0 / math.sqrt(H))
-        W[p + "self_attn.v_proj.weight"] = u((hkv * D, H), 1.0 / math.sqrt(H))
+        W[p + "self_attn.q_proj.weight"] = u((hq * D, k), 1.0 / math.sqrt(k))
+        W[p + "self_attn.k_proj.weight"] = u((hkv * D, k), 1.0 / math.sqrt(k))
+        W[p + "self_attn.v_proj.weight"] = u((hkv * D, k), 1.0 / math.sqrt(k))
         W[p + "self_attn.o_proj.weight"] = u((H, hq * D), 1.0 / math.sqrt(hq * D))
         W[p + "mlp.gate_proj.weight"] = u((I, H), 1.0 / math.sqrt(H))
         W[p + "mlp.up_proj.weight"] = u((I, H), 1.0 / math.sqrt(H))
         W[p + "mlp.down_proj.weight"] = u((H, I), 1.0 / math.sqrt(I))
+    if e3:
+        W["norm.weight"] = u((H,), 0.2, 1.0)
     if P.get("hot_vocab_size"):
         cpu = torch.Generator()
         cpu.manual_seed(seed)
         W["hot_token_ids"] = torch.randperm(V, generator=cpu)[: P["hot_vocab_size"]].to(dev)
+    elif e3 and P["draft_vocab"] is not None:
+        # The draft vocabulary: a sorted random subset of the target's; d2t = target − draft id.
+        cpu = torch.Generator()
+        cpu.manual_seed(seed + 1)
+        used = torch.randperm(V, generator=cpu)[: P["draft_vocab"]].sort().values
+        W["d2t"] = (used - torch.arange(P["draft_vocab"])).to(dev)
     return W
 
 
@@ -352,7 +426,8 @@ class Step:
         self.meta = torch.zeros(3 * T + b, dtype=torch.int64, device=dev)
         self.ids, self.pos = self.meta[:T], self.meta[T : 2 * T]
         self.loc, self.sel = self.meta[2 * T : 3 * T], self.meta[3 * T :]
-        self.hidden = torch.zeros(T, P["hidden"], dtype=P["act"], device=dev)
+        # The target's hidden rows: H wide (EAGLE-1), 3·H_t (EAGLE-3).
+        self.hidden = torch.zeros(T, P["hidden_in"], dtype=P["act"], device=dev)
         self.hidden_src = None
         self.attn_out = torch.empty(T, P["heads"], P["head_dim"], dtype=P["act"], device=dev)
 
@@ -377,9 +452,20 @@ class Step:
             xf = x.float()
             return torch.addcmul(xf * c, torch.cat([xf[..., half:], xf[..., :half]], -1), s).to(x.dtype)
 
-        x = F.linear(torch.cat([m.embed[self.ids], self.hidden], -1), m.fc_w, m.fc_b)
+        first = None
+        if m.eagle3:
+            # h = fc(features) is layer 0's residual; its input is norm(embed) ‖ norm(h).
+            x = F.linear(self.hidden, m.fc_w, m.fc_b)
+            w0 = m.layers[0]
+            e = rms_norm(m.embed[self.ids], w0["emb_norm"], m.eps)
+            first = torch.cat([e, rms_norm(x, w0["hidden_norm"], m.eps)], -1)
+        else:
+            x = F.linear(torch.cat([m.embed[self.ids], self.hidden], -1), m.fc_w, m.fc_b)
         for l, w in enumerate(m.layers):
-            h = x if w["in_norm"] is None else rms_norm(x, w["in_norm"], m.eps)
+            if l == 0 and first is not None:
+                h = first
+            else:
+                h = x if w["in_norm"] is None else rms_norm(x, w["in_norm"], m.eps)
             qkv = F.linear(h, w["qkv"])
             q = rope(qkv[:, : hq * D].view(T, hq, D))
             k = rope(qkv[:, hq * D : (hq + hkv) * D].view(T, hkv, D))
@@ -392,11 +478,12 @@ class Step:
             gu = F.linear(rms_norm(x, w["post_norm"], m.eps), w["gate_up"])
             g, u = gu.chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, w["down"])
-        hs = x.index_select(0, self.sel)
-        probs = torch.softmax(logits_f32(hs, m.lm), dim=-1)
+        hs = x.index_select(0, self.sel)  # hidden_out: EAGLE-3's pre-norm rows too
+        lm_in = hs if m.final_norm is None else rms_norm(hs, m.final_norm, m.eps)
+        probs = torch.softmax(logits_f32(lm_in, m.lm), dim=-1)
         p, i = torch.topk(probs, P["topk"], dim=-1)
-        if m.hot_ids is not None:
-            i = m.hot_ids[i]
+        if m.id_map is not None:  # FR-Spec hot_token_ids[c], EAGLE-3 c + d2t[c]
+            i = m.id_map[i]
         return hs, p, i, probs
 
 
@@ -434,7 +521,8 @@ def reference_f32(m, P, ids, hidden, prefix, accept, table, kc0, vc0, dev):
         T = b * n
         f = lambda t: t.float()  # noqa: E731
         kc, vc = f(kc0.to(dev)), f(vc0.to(dev))
-        x = torch.cat([f(m.embed[ids.reshape(-1).to(dev)]), f(hidden.reshape(T, -1).to(dev))], -1) @ f(m.fc_w).t()
+        emb, hid = f(m.embed[ids.reshape(-1).to(dev)]), f(hidden.reshape(T, -1).to(dev))
+        x = (hid if m.eagle3 else torch.cat([emb, hid], -1)) @ f(m.fc_w).t()
         if m.fc_b is not None:
             x = x + f(m.fc_b)
         pos = torch.tensor([l + j for l in prefix for j in range(n)], device=dev)
@@ -451,7 +539,10 @@ def reference_f32(m, P, ids, hidden, prefix, accept, table, kc0, vc0, dev):
             return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + m.eps) * f(w)
 
         for l, w in enumerate(m.layers):
-            h = x if w["in_norm"] is None else rms(x, w["in_norm"])
+            if l == 0 and m.eagle3:
+                h = torch.cat([rms(emb, w["emb_norm"]), rms(x, w["hidden_norm"])], -1)
+            else:
+                h = x if w["in_norm"] is None else rms(x, w["in_norm"])
             qkv = h @ f(w["qkv"]).t()
             q = rope(qkv[:, : hq * D].view(T, hq, D))
             k = rope(qkv[:, hq * D : (hq + hkv) * D].view(T, hkv, D))
@@ -480,7 +571,8 @@ def reference_f32(m, P, ids, hidden, prefix, accept, table, kc0, vc0, dev):
             x = x + (F.silu(g) * u) @ f(w["down"]).t()
         sel = torch.tensor([i * n + min(max(a, 1), n) - 1 for i, a in enumerate(accept)], device=dev)
         hs = x[sel]
-        probs = torch.softmax(hs @ f(m.lm).t(), -1)
+        lm_in = hs if m.final_norm is None else rms(hs, m.final_norm)
+        probs = torch.softmax(lm_in @ f(m.lm).t(), -1)
         return hs, probs, kc, vc
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
@@ -506,6 +598,9 @@ def run_check(fi, P, name, W, inputs_path, ref_path, work, dev):
     b, n = ids.shape
     if n != P["num_draft_tokens"]:
         raise ValueError(f"{inputs_path}: input_ids has N = {n}, the plan {P['num_draft_tokens']}")
+    if tuple(hidden.shape) != (b, n, P["hidden_in"]):
+        want = (b, n, P["hidden_in"])
+        raise ValueError(f"{inputs_path}: hidden_states of shape {tuple(hidden.shape)}, the plan {want}")
     prefix = [int(x) for x in X["prefix_lens"].tolist()]
     accept = [int(x) for x in X["accept_lens"].tolist()]
     table = X["page_table"].long()
@@ -538,7 +633,8 @@ def run_check(fi, P, name, W, inputs_path, ref_path, work, dev):
     K = P["topk"]
     if tuple(s_p.shape) != (b, K) or tuple(s_hs.shape) != (b, P["hidden"]):
         raise ValueError(f"{ref_path}: outputs of shape {tuple(s_hs.shape)}, {tuple(s_p.shape)}; expected b = {b}")
-    res = {"plan": name, "inputs": os.path.basename(inputs_path), "batch": b, "prefixes": prefix, "failures": []}
+    res = {"plan": name, "head": P["head"], "inputs": os.path.basename(inputs_path), "batch": b, "prefixes": prefix,
+           "failures": []}
     fail = res["failures"]
     res["hidden_rel_peer_vs_specplan"] = rel_rows(hs.float(), s_hs)
     res["hidden_rel_peer_vs_f32"] = rel_rows(hs.float(), r_hs)
@@ -552,7 +648,7 @@ def run_check(fi, P, name, W, inputs_path, ref_path, work, dev):
 
     pp = p.float()
     dp = (pp - s_p).abs()
-    bound = torch.clamp(PROB_REL * torch.maximum(pp, s_p) + 1e-5, max=PROB_ABS)
+    bound = prob_bound(torch.maximum(pp, s_p))
     res["prob_abs_max"] = float(dp.max())
     res["prob_rel_max"] = float((dp / s_p.clamp_min(1e-12)).max())
     res["prob_ref_max"] = float(s_p.max())
@@ -566,14 +662,14 @@ def run_check(fi, P, name, W, inputs_path, ref_path, work, dev):
     ties, mism = 0, 0
     for bi, si in (ids_peer != s_i).nonzero().tolist():
         sid = int(s_i[bi, si])
-        if m.hot_ids is not None:
-            where = (m.hot_ids == sid).nonzero()
+        if m.id_map is not None:  # the column specplan's id came from (FR-Spec hot rows, EAGLE-3 d2t)
+            where = (m.id_map == sid).nonzero()
             col = int(where[0, 0]) if where.numel() else -1
         else:
             col = sid if 0 <= sid < probs.shape[1] else -1
         a = float(probs[bi, col]) if col >= 0 else -1.0
         c = float(pp[bi, si])
-        if col >= 0 and abs(a - c) <= min(PROB_ABS, PROB_REL * max(a, c) + 1e-5):
+        if col >= 0 and abs(a - c) <= prob_bound(max(a, c)):
             ties += 1
         else:
             mism += 1
@@ -642,7 +738,7 @@ def bench_shape(fi, m, P, name, B, L, runs, warmup, ws, dev, seed, flush=None):
     attn.set_layout(lay, dev)
     step = Step(m, attn, kc, vc, B, dev)
     ids = torch.randint(0, P["vocab"], (B, n), generator=gen)
-    hidden_src = torch.empty(B * n, P["hidden"], dtype=dt, device=dev).uniform_(-1.0, 1.0)
+    hidden_src = torch.empty(B * n, P["hidden_in"], dtype=dt, device=dev).uniform_(-1.0, 1.0)
     step.set_inputs(ids, lay, hidden_src)
     graph, outs, capture_ms = capture(step)
 
@@ -708,6 +804,10 @@ def bench_shape(fi, m, P, name, B, L, runs, warmup, ws, dev, seed, flush=None):
         "prefix": L,
         "n": n,
         "heads": f"{hq}/{hkv}",
+        "head": P["head"],
+        "lm_vocab": P["lm_vocab"],
+        "hidden_in": P["hidden_in"],
+        "gemm_weight_bytes": m.gemm_weight_bytes,
         "pages": "scattered",
         "page_size": ps,
         "prep_us": round(median(preps), 2),
@@ -845,7 +945,7 @@ def cmd_run(args):
                 "hidden_rel_peer_vs_specplan": HIDDEN_REL_PEER_SPEC,
                 "hidden_rel_vs_f32": HIDDEN_REL_F32,
                 "kv_rel": KV_REL,
-                "prob": f"min({PROB_ABS}, {PROB_REL}·p + 1e-5)",
+                "prob": f"max(min({PROB_ABS}, {PROB_REL}·p + 1e-5), {PROB_LOGIT}·p)",
             },
         },
     }
@@ -904,9 +1004,9 @@ def cmd_run(args):
         flush = torch.empty(args.l2_flush_mb << 20, dtype=torch.uint8, device=dev) if args.l2_flush_mb > 0 else None
         model, model_key = None, None
         for k, (name, P) in enumerate(plans):
-            key = (P["hidden"], P["intermediate"], P["heads"], P["kv_heads"], P["head_dim"], P["layers"],
-                   P["vocab"], P["fc_bias"], P.get("hot_vocab_size"), P["dtype"], tuple(P["rope_inv_freq_bits"]),
-                   P["rms_norm_eps_bits"])
+            key = (P["head"], P["hidden"], P["hidden_in"], P["intermediate"], P["heads"], P["kv_heads"], P["head_dim"],
+                   P["layers"], P["vocab"], P["draft_vocab"], P["fc_bias"], P.get("hot_vocab_size"), P["dtype"],
+                   tuple(P["rope_inv_freq_bits"]), P["rms_norm_eps_bits"])
             try:
                 if key != model_key:
                     model = None

@@ -7,7 +7,8 @@ the bandwidth/compute floor, from the JSON the two write. Python standard librar
 
 Writes DIR/report.md (tables), DIR/report.json (the rows joined by model, N, L, B) and
 DIR/report.svg (step time vs bucket, specplan vs peer vs floor, one panel per model, N, L),
-and prints the main table. Without specbench.json, the rows of specbench.txt beside it are
+and prints the main table. Where an EAGLE-3 model and its EAGLE-1 partner (HEAD_PAIRS) were
+both measured, report.md compares their step times at equal shapes. Without specbench.json, the rows of specbench.txt beside it are
 read (a run cut short prints them as it goes). Missing values show as "—".
 """
 import argparse
@@ -27,6 +28,12 @@ ISSUE_PEER = {
     ("llama3-8b-eagle", 8, 1024, 1): 673,
     ("llama3-8b-eagle", 8, 1024, 64): 1242,
 }
+
+
+# EAGLE-3 heads beside an EAGLE-1 head of the same size (H 4096, NH 32/8, I 14336) at equal
+# (N, L, B): the EAGLE-3 head's lm_head has 32000 draft rows instead of 128256 (its fc is
+# 3·H_t wide and its q/k/v read 2H, so it is not the vocabulary alone).
+HEAD_PAIRS = [("llama3.1-8b-eagle3", "llama3-8b-eagle")]
 
 
 def split_plan(name):
@@ -183,6 +190,47 @@ def check_table(checks):
             f"| {_e(c.get('kv_rel_peer_vs_specplan'))} | {'ok' if c.get('ok') else 'MISMATCH'} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def head_pair_section(rows, ceil):
+    """Markdown lines comparing each HEAD_PAIRS EAGLE-3 model with its EAGLE-1 partner, or []."""
+    by = {(e["model"], e["n"], e["prefix"], e["batch"]): e for e in rows}
+    out = []
+    for e3, e1 in HEAD_PAIRS:
+        keys = sorted(k[1:] for k in by if k[0] == e3 and (e1,) + k[1:] in by)
+        if not keys:
+            continue
+        out += [f"## EAGLE-3 draft head vs EAGLE-1 at equal shapes: {e3} vs {e1}", ""]
+        a, b = by[(e3,) + keys[0]], by[(e1,) + keys[0]]
+        wa = (a.get("peer") or {}).get("gemm_weight_bytes")
+        wb = (b.get("peer") or {}).get("gemm_weight_bytes")
+        va = (a.get("peer") or {}).get("lm_vocab", "?")
+        vb = (b.get("peer") or {}).get("lm_vocab", "?")
+        line = (f"What the smaller draft vocabulary buys: {e3}'s lm_head has {va} rows, {e1}'s {vb}; "
+                "the EAGLE-3 head's fc (3·H_t columns) and q/k/v (2H columns) are wider.")
+        if wa and wb:
+            line += f" Weights every step reads whole: {wa / 1e6:.0f} MB vs {wb / 1e6:.0f} MB"
+            if ceil and ceil.get("copy_bytes_per_s"):
+                line += f" (Δ {(wb - wa) / ceil['copy_bytes_per_s'] * 1e6:.0f} µs at the measured copy ceiling)"
+            line += "."
+        out += [line, ""]
+        out.append(f"| N | L | B | specplan {e1} µs | specplan {e3} µs | EAGLE-3/EAGLE-1 "
+                   f"| peer {e1} µs | peer {e3} µs | EAGLE-3/EAGLE-1 |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        sd, pd = [], []
+        for k in keys:
+            x3, x1 = by[(e3,) + k], by[(e1,) + k]
+            s3, s1, p3, p1 = x3["specplan_step_us"], x1["specplan_step_us"], x3["peer_step_us"], x1["peer_step_us"]
+            if s3 is not None and s1 is not None:
+                sd.append(s1 - s3)
+            if p3 is not None and p1 is not None:
+                pd.append(p1 - p3)
+            out.append(f"| {fmt(k[0])} | {k[1]} | {k[2]} | {fmt(s1)} | {fmt(s3)} | {fmt(ratio(s3, s1), 2, '×')} "
+                       f"| {fmt(p1)} | {fmt(p3)} | {fmt(ratio(p3, p1), 2, '×')} |")
+        med = lambda v: sorted(v)[len(v) // 2] if v else None  # noqa: E731
+        out += ["", f"Median step time saved by the EAGLE-3 head over {len(keys)} shapes: specplan "
+                f"{fmt(med(sd), 1, ' µs')}, peer {fmt(med(pd), 1, ' µs')}.", ""]
+    return out
 
 
 def _e(x):
@@ -360,6 +408,7 @@ def main():
                 f"| {fmt(e['peer_step_us'])} | {fmt(e['specplan_step_us'])} |"
             )
         md.append("")
+    md += head_pair_section(rows, ceil)
     md += ["## Attention alone", "", "Useful bytes: K/V read (L + N rows), q read, o written, every layer.", ""]
     targets = [e for e in rows if e["n"] == 4 and (e["batch"], e["prefix"]) in ((32, 4096), (1, 1024))]
     if targets:

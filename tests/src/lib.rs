@@ -14,6 +14,7 @@ pub mod random;
 pub mod reference;
 pub mod report;
 pub mod sanitize;
+pub mod soak;
 pub mod tolerance;
 
 /// xorshift64*: no dependency, reproducible from the printed seed.

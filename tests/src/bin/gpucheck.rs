@@ -8,6 +8,7 @@
 //! gpucheck sanitize PLAN... [--prefill-gemm-outputs | --kernels-only]
 //!                                               every kernel at the smallest and largest bucket
 //! gpucheck entries                              the kernel entry names, `|`-separated
+//! gpucheck soak OUT_DIR PLAN [STEPS] [EVERY]     random steps: graph == eager, cache kept, CPU samples
 //! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
 //!                                               engine memory (`specplan_tests::engine`)
 //! ```
@@ -149,6 +150,51 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
     rep
 }
 
+/// The soak (`specplan_tests::soak`): STEPS random steps (default 10,000), every
+/// SAMPLE_EVERY-th (default 100) against the CPU executor.
+fn soak(out: &str, plan: &str, rest: &[String]) -> ExitCode {
+    let num = |i: usize, d: usize| rest.get(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (steps, every) = (num(0, 10_000), num(1, 100));
+    let mut rng = Rng(seed());
+    let r = load_file(std::path::Path::new(plan))
+        .map_err(|e| e.to_string())
+        .and_then(|p| specplan_tests::soak::soak(&p, &mut rng, steps, every));
+    match r {
+        Ok(rep) => {
+            let verdict = if rep.failures.is_empty() { "ok" } else { "FAIL" };
+            println!(
+                "soak {}: {} steps in {:.1} s ({} graph, {} chunked, {} against the CPU executor, worst hidden rel {:.2e}); graph vs eager differing values {}, cache values outside the written slots changed {}; free device memory {} -> {} bytes  {verdict}",
+                rep.plan,
+                rep.steps,
+                rep.seconds,
+                rep.graph_steps,
+                rep.chunked_steps,
+                rep.sampled,
+                rep.worst_hidden_rel,
+                rep.graph_vs_eager_diffs,
+                rep.untouched_changed,
+                rep.free_bytes_after_warmup,
+                rep.free_bytes_at_end
+            );
+            for f in &rep.failures {
+                println!("    {f}");
+            }
+            let path = std::path::Path::new(out).join(format!("soak-{}.json", rep.plan));
+            if let Err(e) = std::fs::create_dir_all(out)
+                .map_err(|e| e.to_string())
+                .and_then(|_| write_atomic(&path, &json(&rep)))
+            {
+                eprintln!("soak: {e}");
+            }
+            ExitCode::from(!rep.failures.is_empty() as u8)
+        }
+        Err(e) => {
+            println!("soak {plan}: ERROR {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 /// The engine-memory checks and the load time onto caller memory.
 fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
     let mut rng = Rng(seed());
@@ -287,6 +333,13 @@ fn main() -> ExitCode {
             }
         }
         return ExitCode::from(failed as u8);
+    }
+    if args.get(1).map(String::as_str) == Some("soak") {
+        let [_, _, out, plan, rest @ ..] = args.as_slice() else {
+            eprintln!("usage: gpucheck soak OUT_DIR PLAN [STEPS] [SAMPLE_EVERY]");
+            return ExitCode::from(2);
+        };
+        return soak(out, plan, rest);
     }
     if args.get(1).map(String::as_str) == Some("engine") {
         let [_, _, out, sglang, vllm, load, ..] = args.as_slice() else {
