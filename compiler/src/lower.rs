@@ -123,15 +123,24 @@ fn inputs(g: &mut Builder, cfg: &Config) -> Inputs {
     }
 }
 
+/// `embed_tokens[ids]` (the target's embedding in both heads).
+fn embed(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
+    let m = &cfg.model.desc;
+    let act = cfg.capture.dtype;
+    let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
+    let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(m.hidden as u64)]);
+    let emb = g.act("embeds", act, vec![t, f(m.hidden as u64)]);
+    g.op("embed", OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
+    emb
+}
+
 /// EAGLE-1/2: `x = fc(embed(ids) ‖ hidden) (+ bias)`, the residual stream of layer 0.
 fn fc(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
     let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
     let h = m.hidden as u64;
-    let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(h)]);
-    let emb = g.act("embeds", act, vec![t, f(h)]);
-    g.op("embed", OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
+    let emb = embed(g, cfg, inp);
     let fc_in = g.act("fc_in", act, vec![t, f(2 * h)]);
     g.op("concat", OpKind::Concat, vec![emb, inp.hidden], vec![fc_in]);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(2 * h)]);
@@ -149,9 +158,7 @@ fn fc3(g: &mut Builder, cfg: &Config, inp: &Inputs) -> (TensorId, TensorId) {
     let act = cfg.capture.dtype;
     let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
     let h = m.hidden as u64;
-    let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(h)]);
-    let emb = g.act("embeds", act, vec![t, f(h)]);
-    g.op("embed", OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
+    let emb = embed(g, cfg, inp);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(m.hidden_in() as u64)]);
     let x = g.act("x", act, vec![t, f(h)]);
     g.linear("fc", inp.hidden, fc_w, None, x);

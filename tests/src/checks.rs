@@ -30,11 +30,11 @@ pub const TIE: f64 = 1e-3;
 pub const PROB_REL_EAGLE3: f64 = 2.5e-2;
 pub const ATTN_MAX_BOUND: f64 = 5e-2;
 
-fn g(e: GpuError) -> String {
+pub(crate) fn g(e: GpuError) -> String {
     e.to_string()
 }
 
-fn request<'a>(c: &'a Case, hidden: Hidden<'a>) -> StepRequest<'a> {
+pub(crate) fn request<'a>(c: &'a Case, hidden: Hidden<'a>) -> StepRequest<'a> {
     StepRequest {
         slots: &c.slots,
         input_ids: &c.step.input_ids,

@@ -3,24 +3,11 @@
 
 use specplan_format::{io, LaunchKind, ValidatedPlan};
 use specplan_runtime::bits::to_act_bits;
-use specplan_runtime::gpu::{GemmPolicy, GpuError, GpuOptions, GpuRuntime, Hidden, StepRequest};
+use specplan_runtime::gpu::{GemmPolicy, GpuOptions, GpuRuntime, Hidden};
 
-use crate::random::{make_case, Case};
+use crate::checks::{g, request};
+use crate::random::make_case;
 use crate::Rng;
-
-fn g(e: GpuError) -> String {
-    e.to_string()
-}
-
-fn request<'a>(c: &'a Case, hidden: Hidden<'a>) -> StepRequest<'a> {
-    StepRequest {
-        slots: &c.slots,
-        input_ids: &c.step.input_ids,
-        hidden,
-        prefix_lens: &c.step.prefix_lens,
-        accept_lens: &c.step.accept_lens,
-    }
-}
 
 fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
     specplan_runtime::bits::as_bytes(v).to_vec()

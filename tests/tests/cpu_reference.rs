@@ -397,34 +397,20 @@ fn check_source(src: Source, o: Overrides, batches: &[usize]) {
         }
         // Cache: every written slot holds the new K/V (bf16 of it), every other slot is untouched.
         let per_page = ps * md.hkv * md.d;
-        let mut written = vec![false; kc.len()];
-        for (l, page, slot, k, v) in &want.writes {
-            let base = l * st.pages * per_page + page * per_page + slot * md.hkv * md.d;
-            for t in 0..md.hkv * md.d {
-                written[base + t] = true;
-                for (got, exp, which) in [(kc[base + t], k[t], "k"), (vc[base + t], v[t], "v")] {
-                    let tol = 1e-2 * exp.abs().max(0.05);
-                    assert!(
-                        (got as f64 - exp).abs() <= tol,
-                        "b={b} {which}_cache layer {l} page {page} slot {slot} [{t}]: {got} vs {exp}"
-                    );
-                }
-            }
-        }
-        for (idx, w) in written.iter().enumerate() {
-            if !w {
-                assert_eq!(
-                    kc[idx].to_bits(),
-                    st.k_cache[idx].to_bits(),
-                    "b={b}: k_cache element {idx} changed"
-                );
-                assert_eq!(
-                    vc[idx].to_bits(),
-                    st.v_cache[idx].to_bits(),
-                    "b={b}: v_cache element {idx} changed"
-                );
-            }
-        }
+        let writes: Vec<_> = want
+            .writes
+            .iter()
+            .map(|(l, page, slot, k, v)| {
+                let base = l * st.pages * per_page + page * per_page + slot * md.hkv * md.d;
+                (
+                    base,
+                    format!("layer {l} page {page} slot {slot}"),
+                    k.as_slice(),
+                    v.as_slice(),
+                )
+            })
+            .collect();
+        check_cache(&kc, &vc, &st.k_cache, &st.v_cache, &writes, &format!("b={b}"));
     }
 }
 

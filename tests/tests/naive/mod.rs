@@ -125,3 +125,35 @@ pub fn read_out(path: &Path) -> Outputs {
         f32s("v_cache"),
     )
 }
+
+/// The updated caches `kc`/`vc` against the naive forward: every written slot (its element
+/// offset `base` and expected K and V rows, `what` naming it in messages) holds the new
+/// values within bf16 rounding, and every other element is bit-identical to `k0`/`v0`.
+pub fn check_cache(
+    kc: &[f32],
+    vc: &[f32],
+    k0: &[f32],
+    v0: &[f32],
+    writes: &[(usize, String, &[f64], &[f64])],
+    tag: &str,
+) {
+    let mut written = vec![false; kc.len()];
+    for (base, what, k, v) in writes {
+        for t in 0..k.len() {
+            written[base + t] = true;
+            for (got, exp, which) in [(kc[base + t], k[t], "k"), (vc[base + t], v[t], "v")] {
+                let tol = 1e-2 * exp.abs().max(0.05);
+                assert!(
+                    (got as f64 - exp).abs() <= tol,
+                    "{tag} {which}_cache {what} [{t}]: {got} vs {exp}"
+                );
+            }
+        }
+    }
+    for (e, w) in written.iter().enumerate() {
+        if !w {
+            assert_eq!(kc[e].to_bits(), k0[e].to_bits(), "{tag}: k_cache element {e} changed");
+            assert_eq!(vc[e].to_bits(), v0[e].to_bits(), "{tag}: v_cache element {e} changed");
+        }
+    }
+}
