@@ -60,6 +60,7 @@ fn subjects(jit: Option<&Jit>) -> Vec<Subject> {
     };
     let tiny = |label: &str, f: &dyn Fn(&mut Overrides)| (label.to_string(), Source::Preset("tiny".into()), o(f));
     let wide = std::fs::read_to_string(common::corpus("valid/wide-heads-d256.json")).expect("wide-heads-d256.json");
+    let eagle3 = std::fs::read_to_string(common::corpus("valid/tiny-eagle3.json")).expect("tiny-eagle3.json");
     let mut list = vec![
         tiny("tiny", &|_| {}),
         tiny("tiny-swa16-hot256", &|x| {
@@ -92,6 +93,20 @@ fn subjects(jit: Option<&Jit>) -> Vec<Subject> {
                 x.num_draft_tokens = Some(8);
                 x.buckets = Some("1,3,8".into());
                 x.max_context_len = Some(4096);
+            }),
+        ),
+        (
+            "tiny-eagle3".into(),
+            Source::HfConfig {
+                name: "tiny-eagle3".into(),
+                text: eagle3,
+            },
+            o(&|x| {
+                x.topk = Some(4);
+                x.num_steps = Some(3);
+                x.num_draft_tokens = Some(4);
+                x.buckets = Some("1,2,4,8".into());
+                x.max_context_len = Some(512);
             }),
         ),
         (
@@ -338,7 +353,16 @@ fn mutated_plans_are_rejected_or_run_safely() {
                 sc.spawn(move || {
                     let mut t = Tally::default();
                     for i in (w..count).step_by(workers) {
-                        one(&subjects[i % subjects.len()], i, seed, seen, &mut t);
+                        let s = &subjects[i % subjects.len()];
+                        // A panic outside the guarded calls is a bug of this test (a mutation
+                        // op, the harness): reported like the others, not lost in a worker.
+                        if let Err(e) = catch_unwind(AssertUnwindSafe(|| one(s, i, seed, seen, &mut t))) {
+                            t.failures.push(format!(
+                                "{} mutant #{i}: the test panicked: {}",
+                                s.label,
+                                panic_text(&*e)
+                            ));
+                        }
                     }
                     t
                 })

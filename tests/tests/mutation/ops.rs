@@ -411,13 +411,13 @@ fn inflate(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             let i = rng.below(b.buffers.len());
             let x = b.buffers.get_mut(i)?;
             x.offset = if rng.below(2) == 0 {
-                b.arena_bytes.div_ceil(ALIGN) * ALIGN
+                b.arena_bytes.div_ceil(ALIGN).saturating_mul(ALIGN)
             } else {
-                x.offset.saturating_add(ALIGN * factor)
+                x.offset.saturating_add(ALIGN.saturating_mul(factor))
             };
             b.arena_bytes = b
                 .arena_bytes
-                .max(x.offset.saturating_add(x.bytes).div_ceil(ALIGN) * ALIGN);
+                .max(x.offset.saturating_add(x.bytes).div_ceil(ALIGN).saturating_mul(ALIGN));
             Some(format!(
                 "buckets[{bi}].buffers[{i}].offset -> {} (arena follows)",
                 x.offset
