@@ -17,6 +17,8 @@ c tiny-page16 --preset tiny --page-size 16 --max-requests 16 --no-kernels
 c llama2-b12 --preset llama2-7b-eagle --buckets 1,2 --no-kernels
 c wide-heads-d256 --hf-config tests/corpus/valid/wide-heads-d256.json --speculative-eagle-topk 4 \
   --speculative-num-steps 3 --speculative-num-draft-tokens 8 --buckets 1,3 --max-context-len 4096 --no-kernels
+c tiny-eagle3 --hf-config tests/corpus/valid/tiny-eagle3.json --speculative-eagle-topk 4 \
+  --speculative-num-steps 3 --speculative-num-draft-tokens 4 --buckets 1,2 --max-context-len 512 --no-kernels
 # One with binaries (the CUBIN and PTX rules).
 c tiny-kernels --preset tiny --buckets 1
 ls -l "$out"
