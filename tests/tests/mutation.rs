@@ -433,3 +433,40 @@ fn mutated_plans_are_rejected_or_run_safely() {
         t.failures.join("\n")
     );
 }
+
+/// The CPU executor refuses a prefix outside `[0, max_context_len - N]` up front: the
+/// attention's work grows with the prefix, so an unchecked one could loop for as long as an
+/// i32 allows (the admission rule the kernels rely on).
+#[test]
+fn the_cpu_executor_refuses_prefixes_outside_the_context() {
+    use specplan_runtime::cpu::{CpuExecutor, ExecError, KvPool};
+    use specplan_runtime::step::{BucketInputs, PageTable};
+    let plan = common::compile_preset("tiny", &Overrides::default());
+    let weights = synthetic_weights(&plan, &AuditLimits::default()).expect("weights");
+    let exec = CpuExecutor::borrowing(&plan, &weights).expect("executor");
+    let b = &plan.buckets[0];
+    let (n, h) = (plan.spec.num_draft_tokens as usize, plan.model.hidden as usize);
+    let m = &plan.model;
+    let per_layer = 2 * plan.capture.page_size as usize * m.kv_heads as usize * m.head_dim as usize;
+    let table = PageTable::new(&plan, 1);
+    let max = (plan.capture.max_context_len - plan.spec.num_draft_tokens) as i32;
+    for (prefix, ok) in [(0, true), (max, true), (max + 1, false), (-1, false), (i32::MAX, false)] {
+        let inputs = BucketInputs {
+            input_ids: vec![0; n],
+            hidden_states: vec![0.0; n * h],
+            prefix_lens: vec![prefix],
+            accept_lens: vec![1],
+            req_slots: vec![-1],
+        };
+        let mut kv = KvPool {
+            pages: 2,
+            k: vec![vec![0.0; per_layer]; m.layers as usize],
+            v: vec![vec![0.0; per_layer]; m.layers as usize],
+        };
+        match exec.run(b, &inputs, &table, &mut kv) {
+            Ok(_) => assert!(ok, "prefix {prefix} ran"),
+            Err(ExecError::Setup(e)) if !ok => assert!(e.contains("prefix_lens[0]"), "{e}"),
+            Err(e) => panic!("prefix {prefix}: {e}"),
+        }
+    }
+}
