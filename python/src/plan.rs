@@ -37,28 +37,6 @@ const FLAGS: &[&str] = &[
     "no_kernels",
 ];
 
-fn nearest(name: &str) -> Option<&'static str> {
-    // Edit distance, small strings: a plain dynamic program.
-    let dist = |a: &str, b: &str| {
-        let b: Vec<char> = b.chars().collect();
-        let mut prev: Vec<usize> = (0..=b.len()).collect();
-        for (i, ca) in a.chars().enumerate() {
-            let mut cur = vec![i + 1; b.len() + 1];
-            for (j, cb) in b.iter().enumerate() {
-                cur[j + 1] = (prev[j] + (ca != *cb) as usize).min(prev[j + 1] + 1).min(cur[j] + 1);
-            }
-            prev = cur;
-        }
-        prev[b.len()]
-    };
-    FLAGS
-        .iter()
-        .map(|f| (dist(name, f), *f))
-        .filter(|(d, _)| *d <= 3)
-        .min()
-        .map(|(_, f)| f)
-}
-
 fn u32_flag(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
     v.extract::<u32>()
         .map_err(|_| PyTypeError::new_err(format!("{name}: expected a non-negative integer below 2^32, got {v}")))
@@ -106,7 +84,7 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
                     .map_err(|_| PyTypeError::new_err(format!("no_kernels: expected a bool, got {v}")))?
             }
             other => {
-                let hint = nearest(other).map_or(String::new(), |f| format!(" (did you mean {f}?)"));
+                let hint = config::did_you_mean(other, FLAGS);
                 return Err(PyTypeError::new_err(format!(
                     "Plan.compile() got an unexpected keyword argument {other:?}{hint}"
                 )));

@@ -24,7 +24,7 @@ def test_compile_a_preset_without_a_gpu():
 def test_compile_flags_and_errors(tmp_path):
     plan = specplan.Plan.compile(preset="tiny", num_draft_tokens=8, buckets=[1, 2, 4], page_size=1, no_kernels=True)
     assert plan.buckets == [1, 2, 4] and plan.num_draft_tokens == 8 and not plan.has_kernels
-    with pytest.raises(TypeError, match="did you mean page_size"):
+    with pytest.raises(TypeError, match="did you mean `page_size`"):
         specplan.Plan.compile(preset="tiny", page_sise=16)
     with pytest.raises(TypeError, match="max_bs"):
         specplan.Plan.compile(preset="tiny", max_bs="lots")

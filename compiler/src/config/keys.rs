@@ -128,8 +128,9 @@ fn home_of(key: &str) -> Option<&'static str> {
     TABLES.iter().find(|(_, keys)| keys.contains(&key)).map(|(t, _)| *t)
 }
 
-/// " (did you mean `x`?)" for the closest known key within a small edit distance.
-fn did_you_mean(key: &str, known: &[&str]) -> String {
+/// " (did you mean `x`?)" for the closest known key within a small edit distance (also
+/// used for the Python package's keyword arguments).
+pub fn did_you_mean(key: &str, known: &[&str]) -> String {
     let lower = key.to_lowercase();
     let best = known
         .iter()

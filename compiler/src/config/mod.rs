@@ -7,6 +7,7 @@
 
 mod eagle3;
 mod keys;
+pub use keys::did_you_mean;
 pub mod limits;
 mod model;
 
