@@ -16,6 +16,8 @@
 //
 //                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4)
 //                (q rows)           (K and V tiles of each stage)  (cross-warp merge, aliased)
+//                +  STAGES*KV_TILE*4
+//                   (token slots of the tiles in flight)
 //
 //              (mirrored by specplan_kernels::facts::attn_smem_bytes; no static
 //              shared memory is used, so this is the CTA's whole footprint).
@@ -125,7 +127,8 @@ constexpr int kQBytes = kGR * kD * 2;
 constexpr int kTileBytes = kTile * kD * 2;
 constexpr int kStageBytes = kStages * 2 * kTileBytes;
 constexpr int kMergeBytes = kWarps * 16 * kD * 4 + kWarps * 16 * 2 * 4;
-constexpr int kSmemBytes = kQBytes + imax(kStageBytes, kMergeBytes);
+constexpr int kSlotBytes = kStages * kTile * 4;  // int token slots, one row per stage
+constexpr int kSmemBytes = kQBytes + imax(kStageBytes, kMergeBytes) + kSlotBytes;
 static_assert(kSmemBytes <= 227 * 1024, "attn_partial shared memory exceeds 227 KiB");
 
 // Rows of q, K and V tiles are kChunks 16-byte chunks; chunk c of row t is stored at chunk
@@ -186,41 +189,39 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
     }
 }
 
-// Loading one tile (keys [tile0, tile0 + kTile)) takes two steps, so that the page-table
-// reads (a dependent global load before every copy) are off the critical path:
-//   tile_slots: thread tid looks up the token slots of its chunks tid + kThreads*it
-//               (registers);
-//   issue_tile: it issues the cp.async copies of those chunks, of K and of V, from them.
+// Loading one tile (keys [tile0, tile0 + kTile)) takes two steps:
+//   tile_slots: the CTA looks up the tile's token slots once, one thread per key, into a
+//               row of shared memory (kv_token's table read and guards run once per key,
+//               not once per 16-byte chunk: a key of HEAD_DIM 128 is 16 chunks of K and 16
+//               of V, and with page size 1 every key is its own table read);
+//   issue_tile: every thread issues the cp.async copies of its chunks from that row.
 // The main loop looks up tile t+kStages's slots right after issuing tile t+kStages-1's
-// copies, so the lookups are in flight while tile t is computed.
+// copies, so the table reads are in flight while tile t is computed; the barrier at the top
+// of the next iteration publishes them. Each tile in flight has its own row (kStages rows).
 constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
 
-// The token slot of each of this thread's chunks, or -1 when the key is outside the split
-// (p >= hi) or has no slot (common.cuh kv_token): such keys are zero-filled. Slots fit an
-// int: the runtime registers pools of at most 2^31 - 1 slots.
-__device__ __forceinline__ void tile_slots(int (&slot)[kLoadIters], int tile0, int hi, const KvLayout& lay,
-                                           const int* row) {
-#pragma unroll
-    for (int it = 0; it < kLoadIters; ++it) {
-        const int q = (int)threadIdx.x + it * kThreads;
-        const int p = tile0 + q / kChunks;
-        long long t = -1;
-        if (q < kTile * kChunks && p < hi) t = kv_token(lay, row, p, kPage);
-        slot[it] = (int)t;
+// The token slot of each key of the tile, or -1 when the key is outside the split (p >= hi)
+// or has no slot (common.cuh kv_token): such keys are zero-filled. Slots fit an int: the
+// runtime registers pools of at most 2^31 - 1 slots.
+__device__ __forceinline__ void tile_slots(int* dst, int tile0, int hi, const KvLayout& lay, const int* row) {
+    for (int k = (int)threadIdx.x; k < kTile; k += kThreads) {
+        const int p = tile0 + k;
+        dst[k] = p < hi ? (int)kv_token(lay, row, p, kPage) : -1;
     }
 }
 
-// Issues the copies of one tile into dK and dV. Keys without a slot are zero-filled: a
-// masked key has probability 0, and 0 * (stale NaN bits) would poison o.
+// Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
+// are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
-                                           const int (&slot)[kLoadIters], long long kv_stride, int g) {
+                                           const int* slot, long long kv_stride, int g) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
         if (q < kTile * kChunks) {
             const int t = q / kChunks, c = q % kChunks;
-            const bool valid = slot[it] >= 0;
-            const long long off = valid ? (long long)slot[it] * kv_stride + (long long)g * kD + c * 8 : 0;
+            const int sl = slot[t];
+            const bool valid = sl >= 0;
+            const long long off = valid ? (long long)sl * kv_stride + (g * kD + c * 8) : 0;
             cp_async16(dK + chunk_at(t, c), k_cache + off, valid);
             cp_async16(dV + chunk_at(t, c), v_cache + off, valid);
         }
@@ -250,6 +251,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     float* sO = reinterpret_cast<float*>(stage_base);                // [kWarps][16][kD]
     float* sM = sO + kWarps * 16 * kD;                               // [kWarps][16]
     float* sL = sM + kWarps * 16;                                    // [kWarps][16]
+    // Token slots of the tiles in flight, [kStages][kTile], outside the aliased area.
+    int* sSlot = reinterpret_cast<int*>(stage_base + imax(kStageBytes, kMergeBytes));
 
     const int i = (int)blockIdx.x;  // request
     const int g = (int)blockIdx.y;  // kv head
@@ -293,19 +296,22 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     for (int pass = 0; pass < kPasses; ++pass) {
         const int prow0 = pass * kGR;  // first packed row of this pass
 
-        // ---- Pipeline prologue: tiles 0 .. kStages-2, then the pages of tile kStages-1 ------
-        // (issued before the q rows are read, so the first K/V bytes are already on the way)
-        int slots[kLoadIters];
+        // ---- Pipeline prologue: the slots of tiles 0 .. kStages-1, the copies of tiles
+        // 0 .. kStages-2 (issued before the q rows are read, so the first K/V bytes are
+        // already on the way)
+#pragma unroll
+        for (int st = 0; st < kStages; ++st) {
+            if (st < num_tiles) tile_slots(sSlot + st * kTile, lo + st * kTile, hi, lay, pt_row);
+        }
+        __syncthreads();  // the slot rows are written
 #pragma unroll
         for (int st = 0; st < kStages - 1; ++st) {
             if (st < num_tiles) {
-                tile_slots(slots, lo + st * kTile, hi, lay, pt_row);
-                issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache, slots,
-                           lay.kv_stride, g);
+                issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache,
+                           sSlot + st * kTile, lay.kv_stride, g);
             }
             cp_async_commit();  // (possibly empty: keeps the group count uniform)
         }
-        if (kStages - 1 < num_tiles) tile_slots(slots, lo + (kStages - 1) * kTile, hi, lay, pt_row);
 
         // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
         {
@@ -354,13 +360,18 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             cp_async_wait<kStages - 2>();  // this thread's copies of tile `tile` have landed ...
             __syncthreads();               // ... and everyone's; stage (tile-1) is free again
             {
+                // Row nxt % kStages was written before the barrier above; row (nxt + 1) %
+                // kStages (= tile % kStages) was last read when tile `tile` was issued,
+                // also before it.
                 const int nxt = tile + kStages - 1;
                 if (nxt < num_tiles) {
                     issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
-                               p.v_cache, slots, lay.kv_stride, g);
+                               p.v_cache, sSlot + (nxt % kStages) * kTile, lay.kv_stride, g);
                 }
                 cp_async_commit();
-                if (nxt + 1 < num_tiles) tile_slots(slots, lo + (nxt + 1) * kTile, hi, lay, pt_row);
+                if (nxt + 1 < num_tiles) {
+                    tile_slots(sSlot + ((nxt + 1) % kStages) * kTile, lo + (nxt + 1) * kTile, hi, lay, pt_row);
+                }
             }
             if (!active) continue;  // warp uniform; such warps only help with the copies
 

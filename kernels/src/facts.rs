@@ -121,12 +121,14 @@ pub fn topk_record_floats(topk: u32) -> u32 {
 
 /// Dynamic shared memory of `attn_partial` (attention.cu's header states the formula): the
 /// q rows of one pass (at most 64 packed rows, padded to 16), then the larger of the K/V
-/// pipeline stages and the cross-warp merge area that aliases them after the key loop.
+/// pipeline stages and the cross-warp merge area that aliases them after the key loop, then
+/// one row of i32 token slots per stage.
 pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u32, act_bytes: u32) -> u64 {
-    let (d, t, a) = (head_dim as u64, kv_tile as u64, act_bytes as u64);
+    let (d, t, a, st) = (head_dim as u64, kv_tile as u64, act_bytes as u64, stages as u64);
     let rows_per_pass = (rows_per_cta as u64).div_ceil(16).clamp(1, 4) * 16;
     let warps = crate::entries::attention::ATTN_THREADS as u64 / 32;
-    let stages = stages as u64 * 2 * t * d * a;
+    let tiles = st * 2 * t * d * a;
     let merge = warps * 16 * d * 4 + warps * 16 * 2 * 4;
-    rows_per_pass * d * a + stages.max(merge)
+    let slots = st * t * 4;
+    rows_per_pass * d * a + tiles.max(merge) + slots
 }

@@ -61,6 +61,16 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The `q` quantile of `v` by nearest rank (`q` in (0, 1]; NaN when `v` is empty).
+pub fn percentile(mut v: Vec<f64>, q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i]
+}
+
 /// Two events on a stream: the median of many timed runs.
 pub struct Timer {
     start: CUevent,
@@ -187,4 +197,20 @@ pub fn ceilings(stream: CUstream) -> Result<Ceilings, String> {
         copy_bytes_per_s: 2.0 * bytes as f64 / (copy_us * 1e-6),
         bf16_flops_per_s: 2.0 * (n as f64).powi(3) / (gemm_us * 1e-6),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{median, percentile};
+
+    #[test]
+    fn percentile_is_the_nearest_rank() {
+        let v: Vec<f64> = (1..=10).rev().map(f64::from).collect();
+        assert_eq!(percentile(v.clone(), 0.9), 9.0);
+        assert_eq!(percentile(v.clone(), 1.0), 10.0);
+        assert_eq!(percentile(v.clone(), 0.01), 1.0);
+        assert_eq!(percentile(v.clone(), 0.5), 5.0);
+        assert_eq!(median(v), 6.0);
+        assert!(percentile(Vec::new(), 0.9).is_nan());
+    }
 }

@@ -108,8 +108,15 @@ pub struct EngineRow {
     pub plan: String,
     pub batch: usize,
     pub prefix: usize,
-    /// Host time of one `step_device` call (parameters set, graph launched), median µs.
+    /// Host time of one `step_device` call (parameters set, graph launched), median µs, in
+    /// steady state: calls issued back to back while earlier steps run on the GPU, as an
+    /// engine's loop issues them (not right after a synchronization).
     pub host_us: f64,
+    /// The 90th percentile of the same calls, µs.
+    pub host_p90_us: f64,
+    /// Of the host time, the part before the graph launch (checks, the admit node's
+    /// parameters), median µs; the rest is the driver's `cuGraphLaunch`.
+    pub prep_us: f64,
     /// The step on the stream (admit, the bucket's graph, emit), CUDA events, median µs.
     pub step_us: f64,
     /// The owned-memory replay of the same shape in the same run, µs.

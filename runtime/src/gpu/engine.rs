@@ -93,7 +93,8 @@ pub(crate) struct EngineState {
     pub admit: u32,
     pub emit: u32,
     /// Recorded on the caller's stream at the end of every step (what `last_error` waits
-    /// on; the stream itself may be gone by then).
+    /// on; the stream itself may be gone by then): an external event node at the end of
+    /// each captured graph, so a replay needs no host call for it.
     done: Event,
     /// The last step's tag in the status words (0: no step yet).
     epoch: u32,
@@ -101,6 +102,9 @@ pub(crate) struct EngineState {
     armed: Vec<bool>,
     /// The plan's kernel facts (read on every step).
     facts: KernelFacts,
+    /// Per bucket, `admit`'s pointers that never change (the bucket's input buffers and
+    /// the runtime's words), resolved once at load: a step looks up no buffer by name.
+    fixed: Vec<AdmitPtrs<u64>>,
 }
 
 /// The per-step values of `admit` (the placeholders at capture time).
@@ -158,18 +162,18 @@ impl EngineState {
 
     /// `admit`'s packed parameters for bucket `bi` with this step's values (the bucket's
     /// input buffers and the runtime's words filled in).
-    pub fn admit_blob(&self, plan: &Plan, mem: &Memory, bi: usize, a: &StepArgs) -> Vec<u8> {
+    pub fn admit_blob(&self, plan: &Plan, bi: usize, a: &StepArgs) -> Vec<u8> {
         let b = &plan.buckets[bi];
-        let buf = |name: &str| b.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
+        let f = &self.fixed[bi];
         let ptrs = AdmitPtrs {
-            ids: buf(io::INPUT_IDS),
-            hidden: buf(io::HIDDEN_STATES),
-            req_slots: buf(io::REQ_SLOTS),
-            prefix_lens: buf(io::PREFIX_LENS),
-            accept_lens: buf(io::ACCEPT_LENS),
-            page_table: mem.table.ptr,
-            kv_layout: mem.layout_ptr(),
-            status: mem.status_ptr(),
+            ids: f.ids,
+            hidden: f.hidden,
+            req_slots: f.req_slots,
+            prefix_lens: f.prefix_lens,
+            accept_lens: f.accept_lens,
+            page_table: f.page_table,
+            kv_layout: f.kv_layout,
+            status: f.status,
             ..a.ptrs.clone()
         };
         let (_, mut s) = AdmitParams::launch(&specplan_format::bucket_facts(b), &self.facts);
@@ -179,6 +183,20 @@ impl EngineState {
         s.base = a.base;
         s.epoch = a.epoch;
         pack_slots(&Entry::Admit.abi(), &AdmitParams::assemble(ptrs, s))
+    }
+
+    /// Records the end-of-step event on `stream` (under capture: an external event node,
+    /// recorded by every replay of the graph).
+    pub fn record_done(&self, stream: sys::CUstream) -> Result<(), GpuError> {
+        // SAFETY: the runtime's live event on the caller's (or, at capture, the runtime's)
+        // live stream.
+        cuda_rc("cuEventRecordWithFlags", unsafe {
+            sys::cuEventRecordWithFlags(
+                self.done.0,
+                stream,
+                sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32,
+            )
+        })
     }
 
     pub fn issue_admit(
@@ -224,6 +242,24 @@ impl EngineState {
             &mut blob,
             stream,
         )
+    }
+}
+
+/// `admit`'s pointers of bucket `bi` that are fixed for the runtime's life (the per-step
+/// ones are left 0).
+fn admit_fixed(plan: &Plan, mem: &Memory, bi: usize) -> AdmitPtrs<u64> {
+    let b = &plan.buckets[bi];
+    let buf = |name: &str| b.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
+    AdmitPtrs {
+        ids: buf(io::INPUT_IDS),
+        hidden: buf(io::HIDDEN_STATES),
+        req_slots: buf(io::REQ_SLOTS),
+        prefix_lens: buf(io::PREFIX_LENS),
+        accept_lens: buf(io::ACCEPT_LENS),
+        page_table: mem.table.ptr,
+        kv_layout: mem.layout_ptr(),
+        status: mem.status_ptr(),
+        ..StepArgs::placeholder(0).ptrs
     }
 }
 
@@ -308,14 +344,7 @@ impl GpuRuntime {
                 )));
             }
         }
-        let state = EngineState {
-            admit: kernel_of(&plan, Entry::Admit)?,
-            emit: kernel_of(&plan, Entry::Emit)?,
-            done: Event::new(false)?,
-            epoch: 0,
-            armed: vec![false; plan.buckets.len()],
-            facts: specplan_format::kernel_facts_of(&plan),
-        };
+        let (admit, emit) = (kernel_of(&plan, Entry::Admit)?, kernel_of(&plan, Entry::Emit)?);
         let core = Self::core(&plan, &opts)?;
         let (weights, owned) = place_weights(&plan, &bindings)?;
         let mem = Memory {
@@ -325,6 +354,15 @@ impl GpuRuntime {
             table: m.table,
             meta: meta_block()?,
             _owned: owned,
+        };
+        let state = EngineState {
+            admit,
+            emit,
+            done: Event::new(false)?,
+            epoch: 0,
+            armed: vec![false; plan.buckets.len()],
+            facts: specplan_format::kernel_facts_of(&plan),
+            fixed: (0..plan.buckets.len()).map(|bi| admit_fixed(&plan, &mem, bi)).collect(),
         };
         Self::finish(plan, core, mem, Mode::Engine(state), &opts, t0)
     }
@@ -425,9 +463,8 @@ impl GpuRuntime {
             info.graph &= graph;
             info.bucket = self.plan.buckets[bi].batch;
         }
-        let e = self.engine()?;
-        // SAFETY: the runtime's event, recorded on the caller's live stream.
-        cuda("cuEventRecord", unsafe { result::event::record(e.done.0, stream) })?;
+        // The end-of-step event was recorded by the last replay (its graph's event node, or
+        // the eager issue).
         Ok(info)
     }
 
@@ -442,7 +479,7 @@ impl GpuRuntime {
         info: &mut StepInfo,
     ) -> Result<bool, GpuError> {
         let e = self.engine()?;
-        let mut blob = e.admit_blob(&self.plan, &self.mem, bi, a);
+        let mut blob = e.admit_blob(&self.plan, bi, a);
         match self.graphs[bi].as_ref() {
             Some(g) => {
                 let node = g.admit.ok_or(GpuError::Mode("an engine-memory step"))?;

@@ -327,13 +327,14 @@ impl GpuRuntime {
                 let blob = match admit {
                     Some(blob) => blob,
                     None => {
-                        placeholder = e.admit_blob(&self.plan, &self.mem, bi, &engine::StepArgs::placeholder(b.batch));
+                        placeholder = e.admit_blob(&self.plan, bi, &engine::StepArgs::placeholder(b.batch));
                         &mut placeholder[..]
                     }
                 };
                 e.issue_admit(&self.funcs, &b, &f, blob, stream)?;
                 l.issue(bi, &|_| true)?;
-                e.issue_emit(&self.plan, &self.mem, &self.funcs, bi, &b, &f, stream)
+                e.issue_emit(&self.plan, &self.mem, &self.funcs, bi, &b, &f, stream)?;
+                e.record_done(stream)
             }
         }
     }
