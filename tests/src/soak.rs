@@ -53,18 +53,23 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
     let top = (plan.capture.max_requests as usize).min(max_b + max_b / 2 + 3).max(1);
     let n = plan.spec.num_draft_tokens as usize;
     let max_prefix = (plan.capture.max_context_len as usize).saturating_sub(n).min(400);
+    // Request pages of the pool (the last one is the scratch page).
+    let (pool_pages, ps) = ((rt.pool_pages() as usize).saturating_sub(1), plan.capture.page_size as usize);
+    // The longest prefix such that b requests always fit those pages (at worst each takes
+    // ceil((prefix + N) / page) of them).
+    let fit = |b: usize| (pool_pages / b.max(1) * ps).saturating_sub(n).min(max_prefix);
     let mut rep = SoakReport {
         plan: plan.name.clone(),
         ..SoakReport::default()
     };
     // Warm-up at the largest batch: the runtime allocates its chunk buffer once here.
-    let c = make_case(plan, rng, top, max_prefix);
+    let c = make_case(plan, rng, top, fit(top));
     check_case(plan, &mut rt, &weights, &c)?;
     rt.synchronize().map_err(g)?;
     rep.free_bytes_after_warmup = free_bytes()?;
     for step in 0..steps {
         let b = 1 + rng.below(top);
-        let longest = rng.below(max_prefix + 1);
+        let longest = rng.below(fit(b) + 1);
         let c = make_case(plan, rng, b, longest);
         if b > max_b {
             rep.chunked_steps += 1;

@@ -27,6 +27,7 @@ mod lt;
 mod memory;
 mod owned;
 mod probes;
+pub use probes::GraphNodes;
 mod staging;
 
 use std::collections::HashSet;

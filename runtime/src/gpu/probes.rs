@@ -188,3 +188,60 @@ impl GpuRuntime {
         self.bucket_index(batch).is_ok_and(|i| self.graphs[i].is_some())
     }
 }
+
+/// What a bucket's captured graph holds: node counts by type (for benchmarks: the driver's
+/// launch time grows with the nodes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphNodes {
+    pub kernels: usize,
+    pub memsets: usize,
+    pub memcpys: usize,
+    pub events: usize,
+    pub other: usize,
+}
+
+impl std::fmt::Display for GraphNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} kernels, {} memsets, {} copies, {} events, {} other",
+            self.kernels, self.memsets, self.memcpys, self.events, self.other
+        )
+    }
+}
+
+impl GpuRuntime {
+    /// Node counts of bucket `bi`'s graph (`None`: the bucket has no graph).
+    pub fn graph_nodes(&self, bi: usize) -> Result<Option<GraphNodes>, GpuError> {
+        use super::device::cuda_rc;
+        use cudarc::driver::sys;
+        let Some(g) = self.graphs.get(bi).and_then(|g| g.as_ref()) else {
+            return Ok(None);
+        };
+        let mut n = 0usize;
+        // SAFETY: a live graph; the first call asks for the count only.
+        cuda_rc("cuGraphGetNodes", unsafe {
+            sys::cuGraphGetNodes(g.graph.cu_graph(), std::ptr::null_mut(), &mut n)
+        })?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        // SAFETY: `nodes` holds `n` entries.
+        cuda_rc("cuGraphGetNodes", unsafe {
+            sys::cuGraphGetNodes(g.graph.cu_graph(), nodes.as_mut_ptr(), &mut n)
+        })?;
+        let mut c = GraphNodes::default();
+        for &node in &nodes[..n.min(nodes.len())] {
+            let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: a node of the live graph; out-pointer to a local.
+            cuda_rc("cuGraphNodeGetType", unsafe { sys::cuGraphNodeGetType(node, &mut ty) })?;
+            use sys::CUgraphNodeType as T;
+            match ty {
+                T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
+                T::CU_GRAPH_NODE_TYPE_MEMCPY => c.memcpys += 1,
+                T::CU_GRAPH_NODE_TYPE_EVENT_RECORD | T::CU_GRAPH_NODE_TYPE_WAIT_EVENT => c.events += 1,
+                _ => c.other += 1,
+            }
+        }
+        Ok(Some(c))
+    }
+}

@@ -294,6 +294,8 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
             timer.wait()?;
         }
         let host_p90_us = percentile(hosts.clone(), 0.9);
+        let bi = plan.buckets.iter().position(|x| x.batch as usize >= b).unwrap_or(0);
+        let nodes = f.runtime.graph_nodes(bi).map_err(g)?;
         if let Some(e) = f.runtime.last_error().map_err(g)? {
             return Err(format!("{name} engine b={b}: {e}"));
         }
@@ -314,8 +316,13 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
             load_ms,
         };
         println!(
-            "  engine memory ({name}, B {b}, L {l}): host {:.2} µs per step call (p90 {:.2}, {:.2} before the graph launch), step {:.1} µs on the stream (owned replay {:.1} µs)",
-            row.host_us, row.host_p90_us, row.prep_us, row.step_us, row.owned_replay_us
+            "  engine memory ({name}, B {b}, L {l}): host {:.2} µs per step call (p90 {:.2}, {:.2} before the graph launch; graph: {}), step {:.1} µs on the stream (owned replay {:.1} µs)",
+            row.host_us,
+            row.host_p90_us,
+            row.prep_us,
+            nodes.map_or("none".to_string(), |n| n.to_string()),
+            row.step_us,
+            row.owned_replay_us
         );
         bench.engine.push(row);
     }
