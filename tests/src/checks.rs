@@ -2,15 +2,17 @@
 //! executor, the attention kernels alone against a naive f64 attention, replay timing, and
 //! the `run` contract end to end. Bounds, stated once here:
 //! - hidden_out and written K/V: relative RMS error ≤ 1e-2 against the f32 reference;
-//! - top-K probabilities within 1e-2·p + 1e-4; ids equal outside near ties (1e-3);
-//!   EAGLE-3 heads: 2.5e-2·p + 1e-4, ties within 2.5e-2 of the row's top probability (their
-//!   logits come from a normalized row: |logit| ~ 5, so one bf16 rounding of the hidden
-//!   state, 2^-8, moves a logit by ~0.02; measured on the H200: up to 2.1e-2·p);
+//! - top-K probabilities within 2.5e-2·p + 1e-4; ids equal outside near ties (within
+//!   2.5e-2 of the row's top probability, at least 1e-3). The logits come from a normalized
+//!   row (|logit| ~ 5), so one bf16 rounding of the hidden state, 2^-8, moves a logit by
+//!   ~0.02 and p by ~2e-2·p. Measured on the H200: EAGLE-3 heads up to 2.1e-2·p; EAGLE-1
+//!   (the tiny soak, 6,000 probabilities per 10,000 steps) up to 1.47e-2·p, past the 1e-2·p
+//!   the EAGLE-1 checks used before, with hidden_out at 5.9e-3 (inside its own bound);
 //! - graph == eager, bit for bit (outputs and the whole cache);
 //! - every cache element no request writes keeps its bits;
 //! - attention alone: relative RMS ≤ 1e-2 and max |error| ≤ 5e-2 of the output's RMS.
 
-use specplan_format::{io, HeadKind, Replay, ValidatedPlan};
+use specplan_format::{io, Replay, ValidatedPlan};
 use specplan_runtime::bits::{from_act_bits, to_act_bits};
 use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::{GpuError, GpuRuntime, Hidden, StepRequest};
@@ -23,11 +25,10 @@ use crate::tolerance::{bit_diffs, f32_bit_diffs, id_mismatches, prob_close, rel_
 use crate::Rng;
 
 pub const REL_BOUND: f64 = 1e-2;
-pub const PROB_REL: f64 = 1e-2;
+/// The bound on probabilities and near ties, both head kinds (see the module header).
+pub const PROB_REL: f64 = 2.5e-2;
 pub const PROB_ABS: f64 = 1e-4;
 pub const TIE: f64 = 1e-3;
-/// EAGLE-3's bound on probabilities and near ties (see the module header).
-pub const PROB_REL_EAGLE3: f64 = 2.5e-2;
 pub const ATTN_MAX_BOUND: f64 = 5e-2;
 
 pub(crate) fn g(e: GpuError) -> String {
@@ -54,10 +55,6 @@ pub fn check_case(
 ) -> Result<CaseReport, String> {
     let (h, k) = (plan.model.hidden as usize, plan.spec.topk as usize);
     let act = plan.capture.dtype;
-    let prob_rel = match plan.model.head {
-        HeadKind::Eagle1 => PROB_REL,
-        HeadKind::Eagle3 => PROB_REL_EAGLE3,
-    };
     for (i, &s) in c.slots.iter().enumerate() {
         rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
     }
@@ -98,15 +95,12 @@ pub fn check_case(
         for s in sl.clone() {
             let (gp, wp) = (og.topk_probs[s] as f64, r.topk_probs[s] as f64);
             e.prob_abs = e.prob_abs.max((gp - wp).abs());
-            if !prob_close(gp, wp, prob_rel, PROB_ABS) {
+            if !prob_close(gp, wp, PROB_REL, PROB_ABS) {
                 e.failures
                     .push(format!("b={} req {i} slot {}: prob {gp} vs {wp}", c.b, s - i * k));
             }
         }
-        let tie = match plan.model.head {
-            HeadKind::Eagle1 => TIE,
-            HeadKind::Eagle3 => (PROB_REL_EAGLE3 * r.topk_probs[i * k] as f64).max(TIE),
-        };
+        let tie = (PROB_REL * r.topk_probs[i * k] as f64).max(TIE);
         for s in id_mismatches(
             &og.topk_ids[sl.clone()],
             &r.topk_ids[sl.clone()],

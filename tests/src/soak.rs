@@ -54,7 +54,10 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
     let n = plan.spec.num_draft_tokens as usize;
     let max_prefix = (plan.capture.max_context_len as usize).saturating_sub(n).min(400);
     // Request pages of the pool (the last one is the scratch page).
-    let (pool_pages, ps) = ((rt.pool_pages() as usize).saturating_sub(1), plan.capture.page_size as usize);
+    let (pool_pages, ps) = (
+        (rt.pool_pages() as usize).saturating_sub(1),
+        plan.capture.page_size as usize,
+    );
     // The longest prefix such that b requests always fit those pages (at worst each takes
     // ceil((prefix + N) / page) of them).
     let fit = |b: usize| (pool_pages / b.max(1) * ps).saturating_sub(n).min(max_prefix);

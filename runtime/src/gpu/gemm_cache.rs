@@ -61,6 +61,10 @@ fn parse_line(line: &str) -> Option<(String, [u64; 8], GemmChoice)> {
     Some((k, algo, choice))
 }
 
+/// The rule that chose the cached algorithms (`lt.rs`); a new rule starts a new file, so
+/// choices made by an old one are not reused. 2: graph nodes beyond the kernel charged.
+const RULE: u32 = 2;
+
 impl GemmCache {
     /// The cache for this device (its name), driver and cuBLASLt version.
     pub fn open(device: &str, driver: i32, lt_version: usize) -> GemmCache {
@@ -68,7 +72,7 @@ impl GemmCache {
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
             .collect();
-        let path = cache_dir().map(|d| d.join(format!("{slug}-driver{driver}-cublaslt{lt_version}.tsv")));
+        let path = cache_dir().map(|d| d.join(format!("{slug}-driver{driver}-cublaslt{lt_version}-rule{RULE}.tsv")));
         let mut entries = BTreeMap::new();
         if let Some(text) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
             for (k, algo, choice) in text.lines().filter_map(parse_line) {

@@ -28,6 +28,13 @@ use super::device::{cuda, Event, GpuError};
 const CANDIDATES: i32 = 8;
 /// Timed runs per candidate (after two warm-up runs); their mean is compared.
 const RUNS: usize = 8;
+/// What a candidate is charged per graph node beyond its one kernel, µs. Some algorithms
+/// (split-K reductions, stream-K counters) add a memset or a second kernel per call; in a
+/// replayed graph each node costs the driver's launch time on the host (about 1–2 µs for a
+/// memset node on the H200, measured by specbench's engine rows: 3.3 µs for a graph of 16
+/// kernels, 7.2 µs with 2 memsets more) and a dependency gap on the GPU, neither of which
+/// the eager timing below sees.
+const NODE_US: f32 = 1.0;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct GemmShape {
@@ -305,12 +312,13 @@ impl Lt {
                 cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))? * 1e3 / RUNS as f32
             };
             if ok {
-                timed.push((i, us));
+                let extra = self.extra_nodes(&t, &h.algo, s.accumulate, p, stream)?;
+                timed.push((i, us, us + NODE_US * extra as f32));
             }
         }
         // The events are destroyed here; the stream was synchronized on the last of them.
         drop((ev0, ev1));
-        let Some(&(rank, best_us)) = timed.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+        let Some(&(rank, best_us, _)) = timed.iter().min_by(|a, b| a.2.total_cmp(&b.2)) else {
             return Ok(());
         };
         t.algo = found[rank].algo;
@@ -322,6 +330,38 @@ impl Lt {
         };
         self.tuned.insert(s, t);
         Ok(())
+    }
+
+    /// Graph nodes one call of `algo` adds beyond its kernel: the call captured alone on
+    /// `stream` (which must not be capturing), its nodes counted, the graph destroyed.
+    fn extra_nodes(
+        &self,
+        t: &Tuned,
+        algo: &lsys::cublasLtMatmulAlgo_t,
+        accumulate: bool,
+        p: GemmPtrs,
+        stream: sys::CUstream,
+    ) -> Result<usize, GpuError> {
+        // SAFETY: the runtime's stream, idle of captures (tuning runs before any graph is
+        // captured); capture ends below whatever the call returned.
+        cuda("cuStreamBeginCapture", unsafe {
+            result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        })?;
+        let called = self.call(t, algo, accumulate, p, stream);
+        // SAFETY: ends the capture begun above on the same stream.
+        let graph = cuda("cuStreamEndCapture", unsafe { result::stream::end_capture(stream) })?;
+        let counted = if graph.is_null() {
+            Ok(0)
+        } else {
+            let mut n = 0usize;
+            // SAFETY: a live graph; with a null array the call only reports the count.
+            let rc = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) };
+            // SAFETY: created by the capture above, destroyed once.
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+            super::device::cuda_rc("cuGraphGetNodes", rc).map(|_| n)
+        };
+        called?;
+        Ok(counted?.saturating_sub(1))
     }
 
     fn call(
