@@ -143,9 +143,11 @@ pub fn compile(
         buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
         progress(i + 1, cfg.capture.buckets.len());
     }
-    // The engine-memory prologue and epilogue: launched by the runtime, carried by every plan.
+    // The engine-memory prologue and epilogue, and the fill that stands in for a GEMM
+    // library's memset nodes: launched by the runtime, carried by every plan.
     kernels.intern(specplan_kernels::Entry::Admit, &facts);
     kernels.intern(specplan_kernels::Entry::Emit, &facts);
+    kernels.intern(specplan_kernels::Entry::Fill, &facts);
     let stats = match jit {
         Some(j) => Some(j.compile_all(&mut kernels.kernels, &kernels.sources, target.sm)?),
         None => None,

@@ -19,8 +19,10 @@ use crate::PlanError;
 
 pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// 2: entries named by enum, arguments in field order without names, binaries bound to
-/// their source hash, the header covered by the checksum.
-pub const FORMAT_VERSION: u32 = 3;
+/// their source hash, the header covered by the checksum. 3: EAGLE-3 heads (head kind, draft
+/// vocabulary, the `embed_norm_concat`/`select_norm` entries, engine-memory `admit`/`emit`).
+/// 4: the `fill` entry (every plan carries it).
+pub const FORMAT_VERSION: u32 = 4;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

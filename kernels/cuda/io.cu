@@ -45,9 +45,20 @@
 //   CTA i < status[STATUS_STEP_B] with req_slots[i] >= 0 (admitted) copies row i of each
 //   output to the status's out pointer (skipping a null one), bit exact; a refused
 //   request's output rows are left as the caller had them.
+//
+// Entry fill
+//   Constants: none read (compiled with admit and emit).
+//   Launch:    grid (min(ceil(width * height / FILL_THREADS), 1024), 1, 1), block
+//              (FILL_THREADS = 256, 1, 1), no dynamic shared memory.
+//   Params: dst int* (the region's first byte), value, elem_bytes (1, 2 or 4), width
+//           (elements per row), height (rows), pitch (bytes between rows), all unsigned.
+//   For r < height, c < width, the elem_bytes-byte element at dst + r*pitch + c*elem_bytes
+//   gets the low elem_bytes bytes of value (a memset; the runtime launches it in place of
+//   the memset nodes a GEMM library leaves in a captured graph). Another elem_bytes writes
+//   nothing.
 #include "common.cuh"
 
-// AdmitParams and EmitParams are declared by the generated prelude, from specplan_kernels
+// AdmitParams, EmitParams and FillParams are declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
 namespace io {
@@ -162,4 +173,21 @@ extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
         if (ids != nullptr) ids[(long long)i * kK + k] = p.ids[(long long)i * kK + k];
     }
     if (hidden != nullptr) block_copy_act(hidden + (long long)i * kH, p.hidden + (long long)i * kH, kH);
+}
+
+extern "C" __global__ void __launch_bounds__(FILL_THREADS) fill(FillParams p) {
+    const unsigned long long n = (unsigned long long)p.width * p.height;
+    unsigned char* base = reinterpret_cast<unsigned char*>(p.dst);
+    for (unsigned long long e = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+         e += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long r = e / p.width, c = e % p.width;
+        unsigned char* at = base + r * p.pitch + c * p.elem_bytes;
+        if (p.elem_bytes == 4u) {
+            *reinterpret_cast<unsigned*>(at) = p.value;
+        } else if (p.elem_bytes == 2u) {
+            *reinterpret_cast<unsigned short*>(at) = (unsigned short)p.value;
+        } else if (p.elem_bytes == 1u) {
+            *at = (unsigned char)p.value;
+        }
+    }
 }

@@ -81,6 +81,9 @@ pub struct Allowed {
     pub status: bool,
     /// A caller's device tensor, set per step; runtime-launched entries only.
     pub caller: bool,
+    /// Runtime memory outside the plan's regions (a GEMM library's workspace);
+    /// runtime-launched entries only.
+    pub scratch: bool,
 }
 
 /// A pointer field of a parameter struct.

@@ -73,7 +73,7 @@ impl Template {
             Template::Mlp => &[Entry::SiluMul],
             Template::Select => &[Entry::SelectRows, Entry::SelectNorm],
             Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
-            Template::Io => &[Entry::Admit, Entry::Emit],
+            Template::Io => &[Entry::Admit, Entry::Emit, Entry::Fill],
         }
     }
 
@@ -149,6 +149,7 @@ entries! {
     TopkMerge => sample::TopkMergeParams, "topk_merge", Sample;
     Admit => io::AdmitParams, "admit", Io;
     Emit => io::EmitParams, "emit", Io;
+    Fill => io::FillParams, "fill", Io;
 }
 
 impl Entry {
@@ -157,10 +158,11 @@ impl Entry {
         format!("{}_THREADS", self.name().to_ascii_uppercase())
     }
 
-    /// Entries the runtime launches itself around an engine-memory step (never in a plan's
-    /// launch lists; every plan carries them in its kernel table).
+    /// Entries the runtime launches itself (never in a plan's launch lists; every plan
+    /// carries them in its kernel table): `admit` and `emit` around an engine-memory step,
+    /// `fill` in place of a GEMM library's memset nodes in a captured graph.
     pub fn runtime_launched(self) -> bool {
-        matches!(self, Entry::Admit | Entry::Emit)
+        matches!(self, Entry::Admit | Entry::Emit | Entry::Fill)
     }
 
     pub fn from_name(name: &str) -> Option<Entry> {

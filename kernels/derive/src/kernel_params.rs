@@ -24,6 +24,7 @@ struct Allowed {
     layout: bool,
     status: bool,
     caller: bool,
+    scratch: bool,
     rw: bool,
     input: Option<syn::Expr>,
 }
@@ -129,6 +130,7 @@ fn read_allowed(f: &syn::Field) -> syn::Result<Option<Allowed>> {
                 "layout" => a.layout = true,
                 "status" => a.status = true,
                 "caller" => a.caller = true,
+                "scratch" => a.scratch = true,
                 "rw" => a.rw = true,
                 "input" => {
                     a.input = Some(m.value()?.parse::<syn::Expr>()?);
@@ -136,7 +138,7 @@ fn read_allowed(f: &syn::Field) -> syn::Result<Option<Allowed>> {
                 }
                 _ => {
                     return Err(
-                        m.error("unknown #[arg] word: use buffer, weight, table, k_cache, v_cache, layout, status, caller, rw or input = NAME")
+                        m.error("unknown #[arg] word: use buffer, weight, table, k_cache, v_cache, layout, status, caller, scratch, rw or input = NAME")
                     )
                 }
             }
@@ -213,7 +215,7 @@ fn parse(input: &DeriveInput) -> syn::Result<Vec<Field>> {
                         push(syn::Error::new_spanned(
                             &ident,
                             "a pointer parameter needs #[arg(...)] naming what it may point at \
-                             (buffer, weight, table, k_cache, v_cache, layout, status, caller, input = NAME)",
+                             (buffer, weight, table, k_cache, v_cache, layout, status, caller, scratch, input = NAME)",
                         ));
                         continue;
                     };
@@ -308,7 +310,7 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                     (true, true) => quote!(#k::Access::ReadWrite),
                 };
                 let (buffer, weight, table, kc, vc) = (a.buffer, a.weight, a.table, a.k_cache, a.v_cache);
-                let (layout, status, caller) = (a.layout, a.status, a.caller);
+                let (layout, status, caller, scratch) = (a.layout, a.status, a.caller, a.scratch);
                 let input = match &a.input {
                     Some(s) => quote!(::core::option::Option::Some(#s)),
                     None => quote!(::core::option::Option::None),
@@ -319,7 +321,7 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                         access: #access,
                         allowed: #k::Allowed {
                             buffer: #buffer, weight: #weight, table: #table, k_cache: #kc, v_cache: #vc,
-                            layout: #layout, status: #status, caller: #caller,
+                            layout: #layout, status: #status, caller: #caller, scratch: #scratch,
                         },
                         input: #input,
                     })

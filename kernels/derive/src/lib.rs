@@ -7,8 +7,8 @@
 //! and a typed argument builder (`<Name>Ptrs<P>`, `<Name>Scalars`), so a launch that
 //! misnames or forgets an argument does not compile.
 //!
-//! Pointer fields carry `#[arg(...)]`: `buffer`, `weight`, `table`, `k_cache`, `v_cache`
-//! (what the pointer may name), `input = "name"` (it must be that input buffer), `rw` (a
+//! Pointer fields carry `#[arg(...)]`: `buffer`, `weight`, `table`, `k_cache`, `v_cache`,
+//! `layout`, `status`, `caller`, `scratch` (what the pointer may name), `input = "name"` (it must be that input buffer), `rw` (a
 //! `DevPtrMut` the kernel also reads).
 
 mod kernel_params;

@@ -400,8 +400,8 @@ impl Ctx<'_> {
                 let (p, s) = typed::<sample::TopkMergeParams>(&slots)?;
                 self.topk_merge(k, &p, &s)
             }
-            Entry::Admit | Entry::Emit => Err(format!(
-                "{} is an engine-memory entry the GPU runtime launches; plans never list it",
+            Entry::Admit | Entry::Emit | Entry::Fill => Err(format!(
+                "{} is an entry the GPU runtime launches itself; plans never list it",
                 k.entry
             )),
         }

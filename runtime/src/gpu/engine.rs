@@ -16,7 +16,7 @@
 use std::ffi::c_void;
 use std::time::Instant;
 
-use cudarc::driver::{result, sys, CudaGraph};
+use cudarc::driver::{result, sys};
 use specplan_format::{io, BucketFacts, KernelFacts, Plan, Replay, ValidatedPlan};
 use specplan_kernels::abi::{Kernel, KernelParams};
 use specplan_kernels::entries::io::{AdmitParams, AdmitPtrs, EmitParams, EmitPtrs};
@@ -265,7 +265,7 @@ fn admit_fixed(plan: &Plan, mem: &Memory, bi: usize) -> AdmitPtrs<u64> {
 
 /// The node of the `admit` launch in a captured graph: the graph's root (it was captured
 /// first, so everything else depends on it), a kernel node of `func`.
-pub(crate) fn find_node(g: &CudaGraph, func: sys::CUfunction) -> Result<sys::CUgraphNode, GpuError> {
+pub(crate) fn find_node(g: &super::graph::Exec, func: sys::CUfunction) -> Result<sys::CUgraphNode, GpuError> {
     let none = |why: &str| GpuError::Cuda {
         call: "cuGraphGetRootNodes",
         message: format!("the captured graph's admit node: {why}"),

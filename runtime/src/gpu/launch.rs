@@ -1,14 +1,13 @@
 //! Kernels loaded from the plan, and every launch of a bucket issued on a stream — eagerly
-//! or under stream capture (one capture function for whole buckets and filtered subsets).
+//! or under stream capture (`graph.rs`).
 //!
 //! A kernel takes one parameter struct; it is packed here from the launch's argument list
 //! at the offsets of the entry's declared fields (the layout `#[derive(KernelParams)]`
 //! computed and the C side asserts), never from anything the plan says about layout.
 
 use std::ffi::c_void;
-use std::sync::Arc;
 
-use cudarc::driver::{result, sys, CudaGraph, CudaStream};
+use cudarc::driver::{result, sys};
 use specplan_format::{ArgValue, BucketPlan, GemmDesc, LaunchKind, Plan};
 use specplan_kernels::abi::{Abi, FieldKind, Slot};
 
@@ -139,30 +138,6 @@ impl Launcher<'_> {
         }
         Ok(())
     }
-}
-
-/// Captures what `issue` puts on `stream` into an uploaded graph.
-pub(crate) fn capture(
-    stream: &Arc<CudaStream>,
-    issue: impl FnOnce() -> Result<(), GpuError>,
-) -> Result<CudaGraph, GpuError> {
-    cuda(
-        "cuStreamBeginCapture",
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-    )?;
-    let issued = issue();
-    // Capture always ends (even when issuing failed), so the stream is usable again.
-    let graph = cuda(
-        "cuStreamEndCapture",
-        stream.end_capture(sys::CUgraphInstantiate_flags_enum(0)),
-    )?;
-    issued?;
-    let graph = graph.ok_or(GpuError::Cuda {
-        call: "cuStreamEndCapture",
-        message: "nothing was captured".into(),
-    })?;
-    cuda("cuGraphUpload", graph.upload())?;
-    Ok(graph)
 }
 
 /// Loads every kernel: the CUBIN, or the PTX when the CUBIN does not load. Kernels whose

@@ -30,10 +30,9 @@ const CANDIDATES: i32 = 8;
 const RUNS: usize = 8;
 /// What a candidate is charged per graph node beyond its one kernel, µs. Some algorithms
 /// (split-K reductions, stream-K counters) add a memset or a second kernel per call; in a
-/// replayed graph each node costs the driver's launch time on the host (about 1–2 µs for a
-/// memset node on the H200, measured by specbench's engine rows: 3.3 µs for a graph of 16
-/// kernels, 7.2 µs with 2 memsets more) and a dependency gap on the GPU, neither of which
-/// the eager timing below sees.
+/// replayed graph each node is one more launch (a dependency gap on the GPU and the driver's
+/// time on the host: a memset node cost the host 1–2 µs per graph launch on the H200 before
+/// `graph.rs` turned memsets into kernel nodes), which the eager timing below does not see.
 const NODE_US: f32 = 1.0;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

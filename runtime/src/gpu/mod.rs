@@ -22,11 +22,13 @@ mod device;
 mod engine;
 mod gemm;
 mod gemm_cache;
+mod graph;
 mod launch;
 mod lt;
 mod memory;
 mod owned;
 mod probes;
+pub use graph::Exec;
 pub use probes::GraphNodes;
 mod staging;
 
@@ -34,7 +36,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{result, sys, CudaContext, CudaGraph, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use specplan_format::{bucket_facts, kernel_facts_of, LaunchKind, Plan, Replay, ValidatedPlan};
 use specplan_kernels::kv;
 
@@ -43,7 +45,7 @@ pub use device::{driver_report, GpuError};
 pub use engine::{DeviceError, DeviceInts, DeviceOutputs, DeviceStep};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
-use launch::{capture, gemm_call, load_kernels, Launcher};
+use launch::{gemm_call, load_kernels, Launcher};
 pub use lt::GemmChoice;
 use memory::Memory;
 pub use memory::{DeviceTensor, EngineMemory, KvRegistration, TableRegistration};
@@ -85,7 +87,7 @@ pub struct LoadTimes {
 /// One bucket's captured graph; in engine memory, with the node of its `admit` launch,
 /// whose parameters each step sets before the replay.
 struct Graph {
-    graph: CudaGraph,
+    graph: graph::Exec,
     admit: Option<sys::CUgraphNode>,
 }
 
@@ -303,7 +305,7 @@ impl GpuRuntime {
             }
             let t0 = Instant::now();
             let stream = self.stream.cu_stream();
-            let graph = capture(&self.stream, || self.issue_bucket(bi, stream, None))?;
+            let graph = graph::capture(&self.stream, self.fill_func(), || self.issue_bucket(bi, stream, None))?;
             let admit = match &self.mode {
                 Mode::Engine(e) => Some(engine::find_node(&graph, self.funcs[e.admit as usize])?),
                 Mode::Owned(_) => None,
@@ -344,6 +346,17 @@ impl GpuRuntime {
         if self.logged.insert(msg.clone()) {
             eprintln!("specplan: {msg}");
         }
+    }
+
+    /// The plan's `fill` kernel (memset nodes of captured graphs become its launches), if
+    /// the plan carries one.
+    fn fill_func(&self) -> Option<sys::CUfunction> {
+        let i = self
+            .plan
+            .kernels
+            .iter()
+            .position(|k| k.entry == specplan_kernels::Entry::Fill)?;
+        self.funcs.get(i).copied()
     }
 
     /// Index of the smallest bucket that holds `b` requests.

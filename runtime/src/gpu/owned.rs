@@ -393,7 +393,7 @@ impl GpuRuntime {
         let prep_us = t0.elapsed().as_secs_f64() * 1e6;
         let graph = !eager && self.graphs[bi].is_some();
         if let (true, Some(g)) = (graph, &self.graphs[bi]) {
-            cuda("cuGraphLaunch", g.graph.launch())?;
+            g.graph.launch()?;
         } else {
             if !eager {
                 if let Replay::Eager(reason) = &self.plan.buckets[bi].replay {

@@ -2,10 +2,10 @@
 //! read and written from the host, poisoning, replays without host prep, and graphs of a
 //! subset of a bucket's launches. Most synchronize.
 
-use cudarc::driver::{result, CudaGraph};
+use cudarc::driver::result;
 
 use super::device::{cuda, GpuError};
-use super::launch::capture;
+use super::graph::{self, Exec};
 use super::{GpuRuntime, Mode};
 
 impl GpuRuntime {
@@ -122,7 +122,7 @@ impl GpuRuntime {
             }
         }
         match (filter, &self.graphs[bi]) {
-            (None, Some(g)) => cuda("cuGraphLaunch", g.graph.launch()),
+            (None, Some(g)) => g.graph.launch(),
             (None, None) => self.launcher(stream).issue(bi, &|_| true),
             (Some(f), _) => self.launcher(stream).issue(bi, &|op| op.contains(f)),
         }
@@ -175,10 +175,10 @@ impl GpuRuntime {
     /// Captures the launches of bucket `batch` whose op name contains `filter` as a graph
     /// of their own (e.g. the attention launches, timed without the host launch overhead
     /// that dominates eager issue of microsecond kernels).
-    pub fn capture_where(&self, batch: u32, filter: &str) -> Result<CudaGraph, GpuError> {
+    pub fn capture_where(&self, batch: u32, filter: &str) -> Result<Exec, GpuError> {
         let bi = self.bucket_index(batch)?;
         let stream = self.stream.cu_stream();
-        capture(&self.stream, || {
+        graph::capture(&self.stream, self.fill_func(), || {
             self.launcher(stream).issue(bi, &|op| op.contains(filter))
         })
     }
@@ -213,28 +213,13 @@ impl std::fmt::Display for GraphNodes {
 impl GpuRuntime {
     /// Node counts of bucket `bi`'s graph (`None`: the bucket has no graph).
     pub fn graph_nodes(&self, bi: usize) -> Result<Option<GraphNodes>, GpuError> {
-        use super::device::cuda_rc;
-        use cudarc::driver::sys;
+        use cudarc::driver::sys::CUgraphNodeType as T;
         let Some(g) = self.graphs.get(bi).and_then(|g| g.as_ref()) else {
             return Ok(None);
         };
-        let mut n = 0usize;
-        // SAFETY: a live graph; the first call asks for the count only.
-        cuda_rc("cuGraphGetNodes", unsafe {
-            sys::cuGraphGetNodes(g.graph.cu_graph(), std::ptr::null_mut(), &mut n)
-        })?;
-        let mut nodes = vec![std::ptr::null_mut(); n];
-        // SAFETY: `nodes` holds `n` entries.
-        cuda_rc("cuGraphGetNodes", unsafe {
-            sys::cuGraphGetNodes(g.graph.cu_graph(), nodes.as_mut_ptr(), &mut n)
-        })?;
         let mut c = GraphNodes::default();
-        for &node in &nodes[..n.min(nodes.len())] {
-            let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-            // SAFETY: a node of the live graph; out-pointer to a local.
-            cuda_rc("cuGraphNodeGetType", unsafe { sys::cuGraphNodeGetType(node, &mut ty) })?;
-            use sys::CUgraphNodeType as T;
-            match ty {
+        for node in graph::nodes(g.graph.cu_graph())? {
+            match graph::node_type(node)? {
                 T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
                 T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
                 T::CU_GRAPH_NODE_TYPE_MEMCPY => c.memcpys += 1,
