@@ -28,6 +28,8 @@ pub struct Exec {
     exec: sys::CUgraphExec,
     /// The stream it was captured on (keeps its context alive; `launch` replays there).
     stream: Arc<CudaStream>,
+    /// Memset nodes replaced by `fill` launches.
+    fills: usize,
 }
 
 // SAFETY: the handles are plain driver handles, used from one thread at a time through
@@ -41,6 +43,11 @@ impl Exec {
 
     pub fn cu_graph_exec(&self) -> sys::CUgraphExec {
         self.exec
+    }
+
+    /// Memset nodes of the capture that became `fill` kernel nodes.
+    pub fn fills(&self) -> usize {
+        self.fills
     }
 
     /// Replays the graph on the stream it was captured on.
@@ -103,9 +110,10 @@ pub(crate) fn capture(
             message: "nothing was captured".into(),
         });
     }
-    if let Some(f) = fill {
-        memsets_to_fill(graph.0, f)?;
-    }
+    let fills = match fill {
+        Some(f) => memsets_to_fill(graph.0, f)?,
+        None => 0,
+    };
     let mut exec: sys::CUgraphExec = std::ptr::null_mut();
     // SAFETY: a live graph; out-pointer to a local.
     cuda_rc("cuGraphInstantiate", unsafe {
@@ -116,6 +124,7 @@ pub(crate) fn capture(
         graph: std::mem::replace(&mut graph.0, std::ptr::null_mut()),
         exec,
         stream: stream.clone(),
+        fills,
     };
     // SAFETY: a live exec on its live stream.
     cuda_rc("cuGraphUpload", unsafe {

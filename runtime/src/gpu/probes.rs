@@ -193,7 +193,10 @@ impl GpuRuntime {
 /// launch time grows with the nodes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphNodes {
+    /// Kernel nodes, `fills` included.
     pub kernels: usize,
+    /// Kernel nodes that replaced a GEMM library's memset (`graph.rs`).
+    pub fills: usize,
     pub memsets: usize,
     pub memcpys: usize,
     pub events: usize,
@@ -204,8 +207,8 @@ impl std::fmt::Display for GraphNodes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} kernels, {} memsets, {} copies, {} events, {} other",
-            self.kernels, self.memsets, self.memcpys, self.events, self.other
+            "{} kernels ({} fills), {} memsets, {} copies, {} events, {} other",
+            self.kernels, self.fills, self.memsets, self.memcpys, self.events, self.other
         )
     }
 }
@@ -217,7 +220,10 @@ impl GpuRuntime {
         let Some(g) = self.graphs.get(bi).and_then(|g| g.as_ref()) else {
             return Ok(None);
         };
-        let mut c = GraphNodes::default();
+        let mut c = GraphNodes {
+            fills: g.graph.fills(),
+            ..GraphNodes::default()
+        };
         for node in graph::nodes(g.graph.cu_graph())? {
             match graph::node_type(node)? {
                 T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,

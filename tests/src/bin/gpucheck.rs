@@ -139,8 +139,14 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         .iter()
         .map(|l| format!("b{} {:.1} µs (prep {:.1})", l.bucket, l.replay_us, l.prep_us))
         .collect();
+    // Memset nodes turned into fill launches across the buckets' graphs (each graph is
+    // checked against its eager run, whose GEMMs issue the memsets themselves).
+    let fills: usize = (0..plan.buckets.len())
+        .filter_map(|bi| rt.graph_nodes(bi).ok().flatten())
+        .map(|n| n.fills)
+        .sum();
     println!(
-        "{name}: load+build {:.1} ms, graphs {:.1} ms total, arena {} B, kv {} B; replay {}",
+        "{name}: load+build {:.1} ms, graphs {:.1} ms total ({fills} memsets as fill launches), arena {} B, kv {} B; replay {}",
         rep.load_ms,
         rt.graph_build_ms.iter().sum::<f64>(),
         rep.arena_bytes,
