@@ -140,6 +140,9 @@ pub(crate) fn nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, GpuErr
     cuda_rc("cuGraphGetNodes", unsafe {
         sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n)
     })?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     let mut v = vec![std::ptr::null_mut(); n];
     // SAFETY: `v` holds `n` entries; the call writes at most that many.
     cuda_rc("cuGraphGetNodes", unsafe {
@@ -176,6 +179,11 @@ fn edges(node: sys::CUgraphNode, up: bool) -> Result<Vec<sys::CUgraphNode>, GpuE
     };
     let mut n = 0usize;
     cuda_rc(name, call(std::ptr::null_mut(), &mut n))?;
+    if n == 0 {
+        // A root (or leaf) node, e.g. the memset that opens a graph of one GEMM: the driver
+        // refuses an array for zero entries.
+        return Ok(Vec::new());
+    }
     let mut v = vec![std::ptr::null_mut(); n];
     cuda_rc(name, call(v.as_mut_ptr(), &mut n))?;
     v.truncate(n);
@@ -223,10 +231,11 @@ fn memsets_to_fill(graph: sys::CUgraph, fill: sys::CUfunction) -> Result<usize, 
         (p.blockDimX, p.blockDimY, p.blockDimZ) = (IO_THREADS, 1, 1);
         p.kernelParams = args.as_mut_ptr();
         let mut k: sys::CUgraphNode = std::ptr::null_mut();
-        // SAFETY: the live graph and nodes of it; the parameters point at a struct laid out
-        // as `fill` declares, copied by the call.
+        // SAFETY: the live graph and nodes of it (null with a count of 0 for a root); the
+        // parameters point at a struct laid out as `fill` declares, copied by the call.
         cuda_rc("cuGraphAddKernelNode", unsafe {
-            sys::cuGraphAddKernelNode_v2(&mut k, graph, up.as_ptr(), up.len(), &p)
+            let deps = if up.is_empty() { std::ptr::null() } else { up.as_ptr() };
+            sys::cuGraphAddKernelNode_v2(&mut k, graph, deps, up.len(), &p)
         })?;
         for d in &down {
             // SAFETY: two nodes of the live graph; a default edge (null edge data).
