@@ -17,7 +17,8 @@
 //                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4)
 //                (q rows)           (K and V tiles of each stage)  (cross-warp merge, aliased)
 //                +  STAGES*KV_TILE*4
-//                   (token slots of the tiles in flight)
+//                   (token slots of the tiles in flight; kStages - 1 rows are in use at a
+//                   time, one more keeps the row indexing a plain modulo)
 //
 //              (mirrored by specplan_kernels::facts::attn_smem_bytes; no static
 //              shared memory is used, so this is the CTA's whole footprint).
@@ -189,24 +190,43 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
     }
 }
 
-// Loading one tile (keys [tile0, tile0 + kTile)) takes two steps:
-//   tile_slots: the CTA looks up the tile's token slots once, one thread per key, into a
-//               row of shared memory (kv_token's table read and guards run once per key,
-//               not once per 16-byte chunk: a key of HEAD_DIM 128 is 16 chunks of K and 16
-//               of V, and with page size 1 every key is its own table read);
-//   issue_tile: every thread issues the cp.async copies of its chunks from that row.
-// The main loop looks up tile t+kStages's slots right after issuing tile t+kStages-1's
-// copies, so the table reads are in flight while tile t is computed; the barrier at the top
-// of the next iteration publishes them. Each tile in flight has its own row (kStages rows).
+// Loading one tile (keys [tile0, tile0 + kTile)) takes three steps:
+//   tile_entries: thread k < kTile reads the table entry of key k (kv_entry) into a
+//                 register; nothing uses it yet, so the read stays in flight;
+//   tile_slots:   later (after a tile's compute) it turns the entry into the token slot
+//                 (kv_resolve) and stores it in the tile's row of shared memory;
+//   issue_tile:   after a barrier, every thread issues the cp.async copies of its chunks
+//                 from that row.
+// The table read and the guards run once per key, not once per 16-byte chunk (a key of
+// HEAD_DIM 128 is 16 chunks of K and 16 of V, and with page size 1 every key is its own
+// table read). The main loop reads tile t+kStages's entries right after issuing tile
+// t+kStages-1's copies, stores their slots at the top of the next iteration and publishes
+// them with that iteration's barrier. Each tile in flight has its own row (kStages rows).
 constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
+constexpr int kKeyIters = (kTile + kThreads - 1) / kThreads;  // keys per thread (1 when kTile <= threads)
+
+struct TileEntries {
+    int entry[kKeyIters];
+    bool has[kKeyIters];
+};
+
+__device__ __forceinline__ void tile_entries(TileEntries& e, int tile0, int hi, const KvLayout& lay, const int* row) {
+#pragma unroll
+    for (int it = 0; it < kKeyIters; ++it) {
+        const int k = (int)threadIdx.x + it * kThreads;
+        const int p = tile0 + k;
+        e.has[it] = k < kTile && p < hi && kv_entry(lay, row, p, kPage, e.entry[it]);
+    }
+}
 
 // The token slot of each key of the tile, or -1 when the key is outside the split (p >= hi)
 // or has no slot (common.cuh kv_token): such keys are zero-filled. Slots fit an int: the
 // runtime registers pools of at most 2^31 - 1 slots.
-__device__ __forceinline__ void tile_slots(int* dst, int tile0, int hi, const KvLayout& lay, const int* row) {
-    for (int k = (int)threadIdx.x; k < kTile; k += kThreads) {
-        const int p = tile0 + k;
-        dst[k] = p < hi ? (int)kv_token(lay, row, p, kPage) : -1;
+__device__ __forceinline__ void tile_slots(int* dst, const TileEntries& e, int tile0, const KvLayout& lay) {
+#pragma unroll
+    for (int it = 0; it < kKeyIters; ++it) {
+        const int k = (int)threadIdx.x + it * kThreads;
+        if (k < kTile) dst[k] = (int)kv_resolve(lay, e.has[it], e.entry[it], tile0 + k, kPage);
     }
 }
 
@@ -296,12 +316,16 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     for (int pass = 0; pass < kPasses; ++pass) {
         const int prow0 = pass * kGR;  // first packed row of this pass
 
-        // ---- Pipeline prologue: the slots of tiles 0 .. kStages-1, the copies of tiles
-        // 0 .. kStages-2 (issued before the q rows are read, so the first K/V bytes are
-        // already on the way)
+        // ---- Pipeline prologue: the slots of tiles 0 .. kStages-2, their copies (issued
+        // before the q rows are read, so the first K/V bytes are already on the way), and
+        // the entries of tile kStages-1 in flight
+        TileEntries ent;
 #pragma unroll
-        for (int st = 0; st < kStages; ++st) {
-            if (st < num_tiles) tile_slots(sSlot + st * kTile, lo + st * kTile, hi, lay, pt_row);
+        for (int st = 0; st < kStages - 1; ++st) {
+            if (st < num_tiles) {
+                tile_entries(ent, lo + st * kTile, hi, lay, pt_row);
+                tile_slots(sSlot + st * kTile, ent, lo + st * kTile, lay);
+            }
         }
         __syncthreads();  // the slot rows are written
 #pragma unroll
@@ -312,6 +336,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             }
             cp_async_commit();  // (possibly empty: keeps the group count uniform)
         }
+        if (kStages - 1 < num_tiles) tile_entries(ent, lo + (kStages - 1) * kTile, hi, lay, pt_row);
 
         // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
         {
@@ -357,22 +382,19 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 
         // ---- Key loop ---------------------------------------------------------------------
         for (int tile = 0; tile < num_tiles; ++tile) {
+            const int nxt = tile + kStages - 1;
+            // Tile nxt's entries were read during the last tile's compute: its slots go to
+            // row nxt % kStages, last read when tile nxt - kStages was issued (before an
+            // earlier barrier), and the barrier below publishes them.
+            if (nxt < num_tiles) tile_slots(sSlot + (nxt % kStages) * kTile, ent, lo + nxt * kTile, lay);
             cp_async_wait<kStages - 2>();  // this thread's copies of tile `tile` have landed ...
             __syncthreads();               // ... and everyone's; stage (tile-1) is free again
-            {
-                // Row nxt % kStages was written before the barrier above; row (nxt + 1) %
-                // kStages (= tile % kStages) was last read when tile `tile` was issued,
-                // also before it.
-                const int nxt = tile + kStages - 1;
-                if (nxt < num_tiles) {
-                    issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
-                               p.v_cache, sSlot + (nxt % kStages) * kTile, lay.kv_stride, g);
-                }
-                cp_async_commit();
-                if (nxt + 1 < num_tiles) {
-                    tile_slots(sSlot + ((nxt + 1) % kStages) * kTile, lo + (nxt + 1) * kTile, hi, lay, pt_row);
-                }
+            if (nxt < num_tiles) {
+                issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
+                           p.v_cache, sSlot + (nxt % kStages) * kTile, lay.kv_stride, g);
             }
+            cp_async_commit();
+            if (nxt + 1 < num_tiles) tile_entries(ent, lo + (nxt + 1) * kTile, hi, lay, pt_row);
             if (!active) continue;  // warp uniform; such warps only help with the copies
 
             const act_t* K = stage_k(stage_base, tile % kStages);

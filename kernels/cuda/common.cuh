@@ -254,6 +254,30 @@ __device__ __forceinline__ const int* kv_row(const KvLayout& l, const int* table
     return (req >= 0 && req < l.rows) ? table + req * l.stride : nullptr;
 }
 
+// kv_token in two halves, so a caller can keep the table read in flight while it works
+// and check the entry only when it needs the slot: kv_entry reads the table entry of `pos`
+// (false: no entry to read — a null row, a position outside the row); kv_resolve turns
+// the entry into the token slot, or -1 (a negative page, a slot outside [0, slots)).
+__device__ __forceinline__ bool kv_entry(const KvLayout& l, const int* row, long long pos, long long page_size,
+                                         int& entry) {
+    entry = 0;
+    if (row == nullptr || pos < 0) return false;
+    const long long i = l.mode == KV_MODE_TOKENS ? pos : pos / page_size;
+    if (i >= l.cols) return false;
+    entry = row[i];
+    return true;
+}
+__device__ __forceinline__ long long kv_resolve(const KvLayout& l, bool has, int entry, long long pos,
+                                                long long page_size) {
+    if (!has) return -1;
+    long long t = entry;
+    if (l.mode != KV_MODE_TOKENS) {
+        if (entry < 0) return -1;
+        t = (long long)entry * page_size + pos % page_size;
+    }
+    return (t >= 0 && t < l.slots) ? t : -1;
+}
+
 // The token slot of position `pos` in `row`, or -1 when there is none: a null row, a
 // position outside the row, a negative page, or a slot outside [0, slots).
 __device__ __forceinline__ long long kv_token(const KvLayout& l, const int* row, long long pos, long long page_size) {
