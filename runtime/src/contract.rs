@@ -414,10 +414,13 @@ pub fn run_cpu(
     let mut table = PageTable::new(plan, scratch_page);
     let x = &inputs.step;
     for i in 0..b {
-        table.set_row(i, &x.page_table[i * x.page_cols..(i + 1) * x.page_cols]);
+        table
+            .set_row(i, &x.page_table[i * x.page_cols..(i + 1) * x.page_cols])
+            .map_err(|e| ContractError::input("inputs", e))?;
     }
     let slots: Vec<i32> = (0..b as i32).collect();
-    let padded = pad_to_bucket(plan, bucket, x, &slots, table.scratch_slot());
+    let padded =
+        pad_to_bucket(plan, bucket, x, &slots, table.scratch_slot()).map_err(|e| ContractError::input("inputs", e))?;
     let exec = CpuExecutor::new(plan, weights)?;
     let out = exec.run(bucket, &padded, &table, &mut inputs.kv)?;
     let (h, k) = (plan.model.hidden as usize, plan.spec.topk as usize);

@@ -167,10 +167,19 @@ impl PageTable {
         self.rows as i32 - 1
     }
 
-    /// Sets the first `pages.len()` entries of a request slot's row.
-    pub fn set_row(&mut self, slot: usize, pages: &[i32]) {
+    /// Sets the first `pages.len()` entries of a request slot's row (at most a row's
+    /// columns). A slot outside the table is an error naming it.
+    pub fn set_row(&mut self, slot: usize, pages: &[i32]) -> Result<(), InputError> {
+        if slot >= self.rows {
+            return Err(input_error(
+                "page_table",
+                format!("[{slot}]"),
+                format!("request slot {slot} is outside the table's rows [0, {})", self.rows),
+            ));
+        }
         let n = pages.len().min(self.cols);
         self.data[slot * self.cols..slot * self.cols + n].copy_from_slice(&pages[..n]);
+        Ok(())
     }
 }
 
@@ -185,18 +194,38 @@ pub struct BucketInputs {
     pub req_slots: Vec<i32>,
 }
 
-/// Pads checked inputs to `bucket`. `slots[i]` is request i's page-table row. O(B·N·H)
-/// for the hidden states, O(B) for everything else.
+/// Pads inputs to `bucket`. `slots[i]` is request i's page-table row. O(B·N·H) for the
+/// hidden states, O(B) for everything else. The values are [`StepInputs::check`]'s to
+/// judge; this refuses only what it cannot pad (a batch above the bucket, tensors whose
+/// lengths are not the batch's), naming the tensor.
 pub fn pad_to_bucket(
     plan: &Plan,
     bucket: &BucketPlan,
     x: &StepInputs,
     slots: &[i32],
     scratch_slot: i32,
-) -> BucketInputs {
+) -> Result<BucketInputs, InputError> {
     let (bb, b) = (bucket.batch as usize, x.batch);
     let n = plan.spec.num_draft_tokens as usize;
     let h = plan.model.hidden_in() as usize;
+    admission::check_batch(b, Some(bb))
+        .map_err(|e| input_error(&e.tensor, e.index, e.message.replace("largest bucket", "bucket")))?;
+    admission::check_shape("input_ids", x.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
+    admission::check_shape(
+        "hidden_states",
+        x.hidden_states.len(),
+        b * n * h,
+        &format!("[{b}, {n}, {h}]"),
+    )?;
+    admission::check_shape("prefix_lens", x.prefix_lens.len(), b, &format!("[{b}]"))?;
+    admission::check_shape("accept_lens", x.accept_lens.len(), b, &format!("[{b}]"))?;
+    if slots.len() < b {
+        return Err(input_error(
+            "slots",
+            String::new(),
+            format!("has {} entries, one per request needs {b}", slots.len()),
+        ));
+    }
     let mut out = BucketInputs {
         input_ids: vec![0; bb * n],
         hidden_states: vec![0.0; bb * n * h],
@@ -209,7 +238,7 @@ pub fn pad_to_bucket(
     out.prefix_lens[..b].copy_from_slice(&x.prefix_lens);
     out.accept_lens[..b].copy_from_slice(&x.accept_lens);
     out.req_slots[..b].copy_from_slice(&slots[..b]);
-    out
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ pub fn cpu_reference(
     let mut pool = case_pool(plan, c);
     let mut table = PageTable::new(plan, c.used_pages as i32);
     for (i, &s) in c.slots.iter().enumerate() {
-        table.set_row(s as usize, &c.pages[i]);
+        table.set_row(s as usize, &c.pages[i]).map_err(|e| e.to_string())?;
     }
     let exec = CpuExecutor::new(plan, weights.to_vec()).map_err(|e| e.to_string())?;
     let max_b = plan.buckets.last().map_or(1, |x| x.batch as usize);
@@ -66,7 +66,8 @@ pub fn cpu_reference(
             page_cols: x.page_cols,
         };
         let bucket = plan.bucket_for((end - start) as u32).ok_or("no bucket")?;
-        let padded = pad_to_bucket(plan, bucket, &chunk, &c.slots[start..end], table.scratch_slot());
+        let padded = pad_to_bucket(plan, bucket, &chunk, &c.slots[start..end], table.scratch_slot())
+            .map_err(|e| e.to_string())?;
         let o = exec
             .run(bucket, &padded, &table, &mut pool)
             .map_err(|e| e.to_string())?;

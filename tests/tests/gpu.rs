@@ -86,10 +86,12 @@ fn tiny_on_the_gpu_matches_the_cpu_reference() {
     };
     let mut table = PageTable::new(&plan, pages as i32);
     for i in 0..b {
-        table.set_row(i, &step.page_table[i * pages_per..(i + 1) * pages_per]);
+        table
+            .set_row(i, &step.page_table[i * pages_per..(i + 1) * pages_per])
+            .expect("a row of the table");
     }
     let bucket = plan.bucket_for(b as u32).expect("bucket");
-    let padded = pad_to_bucket(&plan, bucket, &step, &slots, table.scratch_slot());
+    let padded = pad_to_bucket(&plan, bucket, &step, &slots, table.scratch_slot()).expect("padded");
     let want = CpuExecutor::new(&plan, weights)
         .expect("cpu")
         .run(bucket, &padded, &table, &mut kv)

@@ -79,11 +79,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut table = PageTable::new(plan, pages as i32);
     for i in 0..b {
-        table.set_row(i, &step.page_table[i * cols..(i + 1) * cols]);
+        table.set_row(i, &step.page_table[i * cols..(i + 1) * cols])?;
     }
     let bucket = plan.bucket_for(b as u32).ok_or("no bucket fits")?;
     let slots: Vec<i32> = (0..b as i32).collect();
-    let inputs = pad_to_bucket(plan, bucket, &step, &slots, table.scratch_slot());
+    let inputs = pad_to_bucket(plan, bucket, &step, &slots, table.scratch_slot())?;
     let out = CpuExecutor::new(plan, weights)?.run(bucket, &inputs, &table, &mut kv)?;
     let k = plan::TOPK as usize;
     for i in 0..b {
