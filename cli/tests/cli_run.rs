@@ -207,3 +207,36 @@ fn run_outputs_stream_into_a_fifo() {
     assert_refused(&o, "it is read-only");
     assert_eq!(std::fs::read(&ro).expect("read"), b"x");
 }
+
+/// hidden_out leaves in the plan's activation dtype: an fp16 plan's row is written as fp16
+/// (it was bf16 for every plan before, which dropped 3 bits of an fp16 plan's result).
+#[test]
+fn hidden_out_is_written_in_the_plans_dtype() {
+    for (extra, want) in [
+        (&["--dtype", "fp16"][..], safetensors::Dtype::F16),
+        (&[][..], safetensors::Dtype::BF16),
+    ] {
+        let f = files(extra);
+        let out = f.path("o.safetensors");
+        let o = f.run(&out);
+        assert!(o.status.success(), "{}", text(&o));
+        let bytes = std::fs::read(&out).expect("outputs");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("outputs file");
+        let h = st.tensor("hidden_out").expect("hidden_out");
+        assert_eq!(h.dtype(), want, "{extra:?}");
+        assert_eq!(st.tensor("k_cache").expect("k_cache").dtype(), want, "{extra:?}");
+        // Finite, not all zero: the row was computed and written, not just typed.
+        let vals: Vec<f32> = h
+            .data()
+            .chunks_exact(2)
+            .map(|c| match want {
+                safetensors::Dtype::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+                _ => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+            })
+            .collect();
+        assert!(
+            vals.iter().all(|x| x.is_finite()) && vals.iter().any(|&x| x != 0.0),
+            "{extra:?}"
+        );
+    }
+}

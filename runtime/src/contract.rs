@@ -531,8 +531,9 @@ pub fn write_outputs(
     })
 }
 
-/// The outputs file's bytes: top-K, hidden_out (bf16) and the updated caches (the
-/// caller's pages only, in the caller's dtype).
+/// The outputs file's bytes: top-K, hidden_out (in the plan's activation dtype, as the
+/// device holds it) and the updated caches (the caller's pages only, in the caller's
+/// dtype).
 pub fn encode_outputs(plan: &ValidatedPlan, res: &StepResult, inputs: &InputsFile) -> Result<Vec<u8>, ContractError> {
     let werr = |e: String| ContractError::Write {
         path: "outputs".into(),
@@ -567,9 +568,9 @@ pub fn encode_outputs(plan: &ValidatedPlan, res: &StepResult, inputs: &InputsFil
         ),
         (
             "hidden_out",
-            Dtype::BF16,
+            file_dtype(plan.capture.dtype),
             vec![b, m.hidden as usize],
-            to_bytes(&res.outputs.hidden_out, Dtype::BF16),
+            to_bytes(&res.outputs.hidden_out, file_dtype(plan.capture.dtype)),
         ),
         ("k_cache", kd, kv_shape.clone(), to_bytes(&cache(&inputs.kv.k), kd)),
         ("v_cache", kd, kv_shape, to_bytes(&cache(&inputs.kv.v), kd)),
