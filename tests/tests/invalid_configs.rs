@@ -243,3 +243,52 @@ fn out_of_range_flags_are_errors_not_panics() {
     .expect_err("huge");
     assert!(e.to_string().contains("num_hidden_layers"), "{e}");
 }
+
+/// A config whose activations pass the config's lower bound (48 GiB) but whose packed
+/// arena does not fit 64 GiB (the attention's q/k/v and outputs live beside the inputs):
+/// refused by the field that sets it, not reported as a compiler bug.
+#[test]
+fn an_arena_past_64_gib_after_packing_names_the_buckets() {
+    let text = r#"
+[model]
+hidden_size = 65536
+intermediate_size = 16
+num_attention_heads = 256
+num_key_value_heads = 256
+head_dim = 256
+num_hidden_layers = 1
+vocab_size = 1000
+rms_norm_eps = 1e-5
+rope_theta = 10000.0
+max_position_embeddings = 4096
+
+[speculative]
+topk = 4
+num_steps = 3
+num_draft_tokens = 24
+
+[capture]
+buckets = "4096"
+max_bs = 4096
+page_size = 16
+max_context_len = 64
+max_requests = 4096
+kv_pool_pages = 100
+dtype = "bf16"
+"#;
+    let src = Source::Toml {
+        name: "arena_after_packing".into(),
+        text: text.into(),
+    };
+    let cfg = resolve(&src, &Overrides::default()).expect("the config's own bounds pass");
+    let e = specplan_compiler::compile(&cfg, &specplan_compiler::Target::default(), None, &|_, _| {})
+        .map(|_| ())
+        .expect_err("the packed arena is above 64 GiB");
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("capture.buckets (--buckets, --max-bs): bucket 4096 needs "),
+        "{msg}"
+    );
+    assert!(msg.contains("above the 64 GiB a plan's arena may hold"), "{msg}");
+    assert!(!msg.contains("compiler bug"), "{msg}");
+}

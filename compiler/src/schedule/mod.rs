@@ -32,6 +32,11 @@ pub enum ScheduleError {
     NoKernel { node: String, kind: &'static str },
     #[error("attention of {rows} rows per CTA (num_draft_tokens · heads/kv_heads) with head_dim {head_dim} does not fit in shared memory even with 16-key tiles")]
     AttentionSmem { rows: u32, head_dim: u32 },
+    #[error(
+        "capture.buckets (--buckets, --max-bs): bucket {batch} needs {bytes} bytes of activations ({} GiB), above the 64 GiB a plan's arena may hold; use smaller buckets",
+        bytes.div_ceil(1 << 30)
+    )]
+    ArenaTooLarge { batch: u32, bytes: u64 },
 }
 
 /// Static facts shared by every bucket's schedule.
@@ -66,6 +71,15 @@ pub fn schedule_bucket(
     let splits = attn_splits(sh.cfg, batch, sh.sm_count);
     let live = liveness::live_ranges(sh, batch, splits);
     let (buffers, arena_bytes) = pack::pack(&live.items);
+    // The config's lower bound catches most oversized buckets before lowering; the packed
+    // arena is the exact size, refused here by the field that sets it rather than by the
+    // validator (whose refusal would read as a compiler bug).
+    if arena_bytes > crate::config::limits::MAX_REGION_BYTES {
+        return Err(ScheduleError::ArenaTooLarge {
+            batch,
+            bytes: arena_bytes,
+        });
+    }
     let mut bucket = BucketPlan {
         batch,
         rows: batch * n,
