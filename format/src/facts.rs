@@ -4,7 +4,7 @@
 
 use specplan_kernels::facts::{BucketFacts, KernelFacts};
 
-use crate::types::{BucketPlan, CaptureDesc, ModelDesc, Plan, SpecDesc};
+use crate::types::{BucketPlan, CaptureDesc, ModelDesc, Plan, RopeScaling, SpecDesc};
 
 /// Facts of a plan with these descriptors (window 0: see [`KernelFacts::with_window`]).
 pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32]) -> KernelFacts {
@@ -29,6 +29,43 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         hot_map: c.hot_vocab_size.is_some(),
         id_offset: m.draft_vocab.is_some(),
     }
+}
+
+/// Hugging Face Llama `inv_freq` after `rope_scaling`, computed in f64 and rounded once. The
+/// compiler writes it into the plan; the validator checks a plan's table against it.
+pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
+    let d = m.head_dim as f64;
+    let theta = m.rope_theta as f64;
+    (0..m.head_dim / 2)
+        .map(|i| {
+            let base = 1.0 / theta.powf(2.0 * i as f64 / d);
+            let scaled = match &m.rope_scaling {
+                RopeScaling::None => base,
+                RopeScaling::Linear { factor } => base / *factor as f64,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                } => {
+                    let (factor, low, high) = (*factor as f64, *low_freq_factor as f64, *high_freq_factor as f64);
+                    let old = *original_max_position_embeddings as f64;
+                    let low_wavelen = old / low;
+                    let high_wavelen = old / high;
+                    let wavelen = 2.0 * std::f64::consts::PI / base;
+                    if wavelen < high_wavelen {
+                        base
+                    } else if wavelen > low_wavelen {
+                        base / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * base / factor + smooth * base
+                    }
+                }
+            };
+            scaled as f32
+        })
+        .collect()
 }
 
 pub fn kernel_facts_of(p: &Plan) -> KernelFacts {

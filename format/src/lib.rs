@@ -18,7 +18,7 @@ mod validate;
 
 pub use codec::{decode, encode, load_file, FORMAT_VERSION, MAGIC, MAX_PLAN_BYTES};
 pub use diff::{diff, DiffEntry, PlanDiff};
-pub use facts::{bucket_facts, kernel_facts, kernel_facts_of};
+pub use facts::{bucket_facts, kernel_facts, kernel_facts_of, rope_inv_freq};
 pub use location::{Location, Violation};
 pub use rules::kernel_source;
 pub use specplan_kernels::facts::{BucketFacts, KernelFacts, MAX_SMEM_BYTES};

@@ -9,8 +9,9 @@
 //! 1. Model: dimensions positive and within the kernels' limits (`limits`), `heads % kv_heads
 //!    == 0`, `head_dim` a multiple of 16 and at most 256, finite positive eps and theta,
 //!    rope scaling factors finite and positive (Llama 3: low below high),
-//!    `rope_inv_freq` has `head_dim / 2` finite positive entries, one `LayerDesc` per layer,
-//!    windows positive.
+//!    `rope_inv_freq` has `head_dim / 2` finite positive entries, each within 2 f32 ulps of
+//!    what `rope_theta` and `rope_scaling` give (`facts::rope_inv_freq`), one `LayerDesc`
+//!    per layer, windows positive.
 //! 2. Spec: SGLang's topk / num_steps / num_draft_tokens rules, topk ≤ 32, N ≤ 64.
 //! 3. Capture: power-of-two page size ≤ 1024, page-table width = ceil(context / page), the
 //!    page table within `MAX_TABLE_ENTRIES`, at least as many request slots as the largest
@@ -261,6 +262,27 @@ fn model(p: &Plan, e: &mut Errors) {
         "rope_inv_freq",
         || "an entry is not finite and positive".into(),
     );
+    // The table must be the one rope_theta and rope_scaling give (the kernels read the
+    // table, the CPU executor too: a table of another theta would rotate both the same
+    // wrong way). Within 2 ulps of f32: the compiler's f64 `powf` may differ by an ulp
+    // between platforms' libm before the rounding to f32.
+    let theta_ok = m.rope_theta.is_finite() && m.rope_theta > 0.0;
+    if theta_ok && scaling_ok && p.rope_inv_freq.len() as u64 == m.head_dim as u64 / 2 {
+        let want = crate::facts::rope_inv_freq(m);
+        let off = p
+            .rope_inv_freq
+            .iter()
+            .zip(&want)
+            .position(|(&a, &b)| (a - b).abs() > 2.0 * f32::EPSILON * b.abs());
+        if let Some(i) = off {
+            e.field(false, &format!("rope_inv_freq[{i}]"), || {
+                format!(
+                    "{:e}, but rope_theta {} with {:?} gives {:e}",
+                    p.rope_inv_freq[i], m.rope_theta, m.rope_scaling, want[i]
+                )
+            });
+        }
+    }
     e.field(p.layers.len() as u64 == m.layers as u64, "layers", || {
         format!("{} entries, expected model.layers = {}", p.layers.len(), m.layers)
     });

@@ -103,6 +103,9 @@ fn inconsistent_plans_name_the_bad_field() {
     case("spec rule broken", &|p| p.spec.num_draft_tokens = 40);
     case("buckets out of order", &|p| p.buckets.swap(0, 1));
     case("page size", &|p| p.capture.page_size = 3);
+    // A theta the table was not computed from (the kernels and the CPU executor read the
+    // table: both would rotate by the same wrong angles).
+    case("rope_theta without its table", &|p| p.model.rope_theta *= 2.0);
     case("block too large", &|p| {
         if let Some(LaunchKind::Kernel { block, .. }) = p.buckets[0]
             .launches

@@ -16,7 +16,8 @@ use specplan_format::{DType, SpecDesc};
 
 pub use keys::levenshtein;
 use limits::*;
-pub use model::{rope_inv_freq, ModelConfig};
+pub use model::ModelConfig;
+pub use specplan_format::rope_inv_freq;
 
 /// One violated rule: the field (as the user wrote it) and what is wrong with it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -294,39 +294,3 @@ fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
         }
     }
 }
-
-/// Hugging Face Llama `inv_freq` after `rope_scaling`, computed in f64 and rounded once.
-pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
-    let d = m.head_dim as f64;
-    let theta = m.rope_theta as f64;
-    (0..m.head_dim / 2)
-        .map(|i| {
-            let base = 1.0 / theta.powf(2.0 * i as f64 / d);
-            let scaled = match &m.rope_scaling {
-                RopeScaling::None => base,
-                RopeScaling::Linear { factor } => base / *factor as f64,
-                RopeScaling::Llama3 {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_max_position_embeddings,
-                } => {
-                    let (factor, low, high) = (*factor as f64, *low_freq_factor as f64, *high_freq_factor as f64);
-                    let old = *original_max_position_embeddings as f64;
-                    let low_wavelen = old / low;
-                    let high_wavelen = old / high;
-                    let wavelen = 2.0 * std::f64::consts::PI / base;
-                    if wavelen < high_wavelen {
-                        base
-                    } else if wavelen > low_wavelen {
-                        base / factor
-                    } else {
-                        let smooth = (old / wavelen - low) / (high - low);
-                        (1.0 - smooth) * base / factor + smooth * base
-                    }
-                }
-            };
-            scaled as f32
-        })
-        .collect()
-}
