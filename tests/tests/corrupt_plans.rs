@@ -106,6 +106,12 @@ fn inconsistent_plans_name_the_bad_field() {
     // A theta the table was not computed from (the kernels and the CPU executor read the
     // table: both would rotate by the same wrong angles).
     case("rope_theta without its table", &|p| p.model.rope_theta *= 2.0);
+    // The runtime-launched entries: exactly one of each.
+    case("admit missing, emit twice", &|p| {
+        if let Some(k) = p.kernels.iter_mut().find(|k| k.entry == specplan_kernels::Entry::Admit) {
+            k.entry = specplan_kernels::Entry::Emit;
+        }
+    });
     case("block too large", &|p| {
         if let Some(LaunchKind::Kernel { block, .. }) = p.buckets[0]
             .launches
