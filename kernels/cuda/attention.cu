@@ -215,6 +215,7 @@ __device__ __forceinline__ void tile_entries(TileEntries& e, int tile0, int hi, 
     for (int it = 0; it < kKeyIters; ++it) {
         const int k = (int)threadIdx.x + it * kThreads;
         const int p = tile0 + k;
+        e.entry[it] = 0;  // defined even when kv_entry is not reached
         e.has[it] = k < kTile && p < hi && kv_entry(lay, row, p, kPage, e.entry[it]);
     }
 }

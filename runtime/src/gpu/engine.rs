@@ -185,17 +185,24 @@ impl EngineState {
         pack_slots(&Entry::Admit.abi(), &AdmitParams::assemble(ptrs, s))
     }
 
-    /// Records the end-of-step event on `stream` (under capture: an external event node,
-    /// recorded by every replay of the graph).
+    /// Records the end-of-step event on `stream`: under capture as an external event node
+    /// (recorded by every replay of the graph), otherwise (an eager step) directly — the
+    /// external flag is invalid outside a capture.
     pub fn record_done(&self, stream: sys::CUstream) -> Result<(), GpuError> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream; out-pointer to a local.
+        cuda_rc("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(stream, &mut status)
+        })?;
+        let flags = if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+            sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL
+        } else {
+            sys::CUevent_record_flags::CU_EVENT_RECORD_DEFAULT
+        };
         // SAFETY: the runtime's live event on the caller's (or, at capture, the runtime's)
         // live stream.
         cuda_rc("cuEventRecordWithFlags", unsafe {
-            sys::cuEventRecordWithFlags(
-                self.done.0,
-                stream,
-                sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32,
-            )
+            sys::cuEventRecordWithFlags(self.done.0, stream, flags as u32)
         })
     }
 

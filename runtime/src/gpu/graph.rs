@@ -102,8 +102,10 @@ pub(crate) fn capture(
         sys::cuStreamEndCapture(stream.cu_stream(), &mut raw)
     });
     let mut graph = Owned(raw);
-    ended?;
+    // The issue's own error first: a failed issue often invalidates the capture too, and
+    // that error would hide the cause.
     issued?;
+    ended?;
     if graph.0.is_null() {
         return Err(GpuError::Cuda {
             call: "cuStreamEndCapture",

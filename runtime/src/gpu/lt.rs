@@ -310,8 +310,9 @@ impl Lt {
                 cuda("cuEventSynchronize", result::event::synchronize(e1))?;
                 cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))? * 1e3 / RUNS as f32
             };
-            if ok {
-                let extra = self.extra_nodes(&t, &h.algo, s.accumulate, p, stream)?;
+            // A candidate that cannot be captured alone could not be captured in a bucket's
+            // graph either: skipped.
+            if let (true, Ok(extra)) = (ok, self.extra_nodes(&t, &h.algo, s.accumulate, p, stream)) {
                 timed.push((i, us, us + NODE_US * extra as f32));
             }
         }
@@ -348,7 +349,10 @@ impl Lt {
         })?;
         let called = self.call(t, algo, accumulate, p, stream);
         // SAFETY: ends the capture begun above on the same stream.
-        let graph = cuda("cuStreamEndCapture", unsafe { result::stream::end_capture(stream) })?;
+        let ended = cuda("cuStreamEndCapture", unsafe { result::stream::end_capture(stream) });
+        // The call's own error first (a failed call may invalidate the capture as well).
+        called?;
+        let graph = ended?;
         let counted = if graph.is_null() {
             Ok(0)
         } else {
@@ -359,7 +363,6 @@ impl Lt {
             let _ = unsafe { sys::cuGraphDestroy(graph) };
             super::device::cuda_rc("cuGraphGetNodes", rc).map(|_| n)
         };
-        called?;
         Ok(counted?.saturating_sub(1))
     }
 

@@ -115,6 +115,18 @@ pub struct GpuRuntime {
     logged: HashSet<String>,
 }
 
+impl Drop for GpuRuntime {
+    /// Waits for the device to finish what was issued (a step still in flight reads the
+    /// arena and the modules' code), then destroys the graphs before the modules and
+    /// allocations they name (fields drop in declaration order, graphs after both).
+    fn drop(&mut self) {
+        // Errors at teardown have no one to report to: the context may already be going.
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.ctx.synchronize();
+        self.graphs.clear();
+    }
+}
+
 /// What every load does before memory is set up: context, architecture, stream, kernels.
 struct Core {
     ctx: Arc<CudaContext>,

@@ -220,7 +220,11 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
                             r.output_diffs, r.hidden_rel
                         )
                     } else {
-                        format!("outputs == owned ({} diffs)", r.output_diffs)
+                        format!(
+                            "{}outputs == owned ({} diffs)",
+                            if r.eager { "eager (no graphs): " } else { "" },
+                            r.output_diffs
+                        )
                     };
                     println!(
                         "engine {:<20} b {:>3} x{} steps: {how}, written K/V == owned ({} diffs), refused rows written {}, other pool values changed {}, table changed {}, step returned in {:.1} µs with the stream busy: {}{}  {verdict}",

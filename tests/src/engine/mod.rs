@@ -152,6 +152,9 @@ pub struct EngineReport {
     /// Weights given as views 16 bytes into their allocations (compared within
     /// tolerances: their GEMM algorithms differ from owned memory's).
     pub weight_views: bool,
+    /// The engine runtime built no graphs: every step issued eagerly (outputs still equal
+    /// owned memory's graphs bitwise: same kernels, same GEMM algorithms).
+    pub eager: bool,
     pub steps: usize,
     pub output_diffs: usize,
     /// Largest relative RMS error of the hidden states against owned memory (views only).
@@ -383,11 +386,13 @@ fn compare(
     Ok(())
 }
 
-/// One engine case: `b` requests, the request at `bad.0` breaking `bad.1`, weights as views.
+/// One engine case: `b` requests, the request at `bad.0` breaking `bad.1`, weights as views,
+/// the engine runtime without graphs (`eager`).
 struct EngineCase {
     b: usize,
     bad: Option<(usize, DeviceRule)>,
     views: bool,
+    eager: bool,
 }
 
 /// The engine-memory check on one plan: good steps at several batch sizes (padding, chunks),
@@ -404,7 +409,12 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
     let mut own = GpuRuntime::new(plan.clone(), &weights, opts()).map_err(err)?;
     let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
     let mut reports = Vec::new();
-    let case = |b, bad, views| EngineCase { b, bad, views };
+    let case = |b, bad, views| EngineCase {
+        b,
+        bad,
+        views,
+        eager: false,
+    };
     let mut cases = vec![case(1, None, false), case(3, None, false), case(max_b, None, false)];
     if max_b + 3 <= plan.capture.max_requests as usize {
         cases.push(case(max_b + 3, None, false));
@@ -416,6 +426,12 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
         case(4, Some((1, DeviceRule::Row)), false),
         case(4, Some((1, DeviceRule::Slot)), false),
         case(3, None, true),
+        // Eager steps (no graph): the end-of-step event is recorded by the host, and a
+        // refusal must still be reported.
+        EngineCase {
+            eager: true,
+            ..case(4, Some((1, DeviceRule::Accept)), false)
+        },
     ]);
     for ec in cases {
         let c = make_case(plan, rng, ec.b, 60);
@@ -425,7 +441,11 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
             table: fx.table.clone(),
             weights: &fx.weights,
         };
-        let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, opts()).map_err(err)?;
+        let eng_opts = GpuOptions {
+            build_graphs: !ec.eager,
+            ..opts()
+        };
+        let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, eng_opts).map_err(err)?;
         let stream = eng.context().new_stream().map_err(|e| format!("{e:?}"))?;
         let mut x = c.step.clone();
         if let Some((at, rule)) = ec.bad {
@@ -452,6 +472,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
             layout,
             b: ec.b,
             weight_views: ec.views,
+            eager: ec.eager,
             ..EngineReport::default()
         };
         compare(
