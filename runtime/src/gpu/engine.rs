@@ -189,12 +189,7 @@ impl EngineState {
     /// (recorded by every replay of the graph), otherwise (an eager step) directly — the
     /// external flag is invalid outside a capture.
     pub fn record_done(&self, stream: sys::CUstream) -> Result<(), GpuError> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: a live stream; out-pointer to a local.
-        cuda_rc("cuStreamIsCapturing", unsafe {
-            sys::cuStreamIsCapturing(stream, &mut status)
-        })?;
-        let flags = if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        let flags = if super::graph::capturing(stream)? {
             sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL
         } else {
             sys::CUevent_record_flags::CU_EVENT_RECORD_DEFAULT
@@ -277,23 +272,14 @@ pub(crate) fn find_node(g: &super::graph::Exec, func: sys::CUfunction) -> Result
         call: "cuGraphGetRootNodes",
         message: format!("the captured graph's admit node: {why}"),
     };
-    let mut n = 0usize;
-    // SAFETY: a live graph; the first call asks for the count only.
-    cuda_rc("cuGraphGetRootNodes", unsafe {
-        sys::cuGraphGetRootNodes(g.cu_graph(), std::ptr::null_mut(), &mut n)
-    })?;
-    let mut roots = vec![std::ptr::null_mut(); n];
-    // SAFETY: `roots` holds `n` entries.
-    cuda_rc("cuGraphGetRootNodes", unsafe {
-        sys::cuGraphGetRootNodes(g.cu_graph(), roots.as_mut_ptr(), &mut n)
-    })?;
-    let [node] = roots[..n.min(roots.len())] else {
-        return Err(none(&format!("{n} root nodes, expected the admit launch alone")));
+    let roots = super::graph::roots(g.cu_graph())?;
+    let [node] = roots[..] else {
+        return Err(none(&format!(
+            "{} root nodes, expected the admit launch alone",
+            roots.len()
+        )));
     };
-    let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-    // SAFETY: a node of the live graph; out-pointer to a local.
-    cuda_rc("cuGraphNodeGetType", unsafe { sys::cuGraphNodeGetType(node, &mut ty) })?;
-    if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+    if super::graph::node_type(node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
         return Err(none("the root is not a kernel node"));
     }
     // SAFETY: zeroed plain C struct, filled by the call.
@@ -409,12 +395,7 @@ impl GpuRuntime {
         let stream = s.stream as sys::CUstream;
         // The null, legacy and per-thread stream handles mean the current context's.
         cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: the caller's stream handle; out-pointer to a local.
-        cuda_rc("cuStreamIsCapturing", unsafe {
-            sys::cuStreamIsCapturing(stream, &mut status)
-        })?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        if super::graph::capturing(stream)? {
             return Err(GpuError::Step(
                 "the stream is being captured: a step sets its graph's parameters on the host, which a capture would not record; run it outside the capture".into(),
             ));

@@ -135,23 +135,47 @@ pub(crate) fn capture(
     Ok(exec)
 }
 
-/// Every node of `graph`.
-pub(crate) fn nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, GpuError> {
+/// A driver list query: `call(null, &mut n)` reports the count, `call(array, &mut n)` fills
+/// it. Zero entries skip the second call (the driver refuses an array for none).
+fn list(
+    name: &'static str,
+    call: impl Fn(*mut sys::CUgraphNode, &mut usize) -> sys::CUresult,
+) -> Result<Vec<sys::CUgraphNode>, GpuError> {
     let mut n = 0usize;
-    // SAFETY: a live graph; with a null array the call only reports the count.
-    cuda_rc("cuGraphGetNodes", unsafe {
-        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n)
-    })?;
+    cuda_rc(name, call(std::ptr::null_mut(), &mut n))?;
     if n == 0 {
         return Ok(Vec::new());
     }
     let mut v = vec![std::ptr::null_mut(); n];
-    // SAFETY: `v` holds `n` entries; the call writes at most that many.
-    cuda_rc("cuGraphGetNodes", unsafe {
-        sys::cuGraphGetNodes(graph, v.as_mut_ptr(), &mut n)
-    })?;
+    cuda_rc(name, call(v.as_mut_ptr(), &mut n))?;
     v.truncate(n);
     Ok(v)
+}
+
+/// Every node of `graph`.
+pub(crate) fn nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, GpuError> {
+    // SAFETY: a live graph; the array is null (count only) or holds `*n` entries.
+    list("cuGraphGetNodes", |out, n| unsafe {
+        sys::cuGraphGetNodes(graph, out, n)
+    })
+}
+
+/// The nodes of `graph` without dependencies.
+pub(crate) fn roots(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, GpuError> {
+    // SAFETY: a live graph; the array is null (count only) or holds `*n` entries.
+    list("cuGraphGetRootNodes", |out, n| unsafe {
+        sys::cuGraphGetRootNodes(graph, out, n)
+    })
+}
+
+/// Whether `stream` is being captured (any capture status but none).
+pub(crate) fn capturing(stream: sys::CUstream) -> Result<bool, GpuError> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a live stream handle (or a null/legacy/per-thread one); out-pointer to a local.
+    cuda_rc("cuStreamIsCapturing", unsafe {
+        sys::cuStreamIsCapturing(stream, &mut status)
+    })?;
+    Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
 pub(crate) fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType, GpuError> {
@@ -163,33 +187,17 @@ pub(crate) fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType, 
 
 /// A node's neighbours: its dependencies (`up`) or its dependents.
 fn edges(node: sys::CUgraphNode, up: bool) -> Result<Vec<sys::CUgraphNode>, GpuError> {
-    let call = |out: *mut sys::CUgraphNode, n: &mut usize| {
-        // SAFETY: a node of a live graph; `out` is null (count only) or holds `*n` entries.
-        // A null edge-data array is allowed for a captured graph's default edges.
-        unsafe {
-            if up {
-                sys::cuGraphNodeGetDependencies_v2(node, out, std::ptr::null_mut(), n)
-            } else {
-                sys::cuGraphNodeGetDependentNodes_v2(node, out, std::ptr::null_mut(), n)
-            }
-        }
-    };
-    let name = if up {
-        "cuGraphNodeGetDependencies"
+    // SAFETY: a node of a live graph; the array is null (count only) or holds `*n`
+    // entries. A null edge-data array is allowed for a captured graph's default edges.
+    if up {
+        list("cuGraphNodeGetDependencies", |out, n| unsafe {
+            sys::cuGraphNodeGetDependencies_v2(node, out, std::ptr::null_mut(), n)
+        })
     } else {
-        "cuGraphNodeGetDependentNodes"
-    };
-    let mut n = 0usize;
-    cuda_rc(name, call(std::ptr::null_mut(), &mut n))?;
-    if n == 0 {
-        // A root (or leaf) node, e.g. the memset that opens a graph of one GEMM: the driver
-        // refuses an array for zero entries.
-        return Ok(Vec::new());
+        list("cuGraphNodeGetDependentNodes", |out, n| unsafe {
+            sys::cuGraphNodeGetDependentNodes_v2(node, out, std::ptr::null_mut(), n)
+        })
     }
-    let mut v = vec![std::ptr::null_mut(); n];
-    cuda_rc(name, call(v.as_mut_ptr(), &mut n))?;
-    v.truncate(n);
-    Ok(v)
 }
 
 /// `fill`'s scalars for a memset node, or `None` when the region does not fit them.

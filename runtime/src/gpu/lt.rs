@@ -356,12 +356,10 @@ impl Lt {
         let counted = if graph.is_null() {
             Ok(0)
         } else {
-            let mut n = 0usize;
-            // SAFETY: a live graph; with a null array the call only reports the count.
-            let rc = unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) };
+            let n = super::graph::nodes(graph).map(|v| v.len());
             // SAFETY: created by the capture above, destroyed once.
             let _ = unsafe { sys::cuGraphDestroy(graph) };
-            super::device::cuda_rc("cuGraphGetNodes", rc).map(|_| n)
+            n
         };
         Ok(counted?.saturating_sub(1))
     }
