@@ -114,6 +114,12 @@ pub struct EngineRow {
     pub host_us: f64,
     /// The 90th percentile of the same calls, µs.
     pub host_p90_us: f64,
+    /// Host time of a call issued while exactly one earlier step is queued or running (an
+    /// engine that keeps one step ahead), median µs: the first call of each pair follows a
+    /// wait and is not timed, so neither the thread's wake-up nor a deep launch queue is in it.
+    pub host_ahead1_us: f64,
+    /// The 90th percentile of the same calls, µs.
+    pub host_ahead1_p90_us: f64,
     /// Of the host time, the part before the graph launch (checks, the admit node's
     /// parameters), median µs; the rest is the driver's `cuGraphLaunch`.
     pub prep_us: f64,
