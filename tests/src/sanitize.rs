@@ -72,6 +72,11 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
                 println!("map {} {p:#x} {:#x} {writer}", x.name, p + n as u64);
             }
         }
+        // Which node kinds the graph run holds (whether `fill` launches are among them).
+        let bi = plan.buckets.iter().position(|x| x.batch as usize == b).unwrap_or(0);
+        if let Some(n) = rt.graph_nodes(bi).map_err(g)? {
+            println!("graph of bucket {b}: {n}");
+        }
         for eager in [false, true] {
             if prefill_gemm_outputs {
                 for &id in &gemm_out {
