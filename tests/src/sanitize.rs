@@ -31,9 +31,10 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
             rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
         }
         rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
-        let Some(bk) = plan.buckets.iter().find(|x| x.batch as usize == b) else {
+        let Some(bi) = plan.buckets.iter().position(|x| x.batch as usize == b) else {
             return Err(format!("no bucket of batch {b}"));
         };
+        let bk = &plan.buckets[bi];
         let gemm_out: Vec<u32> = bk
             .launches
             .iter()
@@ -73,7 +74,6 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
             }
         }
         // Which node kinds the graph run holds (whether `fill` launches are among them).
-        let bi = plan.buckets.iter().position(|x| x.batch as usize == b).unwrap_or(0);
         if let Some(n) = rt.graph_nodes(bi).map_err(g)? {
             println!("graph of bucket {b}: {n}");
         }
