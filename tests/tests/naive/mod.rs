@@ -157,3 +157,110 @@ pub fn check_cache(
         }
     }
 }
+
+/// What a random step is made of: the pool's layers and heads, the target vocabulary the
+/// input ids come from, the width of the target's hidden states, the longest prefix.
+pub struct StepShape {
+    pub layers: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub vocab: usize,
+    pub hidden_in: usize,
+    pub max_prefix: usize,
+}
+
+/// One step's inputs as the naive forward reads them (the file holds their bf16 rounding
+/// where the dtype is bf16: the caches and hidden states are drawn as bf16 values).
+pub struct Step {
+    pub b: usize,
+    pub ids: Vec<i64>,
+    pub hidden: Vec<f32>,
+    pub prefix: Vec<i32>,
+    pub accept: Vec<i32>,
+    /// `[b, cols]` page ids.
+    pub table: Vec<i32>,
+    pub cols: usize,
+    /// Pages in the pool, per layer.
+    pub pages: usize,
+    /// `[layers, pages, page_size, hkv, d]`.
+    pub k_cache: Vec<f32>,
+    pub v_cache: Vec<f32>,
+}
+
+/// A random step of `b` requests for `plan`, written to `dir/inputs.safetensors`: prefixes up
+/// to `s.max_prefix`, accept lengths in [1, N], pages dealt in a random order so requests
+/// interleave in the pool, and every cache value random (so an unwritten slot that changes
+/// shows).
+pub fn random_step(plan: &specplan_format::ValidatedPlan, s: &StepShape, rng: &mut Rng, b: usize, dir: &Path) -> Step {
+    let n = plan.spec.num_draft_tokens as usize;
+    let ps = plan.capture.page_size as usize;
+    let cols = (s.max_prefix + n).div_ceil(ps) + 1;
+    let pages = b * cols + 3;
+    let mut order: Vec<i32> = (0..pages as i32).collect();
+    for i in (1..pages).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let per_layer = pages * ps * s.hkv * s.d;
+    let step = Step {
+        b,
+        ids: (0..b * n).map(|_| rng.below(s.vocab) as i64).collect(),
+        hidden: rand_vec(rng, b * n * s.hidden_in, 1.0),
+        prefix: (0..b).map(|_| rng.below(s.max_prefix + 1) as i32).collect(),
+        accept: (0..b).map(|_| 1 + rng.below(n) as i32).collect(),
+        table: order[..b * cols].to_vec(),
+        cols,
+        pages,
+        k_cache: rand_vec(rng, s.layers * per_layer, 1.0),
+        v_cache: rand_vec(rng, s.layers * per_layer, 1.0),
+    };
+    let kv_shape = vec![s.layers, pages, ps, s.hkv, s.d];
+    save(
+        &dir.join("inputs.safetensors"),
+        &[
+            i64_tensor("input_ids", vec![b, n], &step.ids),
+            bf16_tensor("hidden_states", vec![b, n, s.hidden_in], &step.hidden),
+            i32_tensor("prefix_lens", vec![b], &step.prefix),
+            i32_tensor("accept_lens", vec![b], &step.accept),
+            i32_tensor("page_table", vec![b, cols], &step.table),
+            bf16_tensor("k_cache", kv_shape.clone(), &step.k_cache),
+            bf16_tensor("v_cache", kv_shape, &step.v_cache),
+        ],
+    );
+    step
+}
+
+/// Each request's outputs against the naive forward: `hidden_out` (one bf16 rounding in the
+/// file) within 8e-3 relative, every top-K probability within 1e-4 + 1e-3·p, the target id
+/// equal wherever the probability is not within 1e-4 of a neighbour's, and inside `[0, vocab)`.
+pub fn check_requests(got: &Outputs, want_hidden: &[Vec<f64>], want_top: &[Vec<(f64, i64)>], vocab: usize, tag: &str) {
+    let (probs, ids, hidden_out, _, _) = got;
+    for (i, (wh, wt)) in want_hidden.iter().zip(want_top).enumerate() {
+        let h = wh.len();
+        let (mut num, mut den) = (0f64, 0f64);
+        for (c, w) in wh.iter().enumerate() {
+            num += (hidden_out[i * h + c] as f64 - w).powi(2);
+            den += w.powi(2);
+        }
+        let rel = (num / den).sqrt();
+        println!("{tag} request {i}: hidden_out relative error {rel:.2e}");
+        assert!(rel < 8e-3, "{tag} request {i}: hidden_out relative error {rel}");
+        let k_top = wt.len();
+        for (s, &(p, id)) in wt.iter().enumerate() {
+            let got_p = probs[i * k_top + s] as f64;
+            assert!(
+                (got_p - p).abs() < 1e-4 + 1e-3 * p,
+                "{tag} req {i} slot {s}: prob {got_p} vs {p}"
+            );
+            let gap_prev = if s > 0 { wt[s - 1].0 - p } else { 1.0 };
+            let gap_next = wt.get(s + 1).map_or(1.0, |x| p - x.0);
+            let got_id = ids[i * k_top + s];
+            if gap_prev > 1e-4 && gap_next > 1e-4 {
+                assert_eq!(got_id, id, "{tag} req {i} slot {s}: target id");
+            }
+            assert!(
+                (0..vocab as i64).contains(&got_id),
+                "{tag} req {i} slot {s}: id {got_id} outside the vocabulary"
+            );
+        }
+    }
+}
