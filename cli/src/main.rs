@@ -157,6 +157,11 @@ struct InputArgs {
     /// FR-Spec: keep V_h hot lm_head rows (needs hot_token_ids in the weights).
     #[arg(long)]
     hot_vocab_size: Option<u32>,
+    /// What the head emits per request besides its hidden row: topk (the fused top-K,
+    /// target ids), logits (the selected row's logits over the lm_head's rows, for an
+    /// engine that samples itself, as SGLang's draft-extend slot does) or topk,logits.
+    #[arg(long)]
+    outputs: Option<String>,
 }
 
 impl InputArgs {
@@ -203,6 +208,7 @@ impl InputArgs {
             dtype: self.dtype.clone(),
             sliding_window: self.sliding_window,
             hot_vocab_size: self.hot_vocab_size,
+            outputs: self.outputs.clone(),
         };
         Ok(config::resolve(&source, &o)?)
     }

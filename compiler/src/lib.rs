@@ -101,6 +101,7 @@ fn descs(cfg: &Config) -> Descs {
             scratch_page: c.kv_pool_pages - 1,
             dtype: c.dtype,
             hot_vocab_size: c.hot_vocab_size,
+            outputs: c.outputs,
         },
         inv_freq: config::rope_inv_freq(&cfg.model.desc),
     }

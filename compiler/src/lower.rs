@@ -283,7 +283,8 @@ fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId, input
     x_out
 }
 
-/// Row select `i·N + A_i − 1` → lm_head (hot rows under FR-Spec) → softmax → top-K → id map.
+/// Row select `i·N + A_i − 1` → lm_head (hot rows under FR-Spec) → softmax → top-K → id map;
+/// the logits are an output instead of (or besides) the top-K when `capture.outputs` says so.
 fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
@@ -324,8 +325,18 @@ fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
             )
         }
     };
-    let logits = g.act("logits", DType::F32, vec![b, f(vh)]);
+    // The logits leave the head when the plan emits them (`capture.outputs`); the fused
+    // top-K reads the same buffer.
+    let outputs = cfg.capture.outputs;
+    let logits = if outputs.logits {
+        g.output(io::LOGITS, DType::F32, vec![b, f(vh)])
+    } else {
+        g.act("logits", DType::F32, vec![b, f(vh)])
+    };
     g.linear("lm_head", lm_in, lm_w, None, logits);
+    if !outputs.topk {
+        return;
+    }
     let probs = g.act("probs", DType::F32, vec![b, f(vh)]);
     g.op("softmax", OpKind::Softmax, vec![logits], vec![probs]);
     let top_p = g.output(io::TOPK_PROBS, DType::F32, vec![b, f(k)]);

@@ -266,7 +266,7 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
         });
         end = end.max(fits.unwrap_or(0));
         let named_input = io::INPUTS.contains(&buf.name.as_str());
-        let named_output = io::OUTPUTS.contains(&buf.name.as_str());
+        let named_output = crate::signature::is_output(p.capture.outputs, &buf.name);
         e.check((buf.role == BufferRole::Input) == named_input, || {
             bat(
                 i,
@@ -276,7 +276,10 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
         e.check((buf.role == BufferRole::Output) == named_output, || {
             bat(
                 i,
-                "only the named outputs (io::OUTPUTS) have the output role, and they have it".into(),
+                format!(
+                    "only the outputs of capture.outputs = {} (the signature) have the output role, and they have it",
+                    p.capture.outputs.name()
+                ),
             )
         });
     }
@@ -289,33 +292,23 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
             ),
         )
     });
-    for name in io::INPUTS.iter().chain(io::OUTPUTS.iter()) {
-        e.check(b.buffer(name).is_some(), || {
-            (Location::bucket(bi, b.batch), format!("{tag}.buffers: {name} missing"))
+    let sig = crate::signature::bucket_io(p, b.batch);
+    for t in &sig {
+        e.check(b.buffer(t.name).is_some(), || {
+            (
+                Location::bucket(bi, b.batch),
+                format!("{tag}.buffers: {} missing", t.name),
+            )
         });
     }
-    io_shapes(p, bi, b, &tag, e);
+    io_shapes(bi, b, &tag, &sig, e);
     e.0.len() == before
 }
 
-fn io_shapes(p: &Plan, bi: usize, b: &BucketPlan, tag: &str, e: &mut Errors) {
-    let (bb, rows) = (b.batch as u64, b.rows as u64);
-    let h = p.model.hidden as u64;
-    let k = p.spec.topk as u64;
-    let act = p.capture.dtype;
-    let want: [(&str, DType, Vec<u64>); 8] = [
-        (io::INPUT_IDS, DType::I64, vec![rows]),
-        (io::HIDDEN_STATES, act, vec![rows, p.model.hidden_in() as u64]),
-        (io::PREFIX_LENS, DType::I32, vec![bb]),
-        (io::ACCEPT_LENS, DType::I32, vec![bb]),
-        (io::REQ_SLOTS, DType::I32, vec![bb]),
-        (io::HIDDEN_OUT, act, vec![bb, h]),
-        (io::TOPK_PROBS, DType::F32, vec![bb, k]),
-        (io::TOPK_IDS, DType::I64, vec![bb, k]),
-    ];
-    for (name, dtype, shape) in want {
-        if let Some((id, buf)) = b.buffer(name) {
-            e.check(buf.dtype == dtype && buf.shape == shape, || {
+fn io_shapes(bi: usize, b: &BucketPlan, tag: &str, sig: &[crate::signature::IoTensor], e: &mut Errors) {
+    for t in sig {
+        if let Some((id, buf)) = b.buffer(t.name) {
+            e.check(buf.dtype == t.dtype && buf.shape == t.shape, || {
                 (
                     Location::Bucket {
                         index: bi as u32,
@@ -325,10 +318,12 @@ fn io_shapes(p: &Plan, bi: usize, b: &BucketPlan, tag: &str, e: &mut Errors) {
                         arg: None,
                     },
                     format!(
-                        "{tag}.buffers ({name}): {} {:?}, expected {} {shape:?}",
+                        "{tag}.buffers ({}): {} {:?}, expected {} {:?}",
+                        t.name,
                         buf.dtype.name(),
                         buf.shape,
-                        dtype.name()
+                        t.dtype.name(),
+                        t.shape
                     ),
                 )
             });

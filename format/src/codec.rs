@@ -22,7 +22,7 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// their source hash, the header covered by the checksum. 3: EAGLE-3 heads (head kind, draft
 /// vocabulary, the `embed_norm_concat`/`select_norm` entries, engine-memory `admit`/`emit`).
 /// 4: the `fill` entry (every plan carries it).
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -28,6 +28,8 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         has_bias: m.fc_bias,
         hot_map: c.hot_vocab_size.is_some(),
         id_offset: m.draft_vocab.is_some(),
+        out_topk: c.outputs.topk,
+        out_logits: c.outputs.logits,
     }
 }
 

@@ -12,6 +12,7 @@ mod diff;
 mod facts;
 mod location;
 mod rules;
+pub mod signature;
 mod text;
 mod types;
 mod validate;

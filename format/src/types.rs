@@ -111,6 +111,59 @@ pub struct CaptureDesc {
     pub dtype: DType,
     /// FR-Spec: the lm_head keeps this many hot rows; ids are mapped back.
     pub hot_vocab_size: Option<u32>,
+    /// What the head emits per request besides its hidden row (compile flag `outputs`).
+    pub outputs: HeadOutputs,
+}
+
+/// The head's per-request outputs besides `hidden_out`: the fused top-K (`topk_probs`,
+/// `topk_ids`, ids in the target vocabulary) and/or the selected row's `logits` over the
+/// lm_head's rows (the draft or hot vocabulary, ids unmapped: what SGLang's draft-extend
+/// slot returns and samples itself). At least one is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct HeadOutputs {
+    pub topk: bool,
+    pub logits: bool,
+}
+
+impl HeadOutputs {
+    pub const TOPK: HeadOutputs = HeadOutputs {
+        topk: true,
+        logits: false,
+    };
+    pub const LOGITS: HeadOutputs = HeadOutputs {
+        topk: false,
+        logits: true,
+    };
+    pub const BOTH: HeadOutputs = HeadOutputs {
+        topk: true,
+        logits: true,
+    };
+
+    /// `topk`, `logits` or `topk,logits` (the flag's spelling).
+    pub fn name(self) -> &'static str {
+        match (self.topk, self.logits) {
+            (true, false) => "topk",
+            (false, true) => "logits",
+            (true, true) => "topk,logits",
+            (false, false) => "none",
+        }
+    }
+
+    /// Parses the flag's spelling: `topk`, `logits`, or both joined by `,` or `+`.
+    pub fn parse(s: &str) -> Option<HeadOutputs> {
+        let mut o = HeadOutputs {
+            topk: false,
+            logits: false,
+        };
+        for part in s.split([',', '+']) {
+            match part.trim() {
+                "topk" if !o.topk => o.topk = true,
+                "logits" if !o.logits => o.logits = true,
+                _ => return None,
+            }
+        }
+        (o.topk || o.logits).then_some(o)
+    }
 }
 
 /// What the kernels were built for.

@@ -446,6 +446,9 @@ fn capture(p: &Plan, e: &mut Errors) {
             format!("{v} must be in [topk = {}, vocab = {}]", p.spec.topk, p.model.vocab)
         });
     }
+    e.field(c.outputs.topk || c.outputs.logits, "capture.outputs", || {
+        "names no output besides hidden_out (expected topk, logits or both)".into()
+    });
     e.field(printable(&p.name, 256), "name", || {
         "must be 1–256 printable characters".into()
     });

@@ -24,7 +24,7 @@
 //              shared memory is used, so this is the CTA's whole footprint).
 //   Params (by value, natural C alignment, fields in this order):
 //     q           const act_t*  q of row r, head h at q[r*q_stride + h*HEAD_DIM + d]
-//     k_cache     const act_t*  this layer's K pool (token slot t at t * kv_stride)
+//     k_cache     const act_t*  this layer's K pool (token slot t at kv_at(layout, t))
 //     v_cache     const act_t*  this layer's V pool, same layout
 //     req_slots   const int*    [batch] page-table row of each request (-1: none)
 //     page_table  const int*    the registered table (token slots or page ids)
@@ -44,7 +44,7 @@
 //     chunk    = ceil(total / splits) rounded up to a multiple of KV_TILE,
 //     split s  = [kv_start + s*chunk, min(kv_len, kv_start + (s+1)*chunk))  (may be empty).
 //   K/V of position p: token slot t = kv_token(layout, row of req_slots[i], p, PAGE_SIZE)
-//   (common.cuh), element t*kv_stride + g*HEAD_DIM + d.
+//   (common.cuh), element kv_at(layout, t) + g*head_stride + d.
 //   score = SCALE * dot(q, k) (bf16/fp16 products, fp32 sums); online softmax in fp32
 //   (max m, sum l, acc o); the probabilities are rounded to act_t for the P·V product.
 //   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key).
@@ -234,7 +234,7 @@ __device__ __forceinline__ void tile_slots(int* dst, const TileEntries& e, int t
 // Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
 // are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
-                                           const int* slot, long long kv_stride, int g) {
+                                           const int* slot, const KvLayout& lay, int g) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
@@ -242,7 +242,7 @@ __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_
             const int t = q / kChunks, c = q % kChunks;
             const int sl = slot[t];
             const bool valid = sl >= 0;
-            const long long off = valid ? (long long)sl * kv_stride + (g * kD + c * 8) : 0;
+            const long long off = valid ? kv_at(lay, sl) + (long long)g * lay.head_stride + c * 8 : 0;
             cp_async16(dK + chunk_at(t, c), k_cache + off, valid);
             cp_async16(dV + chunk_at(t, c), v_cache + off, valid);
         }
@@ -333,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
         for (int st = 0; st < kStages - 1; ++st) {
             if (st < num_tiles) {
                 issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache,
-                           sSlot + st * kTile, lay.kv_stride, g);
+                           sSlot + st * kTile, lay, g);
             }
             cp_async_commit();  // (possibly empty: keeps the group count uniform)
         }
@@ -392,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             __syncthreads();               // ... and everyone's; stage (tile-1) is free again
             if (nxt < num_tiles) {
                 issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
-                           p.v_cache, sSlot + (nxt % kStages) * kTile, lay.kv_stride, g);
+                           p.v_cache, sSlot + (nxt % kStages) * kTile, lay, g);
             }
             cp_async_commit();
             if (nxt + 1 < num_tiles) tile_entries(ent, lo + (nxt + 1) * kTile, hi, lay, pt_row);

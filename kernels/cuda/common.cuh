@@ -225,8 +225,8 @@ __device__ __forceinline__ void rmsnorm_row(const act_t* x, const act_t* w, act_
 
 // ---------------------------------------------------------------------------------
 // The K/V cache and page table the runtime registered (specplan_kernels::kv): read once
-// per CTA from its device words. A token slot is one [KV_HEADS, HEAD_DIM] row of a layer's
-// K (or V) pool, at element slot * kv_stride.
+// per CTA from its device words. Element d of kv head g of token slot t of a layer's K (or
+// V) pool is at kv_at(layout, t) + g * head_stride + d.
 // ---------------------------------------------------------------------------------
 struct KvLayout {
     long long mode;      // KV_MODE_TOKENS: entries are token slots; else page ids
@@ -234,7 +234,10 @@ struct KvLayout {
     long long cols;      // entries per row
     long long stride;    // int elements between rows of the table
     long long slots;     // token slots of the pool
-    long long kv_stride; // act_t elements between consecutive token slots
+    long long kv_stride; // act_t elements between consecutive token slots of a physical page
+    long long page;      // slots per physical page (1: kv_stride apart throughout)
+    long long page_stride; // act_t elements between physical pages
+    long long head_stride; // act_t elements between the kv heads of a slot
 };
 
 __device__ __forceinline__ KvLayout kv_layout(const long long* w) {
@@ -245,7 +248,18 @@ __device__ __forceinline__ KvLayout kv_layout(const long long* w) {
     l.stride = w[KV_WORD_TABLE_STRIDE];
     l.slots = w[KV_WORD_SLOTS];
     l.kv_stride = w[KV_WORD_KV_STRIDE];
+    l.page = w[KV_WORD_PHYS_PAGE];
+    l.page_stride = w[KV_WORD_PAGE_STRIDE];
+    l.head_stride = w[KV_WORD_HEAD_STRIDE];
     return l;
+}
+
+// Element offset of token slot t (kv head 0) in a layer's pool. Slots are < 2^31 and the
+// page is uniform per launch, so the branch costs nothing and the division is 32-bit.
+__device__ __forceinline__ long long kv_at(const KvLayout& l, long long t) {
+    if (l.page == 1) return t * l.kv_stride;
+    const unsigned ut = (unsigned)t, up = (unsigned)l.page;
+    return (long long)(ut / up) * l.page_stride + (long long)(ut % up) * l.kv_stride;
 }
 
 // Request `req`'s table row, or null when `req` is not a row (no K/V: reads are zero,

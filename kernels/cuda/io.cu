@@ -12,11 +12,12 @@
 //     src_req     const long long*  [b]          page-table rows (int32 when flags bit 0)
 //     src_prefix  const long long*  [b]          prefix lengths (int32 when flags bit 1)
 //     src_accept  const long long*  [b]          accept lengths (int32 when flags bit 2)
-//     out_probs, out_ids, out_hidden             where emit copies the outputs (null: not)
+//     out_probs, out_ids, out_hidden, out_logits where emit copies the outputs (null: not)
 //     ids, hidden, req_slots, prefix_lens, accept_lens   the bucket's input buffers
 //     page_table  const int*        the registered table; kv_layout const long long* its words
 //     status      long long*        the runtime's status words (kv.rs)
-//     b, batch, flags, prefix_bias  real requests, bucket, dtype flags, added to prefixes (i32)
+//     b, batch, flags, prefix_bias  real requests, bucket, flags (bits 0-2: int32 inputs;
+//                                   ADMIT_FLAG_LAST: the step's last chunk), added to prefixes (i32)
 //     base, epoch   the step-wide index of request 0 (chunks), the step's status tag
 //   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
 //   A = src_accept[i], request i < b is admitted when it passes, in order:
@@ -33,18 +34,28 @@
 //   counts in the status words, both tagged with the step (epoch << 32): STATUS_ERR_COUNT
 //   holds the step's refused requests, STATUS_ERR_FIRST its lowest (base + i) << 8 | R; a
 //   word tagged with another step is replaced, not merged (no reset between steps).
-//   CTA 0 writes b and the out pointers to the status words for emit.
+//   CTA 0 writes b, the out pointers and (on the step's last chunk, else 0) the epoch to the
+//   status words for emit.
 //
 // Entry emit
-//   Constants: as admit.
-//   Launch:    grid (batch, 1, 1), block (EMIT_THREADS = 256, 1, 1), no dynamic shared memory.
+//   Constants: as admit, plus OUT_TOPK, OUT_LOGITS (the plan emits the top-K / the logits)
+//              and COLS (columns of a logits row).
+//   Launch:    grid (batch, EMIT_Y, 1), block (EMIT_THREADS = 256, 1, 1), no dynamic shared
+//              memory; EMIT_Y = OUT_LOGITS ? clamp(ceil(COLS / 8192), 1, 32) : 1.
 //   Params: req_slots const int* [batch] (as admit wrote them),
-//           probs const float* [batch, TOPK], ids const long long* [batch, TOPK],
-//           hidden const act_t* [batch, HIDDEN] (the bucket's outputs), status const long long*,
-//           batch unsigned.
-//   CTA i < status[STATUS_STEP_B] with req_slots[i] >= 0 (admitted) copies row i of each
-//   output to the status's out pointer (skipping a null one), bit exact; a refused
-//   request's output rows are left as the caller had them.
+//           probs const float* [batch, TOPK], ids const long long* [batch, TOPK] (null
+//           without OUT_TOPK), hidden const act_t* [batch, HIDDEN], logits const float*
+//           [batch, COLS] (null without OUT_LOGITS): the bucket's outputs;
+//           status long long*, batch unsigned.
+//   CTA (i, y), i < status[STATUS_STEP_B]: an admitted request (req_slots[i] >= 0) has its
+//   rows copied to the status's out pointers (a null one is skipped), bit exact; a refused
+//   one has them written as zeros (probabilities 0, ids 0, hidden 0, logits 0: a draft the
+//   target rejects, never a stale row of another step). CTA y copies the y-th of EMIT_Y
+//   equal slices of the logits row; CTA y = 0 the rest. When status[STATUS_EPOCH] = e is
+//   not 0 (the step's last chunk) and status[STATUS_MIRROR] is not null (host-mapped
+//   memory), CTA (0, 0) writes the two refusal words (STATUS_ERR_COUNT, STATUS_ERR_FIRST)
+//   to words 1, 2 of mirror slot e % MIRROR_SLOTS, fences system-wide, then writes e to its
+//   word 0: the host polls finished steps there without a copy or a wait.
 //
 // Entry fill
 //   Constants: none read (compiled with admit and emit).
@@ -120,6 +131,8 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
             p.status[STATUS_OUT_PROBS] = (long long)p.out_probs;
             p.status[STATUS_OUT_IDS] = (long long)p.out_ids;
             p.status[STATUS_OUT_HIDDEN] = (long long)p.out_hidden;
+            p.status[STATUS_OUT_LOGITS] = (long long)p.out_logits;
+            p.status[STATUS_EPOCH] = (p.flags & ADMIT_FLAG_LAST) != 0u ? (long long)p.epoch : 0;
         }
     }
     __syncthreads();
@@ -163,16 +176,48 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
 
 extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
     using namespace io;
-    const unsigned i = blockIdx.x;
-    if (i >= p.batch || (long long)i >= p.status[STATUS_STEP_B] || p.req_slots[i] < 0) return;  // uniform per CTA
+    const unsigned i = blockIdx.x, y = blockIdx.y;
+    if (i == 0 && y == 0 && threadIdx.x == 0) {
+        // Host memory mapped into the device: the words, a system-wide fence, then the tag,
+        // so a host that sees the tag sees the words. admit (the previous launch) wrote the
+        // status words; this step's refusals are final.
+        volatile long long* mirror = reinterpret_cast<volatile long long*>(p.status[STATUS_MIRROR]);
+        const long long e = p.status[STATUS_EPOCH];
+        if (mirror != nullptr && e != 0) {
+            volatile long long* slot = mirror + 3 * (e % MIRROR_SLOTS);
+            slot[1] = p.status[STATUS_ERR_COUNT];
+            slot[2] = p.status[STATUS_ERR_FIRST];
+            __threadfence_system();
+            slot[0] = e;
+        }
+    }
+    if (i >= p.batch || (long long)i >= p.status[STATUS_STEP_B]) return;  // uniform per CTA
+    const bool ok = p.req_slots[i] >= 0;
+    float* logits = reinterpret_cast<float*>(p.status[STATUS_OUT_LOGITS]);
+    if (OUT_LOGITS && logits != nullptr && p.logits != nullptr) {
+        const long long per = ceil_div((long long)COLS, (long long)gridDim.y);
+        const long long lo = (long long)y * per, hi = min((long long)COLS, lo + per);
+        float* dst = logits + (long long)i * COLS;
+        const float* src = p.logits + (long long)i * COLS;
+        for (long long c = lo + threadIdx.x; c < hi; c += blockDim.x) dst[c] = ok ? src[c] : 0.0f;
+    }
+    if (y != 0) return;
     float* probs = reinterpret_cast<float*>(p.status[STATUS_OUT_PROBS]);
     long long* ids = reinterpret_cast<long long*>(p.status[STATUS_OUT_IDS]);
     act_t* hidden = reinterpret_cast<act_t*>(p.status[STATUS_OUT_HIDDEN]);
-    for (int k = (int)threadIdx.x; k < kK; k += (int)blockDim.x) {
-        if (probs != nullptr) probs[(long long)i * kK + k] = p.probs[(long long)i * kK + k];
-        if (ids != nullptr) ids[(long long)i * kK + k] = p.ids[(long long)i * kK + k];
+    if (OUT_TOPK && p.probs != nullptr && p.ids != nullptr) {
+        for (int k = (int)threadIdx.x; k < kK; k += (int)blockDim.x) {
+            if (probs != nullptr) probs[(long long)i * kK + k] = ok ? p.probs[(long long)i * kK + k] : 0.0f;
+            if (ids != nullptr) ids[(long long)i * kK + k] = ok ? p.ids[(long long)i * kK + k] : 0;
+        }
     }
-    if (hidden != nullptr) block_copy_act(hidden + (long long)i * kH, p.hidden + (long long)i * kH, kH);
+    if (hidden != nullptr) {
+        if (ok) {
+            block_copy_act(hidden + (long long)i * kH, p.hidden + (long long)i * kH, kH);
+        } else {
+            for (long long e = threadIdx.x; e < kH; e += blockDim.x) hidden[(long long)i * kH + e] = to_act(0.0f);
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(FILL_THREADS) fill(FillParams p) {

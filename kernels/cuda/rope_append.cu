@@ -15,8 +15,8 @@
 //   * v heads are copied, bit exact, to v_cache.
 // Request i owns row req_slots[i] of the registered page table; position pos has the
 // token slot t = kv_token(layout, row, pos, PAGE_SIZE) (common.cuh: a token-slot entry, or
-// page * PAGE_SIZE + pos % PAGE_SIZE) and its K is at k_cache + t * kv_stride, element
-// kvh*HEAD_DIM + d (V likewise). When t is -1 (a request row outside the table, -1 for a
+// page * PAGE_SIZE + pos % PAGE_SIZE) and its K is at k_cache + kv_at(layout, t), element
+// kvh*head_stride + d (V likewise; common.cuh). When t is -1 (a request row outside the table, -1 for a
 // padded or refused request, a position outside the row, a negative page, a slot outside
 // the pool) the cache write is skipped: bad input never faults. q is rotated in every case.
 //
@@ -66,10 +66,11 @@ __device__ __forceinline__ void rotate(const act_t* src1, const act_t* src2, act
 }
 
 // The whole row with V-element units (V = 8: 16-byte accesses; V = 1: scalar).
-// `kbase` is the element offset of (page, slot, kvh = 0) in the caches, or -1 to skip.
+// `kbase` is the element offset of (slot, kvh = 0) in the caches, or -1 to skip; kv heads
+// are `hs` elements apart.
 template <int V>
 __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cache, long long kbase,
-                                    const float* cs, const float* sn) {
+                                    long long hs, const float* cs, const float* sn) {
     constexpr int kUnitsPerHead = kHalf / V;  // rotation units per head
     constexpr int kRotUnits = (kHeads + kKvHeads) * kUnitsPerHead;
     for (int u = threadIdx.x; u < kRotUnits; u += blockDim.x) {
@@ -80,16 +81,16 @@ __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cac
             act_t* dst = qkv_row + (long long)head * kD + d0;
             rotate<V>(src, src + kHalf, dst, dst + kHalf, d0, cs, sn);
         } else if (kbase >= 0) {
-            act_t* dst = k_cache + kbase + (long long)(head - kHeads) * kD + d0;
+            act_t* dst = k_cache + kbase + (long long)(head - kHeads) * hs + d0;
             rotate<V>(src, src + kHalf, dst, dst + kHalf, d0, cs, sn);
         }
     }
     if (kbase < 0) return;
-    // v heads: contiguous KV_HEADS*HEAD_DIM elements on both sides.
+    // v heads: KV_HEADS*HEAD_DIM contiguous elements in qkv, heads `hs` apart in the cache.
     constexpr long long kVElems = (long long)kKvHeads * kD;
     const act_t* vsrc = qkv_row + (long long)(kHeads + kKvHeads) * kD;
     for (long long e = (long long)threadIdx.x * V; e < kVElems; e += (long long)blockDim.x * V) {
-        copy_vec<V>(v_cache + kbase + e, vsrc + e);
+        copy_vec<V>(v_cache + kbase + (e / kD) * hs + e % kD, vsrc + e);
     }
 }
 
@@ -115,17 +116,17 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
     // Cache element of this position's token slot (or -1: skip the write).
     const KvLayout lay = kv_layout(p.kv_layout);
     const long long tok = kv_token(lay, kv_row(lay, p.page_table, p.req_slots[i]), pos, (long long)PAGE_SIZE);
-    const long long kbase = tok < 0 ? -1 : tok * lay.kv_stride;
+    const long long kbase = tok < 0 ? -1 : kv_at(lay, tok);
     __syncthreads();
 
     act_t* qkv_row = p.qkv + (long long)r * rope::kRowElems;
     // Vector path: half heads are whole 8-element units and every row/head/cache start is
     // 16-byte aligned (HEAD_DIM % 16 == 0 makes all offsets multiples of 8 elements; the
-    // runtime registers pools whose slot stride is a multiple of 8 elements).
+    // runtime registers pools whose strides are multiples of 8 elements).
     if (rope::kHalf % 8 == 0 && aligned16(p.qkv) && aligned16(p.k_cache) && aligned16(p.v_cache) &&
-        lay.kv_stride % 8 == 0) {
-        rope::row<(rope::kHalf % 8 == 0) ? 8 : 1>(qkv_row, p.k_cache, p.v_cache, kbase, cs, sn);
+        lay.kv_stride % 8 == 0 && lay.page_stride % 8 == 0 && lay.head_stride % 8 == 0) {
+        rope::row<(rope::kHalf % 8 == 0) ? 8 : 1>(qkv_row, p.k_cache, p.v_cache, kbase, lay.head_stride, cs, sn);
     } else {
-        rope::row<1>(qkv_row, p.k_cache, p.v_cache, kbase, cs, sn);
+        rope::row<1>(qkv_row, p.k_cache, p.v_cache, kbase, lay.head_stride, cs, sn);
     }
 }

@@ -57,6 +57,10 @@ pub struct KernelFacts {
     pub hot_map: bool,
     /// Top-K ids go through EAGLE-3's d2t: draft id d → target id d + d2t[d].
     pub id_offset: bool,
+    /// The plan emits the fused top-K (`topk_probs`, `topk_ids`).
+    pub out_topk: bool,
+    /// The plan emits the selected rows' logits (`logits`, `[B, cols]` f32).
+    pub out_logits: bool,
 }
 
 impl KernelFacts {

@@ -3,24 +3,87 @@
 //! CTA), and the step status words the engine-memory prologue and epilogue share. The word
 //! indices are declared here and emitted into every prelude (`KV_WORD_*`, `STATUS_*`).
 //!
-//! A token slot is one row of `[kv_heads, head_dim]` activations: position p of a request
+//! A token slot holds `kv_heads` rows of `head_dim` activations: position p of a request
 //! is at slot `table[req][p]` (token-slot tables, SGLang's `req_to_token`) or
 //! `table[req][p / PAGE_SIZE] · PAGE_SIZE + p % PAGE_SIZE` (page-id tables, vLLM's and
-//! FlashInfer's block tables); its K is at `k_cache + slot · KV_STRIDE`. A request index
-//! outside `[0, TABLE_ROWS)`, a position outside its row, a negative page or a slot outside
-//! `[0, KV_SLOTS)` names no slot: reads are zero, writes are skipped.
+//! FlashInfer's block tables). Where a slot's bytes are is the pool's geometry
+//! ([`KvGeometry`]): element d of kv head g of slot t is at
+//! `(t / PHYS_PAGE) · PAGE_STRIDE + (t % PHYS_PAGE) · KV_STRIDE + g · HEAD_STRIDE + d` from
+//! the layer's K (or V) address — which covers every engine layout in place: SGLang's NHD
+//! `[slots, H, D]` and HND `[pages, H, P, D]` pools, and vLLM's `[blocks, block, H, 2·D]`
+//! (or HND) tensors with V at K + D. A request index outside `[0, TABLE_ROWS)`, a position
+//! outside its row, a negative page or a slot outside `[0, KV_SLOTS)` names no slot: reads
+//! are zero, writes are skipped.
 
 /// Words of the layout (i64 each).
-pub const KV_WORDS: usize = 8;
+pub const KV_WORDS: usize = 12;
 pub const KV_WORD_MODE: usize = 0;
 pub const KV_WORD_TABLE_ROWS: usize = 1;
 pub const KV_WORD_TABLE_COLS: usize = 2;
 pub const KV_WORD_TABLE_STRIDE: usize = 3;
 pub const KV_WORD_SLOTS: usize = 4;
+/// Elements between consecutive slots of a physical page.
 pub const KV_WORD_KV_STRIDE: usize = 5;
+/// Slots of one physical page of the pool's memory (1: slots are `KV_STRIDE` apart
+/// throughout).
+pub const KV_WORD_PHYS_PAGE: usize = 6;
+/// Elements between consecutive physical pages.
+pub const KV_WORD_PAGE_STRIDE: usize = 7;
+/// Elements between consecutive kv heads of a slot.
+pub const KV_WORD_HEAD_STRIDE: usize = 8;
+
+/// Where a pool's slots, heads and elements are, in elements of the activation type from a
+/// layer's K (or V) address. Every stride is a multiple of 8 elements (16-byte rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    /// Token slots (valid slot indices are `[0, slots)`).
+    pub slots: u64,
+    /// Slots per physical page (1: `slot_stride` apart throughout).
+    pub page: u64,
+    pub page_stride: u64,
+    pub slot_stride: u64,
+    pub head_stride: u64,
+}
+
+impl KvGeometry {
+    /// Slots `stride` elements apart, each `[kv_heads, head_dim]` contiguous (NHD).
+    pub fn dense(slots: u64, stride: u64, head_dim: u64) -> KvGeometry {
+        KvGeometry {
+            slots,
+            page: 1,
+            page_stride: stride,
+            slot_stride: stride,
+            head_stride: head_dim,
+        }
+    }
+
+    /// The same geometry with a physical page folded away when pages are `page` slots of
+    /// `slot_stride` back to back (the kernels then skip a division).
+    pub fn canonical(self) -> KvGeometry {
+        if self.page > 1 && self.page_stride == self.page.saturating_mul(self.slot_stride) {
+            KvGeometry {
+                page: 1,
+                page_stride: self.slot_stride,
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
+    /// Element offset of element `d` of head `g` of slot `t` (`None` on overflow).
+    pub fn offset(&self, t: u64, g: u64, d: u64) -> Option<u64> {
+        let page = self.page.max(1);
+        (t / page)
+            .checked_mul(self.page_stride)?
+            .checked_add((t % page).checked_mul(self.slot_stride)?)?
+            .checked_add(g.checked_mul(self.head_stride)?)?
+            .checked_add(d)
+    }
+}
 
 /// Words of the step status (i64 each), in runtime memory.
-pub const STATUS_WORDS: usize = 8;
+pub const STATUS_WORDS: usize = 12;
 /// `epoch << 32 | n`: the step tagged `epoch` refused `n` requests (`admit`). A word tagged
 /// with another step says nothing about this one.
 pub const STATUS_ERR_COUNT: usize = 0;
@@ -49,6 +112,20 @@ pub const STATUS_STEP_B: usize = 2;
 pub const STATUS_OUT_PROBS: usize = 3;
 pub const STATUS_OUT_IDS: usize = 4;
 pub const STATUS_OUT_HIDDEN: usize = 5;
+pub const STATUS_OUT_LOGITS: usize = 6;
+/// Device address of the host-mapped refusal ring (0: none), written once at load: at the
+/// end of every step `emit` writes the step's two refusal words into ring slot
+/// `epoch % MIRROR_SLOTS` and then, after a system-wide fence, the step's epoch as the
+/// slot's tag — so the host reads any finished step's refusals there, in order, with no
+/// copy and no wait (`GpuRuntime::poll_error`).
+pub const STATUS_MIRROR: usize = 7;
+/// The epoch `emit` tags the mirror with: the step's, written by `admit` on the step's last
+/// chunk, 0 on earlier chunks (which leave the mirror alone).
+pub const STATUS_EPOCH: usize = 8;
+/// Slots of the mirror ring (three words each: tag, refusal count word, first-refusal word).
+pub const MIRROR_SLOTS: usize = 16;
+/// `admit`'s flag bit: this launch is the step's last chunk.
+pub const ADMIT_FLAG_LAST: u32 = 8;
 
 /// How a page table's entries name K/V slots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -126,15 +203,23 @@ pub(crate) fn prelude_lines() -> String {
         ("KV_WORD_TABLE_STRIDE", KV_WORD_TABLE_STRIDE),
         ("KV_WORD_SLOTS", KV_WORD_SLOTS),
         ("KV_WORD_KV_STRIDE", KV_WORD_KV_STRIDE),
+        ("KV_WORD_PHYS_PAGE", KV_WORD_PHYS_PAGE),
+        ("KV_WORD_PAGE_STRIDE", KV_WORD_PAGE_STRIDE),
+        ("KV_WORD_HEAD_STRIDE", KV_WORD_HEAD_STRIDE),
         ("STATUS_ERR_COUNT", STATUS_ERR_COUNT),
         ("STATUS_ERR_FIRST", STATUS_ERR_FIRST),
         ("STATUS_STEP_B", STATUS_STEP_B),
         ("STATUS_OUT_PROBS", STATUS_OUT_PROBS),
         ("STATUS_OUT_IDS", STATUS_OUT_IDS),
         ("STATUS_OUT_HIDDEN", STATUS_OUT_HIDDEN),
+        ("STATUS_OUT_LOGITS", STATUS_OUT_LOGITS),
+        ("STATUS_MIRROR", STATUS_MIRROR),
+        ("STATUS_EPOCH", STATUS_EPOCH),
+        ("MIRROR_SLOTS", MIRROR_SLOTS),
     ] {
         s.push_str(&format!("constexpr int {name} = {v};\n"));
     }
+    s.push_str(&format!("constexpr unsigned ADMIT_FLAG_LAST = {ADMIT_FLAG_LAST}u;\n"));
     s.push_str(&format!(
         "constexpr long long KV_MODE_TOKENS = {};\n",
         TableMode::TokenSlots.word()

@@ -127,7 +127,7 @@ fn manifest_path(lit: &LitStr) -> syn::Result<PathBuf> {
 ///   "p.plan"` (a compiled plan, validated).
 /// - Overrides, as the CLI's flags: `topk`, `num_steps`, `num_draft_tokens`, `max_bs`,
 ///   `page_size`, `max_context_len`, `kv_pool_pages`, `max_requests`, `sliding_window`,
-///   `hot_vocab_size` (integers), `buckets`, `dtype` (strings).
+///   `hot_vocab_size` (integers), `buckets`, `dtype`, `outputs` (strings).
 /// - `kernels = false`: embed a plan without kernel binaries; by default kernels are
 ///   compiled and a build without NVRTC fails (see the crate docs).
 #[proc_macro]
@@ -162,11 +162,12 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
             "hot_vocab_size" => o.hot_vocab_size = Some(int(a)?),
             "buckets" => o.buckets = Some(string(a)?.value()),
             "dtype" => o.dtype = Some(string(a)?.value()),
+            "outputs" => o.outputs = Some(string(a)?.value()),
             "kernels" => kernels = Some(boolean(a)?),
             _ => {
                 return Err(syn::Error::new_spanned(
                     &a.key,
-                    format!("unknown argument `{key}` (expected preset, config, hf_config, plan, topk, num_steps, num_draft_tokens, buckets, max_bs, page_size, max_context_len, kv_pool_pages, max_requests, dtype, sliding_window, hot_vocab_size, kernels)"),
+                    format!("unknown argument `{key}` (expected preset, config, hf_config, plan, topk, num_steps, num_draft_tokens, buckets, max_bs, page_size, max_context_len, kv_pool_pages, max_requests, dtype, outputs, sliding_window, hot_vocab_size, kernels)"),
                 ))
             }
         }

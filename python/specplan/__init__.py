@@ -5,7 +5,7 @@ graphs on an engine's own KV cache, page table, weights and stream.
     plan = specplan.Plan.compile(preset="tiny")          # or Plan.load("p.plan")
     runner = specplan.DraftExtendRunner(plan, weights, k_cache, v_cache, req_to_token=table)
     out = runner.run(input_ids, hidden_states, req_pool_indices, prefix_lens, accept_lens)
-    out.topk_p, out.topk_index, out.hidden_states
+    out.topk_p, out.topk_index, out.hidden_states     # out.logits with outputs="logits"
 
 Importing this package, loading and compiling plans need no GPU and no PyTorch; the runner
 needs both (it takes the caller's tensors by address and never links libtorch).
@@ -112,6 +112,9 @@ for _name, _doc in [
     ("rope_inv_freq", "RoPE inverse frequencies after scaling, [head_dim / 2]"),
     ("sliding_windows", "per layer, the sliding window (None: full causal)"),
     ("fc_bias", "whether fc has a bias"),
+    ("outputs", "what the head emits besides its hidden row: 'topk', 'logits' or 'topk,logits'"),
+    ("logits_size", "columns of the logits output (the lm_head's rows)"),
+    ("hot_vocab_size", "FR-Spec's hot vocabulary size (None without FR-Spec)"),
 ]:
     setattr(Plan, _name, _plan_property(_name, _doc))
 

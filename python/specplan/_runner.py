@@ -4,7 +4,12 @@ weights registered once and used in place; inputs and the stream per step).
 Every tensor is checked on the host before anything is launched (dtype, shape, device,
 contiguity or strides; the error names the argument and what was expected); each request
 is checked again on the device (table row, lengths, token slots, ids), where a bad request
-is refused without writing anything and reported by `last_error()`.
+is refused without writing anything (its outputs are zeros) and reported by `last_error()`
+or, without waiting, `poll_error()`.
+
+CUDA tensors run the plan's CUDA graphs on the current stream; CPU tensors run the CPU
+executor on them in place (the same registration, rules and outputs: for tests of an
+engine adapter on a machine without a GPU).
 """
 
 import os
@@ -21,9 +26,9 @@ def _torch():
 
 
 class DeviceError:
-    """What the device-side checks refused in the last step: `count` requests (none of
-    which wrote anything), the first refused `request` (its index in the batch) and the
-    `rule` it broke."""
+    """What the device-side checks refused in a step: `count` requests (none of which
+    wrote anything; their outputs are zeros), the first refused `request` (its index in the
+    batch) and the `rule` it broke."""
 
     __slots__ = ("count", "request", "rule")
 
@@ -39,15 +44,21 @@ class DeviceError:
 
 class DraftExtendOutput:
     """One step's outputs: views of the runner's own buffers, valid until its next `run`
-    (clone them to keep them longer, as with SGLang's graph runners)."""
+    (clone them to keep them longer, as with SGLang's graph runners). `topk_p` /
+    `topk_index` are None when the plan emits no top-K, `logits` when it emits no logits
+    (the plan's `outputs`)."""
 
-    __slots__ = ("topk_p", "topk_index", "hidden_states")
+    __slots__ = ("topk_p", "topk_index", "hidden_states", "logits")
 
-    def __init__(self, topk_p, topk_index, hidden_states):
-        self.topk_p, self.topk_index, self.hidden_states = topk_p, topk_index, hidden_states
+    def __init__(self, topk_p, topk_index, hidden_states, logits):
+        self.topk_p, self.topk_index, self.hidden_states, self.logits = topk_p, topk_index, hidden_states, logits
 
     def __repr__(self):
-        return f"DraftExtendOutput(topk_p={tuple(self.topk_p.shape)}, topk_index={tuple(self.topk_index.shape)}, hidden_states={tuple(self.hidden_states.shape)})"
+        shape = lambda t: None if t is None else tuple(t.shape)  # noqa: E731
+        return (
+            f"DraftExtendOutput(topk_p={shape(self.topk_p)}, topk_index={shape(self.topk_index)}, "
+            f"hidden_states={shape(self.hidden_states)}, logits={shape(self.logits)})"
+        )
 
 
 _DTYPE_NAMES = None
@@ -72,17 +83,33 @@ def _need_tensor(torch, name, t):
     return t
 
 
+# KV layouts a runner takes in place, by the order of a per-layer tensor's dimensions:
+#   separate K and V tensors (k_cache=, v_cache=), last dim head_dim:
+#     3-D [slots, kv_heads, head_dim]                     SGLang's token pools (NHD)
+#     4-D "NHD" [pages, page_size, kv_heads, head_dim]    paged, token-major
+#     4-D "HND" [pages, kv_heads, page_size, head_dim]    SGLang's HND pools
+#   one tensor per layer with K and V packed in the last dim, 2 * head_dim (kv_cache=):
+#     4-D "BHNC" [blocks, kv_heads, block, 2 * head_dim]  vLLM 0.33's logical view (its
+#                                                         physical order is in the strides)
+#     4-D "BNHC" [blocks, block, kv_heads, 2 * head_dim]
+# Each gives the geometry (slots, page, page_stride, slot_stride, head_stride) in elements.
+_SEPARATE = ("NHD", "HND")
+_PACKED = ("BHNC", "BNHC")
+
+
 class DraftExtendRunner:
     """Runs a plan's draft-extend forward on an engine's memory.
 
-    plan          specplan.Plan (with kernels)
-    weights       dict[str, torch.Tensor] on the GPU under the plan's weight names (Hugging
-                  Face / EAGLE names; a leading "model." is accepted), used in place; or a
-                  path to a .safetensors file (loaded onto the GPU once)
+    plan          specplan.Plan (with kernels for CUDA tensors)
+    weights       dict[str, torch.Tensor] on the pools' device under the plan's weight names
+                  (Hugging Face / EAGLE names; a leading "model." is accepted, and a tensor
+                  with more rows than the plan's, as a padded lm_head, is used by its first
+                  rows), used in place; or a path to a .safetensors file (loaded once)
     k_cache, v_cache
-                  one tensor per layer, [slots, kv_heads, head_dim] (SGLang's token pools)
-                  or [pages, page_size, kv_heads, head_dim] (vLLM's blocks, e.g. kv[0] and
-                  kv[1] of its [2, blocks, block, kv_heads, head_dim] layer tensor)
+                  one tensor per layer each (see the layouts above; kv_layout "NHD" or "HND"
+                  for 4-D tensors)
+    kv_cache      instead: one tensor per layer with K and V packed in the last dimension
+                  (kv_layout "BHNC", vLLM's, or "BNHC")
     req_to_token  torch.int32 [rows, max_context] token slots (SGLang), or
     block_table   torch.int32 [rows, max_pages] page ids; exactly one of the two
     gemms         "cached" (default: cuBLASLt algorithms from the on-disk cache, timed once
@@ -92,16 +119,13 @@ class DraftExtendRunner:
     references to them).
     """
 
-    def __init__(self, plan, weights, k_cache, v_cache, req_to_token=None, block_table=None, *, gemms="cached"):
+    def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
+                 kv_cache=None, kv_layout=None, gemms="cached"):
         from . import Plan
 
         torch = _torch()
         if not isinstance(plan, Plan):
             raise TypeError(f"plan: expected a specplan.Plan, got {type(plan).__name__}")
-        if not plan.has_kernels:
-            raise ValueError("plan: it carries no kernel binaries (compiled with no_kernels=True); compile it with NVRTC")
-        if not torch.cuda.is_available():
-            raise RuntimeError("DraftExtendRunner needs a CUDA GPU: torch.cuda.is_available() is False")
         self.plan = plan
         self._torch = torch
         self._act = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
@@ -111,45 +135,89 @@ class DraftExtendRunner:
         self._k = plan.topk
         self._max_b = plan.max_requests
         self._max_ctx = plan.max_context_len
-        kp, ks, kslots, kstride, kpage, device = self._pools("k_cache", k_cache)
-        vp, vs, vslots, vstride, vpage, vdevice = self._pools("v_cache", v_cache)
-        if (ks, vslots, vstride) != (vs, kslots, kstride) or vdevice != device:
-            raise ValueError(
-                f"v_cache: shape {vs} / slot stride {vstride} on {vdevice} differs from k_cache's {ks} / {kstride} on {device}"
-            )
+        outputs = plan.outputs.split(",")
+        self._emits_topk, self._emits_logits = "topk" in outputs, "logits" in outputs
+        kp, vp, geom, page, device, kept = self._kv(k_cache, v_cache, kv_cache, kv_layout)
         self._device = device
-        self._index = device.index if device.index is not None else torch.cuda.current_device()
-        table, mode, page = self._table(req_to_token, block_table, kpage)
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            if not plan.has_kernels:
+                raise ValueError("plan: it carries no kernel binaries (compiled with no_kernels=True); compile it with NVRTC")
+            if not torch.cuda.is_available():
+                raise RuntimeError("DraftExtendRunner on CUDA tensors needs a CUDA GPU: torch.cuda.is_available() is False")
+            self._index = device.index if device.index is not None else torch.cuda.current_device()
+        else:
+            self._index = -1
+        table, mode, tpage = self._table(req_to_token, block_table, page)
         self._weights = self._load_weights(weights)
         listed = []
         for name, t in self._weights.items():
             listed.append((name, t.data_ptr(), _dtype_name(torch, t.dtype), list(t.shape)))
             if name.startswith("model."):
                 listed.append((name[len("model."):], t.data_ptr(), _dtype_name(torch, t.dtype), list(t.shape)))
-        self._pools_kept = (list(k_cache), list(v_cache), table)
-        with torch.cuda.device(self._index):
-            self._engine = _native.Engine(
-                plan._p, kp, vp, kslots, kstride, table.data_ptr(), mode, table.shape[0], table.shape[1],
-                table.stride(0), page, listed, self._index, gemms,
-            )
+        self._pools_kept = (kept, table)
+        args = (plan._p, kp, vp, geom, table.data_ptr(), mode, table.shape[0], table.shape[1], table.stride(0), tpage, listed)
+        if self._cuda:
+            with torch.cuda.device(self._index):
+                self._engine = _native.Engine(*args, self._index, gemms)
+        else:
+            if gemms not in ("cached", "heuristic", "retune"):
+                raise ValueError(f"gemms {gemms!r}: expected \"cached\", \"heuristic\" or \"retune\"")
+            self._engine = _native.CpuEngine(*args)
         r = self._max_b
-        self._out_p = torch.empty((r, self._k), dtype=torch.float32, device=device)
-        self._out_i = torch.empty((r, self._k), dtype=torch.int64, device=device)
+        self._out_p = torch.empty((r, self._k), dtype=torch.float32, device=device) if self._emits_topk else None
+        self._out_i = torch.empty((r, self._k), dtype=torch.int64, device=device) if self._emits_topk else None
         self._out_h = torch.empty((r, self._h), dtype=self._act, device=device)
+        self._out_l = (
+            torch.empty((r, plan.logits_size), dtype=torch.float32, device=device) if self._emits_logits else None
+        )
         self._views = {}
         self._i32, self._i64 = torch.int32, torch.int64
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        idx = self._index
-        self._stream = (lambda: raw(idx)) if raw is not None else (lambda: torch.cuda.current_stream(idx).cuda_stream)
+        if self._cuda:
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            idx = self._index
+            self._stream = (lambda: raw(idx)) if raw is not None else (lambda: torch.cuda.current_stream(idx).cuda_stream)
+        else:
+            self._stream = lambda: 0
 
     # ---- registration checks (once) ----
 
-    def _pools(self, name, pools):
+    def _kv(self, k_cache, v_cache, kv_cache, kv_layout):
+        """K and V base addresses per layer, the geometry, the pool's page (None: token
+        pools), the device and the tensors to keep alive."""
+        torch = self._torch
+        plan = self.plan
+        packed = kv_cache is not None
+        if packed == (k_cache is not None or v_cache is not None):
+            raise ValueError("give either k_cache= and v_cache= (separate pools) or kv_cache= (K and V packed), not both")
+        if packed:
+            layout = kv_layout or "BHNC"
+            if layout not in _PACKED:
+                raise ValueError(f"kv_layout {layout!r}: a packed kv_cache is {' or '.join(_PACKED)}")
+            geom, page, dev, ptrs = self._layers("kv_cache", kv_cache, layout, packed=True)
+            d = plan.head_dim * 2  # bytes of K's head_dim elements: V follows
+            return ptrs, [p + d for p in ptrs], geom, page, dev, list(kv_cache)
+        if k_cache is None or v_cache is None:
+            raise ValueError("give both k_cache= and v_cache= (one tensor per layer each)")
+        layout = kv_layout or "NHD"
+        if layout not in _SEPARATE:
+            raise ValueError(f"kv_layout {layout!r}: separate k_cache/v_cache are {' or '.join(_SEPARATE)}")
+        kg, kpage, kdev, kp = self._layers("k_cache", k_cache, layout, packed=False)
+        vg, vpage, vdev, vp = self._layers("v_cache", v_cache, layout, packed=False)
+        if (kg, kpage, kdev) != (vg, vpage, vdev):
+            raise ValueError(
+                f"v_cache: geometry {vg} (page {vpage}) on {vdev} differs from k_cache's {kg} (page {kpage}) on {kdev}"
+            )
+        return kp, vp, kg, kpage, kdev, list(k_cache) + list(v_cache)
+
+    def _layers(self, name, pools, layout, packed):
         torch = self._torch
         plan = self.plan
         if not isinstance(pools, (list, tuple)) or len(pools) != plan.num_layers:
             got = f"{len(pools)} items" if isinstance(pools, (list, tuple)) else type(pools).__name__
             raise ValueError(f"{name}: expected a list of {plan.num_layers} tensors (one per layer), got {got}")
+        kvh, d = plan.num_kv_heads, plan.head_dim
+        last = 2 * d if packed else d
         first = None
         ptrs = []
         for layer, t in enumerate(pools):
@@ -157,28 +225,44 @@ class DraftExtendRunner:
             _need_tensor(torch, what, t)
             if t.dtype != self._act:
                 raise TypeError(f"{what}: dtype {t.dtype}, the plan's K/V are {self._act}")
-            if t.device.type != "cuda":
-                raise ValueError(f"{what}: on {t.device}, expected a CUDA device")
-            kvh, d = plan.num_kv_heads, plan.head_dim
-            if t.dim() == 3 and tuple(t.shape[1:]) == (kvh, d):
-                slots, stride, page = t.shape[0], t.stride(0), None
-            elif t.dim() == 4 and tuple(t.shape[2:]) == (kvh, d):
-                slots, stride, page = t.shape[0] * t.shape[1], t.stride(1), t.shape[1]
-                if t.stride(0) != t.shape[1] * t.stride(1):
-                    raise ValueError(f"{what}: pages are not {t.shape[1]} slots of stride {t.stride(1)} apart (strides {t.stride()})")
+            if t.device.type not in ("cuda", "cpu"):
+                raise ValueError(f"{what}: on {t.device}, expected a CUDA or CPU device")
+            s, shape = t.stride(), tuple(t.shape)
+            if packed:
+                want = {"BHNC": "[blocks, %d, block, %d]" % (kvh, last), "BNHC": "[blocks, block, %d, %d]" % (kvh, last)}
+                heads_dim = 1 if layout == "BHNC" else 2
+                if t.dim() != 4 or shape[heads_dim] != kvh or shape[3] != last:
+                    raise ValueError(f"{what}: shape {shape}, expected {want[layout]} (kv_layout {layout})")
+                slot_dim = 2 if layout == "BHNC" else 1
+                page = shape[slot_dim]
+                geom = (shape[0] * page, page, s[0], s[slot_dim], s[heads_dim])
+            elif t.dim() == 3:
+                if shape[1:] != (kvh, d):
+                    raise ValueError(f"{what}: shape {shape}, expected [slots, {kvh}, {d}]")
+                page = None
+                geom = (shape[0], 1, s[0], s[0], s[1])
+            elif t.dim() == 4:
+                heads_dim, slot_dim = (2, 1) if layout == "NHD" else (1, 2)
+                if shape[heads_dim] != kvh or shape[3] != d:
+                    want = f"[pages, page_size, {kvh}, {d}]" if layout == "NHD" else f"[pages, {kvh}, page_size, {d}]"
+                    raise ValueError(f"{what}: shape {shape}, expected {want} (kv_layout {layout})")
+                page = shape[slot_dim]
+                geom = (shape[0] * page, page, s[0], s[slot_dim], s[heads_dim])
             else:
                 raise ValueError(
-                    f"{what}: shape {tuple(t.shape)}, expected [slots, {kvh}, {d}] or [pages, page_size, {kvh}, {d}]"
+                    f"{what}: shape {shape}, expected [slots, {kvh}, {d}] or a 4-D paged tensor (kv_layout NHD/HND)"
                 )
-            if t.stride(-1) != 1 or t.stride(-2) != d:
-                raise ValueError(f"{what}: each slot's [{kvh}, {d}] must be contiguous (strides {t.stride()})")
-            sig = (tuple(t.shape), t.stride(), t.device)
+            if s[-1] != 1:
+                raise ValueError(f"{what}: the last dimension must be contiguous (strides {s})")
+            if any(x <= 0 or x % 8 for x in geom[2:]):
+                raise ValueError(f"{what}: strides {s} must be positive multiples of 8 elements (16-byte rows)")
+            sig = (geom, page, t.device)
             if first is None:
                 first = sig
             elif sig != first:
-                raise ValueError(f"{what}: shape/strides/device {sig} differ from layer 0's {first}")
+                raise ValueError(f"{what}: geometry/device {sig} differ from layer 0's {first}")
             ptrs.append(t.data_ptr())
-        return ptrs, first[0], slots, stride, page, first[2]
+        return first[0], first[1], first[2], ptrs
 
     def _table(self, req_to_token, block_table, kv_page):
         torch = self._torch
@@ -209,12 +293,24 @@ class DraftExtendRunner:
             weights = load_file(os.fspath(weights), device=str(self._device))
         if not isinstance(weights, dict):
             raise TypeError(f"weights: expected a dict of tensors or a .safetensors path, got {type(weights).__name__}")
+        rows = {}
+        for name, dtype, shape, sources in self.plan.weights():
+            rows[name] = shape[0]
+            for s in sources:
+                rows.setdefault(s, None)
         out = {}
         for name, t in weights.items():
+            if not isinstance(name, str):
+                raise TypeError(f"weights: keys must be tensor names (str), got {type(name).__name__}")
             what = f"weights[{name!r}]"
             _need_tensor(torch, what, t)
             if t.device != self._device:
                 raise ValueError(f"{what}: on {t.device}, the K/V pools are on {self._device}")
+            want = rows.get(name[len("model."):] if name.startswith("model.") else name)
+            if want is not None and t.dim() == 2 and t.shape[0] > want:
+                # A vocabulary padded past the plan's rows (SGLang pads lm_head to a
+                # multiple of 64): its first rows, a contiguous view.
+                t = t[:want]
             if not t.is_contiguous():
                 raise ValueError(f"{what}: not contiguous (strides {t.stride()})")
             if _dtype_name(torch, t.dtype) is None:
@@ -253,7 +349,11 @@ class DraftExtendRunner:
                           length raises ValueError instead of being refused on the device
         """
         torch = self._torch
-        b = req_pool_indices.shape[0] if isinstance(req_pool_indices, torch.Tensor) else None
+        if not isinstance(req_pool_indices, torch.Tensor):
+            raise TypeError(f"req_pool_indices: expected a torch.Tensor, got {type(req_pool_indices).__name__}")
+        if req_pool_indices.dim() != 1:
+            raise ValueError(f"req_pool_indices: shape {tuple(req_pool_indices.shape)}, expected [b]")
+        b = req_pool_indices.shape[0]
         req_i32 = self._ints("req_pool_indices", req_pool_indices, b)
         if not 0 < b <= self._max_b:
             raise ValueError(f"req_pool_indices: batch {b} is outside [1, {self._max_b}] (the plan's max_requests)")
@@ -264,7 +364,7 @@ class DraftExtendRunner:
             raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dtype is not self._i64:
             raise TypeError(f"input_ids: dtype {input_ids.dtype}, expected torch.int64")
-        if input_ids.numel() != b * n or input_ids.dim() > 2:
+        if tuple(input_ids.shape) not in ((b * n,), (b, n)):
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected [{b * n}] or [{b}, {n}]")
         if input_ids.get_device() != self._index or not input_ids.is_contiguous():
             raise ValueError(f"input_ids: must be contiguous on {self._device} (is on {input_ids.device})")
@@ -273,7 +373,7 @@ class DraftExtendRunner:
         if hidden_states.dtype is not self._act:
             raise TypeError(f"hidden_states: dtype {hidden_states.dtype}, the plan's activations are {self._act}")
         hin = self._hin
-        if hidden_states.numel() != b * n * hin or hidden_states.shape[-1] != hin or hidden_states.dim() > 3:
+        if tuple(hidden_states.shape) not in ((b * n, hin), (b, n, hin)):
             raise ValueError(
                 f"hidden_states: shape {tuple(hidden_states.shape)}, expected [{b * n}, {hin}] or [{b}, {n}, {hin}]"
             )
@@ -282,14 +382,16 @@ class DraftExtendRunner:
         bias = -n if prefix_includes_new_tokens else 0
         if prefix_lens_cpu is not None:
             self._check_lengths(prefix_lens_cpu, b, bias)
+        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         self._engine.step(
             b, input_ids.data_ptr(), hidden_states.data_ptr(), req_pool_indices.data_ptr(), req_i32,
             prefix_lens.data_ptr(), prefix_i32, bias, accept_lens.data_ptr(), accept_i32,
-            self._out_p.data_ptr(), self._out_i.data_ptr(), self._out_h.data_ptr(), self._stream(),
+            ptr(self._out_p), ptr(self._out_i), self._out_h.data_ptr(), ptr(self._out_l), self._stream(),
         )
         out = self._views.get(b)
         if out is None:
-            out = DraftExtendOutput(self._out_p[:b], self._out_i[:b], self._out_h[:b])
+            view = lambda t: None if t is None else t[:b]  # noqa: E731
+            out = DraftExtendOutput(view(self._out_p), view(self._out_i), self._out_h[:b], view(self._out_l))
             self._views[b] = out
         return out
 
@@ -298,7 +400,9 @@ class DraftExtendRunner:
         if len(values) != b:
             raise ValueError(f"prefix_lens_cpu: {len(values)} values, expected {b}")
         for i, v in enumerate(values):
-            prefix = int(v) + bias
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"prefix_lens_cpu[{i}]: expected an integer, got {type(v).__name__}")
+            prefix = v + bias
             if prefix < 0 or prefix + self._n > self._max_ctx:
                 raise ValueError(
                     f"prefix_lens_cpu[{i}]: prefix {prefix} puts positions {prefix}..{prefix + self._n - 1} outside [0, {self._max_ctx}) (the plan's max_context_len)"
@@ -308,10 +412,24 @@ class DraftExtendRunner:
         """Whether a captured graph serves this batch size."""
         return self._engine.can_run(int(batch_size))
 
+    @property
+    def device(self):
+        return self._device
+
     def last_error(self):
         """None, or the DeviceError of the last step (waits for that step to finish)."""
         e = self._engine.last_error()
         return None if e is None else DeviceError(*e)
+
+    def poll_error(self):
+        """Without waiting: `(errors, pending)` — a DeviceError for each step that finished
+        since the last poll and refused a request (oldest first), and whether a later step
+        is still running (it is reported by a later poll). No synchronization, no copy."""
+        refusals, pending, lost = self._engine.poll_error()
+        errors = [DeviceError(*e) for e in refusals]
+        if lost:
+            errors.append(DeviceError(lost, -1, f"{lost} unpolled step(s) were overwritten in the refusal ring"))
+        return errors, pending
 
     def load_times(self):
         """Load time split (ms): setup, GEMM choice, graph capture, total."""

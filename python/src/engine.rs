@@ -1,16 +1,21 @@
-//! `Engine`: the runtime in engine memory over raw device addresses. The Python runner
-//! checks the tensors and passes their addresses; the runtime checks the registration
-//! again (alignment, strides, sizes) and each request on the device.
+//! `Engine` and `CpuEngine`: the runtime on the caller's memory over raw addresses. The
+//! Python runner checks the tensors and passes their addresses; the runtime checks the
+//! registration again (alignment, strides, sizes, a geometry under which no two K/V
+//! elements alias) and each request on the device (or, for `CpuEngine`, on the host by the
+//! same rules). `Engine` takes CUDA tensors and replays graphs on the caller's stream;
+//! `CpuEngine` takes CPU tensors and runs the CPU executor on them in place.
 
 use std::collections::{BTreeMap, HashMap};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use specplan_format::{DType, Replay};
+use specplan_format::{signature, DType, Replay, ValidatedPlan};
+use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
 use specplan_runtime::gpu::{
-    DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime,
-    KvRegistration, TableMode, TableRegistration,
+    DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions,
+    GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode, TableRegistration,
 };
+use specplan_runtime::registration::RegError;
 
 use crate::plan::Plan;
 
@@ -27,6 +32,10 @@ fn py_err(e: GpuError) -> PyErr {
     }
 }
 
+fn reg_err(e: RegError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
 fn dtype(name: &str, what: &str) -> PyResult<DType> {
     match name {
         "bf16" => Ok(DType::Bf16),
@@ -40,7 +49,95 @@ fn dtype(name: &str, what: &str) -> PyResult<DType> {
     }
 }
 
-/// A loaded runtime on the caller's memory. Not shareable across threads (its CUDA
+/// `(count, first request, rule)` of a device refusal, for Python.
+type Refusal = (u64, u64, String);
+
+fn refusal(e: DeviceError) -> Refusal {
+    (
+        e.count,
+        e.request,
+        e.rule
+            .map_or("an unknown rule".to_string(), |r| r.describe().to_string()),
+    )
+}
+
+/// The registration both engines take, from the Python runner's arguments.
+struct Registration {
+    kv: KvRegistration,
+    table: TableRegistration,
+    weights: HashMap<String, DeviceTensor>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn registration(
+    k: Vec<u64>,
+    v: Vec<u64>,
+    geom: (u64, u64, u64, u64, u64),
+    table: u64,
+    table_mode: &str,
+    rows: u64,
+    cols: u64,
+    row_stride: u64,
+    page_size: u64,
+    weights: Vec<(String, u64, String, Vec<u64>)>,
+) -> PyResult<Registration> {
+    let mode = match table_mode {
+        "token_slots" => TableMode::TokenSlots,
+        "page_ids" => TableMode::PageIds,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "table_mode {other:?}: expected \"token_slots\" or \"page_ids\""
+            )))
+        }
+    };
+    let mut tensors = HashMap::new();
+    for (name, ptr, dt, shape) in weights {
+        let dtype = dtype(&dt, &name)?;
+        tensors.insert(name, DeviceTensor { ptr, dtype, shape });
+    }
+    let (slots, page, page_stride, slot_stride, head_stride) = geom;
+    Ok(Registration {
+        kv: KvRegistration {
+            k,
+            v,
+            geom: KvGeometry {
+                slots,
+                page,
+                page_stride,
+                slot_stride,
+                head_stride,
+            },
+        },
+        table: TableRegistration {
+            ptr: table,
+            mode,
+            rows,
+            cols,
+            stride: row_stride,
+            page_size,
+        },
+        weights: tensors,
+    })
+}
+
+/// Whether a captured graph serves a batch of `b` (the smallest bucket ≥ b, when it
+/// replays as a graph).
+fn graph_serves(graph: &[(u32, bool)], b: usize) -> bool {
+    b > 0
+        && graph
+            .iter()
+            .find(|(batch, _)| *batch as usize >= b)
+            .is_some_and(|(_, g)| *g)
+}
+
+fn graph_table(vp: &ValidatedPlan) -> Vec<(u32, bool)> {
+    vp.buckets
+        .iter()
+        .map(|b| (b.batch, b.replay == Replay::Graph))
+        .collect()
+}
+
+/// A loaded runtime on the caller's CUDA memory. Not shareable across threads (its CUDA
 /// objects belong to the thread that drives the engine's stream).
 #[pyclass(module = "specplan._native", unsendable)]
 pub struct Engine {
@@ -50,19 +147,19 @@ pub struct Engine {
 
 #[pymethods]
 impl Engine {
-    /// `k`, `v`: per layer, the K and V pool addresses (`slots` token slots, `stride`
-    /// elements apart). The table: `table_mode` "token_slots" (SGLang's `req_to_token`) or
-    /// "page_ids" (a block table of `page_size`-token pages); `rows × cols`, `row_stride`
-    /// i32 entries apart. `weights`: `(name, address, dtype, shape)`.
+    /// `k`, `v`: per layer, the K and V pool addresses; `geom` = `(slots, page,
+    /// page_stride, slot_stride, head_stride)` in elements (`KvGeometry`). The table:
+    /// `table_mode` "token_slots" (SGLang's `req_to_token`) or "page_ids" (a block table of
+    /// `page_size`-token pages); `rows × cols`, `row_stride` i32 entries apart. `weights`:
+    /// `(name, address, dtype, shape)`.
     #[new]
-    #[pyo3(signature = (plan, k, v, slots, stride, table, table_mode, rows, cols, row_stride, page_size, weights, device=0, gemms="cached"))]
+    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights, device=0, gemms="cached"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         plan: &Plan,
         k: Vec<u64>,
         v: Vec<u64>,
-        slots: u64,
-        stride: u64,
+        geom: (u64, u64, u64, u64, u64),
         table: u64,
         table_mode: &str,
         rows: u64,
@@ -73,15 +170,6 @@ impl Engine {
         device: usize,
         gemms: &str,
     ) -> PyResult<Engine> {
-        let mode = match table_mode {
-            "token_slots" => TableMode::TokenSlots,
-            "page_ids" => TableMode::PageIds,
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "table_mode {other:?}: expected \"token_slots\" or \"page_ids\""
-                )))
-            }
-        };
         let gemms = match gemms {
             "cached" => GemmPolicy::Cached,
             "heuristic" => GemmPolicy::Heuristic,
@@ -92,22 +180,13 @@ impl Engine {
                 )))
             }
         };
-        let mut tensors = HashMap::new();
-        for (name, ptr, dt, shape) in weights {
-            let dtype = dtype(&dt, &name)?;
-            tensors.insert(name, DeviceTensor { ptr, dtype, shape });
-        }
+        let r = registration(
+            k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights,
+        )?;
         let mem = EngineMemory {
-            kv: KvRegistration { k, v, slots, stride },
-            table: TableRegistration {
-                ptr: table,
-                mode,
-                rows,
-                cols,
-                stride: row_stride,
-                page_size,
-            },
-            weights: &tensors,
+            kv: r.kv,
+            table: r.table,
+            weights: &r.weights,
         };
         let opts = GpuOptions {
             gemms,
@@ -115,11 +194,7 @@ impl Engine {
             ..GpuOptions::default()
         };
         let vp = plan.inner.clone();
-        let graph = vp
-            .buckets
-            .iter()
-            .map(|b| (b.batch, b.replay == Replay::Graph))
-            .collect();
+        let graph = graph_table(&vp);
         // The runtime's CUDA handles are not Send, so the load holds the interpreter (it is
         // once per runner, off the replay path).
         let rt = GpuRuntime::with_engine_memory(vp, mem, opts).map_err(py_err)?;
@@ -127,9 +202,10 @@ impl Engine {
     }
 
     /// One draft-extend step of `b` requests on the caller's stream: addresses of the
-    /// inputs (`*_i32`: the tensor holds int32, else int64) and of the outputs, copied to
-    /// by the device. Returns once enqueued: no synchronization, no host copy.
-    #[pyo3(signature = (b, input_ids, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, out_probs, out_ids, out_hidden, stream))]
+    /// inputs (`*_i32`: the tensor holds int32, else int64) and of the outputs (0: not
+    /// copied), copied to by the device. Returns once enqueued: no synchronization, no
+    /// host copy.
+    #[pyo3(signature = (b, input_ids, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, out_probs, out_ids, out_hidden, out_logits, stream))]
     #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
@@ -146,6 +222,7 @@ impl Engine {
         out_probs: u64,
         out_ids: u64,
         out_hidden: u64,
+        out_logits: u64,
         stream: u64,
     ) -> PyResult<()> {
         let s = DeviceStep {
@@ -166,6 +243,7 @@ impl Engine {
                 topk_p: out_probs,
                 topk_index: out_ids,
                 hidden_states: out_hidden,
+                logits: out_logits,
             },
             stream,
         };
@@ -174,26 +252,23 @@ impl Engine {
 
     /// What the device refused in the last step: `None`, or `(count, first request, rule
     /// description)`. Waits for the last step to finish.
-    fn last_error(&self) -> PyResult<Option<(u64, u64, String)>> {
-        Ok(self.rt.last_error().map_err(py_err)?.map(|e| {
-            (
-                e.count,
-                e.request,
-                e.rule
-                    .map_or("an unknown rule".to_string(), |r| r.describe().to_string()),
-            )
-        }))
+    fn last_error(&self) -> PyResult<Option<Refusal>> {
+        Ok(self.rt.last_error().map_err(py_err)?.map(refusal))
     }
 
-    /// Whether a captured graph serves a batch of `b` (the smallest bucket ≥ b, when it
-    /// replays as a graph).
+    /// The refusals of the steps that finished since the last poll, without waiting:
+    /// `(refusals, pending, lost)` — one `(count, first request, rule)` per step that
+    /// refused any, whether a later step is still running, and how many unpolled steps
+    /// were overwritten in the ring.
+    fn poll_error(&mut self) -> PyResult<(Vec<Refusal>, bool, u32)> {
+        Ok(match self.rt.poll_error().map_err(py_err)? {
+            StepPoll::Idle => (Vec::new(), false, 0),
+            StepPoll::Done { refused, pending, lost } => (refused.into_iter().map(refusal).collect(), pending, lost),
+        })
+    }
+
     fn can_run(&self, b: usize) -> bool {
-        b > 0
-            && self
-                .graph
-                .iter()
-                .find(|(batch, _)| *batch as usize >= b)
-                .is_some_and(|(_, g)| *g)
+        graph_serves(&self.graph, b)
     }
 
     /// Load times in milliseconds (setup, GEMM choice, graph capture, total).
@@ -205,6 +280,148 @@ impl Engine {
             ("graphs_ms", t.graphs_ms),
             ("total_ms", t.total_ms),
         ])
+    }
+}
+
+/// The same runtime contract on the caller's CPU memory: the CPU executor on the engine's
+/// tensors in place (the K/V pool and table read and written where they are; the weights
+/// read once). For tests of engine adapters on machines without a GPU.
+#[pyclass(module = "specplan._native", unsendable)]
+pub struct CpuEngine {
+    eng: HostEngine,
+    graph: Vec<(u32, bool)>,
+    facts: (usize, usize, usize, usize, usize, DType),
+}
+
+#[pymethods]
+impl CpuEngine {
+    /// As `Engine`, with host addresses (CPU tensors).
+    #[new]
+    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        plan: &Plan,
+        k: Vec<u64>,
+        v: Vec<u64>,
+        geom: (u64, u64, u64, u64, u64),
+        table: u64,
+        table_mode: &str,
+        rows: u64,
+        cols: u64,
+        row_stride: u64,
+        page_size: u64,
+        weights: Vec<(String, u64, String, Vec<u64>)>,
+    ) -> PyResult<CpuEngine> {
+        let r = registration(
+            k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights,
+        )?;
+        let mem = EngineMemory {
+            kv: r.kv,
+            table: r.table,
+            weights: &r.weights,
+        };
+        let vp = plan.inner.clone();
+        let graph = graph_table(&vp);
+        let p = &vp;
+        let facts = (
+            p.spec.num_draft_tokens as usize,
+            p.model.hidden_in() as usize,
+            p.model.hidden as usize,
+            p.spec.topk as usize,
+            signature::logits_cols(p) as usize,
+            p.capture.dtype,
+        );
+        // SAFETY: the Python runner passes the addresses of live CPU tensors it checked
+        // (dtype, shape, strides: the pools span the geometry, the table rows × row_stride
+        // int32, each weight its shape) and keeps references to them for the engine's life;
+        // the interpreter serializes every use of this object (unsendable).
+        let eng = unsafe { HostEngine::new(vp, mem) }.map_err(reg_err)?;
+        Ok(CpuEngine { eng, graph, facts })
+    }
+
+    /// As `Engine.step`, on host addresses (runs to completion; `stream` is ignored).
+    #[pyo3(signature = (b, input_ids, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, out_probs, out_ids, out_hidden, out_logits, stream=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn step(
+        &mut self,
+        py: Python<'_>,
+        b: usize,
+        input_ids: u64,
+        hidden_states: u64,
+        req: u64,
+        req_i32: bool,
+        prefix: u64,
+        prefix_i32: bool,
+        prefix_bias: i32,
+        accept: u64,
+        accept_i32: bool,
+        out_probs: u64,
+        out_ids: u64,
+        out_hidden: u64,
+        out_logits: u64,
+        stream: u64,
+    ) -> PyResult<()> {
+        let _ = stream;
+        let (n, hin, h, k, cols, _) = self.facts;
+        for (name, p) in [
+            ("input_ids", input_ids),
+            ("hidden_states", hidden_states),
+            ("req_pool_indices", req),
+            ("prefix_lens", prefix),
+            ("accept_lens", accept),
+        ] {
+            if p == 0 {
+                return Err(PyValueError::new_err(format!("{name} is a null pointer")));
+            }
+        }
+        // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
+        // [b, ...] and contiguity on the CPU before passing its address, and holds it for
+        // the call; outputs are the runner's own tensors of the plan's shapes.
+        let ints = |p: u64, i32: bool| unsafe {
+            if i32 {
+                Ints::I32(std::slice::from_raw_parts(p as *const i32, b))
+            } else {
+                Ints::I64(std::slice::from_raw_parts(p as *const i64, b))
+            }
+        };
+        let x = HostStep {
+            // SAFETY: as above.
+            input_ids: unsafe { std::slice::from_raw_parts(input_ids as *const i64, b * n) },
+            // SAFETY: as above.
+            hidden: unsafe { std::slice::from_raw_parts(hidden_states as *const u16, b * n * hin) },
+            req: ints(req, req_i32),
+            prefix: ints(prefix, prefix_i32),
+            accept: ints(accept, accept_i32),
+            prefix_bias,
+        };
+        // SAFETY: as above; a null address leaves that output uncopied.
+        let mut out = unsafe {
+            HostOutputs {
+                topk_p: (out_probs != 0).then(|| std::slice::from_raw_parts_mut(out_probs as *mut f32, b * k)),
+                topk_index: (out_ids != 0).then(|| std::slice::from_raw_parts_mut(out_ids as *mut i64, b * k)),
+                hidden: (out_hidden != 0).then(|| std::slice::from_raw_parts_mut(out_hidden as *mut u16, b * h)),
+                logits: (out_logits != 0).then(|| std::slice::from_raw_parts_mut(out_logits as *mut f32, b * cols)),
+            }
+        };
+        let _ = py;
+        self.eng.step(&x, &mut out).map_err(PyValueError::new_err)
+    }
+
+    fn last_error(&self) -> Option<Refusal> {
+        self.eng.last_error().map(refusal)
+    }
+
+    /// As `Engine.poll_error` (a CPU step has finished when `step` returns).
+    fn poll_error(&mut self) -> (Vec<Refusal>, bool, u32) {
+        (self.eng.take_unpolled().into_iter().map(refusal).collect(), false, 0)
+    }
+
+    fn can_run(&self, b: usize) -> bool {
+        graph_serves(&self.graph, b)
+    }
+
+    fn load_times(&self) -> BTreeMap<&'static str, f64> {
+        BTreeMap::new()
     }
 }
 

@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::Plan>()?;
     m.add_class::<engine::Engine>()?;
+    m.add_class::<engine::CpuEngine>()?;
     m.add_function(wrap_pyfunction!(plan::nvrtc_report, m)?)?;
     m.add_function(wrap_pyfunction!(engine::driver_report, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -34,6 +34,7 @@ const FLAGS: &[&str] = &[
     "dtype",
     "sliding_window",
     "hot_vocab_size",
+    "outputs",
     "no_kernels",
 ];
 
@@ -78,6 +79,17 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
             }
             "sliding_window" => o.sliding_window = Some(u32_flag(&name, &v)?),
             "hot_vocab_size" => o.hot_vocab_size = Some(u32_flag(&name, &v)?),
+            "outputs" => {
+                o.outputs = Some(if let Ok(s) = v.extract::<String>() {
+                    s
+                } else if let Ok(list) = v.extract::<Vec<String>>() {
+                    list.join(",")
+                } else {
+                    return Err(PyTypeError::new_err(format!(
+                        "outputs: expected \"topk\", \"logits\", \"topk,logits\" or a list of those, got {v}"
+                    )));
+                })
+            }
             "no_kernels" => {
                 no_kernels = v
                     .extract::<bool>()
@@ -279,6 +291,21 @@ impl Plan {
     #[getter]
     fn draft_vocab_size(&self) -> u64 {
         self.inner.model.lm_vocab() as u64
+    }
+    /// What the head emits besides its hidden row: "topk", "logits" or "topk,logits".
+    #[getter]
+    fn outputs(&self) -> &'static str {
+        self.inner.capture.outputs.name()
+    }
+    /// Columns of the `logits` output (the lm_head's rows: hot, draft or target vocabulary).
+    #[getter]
+    fn logits_size(&self) -> u64 {
+        specplan_format::signature::logits_cols(&self.inner) as u64
+    }
+    /// FR-Spec's hot vocabulary size (None without FR-Spec).
+    #[getter]
+    fn hot_vocab_size(&self) -> Option<u32> {
+        self.inner.capture.hot_vocab_size
     }
     #[getter]
     fn intermediate_size(&self) -> u64 {

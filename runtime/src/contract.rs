@@ -23,7 +23,7 @@ use safetensors::SafeTensors;
 
 use crate::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
 use crate::step::{first_non_finite, input_error, pad_to_bucket, InputError, PageTable, StepInputs};
-use specplan_format::{DType, Packing, ValidatedPlan};
+use specplan_format::{io, DType, Packing, ValidatedPlan};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
@@ -423,12 +423,16 @@ pub fn run_cpu(
         pad_to_bucket(plan, bucket, x, &slots, table.scratch_slot()).map_err(|e| ContractError::input("inputs", e))?;
     let exec = CpuExecutor::new(plan, weights)?;
     let out = exec.run(bucket, &padded, &table, &mut inputs.kv)?;
-    let (h, k) = (plan.model.hidden as usize, plan.spec.topk as usize);
+    let h = plan.model.hidden as usize;
+    // Each output's first b rows (a row's width: its length over the bucket's rows).
+    let rows = |v: &[f32]| v[..v.len() / bucket.batch as usize * b].to_vec();
+    let k = out.topk_ids.len() / bucket.batch as usize;
     Ok(StepResult {
         outputs: BucketOutputs {
             hidden_out: out.hidden_out[..b * h].to_vec(),
-            topk_probs: out.topk_probs[..b * k].to_vec(),
+            topk_probs: rows(&out.topk_probs),
             topk_ids: out.topk_ids[..b * k].to_vec(),
+            logits: rows(&out.logits),
         },
         bucket: bucket.batch,
     })
@@ -504,6 +508,7 @@ pub fn run_gpu(
             hidden_out: out.hidden_out.iter().map(|&u| to_f(u)).collect(),
             topk_probs: out.topk_probs,
             topk_ids: out.topk_ids,
+            logits: out.logits,
         },
         bucket: info.bucket,
     })
@@ -553,19 +558,30 @@ pub fn encode_outputs(plan: &ValidatedPlan, res: &StepResult, inputs: &InputsFil
         m.head_dim as usize,
     ];
     let kd = inputs.kv_dtype;
-    let tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = vec![
-        (
-            "topk_probs",
+    let mut tensors: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    if plan.capture.outputs.topk {
+        tensors.push((
+            io::TOPK_PROBS,
             Dtype::F32,
             vec![b, k],
             to_bytes(&res.outputs.topk_probs, Dtype::F32),
-        ),
-        (
-            "topk_ids",
+        ));
+        tensors.push((
+            io::TOPK_IDS,
             Dtype::I64,
             vec![b, k],
             res.outputs.topk_ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        ),
+        ));
+    }
+    if plan.capture.outputs.logits {
+        tensors.push((
+            io::LOGITS,
+            Dtype::F32,
+            vec![b, specplan_format::signature::logits_cols(plan) as usize],
+            to_bytes(&res.outputs.logits, Dtype::F32),
+        ));
+    }
+    tensors.extend([
         (
             "hidden_out",
             file_dtype(plan.capture.dtype),
@@ -574,7 +590,7 @@ pub fn encode_outputs(plan: &ValidatedPlan, res: &StepResult, inputs: &InputsFil
         ),
         ("k_cache", kd, kv_shape.clone(), to_bytes(&cache(&inputs.kv.k), kd)),
         ("v_cache", kd, kv_shape, to_bytes(&cache(&inputs.kv.v), kd)),
-    ];
+    ]);
     let views: Vec<(String, TensorView)> = tensors
         .iter()
         .map(|(n, d, s, bytes)| {

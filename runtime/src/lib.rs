@@ -10,6 +10,7 @@ pub mod bits;
 pub mod contract;
 pub mod cpu;
 pub mod gpu;
+pub mod registration;
 pub mod step;
 
 /// The plan format, re-exported for callers that use the runtime alone.

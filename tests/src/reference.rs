@@ -38,7 +38,17 @@ pub fn cpu_reference(
     c: &Case,
 ) -> Result<(BucketOutputs, KvPool), String> {
     let n = plan.spec.num_draft_tokens as usize;
-    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    let h = plan.model.hidden as usize;
+    let k = if plan.capture.outputs.topk {
+        plan.spec.topk as usize
+    } else {
+        0
+    };
+    let cols = if plan.capture.outputs.logits {
+        specplan_format::signature::logits_cols(plan) as usize
+    } else {
+        0
+    };
     // Input rows are hidden_in wide (3·H_t for an EAGLE-3 head).
     let hin = plan.model.hidden_in() as usize;
     let mut pool = case_pool(plan, c);
@@ -52,6 +62,7 @@ pub fn cpu_reference(
         hidden_out: vec![],
         topk_probs: vec![],
         topk_ids: vec![],
+        logits: vec![],
     };
     let x = &c.step;
     for start in (0..c.b).step_by(max_b) {
@@ -74,6 +85,7 @@ pub fn cpu_reference(
         r.hidden_out.extend_from_slice(&o.hidden_out[..(end - start) * h]);
         r.topk_probs.extend_from_slice(&o.topk_probs[..(end - start) * k]);
         r.topk_ids.extend_from_slice(&o.topk_ids[..(end - start) * k]);
+        r.logits.extend_from_slice(&o.logits[..(end - start) * cols]);
     }
     Ok((r, pool))
 }

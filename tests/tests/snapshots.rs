@@ -33,6 +33,18 @@ fn tiny_with_sliding_window_and_fr_spec() {
     settings().bind(|| insta::assert_snapshot!("tiny-swa16-hot256", common::snapshot_text(&plan)));
 }
 
+/// The logits output (SGLang's draft-extend contract): the selected rows' logits leave the
+/// head, no softmax or top-K runs.
+#[test]
+fn tiny_with_logits_output() {
+    let o = Overrides {
+        outputs: Some("logits".into()),
+        ..Overrides::default()
+    };
+    let plan = common::compile_preset("tiny", &o);
+    settings().bind(|| insta::assert_snapshot!("tiny-logits", common::snapshot_text(&plan)));
+}
+
 #[test]
 fn tiny_graph_before_and_after_fusion() {
     let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("tiny resolves");

@@ -21,6 +21,7 @@ pub const CAPTURE_KEYS: &[&str] = &[
     "max_requests",
     "dtype",
     "hot_vocab_size",
+    "outputs",
 ];
 
 /// `[model]` keys (Hugging Face names) that the model reader uses.

@@ -12,7 +12,7 @@ pub mod limits;
 mod model;
 
 use serde_json::Value;
-use specplan_format::{DType, SpecDesc};
+use specplan_format::{DType, HeadOutputs, SpecDesc};
 
 pub use keys::levenshtein;
 use limits::*;
@@ -73,6 +73,8 @@ pub struct Overrides {
     pub dtype: Option<String>,
     pub sliding_window: Option<u32>,
     pub hot_vocab_size: Option<u32>,
+    /// `topk`, `logits` or `topk,logits`.
+    pub outputs: Option<String>,
 }
 
 /// Capture settings after defaults and rules.
@@ -86,6 +88,8 @@ pub struct CaptureConfig {
     pub max_requests: u32,
     pub dtype: DType,
     pub hot_vocab_size: Option<u32>,
+    /// What the head emits per request besides its hidden row.
+    pub outputs: HeadOutputs,
 }
 
 impl CaptureConfig {
@@ -410,6 +414,7 @@ fn read_capture(
             );
         }
     }
+    let outputs = read_outputs(v, o, e);
     let buckets = buckets?;
     let max_b = *buckets.last()?;
     // Sizes derived from a refused context length would only repeat its error.
@@ -422,6 +427,36 @@ fn read_capture(
         max_requests,
         dtype,
         hot_vocab_size: hot,
+        outputs,
+    })
+}
+
+/// `capture.outputs`: the fused top-K (the default), the selected row's logits, or both.
+fn read_outputs(v: &Value, o: &Overrides, e: &mut Errors) -> HeadOutputs {
+    const OUTPUTS: &str = "capture.outputs (--outputs)";
+    let text = match (&o.outputs, v.get("outputs")) {
+        (Some(s), _) => s.clone(),
+        (None, None | Some(Value::Null)) => return HeadOutputs::TOPK,
+        (None, Some(Value::String(s))) => s.clone(),
+        (None, Some(Value::Array(a))) => a
+            .iter()
+            .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
+            .collect::<Vec<_>>()
+            .join(","),
+        (None, Some(x)) => {
+            e.push(
+                OUTPUTS.into(),
+                format!("expected \"topk\", \"logits\" or \"topk,logits\", got {x}"),
+            );
+            return HeadOutputs::TOPK;
+        }
+    };
+    HeadOutputs::parse(&text).unwrap_or_else(|| {
+        e.push(
+            OUTPUTS.into(),
+            format!("\"{text}\" is not an output set (expected topk, logits or topk,logits)"),
+        );
+        HeadOutputs::TOPK
     })
 }
 

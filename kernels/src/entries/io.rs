@@ -43,6 +43,8 @@ pub struct AdmitParams {
     pub out_ids: DevPtr<i64>,
     #[arg(caller)]
     pub out_hidden: DevPtr<Act>,
+    #[arg(caller)]
+    pub out_logits: DevPtr<f32>,
     #[arg(input = io::INPUT_IDS, rw)]
     pub ids: DevPtrMut<i64>,
     #[arg(input = io::HIDDEN_STATES, rw)]
@@ -74,8 +76,10 @@ pub struct AdmitParams {
     pub epoch: u32,
 }
 
-/// `emit`: CTA i < b whose request was admitted copies row i of the outputs to the caller's
-/// tensors (a refused request's rows are left as the caller had them).
+/// `emit`: CTA (i, y), i < b, copies request i's output rows to the caller's tensors when it
+/// was admitted, or writes them as zeros when it was refused (no stale row of another step
+/// reaches the caller); the logits row is split over `EMIT_Y` CTAs. CTA (0, 0) also copies
+/// the refusal words to the host-mapped mirror.
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct EmitParams {
@@ -88,9 +92,20 @@ pub struct EmitParams {
     pub ids: DevPtr<i64>,
     #[arg(buffer)]
     pub hidden: DevPtr<Act>,
+    #[arg(buffer)]
+    pub logits: DevPtr<f32>,
     #[arg(status)]
     pub status: DevPtr<i64>,
     pub batch: u32,
+}
+
+/// CTAs per request row of `emit` (the logits row is split across them).
+pub fn emit_y(f: &KernelFacts) -> u32 {
+    if f.out_logits {
+        f.cols.div_ceil(8192).clamp(1, 32)
+    } else {
+        1
+    }
 }
 
 /// `fill`: sets `height` rows of `width` elements of `elem_bytes` bytes (1, 2 or 4), rows
@@ -184,6 +199,7 @@ impl Kernel for AdmitParams {
             out_probs: Extent::Elems(s.b as u64 * f.topk as u64),
             out_ids: Extent::Elems(s.b as u64 * f.topk as u64),
             out_hidden: Extent::Elems(s.b as u64 * h),
+            out_logits: Extent::Elems(if f.out_logits { s.b as u64 * f.cols as u64 } else { 0 }),
             ids: Extent::Elems(bb * n),
             hidden: Extent::Elems(bb * n * hin),
             req_slots: Extent::Elems(bb),
@@ -201,16 +217,18 @@ impl Kernel for EmitParams {
     fn threads(_: &KernelFacts) -> u32 {
         IO_THREADS
     }
-    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], EmitScalars) {
-        ([b.batch, 1, 1], EmitScalars { batch: b.batch })
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], EmitScalars) {
+        ([b.batch, emit_y(f), 1], EmitScalars { batch: b.batch })
     }
     fn extents(s: &EmitScalars, f: &KernelFacts) -> EmitPtrs<Extent> {
-        let (bb, k) = (s.batch as u64, f.topk as u64);
+        let bb = s.batch as u64;
+        let k = if f.out_topk { f.topk as u64 } else { 0 };
         EmitPtrs {
             req_slots: Extent::Elems(bb),
             probs: Extent::Elems(bb * k),
             ids: Extent::Elems(bb * k),
             hidden: Extent::Elems(bb * f.hidden as u64),
+            logits: Extent::Elems(if f.out_logits { bb * f.cols as u64 } else { 0 }),
             status: Extent::Elems(crate::kv::STATUS_WORDS as u64),
         }
     }
@@ -226,5 +244,8 @@ pub fn constants(f: &KernelFacts) -> Constants {
         u("TOPK", f.topk),
         u("PAGE_SIZE", f.page_size),
         u("MAX_CONTEXT", f.max_context),
+        u("COLS", f.cols),
+        u("OUT_TOPK", f.out_topk as u32),
+        u("OUT_LOGITS", f.out_logits as u32),
     ]
 }

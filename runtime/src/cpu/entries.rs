@@ -14,7 +14,7 @@ use specplan_kernels::entries::sample::{
 };
 use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
 
-use super::{Ctx, Ptr, R};
+use super::{Ctx, KvStore, Ptr, R};
 use crate::step::TableMode;
 
 pub(super) fn constant<'k>(k: &'k KernelDesc, name: &str) -> R<&'k ConstValue> {
@@ -84,7 +84,7 @@ fn kv(p: Ptr, want: KvKind, name: &str) -> R<usize> {
     }
 }
 
-impl Ctx<'_> {
+impl<K: KvStore> Ctx<'_, K> {
     pub(super) fn embed_concat(&mut self, k: &KernelDesc, p: &EmbedConcatPtrs<Ptr>, s: &EmbedConcatScalars) -> R<()> {
         let (h, vocab) = (c_u32(k, "HIDDEN")?, c_u32(k, "VOCAB")? as i64);
         let (ids, table, hid, out) = (
@@ -179,36 +179,16 @@ impl Ctx<'_> {
                 _ => return Ok(None),
             },
         };
-        let pool = (self.kv.pages as i64).saturating_mul(ps);
+        let pool = self.kv.slots().min(i64::MAX as u64) as i64;
         Ok((tok >= 0 && tok < pool).then_some(tok as usize))
     }
 
-    /// Element `d` of kv head `head` of a token slot.
-    fn kv_index(&self, slot: usize, head: usize, d: usize) -> usize {
-        let m = &self.plan.model;
-        (slot * m.kv_heads as usize + head) * m.head_dim as usize + d
+    fn kv_store(&mut self, kind: KvKind, layer: usize, slot: usize, head: usize, d: usize, v: f64) -> R<()> {
+        self.kv.store(kind, layer, slot, head, d, v)
     }
 
-    fn kv_store(&mut self, kind: KvKind, layer: usize, at: usize, v: f64) -> R<()> {
-        let pool = match kind {
-            KvKind::K => self.kv.k.get_mut(layer),
-            KvKind::V => self.kv.v.get_mut(layer),
-        };
-        let cell = pool
-            .and_then(|l| l.get_mut(at))
-            .ok_or_else(|| format!("{kind:?} pool layer {layer} has no element {at}"))?;
-        *cell = v as f32;
-        Ok(())
-    }
-
-    fn kv_load(&self, kind: KvKind, layer: usize, at: usize) -> R<f64> {
-        let pool = match kind {
-            KvKind::K => self.kv.k.get(layer),
-            KvKind::V => self.kv.v.get(layer),
-        };
-        pool.and_then(|l| l.get(at))
-            .map(|x| *x as f64)
-            .ok_or_else(|| format!("{kind:?} pool layer {layer} has no element {at}"))
+    fn kv_load(&self, kind: KvKind, layer: usize, slot: usize, head: usize, d: usize) -> R<f64> {
+        self.kv.load(kind, layer, slot, head, d)
     }
 
     pub(super) fn rope_append(&mut self, k: &KernelDesc, p: &RopeAppendPtrs<Ptr>, s: &RopeAppendScalars) -> R<()> {
@@ -265,13 +245,11 @@ impl Ctx<'_> {
                     .map(|t| self.ld(qkv, r * stride + (hq + h) * d + t))
                     .collect::<R<_>>()?;
                 for (t, v) in rotate(&kx).into_iter().enumerate() {
-                    let at = self.kv_index(tok, h, t);
-                    self.kv_store(KvKind::K, kl, at, v)?;
+                    self.kv_store(KvKind::K, kl, tok, h, t, v)?;
                 }
                 for t in 0..d {
                     let v = self.ld(qkv, r * stride + (hq + hkv + h) * d + t)?;
-                    let at = self.kv_index(tok, h, t);
-                    self.kv_store(KvKind::V, vl, at, v)?;
+                    self.kv_store(KvKind::V, vl, tok, h, t, v)?;
                 }
             }
         }
@@ -341,7 +319,7 @@ impl Ctx<'_> {
                                 let mut dot = 0.0;
                                 if let Some(tok) = tok {
                                     for (t, qt) in qv.iter().enumerate() {
-                                        dot += qt * self.kv_load(KvKind::K, kl, self.kv_index(tok, kvh, t))?;
+                                        dot += qt * self.kv_load(KvKind::K, kl, tok, kvh, t)?;
                                     }
                                 }
                                 scores.push((dot * scale, tok));
@@ -353,7 +331,7 @@ impl Ctx<'_> {
                                 let w = (sc - m).exp() / den;
                                 if let Some(tok) = tok {
                                     for (t, ot) in o.iter_mut().enumerate() {
-                                        *ot += w * self.kv_load(KvKind::V, vl, self.kv_index(tok, kvh, t))?;
+                                        *ot += w * self.kv_load(KvKind::V, vl, tok, kvh, t)?;
                                     }
                                 }
                             }

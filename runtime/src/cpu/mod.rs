@@ -15,11 +15,14 @@
 
 mod audit;
 mod eagle3;
+pub mod engine;
 mod entries;
+mod kv;
 
 use std::borrow::Cow;
 
 pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
+pub use kv::{KvPool, KvStore, StridedKv};
 use specplan_format::{ArgValue, BucketPlan, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan};
 use specplan_kernels::abi::{KernelParams, Slot};
 use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select};
@@ -46,21 +49,15 @@ impl WeightData {
     }
 }
 
-/// The K/V pool: per layer, `[pages, page_size, kv_heads, head_dim]` as f32, that is
-/// `pages · page_size` token slots of `kv_heads · head_dim` values.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KvPool {
-    pub pages: usize,
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
-}
-
 /// Outputs for the bucket's rows (the caller slices the real requests).
 #[derive(Clone, Debug, PartialEq)]
 pub struct BucketOutputs {
     pub hidden_out: Vec<f32>,
+    /// Empty when the plan emits no top-K (`capture.outputs`).
     pub topk_probs: Vec<f32>,
     pub topk_ids: Vec<i64>,
+    /// `[B, logits_cols]`; empty when the plan emits no logits.
+    pub logits: Vec<f32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -92,6 +89,10 @@ pub struct Observed<'a> {
     pub kv: &'a KvPool,
 }
 
+/// What `run_core` shows after host prep (`None`) and after each launch: the arena cells,
+/// the launch index and the K/V store.
+type Observer<'a, K> = dyn FnMut(&[f64], Option<usize>, &K) + 'a;
+
 /// A resolved pointer argument.
 #[derive(Clone, Copy, Debug)]
 enum Ptr {
@@ -103,12 +104,12 @@ enum Ptr {
     Null,
 }
 
-struct Ctx<'a> {
+struct Ctx<'a, K: KvStore> {
     plan: &'a Plan,
     bucket: &'a BucketPlan,
     weights: &'a [WeightData],
     cells: Vec<f64>,
-    kv: &'a mut KvPool,
+    kv: &'a mut K,
     table: &'a PageTable,
 }
 
@@ -168,18 +169,43 @@ impl<'p> CpuExecutor<'p> {
         kv: &mut KvPool,
         observe: &mut dyn FnMut(Observed<'_>),
     ) -> Result<BucketOutputs, ExecError> {
+        let mut dense = kv::DenseKv::new(self.plan, kv);
+        self.run_core(bucket, inputs, table, &mut dense, &mut |cells, launch, kv| {
+            observe(Observed {
+                launch,
+                cells,
+                kv: kv.pool(),
+            })
+        })
+    }
+
+    /// Runs one bucket on padded inputs over any K/V store (an engine's pool in place:
+    /// [`StridedKv`]).
+    pub fn run_on<K: KvStore>(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &BucketInputs,
+        table: &PageTable,
+        kv: &mut K,
+    ) -> Result<BucketOutputs, ExecError> {
+        self.run_core(bucket, inputs, table, kv, &mut |_, _, _| {})
+    }
+
+    fn run_core<K: KvStore>(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &BucketInputs,
+        table: &PageTable,
+        kv: &mut K,
+        observe: &mut Observer<'_, K>,
+    ) -> Result<BucketOutputs, ExecError> {
         if bucket.arena_bytes > MAX_CPU_ARENA_BYTES {
             return Err(ExecError::TooLarge {
                 bytes: bucket.arena_bytes,
                 limit: MAX_CPU_ARENA_BYTES,
             });
         }
-        let m = &self.plan.model;
-        let want_kv = self.plan.capture.page_size as usize * m.kv_heads as usize * m.head_dim as usize;
-        let kv_ok = kv.k.len() == m.layers as usize
-            && kv.v.len() == m.layers as usize
-            && kv.k.iter().chain(&kv.v).all(|l| l.len() == kv.pages * want_kv);
-        if !kv_ok || table.data.len() != table.rows * table.cols {
+        if !kv.fits(self.plan) || table.data.len() != table.rows * table.cols {
             return Err(ExecError::Setup(
                 "the KV pool or page table does not have the plan's layout".into(),
             ));
@@ -211,11 +237,7 @@ impl<'p> CpuExecutor<'p> {
         ctx.store_input("req_slots", inputs.req_slots.iter().map(|&x| x as f64))
             .map_err(setup)?;
         check_prefixes(self.plan, &inputs.prefix_lens).map_err(setup)?;
-        observe(Observed {
-            launch: None,
-            cells: &ctx.cells,
-            kv: ctx.kv,
-        });
+        observe(&ctx.cells, None, ctx.kv);
         for (li, launch) in bucket.launches.iter().enumerate() {
             let err = |message: String| ExecError::Launch {
                 launch: li,
@@ -233,11 +255,7 @@ impl<'p> CpuExecutor<'p> {
                     ctx.kernel(k, *grid, args).map_err(err)?
                 }
             }
-            observe(Observed {
-                launch: Some(li),
-                cells: &ctx.cells,
-                kv: ctx.kv,
-            });
+            observe(&ctx.cells, Some(li), ctx.kv);
         }
         let out = |e: String| ExecError::Setup(format!("outputs: {e}"));
         Ok(BucketOutputs {
@@ -259,6 +277,12 @@ impl<'p> CpuExecutor<'p> {
                 .into_iter()
                 .map(|x| x as i64)
                 .collect(),
+            logits: ctx
+                .load_named(specplan_kernels::io::LOGITS)
+                .map_err(out)?
+                .into_iter()
+                .map(|x| x as f32)
+                .collect(),
         })
     }
 }
@@ -278,11 +302,11 @@ fn check_prefixes(plan: &Plan, prefix_lens: &[i32]) -> R<()> {
 }
 
 /// The typed arguments of entry `K` from a launch's resolved argument list.
-fn typed<K: KernelParams>(slots: &[Slot<Ptr>]) -> R<(K::Ptrs<Ptr>, K::Scalars)> {
-    K::split(slots).ok_or_else(|| format!("arguments do not match {}", K::C_NAME))
+fn typed<P: KernelParams>(slots: &[Slot<Ptr>]) -> R<(P::Ptrs<Ptr>, P::Scalars)> {
+    P::split(slots).ok_or_else(|| format!("arguments do not match {}", P::C_NAME))
 }
 
-impl Ctx<'_> {
+impl<K: KvStore> Ctx<'_, K> {
     fn elems(&self, buf: usize) -> usize {
         self.bucket
             .buffers

@@ -79,6 +79,15 @@ pub(crate) struct DevMem {
     pub bytes: usize,
 }
 
+impl From<crate::registration::RegError> for GpuError {
+    fn from(e: crate::registration::RegError) -> GpuError {
+        match e {
+            crate::registration::RegError::Registration(m) => GpuError::Registration(m),
+            crate::registration::RegError::Weights(m) => GpuError::Weights(m),
+        }
+    }
+}
+
 impl DevMem {
     pub fn new(bytes: usize) -> Result<DevMem, GpuError> {
         // SAFETY: a plain allocation; the context is current (bound by the caller).
@@ -116,6 +125,57 @@ impl Pinned {
 }
 
 impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+/// Page-locked host memory mapped into the device's address space (`dev` is its device
+/// address): the device writes it with plain stores, the host reads it once the writer has
+/// completed (an event), with no copy call and no wait. Freed on drop.
+pub(crate) struct Mapped {
+    ptr: *mut u64,
+    words: usize,
+    pub dev: u64,
+}
+
+impl Mapped {
+    pub fn new(words: usize) -> Result<Mapped, GpuError> {
+        let bytes = (words * 8).max(64);
+        // SAFETY: a page-locked allocation mapped into the current context's device.
+        let ptr = cuda("cuMemHostAlloc", unsafe {
+            result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        })? as *mut u64;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a mapped allocation of this context; out-pointer to a local.
+        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr as *mut c_void, 0) };
+        let mapped = Mapped { ptr, words, dev };
+        cuda_rc("cuMemHostGetDevicePointer", rc)?;
+        Ok(Mapped { dev, ..mapped })
+    }
+
+    /// Word `i` (volatile: the device writes it); 0 past the end.
+    pub fn read(&self, i: usize) -> u64 {
+        if i >= self.words {
+            return 0;
+        }
+        // SAFETY: `i` is inside the allocation; a volatile read of memory the device may
+        // have written (the caller waited for the writer's completion event).
+        unsafe { std::ptr::read_volatile(self.ptr.add(i)) }
+    }
+
+    /// Sets word `i` (ignored past the end).
+    pub fn write(&self, i: usize, v: u64) {
+        if i >= self.words {
+            return;
+        }
+        // SAFETY: `i` is inside the allocation; no kernel writes it before the first step.
+        unsafe { std::ptr::write_volatile(self.ptr.add(i), v) }
+    }
+}
+
+impl Drop for Mapped {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
         let _ = unsafe { result::free_host(self.ptr as *mut c_void) };

@@ -35,13 +35,29 @@ pub struct DeviceInts {
     pub i32: bool,
 }
 
-/// Where `emit` copies a step's outputs: `[b, K]` f32, `[b, K]` i64, `[b, H]` act (0 leaves
-/// that output in the runtime's buffers only).
+/// Where `emit` copies a step's outputs: `[b, K]` f32, `[b, K]` i64, `[b, H]` act,
+/// `[b, logits_cols]` f32 (0 leaves that output in the runtime's buffers only; an output
+/// the plan does not emit must be 0).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceOutputs {
     pub topk_p: u64,
     pub topk_index: u64,
     pub hidden_states: u64,
+    pub logits: u64,
+}
+
+/// What [`GpuRuntime::poll_error`] knows about the last step without waiting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StepPoll {
+    /// Every step has been reported (or none has run).
+    Idle,
+    /// The steps that finished since the last poll refused these (oldest first; empty:
+    /// nothing refused); `pending`: a later step is still on the device.
+    Done {
+        refused: Vec<DeviceError>,
+        pending: bool,
+        lost: u32,
+    },
 }
 
 /// One engine-memory step: `b` requests whose inputs are the caller's device tensors.
@@ -98,6 +114,8 @@ pub(crate) struct EngineState {
     done: Event,
     /// The last step's tag in the status words (0: no step yet).
     epoch: u32,
+    /// The last step whose refusals `poll_error` has reported (0: none).
+    polled: u32,
     /// Buckets whose graph has had its admit parameters set by a step.
     armed: Vec<bool>,
     /// The plan's kernel facts (read on every step).
@@ -129,6 +147,7 @@ impl StepArgs {
                 out_probs: 0,
                 out_ids: 0,
                 out_hidden: 0,
+                out_logits: 0,
                 ids: 0,
                 hidden: 0,
                 req_slots: 0,
@@ -226,12 +245,14 @@ impl EngineState {
         stream: sys::CUstream,
     ) -> Result<(), GpuError> {
         let bk = &plan.buckets[bi];
+        // An output the plan does not emit has no buffer: its pointer is null.
         let buf = |name: &str| bk.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
         let ptrs = EmitPtrs {
             req_slots: buf(io::REQ_SLOTS),
             probs: buf(io::TOPK_PROBS),
             ids: buf(io::TOPK_IDS),
             hidden: buf(io::HIDDEN_OUT),
+            logits: buf(io::LOGITS),
             status: mem.status_ptr(),
         };
         let (grid, s) = EmitParams::launch(b, f);
@@ -321,22 +342,7 @@ impl GpuRuntime {
         let bindings = bind_weights(&plan, m.weights, &ids_of)?;
         // EAGLE-3's d2t is used in place; its ids leave the runtime as target ids, so it is
         // read once here and checked against the target vocabulary.
-        if plan.model.draft_vocab.is_some() {
-            let d2t = ids_of("d2t").ok_or_else(|| {
-                GpuError::Weights("d2t: the EAGLE-3 draft→target id offsets (i64 [draft_vocab]) were not given".into())
-            })?;
-            let vocab = plan.model.vocab as i64;
-            if let Some((d, t)) = d2t
-                .iter()
-                .enumerate()
-                .map(|(d, &x)| (d, (d as i64).saturating_add(x)))
-                .find(|&(_, t)| t < 0 || t >= vocab)
-            {
-                return Err(GpuError::Weights(format!(
-                    "d2t[{d}] maps draft id {d} to {t}, outside the target vocabulary [0, {vocab})"
-                )));
-            }
-        }
+        crate::registration::check_d2t(&plan, ids_of("d2t").as_deref())?;
         let (admit, emit) = (kernel_of(&plan, Entry::Admit)?, kernel_of(&plan, Entry::Emit)?);
         let core = Self::core(&plan, &opts)?;
         let (weights, owned) = place_weights(&plan, &bindings)?;
@@ -346,6 +352,7 @@ impl GpuRuntime {
             kv: m.kv,
             table: m.table,
             meta: meta_block()?,
+            mirror: super::device::Mapped::new(3 * kv::MIRROR_SLOTS)?,
             _owned: owned,
         };
         let state = EngineState {
@@ -353,6 +360,7 @@ impl GpuRuntime {
             emit,
             done: Event::new(false)?,
             epoch: 0,
+            polled: 0,
             armed: vec![false; plan.buckets.len()],
             facts: specplan_format::kernel_facts_of(&plan),
             fixed: (0..plan.buckets.len()).map(|bi| admit_fixed(&plan, &mem, bi)).collect(),
@@ -376,10 +384,24 @@ impl GpuRuntime {
         let t0 = Instant::now();
         let n = self.plan.spec.num_draft_tokens as u64;
         let (h, k) = (self.plan.model.hidden as u64, self.plan.spec.topk as u64);
+        let cols = specplan_format::signature::logits_cols(&self.plan) as u64;
         let hin = self.plan.model.hidden_in() as u64;
         let act = self.plan.capture.dtype.size();
         if s.b == 0 {
             return Err(GpuError::Step("a step needs at least one request".into()));
+        }
+        let outs = self.plan.capture.outputs;
+        for (name, p, emitted) in [
+            ("topk_p", s.outputs.topk_p, outs.topk),
+            ("topk_index", s.outputs.topk_index, outs.topk),
+            ("logits", s.outputs.logits, outs.logits),
+        ] {
+            if p != 0 && !emitted {
+                return Err(GpuError::Step(format!(
+                    "outputs.{name}: the plan does not emit it (capture.outputs = {}); pass 0",
+                    outs.name()
+                )));
+            }
         }
         for (name, p) in [
             ("input_ids", s.input_ids),
@@ -414,6 +436,7 @@ impl GpuRuntime {
         };
         let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
         let flags = s.req_pool_indices.i32 as u32 | (s.prefix_lens.i32 as u32) << 1 | (s.accept_lens.i32 as u32) << 2;
+        let last_start = (s.b - 1) / max_b.max(1) * max_b.max(1);
         let width = |d: DeviceInts| if d.i32 { 4 } else { 8 };
         let mut info = StepInfo {
             bucket: 0,
@@ -434,10 +457,15 @@ impl GpuRuntime {
                     out_probs: at(s.outputs.topk_p, k * 4),
                     out_ids: at(s.outputs.topk_index, k * 8),
                     out_hidden: at(s.outputs.hidden_states, h * act),
+                    out_logits: at(s.outputs.logits, cols * 4),
                     ..StepArgs::placeholder(0).ptrs
                 },
                 b: (end - start) as u32,
-                flags,
+                flags: if start == last_start {
+                    flags | kv::ADMIT_FLAG_LAST
+                } else {
+                    flags
+                },
                 prefix_bias: s.prefix_bias,
                 base: start as u32,
                 epoch,
@@ -534,12 +562,64 @@ impl GpuRuntime {
         )
     }
 
+    /// What the device rules refused in the steps that finished since the last poll,
+    /// without waiting: `emit` leaves each step's refusal words in a host-mapped ring
+    /// tagged with the step, so this reads memory only — no synchronization and no copy —
+    /// and an engine may call it on its replay path (before each step, say). A step not yet
+    /// finished is reported by a later poll; more than [`kv::MIRROR_SLOTS`] unpolled steps
+    /// overwrite the oldest (`lost` counts them).
+    pub fn poll_error(&mut self) -> Result<StepPoll, GpuError> {
+        let Mode::Engine(e) = &mut self.mode else {
+            return Err(GpuError::Mode("an engine-memory step"));
+        };
+        if e.epoch == e.polled {
+            return Ok(StepPoll::Idle);
+        }
+        // Epochs restart at 1 after u32::MAX - 1: a poll older than the wrap restarts too.
+        if e.polled > e.epoch {
+            e.polled = 0;
+        }
+        let slots = kv::MIRROR_SLOTS as u32;
+        let mut lost = 0;
+        if e.epoch - e.polled > slots {
+            lost = e.epoch - e.polled - slots;
+            e.polled = e.epoch - slots;
+        }
+        let mut refused = Vec::new();
+        let mut pending = false;
+        while e.polled < e.epoch {
+            let next = e.polled + 1;
+            let at = 3 * (next % slots) as usize;
+            if self.mem.mirror.read(at) != next as u64 {
+                pending = true;
+                break;
+            }
+            // The tag was written after the words and a system-wide fence.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+            let words = [self.mem.mirror.read(at + 1), self.mem.mirror.read(at + 2)];
+            if let Some((count, request, code)) = kv::step_refusals(words, next) {
+                refused.push(DeviceError {
+                    count,
+                    request,
+                    rule: DeviceRule::from_code(code),
+                });
+            }
+            e.polled = next;
+        }
+        Ok(StepPoll::Done { refused, pending, lost })
+    }
+
     /// Device addresses of the runtime's output buffers for a step of `b` requests (valid
-    /// until the next step): `(topk_probs, topk_ids, hidden_out)`.
+    /// until the next step): `(topk_probs, topk_ids, hidden_out)`; 0 for an output the
+    /// plan does not emit.
     pub fn output_ptrs(&self, b: usize) -> Result<(u64, u64, u64), GpuError> {
+        let or0 = |name: &str| match self.bucket_output_ptr(name, b) {
+            Err(GpuError::NoBuffer { .. }) => Ok(0),
+            r => r,
+        };
         Ok((
-            self.bucket_output_ptr(io::TOPK_PROBS, b)?,
-            self.bucket_output_ptr(io::TOPK_IDS, b)?,
+            or0(io::TOPK_PROBS)?,
+            or0(io::TOPK_IDS)?,
             self.bucket_output_ptr(io::HIDDEN_OUT, b)?,
         ))
     }

@@ -42,13 +42,13 @@ use specplan_kernels::kv;
 
 use device::{cuda, DevMem, Module};
 pub use device::{driver_report, GpuError};
-pub use engine::{DeviceError, DeviceInts, DeviceOutputs, DeviceStep};
+pub use engine::{DeviceError, DeviceInts, DeviceOutputs, DeviceStep, StepPoll};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
 use launch::{gemm_call, load_kernels, Launcher};
 pub use lt::GemmChoice;
 use memory::Memory;
-pub use memory::{DeviceTensor, EngineMemory, KvRegistration, TableRegistration};
+pub use memory::{DeviceTensor, EngineMemory, KvGeometry, KvRegistration, TableRegistration};
 pub use owned::{Hidden, HostOutputs, StepInfo, StepRequest};
 pub use specplan_kernels::kv::{DeviceRule, TableMode};
 
@@ -205,7 +205,12 @@ impl GpuRuntime {
         let mut words = [0i64; kv::KV_WORDS + kv::STATUS_WORDS];
         words[..kv::KV_WORDS].copy_from_slice(&memory::layout_words(&rt.mem.kv, &rt.mem.table));
         words[kv::KV_WORDS + kv::STATUS_ERR_FIRST] = -1; // u64::MAX: no error yet
-                                                         // SAFETY: `meta` holds the layout and status words.
+        words[kv::KV_WORDS + kv::STATUS_MIRROR] = rt.mem.mirror.dev as i64;
+        // Tag 0 names no step: every slot starts empty.
+        for w in 0..3 * kv::MIRROR_SLOTS {
+            rt.mem.mirror.write(w, 0);
+        }
+        // SAFETY: `meta` holds the layout and status words.
         cuda("cuMemcpyHtoD", unsafe {
             result::memcpy_htod_sync(rt.mem.meta.ptr, &words)
         })?;

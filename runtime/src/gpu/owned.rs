@@ -52,8 +52,21 @@ pub struct StepInfo {
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostOutputs {
     pub hidden_out: Vec<u16>,
+    /// Empty when the plan emits no top-K (`capture.outputs`).
     pub topk_probs: Vec<f32>,
     pub topk_ids: Vec<i64>,
+    /// `[b, logits_cols]`; empty when the plan emits no logits.
+    pub logits: Vec<f32>,
+}
+
+/// The plan's outputs with the bytes of one request's row, in signature order (what the
+/// chunk block holds, one output after another).
+fn output_rows(plan: &specplan_format::Plan) -> Vec<(&'static str, usize)> {
+    specplan_format::signature::bucket_io(plan, 1)
+        .into_iter()
+        .filter(|t| t.role == specplan_format::BufferRole::Output)
+        .map(|t| (t.name, (t.shape.iter().product::<u64>() * t.dtype.size()) as usize))
+        .collect()
 }
 
 pub(crate) struct OwnedState {
@@ -89,12 +102,13 @@ impl GpuRuntime {
         let mem = Memory {
             arena: DevMem::new(plan.arena_bytes() as usize)?,
             weights: plan.weights.iter().map(|w| wmem.ptr + w.offset).collect(),
-            kv: KvRegistration {
-                k: (0..layers).map(|l| kv.ptr + 2 * l * pool_bytes).collect(),
-                v: (0..layers).map(|l| kv.ptr + (2 * l + 1) * pool_bytes).collect(),
-                slots: pool_pages as u64 * plan.capture.page_size as u64,
-                stride: plan.model.kv_heads as u64 * plan.model.head_dim as u64,
-            },
+            kv: KvRegistration::dense(
+                (0..layers).map(|l| kv.ptr + 2 * l * pool_bytes).collect(),
+                (0..layers).map(|l| kv.ptr + (2 * l + 1) * pool_bytes).collect(),
+                pool_pages as u64 * plan.capture.page_size as u64,
+                plan.model.kv_heads as u64 * plan.model.head_dim as u64,
+                plan.model.head_dim as u64,
+            ),
             table: TableRegistration {
                 ptr: table.ptr,
                 mode: TableMode::PageIds,
@@ -104,6 +118,7 @@ impl GpuRuntime {
                 page_size: plan.capture.page_size as u64,
             },
             meta: meta_block()?,
+            mirror: super::device::Mapped::new(3 * specplan_kernels::kv::MIRROR_SLOTS)?,
             _owned: Vec::new(),
         };
         let max_rows = plan.buckets.last().map_or(1, |b| b.rows as usize);
@@ -313,11 +328,12 @@ impl GpuRuntime {
     /// Chunks share the arena, so each chunk's outputs move (device to device, stream
     /// ordered) into a runtime-owned block holding the whole batch's outputs.
     fn gather_chunk_outputs(&mut self, start: usize, end: usize, total: usize) -> Result<(), GpuError> {
-        let (h, k) = (self.plan.model.hidden as usize, self.plan.spec.topk as usize);
-        let act = self.plan.capture.dtype.size() as usize;
-        let per = [h * act, k * 4, k * 8];
-        let need: usize = per.iter().map(|p| p * total).sum();
-        let srcs = [io::HIDDEN_OUT, io::TOPK_PROBS, io::TOPK_IDS].map(|name| self.bucket_output_ptr(name, end - start));
+        let rows = output_rows(&self.plan);
+        let need: usize = rows.iter().map(|(_, p)| p * total).sum();
+        let srcs: Vec<_> = rows
+            .iter()
+            .map(|(name, _)| self.bucket_output_ptr(name, end - start))
+            .collect();
         let stream = self.stream.cu_stream();
         let s = self.owned_mut()?;
         if s.chunk_out.as_ref().is_none_or(|m| m.bytes < need) {
@@ -330,7 +346,7 @@ impl GpuRuntime {
             return Ok(());
         };
         let mut base = 0u64;
-        for (src, row) in srcs.into_iter().zip(per) {
+        for (src, (_, row)) in srcs.into_iter().zip(rows) {
             let src = src?;
             // SAFETY: source rows [0, end - start) exist in the chunk's bucket; destination
             // rows [start, end) lie inside a block sized for `total` rows.
@@ -415,15 +431,14 @@ impl GpuRuntime {
     pub fn output_ptr(&self, name: &str) -> Option<u64> {
         let s = self.owned().ok()?;
         if s.chunked {
-            let (h, k) = (self.plan.model.hidden as u64, self.plan.spec.topk as u64);
-            let (b, act) = (s.last_batch as u64, self.plan.capture.dtype.size());
-            let base = s.chunk_out.as_ref()?.ptr;
-            return match name {
-                io::HIDDEN_OUT => Some(base),
-                io::TOPK_PROBS => Some(base + b * h * act),
-                io::TOPK_IDS => Some(base + b * h * act + b * k * 4),
-                _ => None,
-            };
+            let mut at = s.chunk_out.as_ref()?.ptr;
+            for (out, row) in output_rows(&self.plan) {
+                if out == name {
+                    return Some(at);
+                }
+                at += (s.last_batch * row) as u64;
+            }
+            return None;
         }
         self.bucket_output_ptr(name, s.last_batch).ok()
     }
@@ -433,10 +448,20 @@ impl GpuRuntime {
     pub fn read_outputs(&self) -> Result<HostOutputs, GpuError> {
         let b = self.owned()?.last_batch;
         let (h, k) = (self.plan.model.hidden as usize, self.plan.spec.topk as usize);
+        let outs = self.plan.capture.outputs;
+        let (kk, lc) = (
+            if outs.topk { k } else { 0 },
+            if outs.logits {
+                specplan_format::signature::logits_cols(&self.plan) as usize
+            } else {
+                0
+            },
+        );
         let mut out = HostOutputs {
             hidden_out: vec![0; b * h],
-            topk_probs: vec![0.0; b * k],
-            topk_ids: vec![0; b * k],
+            topk_probs: vec![0.0; b * kk],
+            topk_ids: vec![0; b * kk],
+            logits: vec![0.0; b * lc],
         };
         cuda("cuStreamSynchronize", self.stream.synchronize())?;
         let ptr = |name: &str| {
@@ -452,14 +477,22 @@ impl GpuRuntime {
                 "cuMemcpyDtoH",
                 result::memcpy_dtoh_sync(&mut out.hidden_out, ptr(io::HIDDEN_OUT)?),
             )?;
-            cuda(
-                "cuMemcpyDtoH",
-                result::memcpy_dtoh_sync(&mut out.topk_probs, ptr(io::TOPK_PROBS)?),
-            )?;
-            cuda(
-                "cuMemcpyDtoH",
-                result::memcpy_dtoh_sync(&mut out.topk_ids, ptr(io::TOPK_IDS)?),
-            )?;
+            if outs.topk {
+                cuda(
+                    "cuMemcpyDtoH",
+                    result::memcpy_dtoh_sync(&mut out.topk_probs, ptr(io::TOPK_PROBS)?),
+                )?;
+                cuda(
+                    "cuMemcpyDtoH",
+                    result::memcpy_dtoh_sync(&mut out.topk_ids, ptr(io::TOPK_IDS)?),
+                )?;
+            }
+            if outs.logits {
+                cuda(
+                    "cuMemcpyDtoH",
+                    result::memcpy_dtoh_sync(&mut out.logits, ptr(io::LOGITS)?),
+                )?;
+            }
         }
         Ok(out)
     }

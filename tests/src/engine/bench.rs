@@ -58,12 +58,7 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
     let mut last = None;
     for _ in 0..2 {
         let mem = EngineMemory {
-            kv: KvRegistration {
-                k: k.clone(),
-                v: v.clone(),
-                slots,
-                stride,
-            },
+            kv: KvRegistration::dense(k.clone(), v.clone(), slots, stride, plan.model.head_dim as u64),
             table: TableRegistration {
                 ptr: table.ptr,
                 mode: TableMode::TokenSlots,
@@ -142,7 +137,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
     let table: Vec<i32> = order.iter().map(|&t| t as i32).collect();
     let tp = upload(&mut bufs, &table)?;
     let mem = EngineMemory {
-        kv: KvRegistration { k, v, slots, stride },
+        kv: KvRegistration::dense(k, v, slots, stride, plan.model.head_dim as u64),
         table: TableRegistration {
             ptr: tp,
             mode: TableMode::TokenSlots,
@@ -182,6 +177,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
             topk_p: fill(&mut bufs, b * k_ * 4)?,
             topk_index: fill(&mut bufs, b * k_ * 8)?,
             hidden_states: fill(&mut bufs, b * h * act.size() as usize)?,
+            logits: 0,
         },
         stream: stream.cu_stream() as u64,
     };

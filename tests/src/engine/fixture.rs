@@ -185,12 +185,7 @@ pub(crate) fn fixture(
     let weights = device_weights(plan, w, &mut bufs, if views { 16 } else { 0 })?;
     Ok(Fixture {
         _bufs: bufs,
-        kv: KvRegistration {
-            k: kp,
-            v: vp,
-            slots: pool_slots as u64,
-            stride: slot as u64,
-        },
+        kv: KvRegistration::dense(kp, vp, pool_slots as u64, slot as u64, plan.model.head_dim as u64),
         table: TableRegistration {
             ptr: tp,
             mode: if blocks {

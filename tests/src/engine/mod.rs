@@ -113,6 +113,7 @@ pub(crate) fn engine_step(
             topk_p: outs[0].ptr,
             topk_index: outs[1].ptr,
             hidden_states: outs[2].ptr,
+            logits: 0,
         },
         stream,
     };
@@ -460,7 +461,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
                     let l = x.prefix_lens[at] as usize;
                     let ps = plan.capture.page_size as usize;
                     let e = fx.rows[at] as usize * fx.table.stride as usize + if blocks { l / ps } else { l };
-                    fx.table_host[e] = (fx.kv.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
+                    fx.table_host[e] = (fx.kv.geom.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
                     // SAFETY: one entry inside the table allocation; synchronous.
                     unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
                         .map_err(|e| format!("{e:?}"))?;

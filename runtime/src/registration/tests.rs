@@ -1,0 +1,322 @@
+//! The registration rules, one case per rule.
+
+use super::*;
+use specplan_format::{CaptureDesc, ModelDesc, RopeScaling, SpecDesc, TargetDesc, WeightDesc};
+
+/// The facts these rules read: 2 layers, 2 kv heads of 64 (a slot of 128), N 4, page 4.
+fn plan() -> Plan {
+    let w = |name: &str, shape: Vec<u64>, sources: &[&str], packing: Packing| WeightDesc {
+        name: name.into(),
+        dtype: DType::Bf16,
+        bytes: shape.iter().product::<u64>() * 2,
+        shape,
+        sources: sources.iter().map(|s| s.to_string()).collect(),
+        packing,
+        offset: 0,
+    };
+    Plan {
+        name: "t".into(),
+        compiler: "test".into(),
+        model: ModelDesc {
+            head: specplan_format::HeadKind::Eagle1,
+            target_hidden: 256,
+            draft_vocab: None,
+            hidden: 256,
+            intermediate: 688,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            layers: 2,
+            vocab: 1000,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e4,
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: 512,
+            fc_bias: false,
+        },
+        spec: SpecDesc {
+            topk: 4,
+            num_steps: 3,
+            num_draft_tokens: 4,
+        },
+        capture: CaptureDesc {
+            page_size: 4,
+            max_context_len: 512,
+            max_pages_per_request: 128,
+            kv_pool_pages: 100,
+            max_requests: 8,
+            scratch_page: 99,
+            dtype: DType::Bf16,
+            hot_vocab_size: None,
+            outputs: specplan_format::HeadOutputs::TOPK,
+        },
+        target: TargetDesc { sm: 90, nvrtc: None },
+        rope_inv_freq: vec![],
+        layers: vec![],
+        weights: vec![
+            w(
+                "embed_tokens.weight",
+                vec![1000, 256],
+                &["embed_tokens.weight"],
+                Packing::Single,
+            ),
+            w(
+                "layers.0.self_attn.qkv_proj.weight",
+                vec![512, 256],
+                &[
+                    "layers.0.self_attn.q_proj.weight",
+                    "layers.0.self_attn.k_proj.weight",
+                    "layers.0.self_attn.v_proj.weight",
+                ],
+                Packing::ConcatRows,
+            ),
+        ],
+        weight_bytes: 0,
+        kernels: vec![],
+        fusions: vec![],
+        buckets: vec![],
+    }
+}
+
+fn kv_ok() -> KvRegistration {
+    KvRegistration::dense(vec![0x10_0000, 0x20_0000], vec![0x30_0000, 0x40_0000], 100, 128, 64)
+}
+
+#[test]
+fn kv_registration_rules() {
+    let p = plan();
+    assert!(check_kv(&p, &kv_ok()).is_ok());
+    let mut kv = kv_ok();
+    kv.k.pop();
+    assert!(check_kv(&p, &kv).unwrap_err().to_string().contains("2 layers"));
+    let mut kv = kv_ok();
+    kv.v[1] = 0x40_0008;
+    assert!(check_kv(&p, &kv).unwrap_err().to_string().contains("v_cache[1]"));
+    let mut kv = kv_ok();
+    kv.geom.page_stride = 130;
+    assert!(check_kv(&p, &kv).unwrap_err().to_string().contains("multiple of 8"));
+    // A slot stride below a slot's two heads of 64: slots would overlap.
+    let mut kv = kv_ok();
+    kv.geom.slot_stride = 64;
+    kv.geom.page_stride = 64;
+    let e = check_kv(&p, &kv).unwrap_err().to_string();
+    assert!(e.contains("share an address"), "{e}");
+    let mut kv = kv_ok();
+    kv.geom.slots = 0;
+    assert!(check_kv(&p, &kv).is_err());
+    let mut kv = kv_ok();
+    kv.k[0] = u64::MAX - 15;
+    assert!(check_kv(&p, &kv).unwrap_err().to_string().contains("overflows"));
+}
+
+/// The engines' layouts in place: SGLang NHD and HND pools, vLLM's packed `[.., 2·D]`
+/// tensors with V at K + D (NHD and HND); overlapping K and V are refused.
+#[test]
+fn engine_kv_layouts_register_in_place() {
+    let p = plan();
+    let (h, d) = (2u64, 64u64);
+    // SGLang HND: (pages, H, P, D) with P = 4.
+    let hnd = KvGeometry {
+        slots: 400,
+        page: 4,
+        page_stride: h * 4 * d,
+        slot_stride: d,
+        head_stride: 4 * d,
+    };
+    let reg = |k: u64, v: u64, geom| KvRegistration {
+        k: vec![k, k + (1 << 24)],
+        v: vec![v, v + (1 << 24)],
+        geom,
+    };
+    assert!(check_kv(&p, &reg(0x100_0000, 0x180_0000, hnd)).is_ok());
+    // vLLM NHD: [blocks, block 16, H, 2D], V = K + D elements.
+    let vllm = KvGeometry {
+        slots: 16 * 10,
+        page: 16,
+        page_stride: 16 * h * 2 * d,
+        slot_stride: h * 2 * d,
+        head_stride: 2 * d,
+    };
+    assert!(check_kv(&p, &reg(0x100_0000, 0x100_0000 + d * 2, vllm)).is_ok());
+    assert_eq!(vllm.canonical().page, 1, "back-to-back blocks need no division");
+    // vLLM HND: [blocks, H, block, 2D].
+    let vllm_hnd = KvGeometry {
+        slots: 16 * 10,
+        page: 16,
+        page_stride: h * 16 * 2 * d,
+        slot_stride: 2 * d,
+        head_stride: 16 * 2 * d,
+    };
+    assert!(check_kv(&p, &reg(0x100_0000, 0x100_0000 + d * 2, vllm_hnd)).is_ok());
+    assert_eq!(vllm_hnd.canonical().page, 16);
+    // V at K + D/2 would overlap K's elements.
+    let e = check_kv(&p, &reg(0x100_0000, 0x100_0000 + d, vllm))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("share an address"), "{e}");
+    // Element offsets follow the geometry.
+    assert_eq!(hnd.offset(5, 1, 3), Some(2 * 4 * 64 + 64 + 4 * 64 + 3));
+}
+
+#[test]
+fn table_registration_rules() {
+    let p = plan();
+    let t = TableRegistration {
+        ptr: 0x100,
+        mode: TableMode::TokenSlots,
+        rows: 4,
+        cols: 64,
+        stride: 64,
+        page_size: 1,
+    };
+    assert!(check_table(&p, &t).is_ok());
+    let e = check_table(
+        &p,
+        &TableRegistration {
+            page_size: 4,
+            ..t.clone()
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("one token per entry"), "{e}");
+    assert!(check_table(
+        &p,
+        &TableRegistration {
+            stride: 63,
+            ..t.clone()
+        }
+    )
+    .is_err());
+    assert!(check_table(
+        &p,
+        &TableRegistration {
+            ptr: 0x102,
+            ..t.clone()
+        }
+    )
+    .is_err());
+    // Four token columns cannot hold N = 4 new positions after any prefix.
+    let e = check_table(
+        &p,
+        &TableRegistration {
+            cols: 4,
+            stride: 4,
+            ..t.clone()
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("req_to_token"), "{e}");
+    // Page ids: 2 pages of 4 tokens are 8 positions.
+    assert!(check_table(
+        &p,
+        &TableRegistration {
+            mode: TableMode::PageIds,
+            cols: 2,
+            stride: 2,
+            page_size: 4,
+            ..t.clone()
+        }
+    )
+    .is_ok());
+    // A block size other than the plan's page_size would land on other tokens' slots.
+    let e = check_table(
+        &p,
+        &TableRegistration {
+            mode: TableMode::PageIds,
+            cols: 2,
+            stride: 2,
+            page_size: 16,
+            ..t
+        },
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("block_table: 16 tokens per entry, the plan needs 4"),
+        "{e}"
+    );
+}
+
+#[test]
+fn layout_words_follow_the_kernels_indices() {
+    let t = TableRegistration {
+        ptr: 0x100,
+        mode: TableMode::TokenSlots,
+        rows: 4,
+        cols: 64,
+        stride: 80,
+        page_size: 1,
+    };
+    let w = layout_words(&kv_ok(), &t);
+    assert_eq!(w[kv::KV_WORD_MODE], 1);
+    assert_eq!(
+        (
+            w[kv::KV_WORD_TABLE_ROWS],
+            w[kv::KV_WORD_TABLE_COLS],
+            w[kv::KV_WORD_TABLE_STRIDE]
+        ),
+        (4, 64, 80)
+    );
+    assert_eq!((w[kv::KV_WORD_SLOTS], w[kv::KV_WORD_KV_STRIDE]), (100, 128));
+    assert_eq!(
+        (
+            w[kv::KV_WORD_PHYS_PAGE],
+            w[kv::KV_WORD_PAGE_STRIDE],
+            w[kv::KV_WORD_HEAD_STRIDE]
+        ),
+        (1, 128, 64)
+    );
+}
+
+#[test]
+fn weights_bind_in_place_or_packed() {
+    let p = plan();
+    let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {
+        ptr,
+        dtype: DType::Bf16,
+        shape,
+    };
+    let mut tensors = HashMap::new();
+    tensors.insert("embed_tokens.weight".to_string(), t(0x10_0000, vec![1000, 256]));
+    tensors.insert(
+        "layers.0.self_attn.q_proj.weight".to_string(),
+        t(0x20_0000, vec![256, 256]),
+    );
+    tensors.insert(
+        "layers.0.self_attn.k_proj.weight".to_string(),
+        t(0x30_0000, vec![128, 256]),
+    );
+    tensors.insert(
+        "layers.0.self_attn.v_proj.weight".to_string(),
+        t(0x40_0000, vec![128, 256]),
+    );
+    let b = bind_weights(&p, &tensors, &|_| None).expect("binds");
+    assert_eq!(b[0], WeightBinding::InPlace(0x10_0000));
+    assert_eq!(
+        b[1],
+        WeightBinding::Concat(vec![
+            (0x20_0000, 256 * 256 * 2),
+            (0x30_0000, 128 * 256 * 2),
+            (0x40_0000, 128 * 256 * 2)
+        ])
+    );
+    // The packed weight itself, when given, is used in place.
+    tensors.insert(
+        "layers.0.self_attn.qkv_proj.weight".to_string(),
+        t(0x50_0000, vec![512, 256]),
+    );
+    assert_eq!(
+        bind_weights(&p, &tensors, &|_| None).expect("binds")[1],
+        WeightBinding::InPlace(0x50_0000)
+    );
+    // A wrong shape names the tensor and both shapes; a missing source is named.
+    tensors.get_mut("embed_tokens.weight").expect("embed").shape[0] = 999;
+    let e = bind_weights(&p, &tensors, &|_| None).unwrap_err().to_string();
+    assert!(e.contains("embed_tokens.weight") && e.contains("expected"), "{e}");
+    tensors.remove("embed_tokens.weight");
+    let e = bind_weights(&p, &tensors, &|_| None).unwrap_err().to_string();
+    assert!(e.contains("neither it nor its source"), "{e}");
+    tensors.insert("embed_tokens.weight".to_string(), t(0x10_0008, vec![1000, 256]));
+    let e = bind_weights(&p, &tensors, &|_| None).unwrap_err().to_string();
+    assert!(e.contains("16-byte"), "{e}");
+}

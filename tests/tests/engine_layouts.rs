@@ -1,0 +1,438 @@
+//! The CPU engine on engines' K/V layouts in place — SGLang's NHD and HND token pools
+//! (token-slot tables), vLLM's packed `[.., 2·D]` tensors with V at K + D (NHD and HND,
+//! page-id tables) — against the CPU executor on its own dense pool, on fresh random data
+//! (the seed is printed): every layout gives the same outputs bit for bit, those equal the
+//! dense run within bf16 rounding of the written K/V, every written element lands where
+//! the geometry says, nothing else in the caller's memory changes, and a refused request
+//! writes nothing and gets zero outputs.
+
+use std::collections::HashMap;
+
+use specplan_compiler::config::{resolve, Overrides, Source};
+use specplan_compiler::{compile, Target};
+use specplan_format::{signature, DType, ValidatedPlan};
+use specplan_kernels::kv::{DeviceRule, KvGeometry, TableMode};
+use specplan_runtime::bits::{from_act_bits, to_act_bits};
+use specplan_runtime::cpu::engine::{CpuEngine, HostOutputs, HostStep, Ints};
+use specplan_runtime::cpu::WeightData;
+use specplan_runtime::registration::{DeviceTensor, EngineMemory, KvRegistration, TableRegistration};
+use specplan_tests::random::{make_case, random_weights, Case};
+use specplan_tests::reference::cpu_reference;
+use specplan_tests::{seed, Rng};
+
+fn plan(page_size: u32, outputs: &str) -> ValidatedPlan {
+    let cfg = resolve(
+        &Source::Preset("tiny".into()),
+        &Overrides {
+            page_size: Some(page_size),
+            outputs: Some(outputs.into()),
+            ..Default::default()
+        },
+    )
+    .expect("tiny resolves");
+    compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("tiny compiles")
+        .plan
+}
+
+/// Host copies of the plan's weights under their own names (bf16 bits, i64 ids).
+struct HostWeights {
+    act: Vec<Vec<u16>>,
+    ids: Vec<Vec<i64>>,
+    tensors: HashMap<String, DeviceTensor>,
+}
+
+fn host_weights(plan: &ValidatedPlan, w: &[WeightData]) -> HostWeights {
+    let mut hw = HostWeights {
+        act: Vec::new(),
+        ids: Vec::new(),
+        tensors: HashMap::new(),
+    };
+    for (d, data) in plan.weights.iter().zip(w) {
+        let (ptr, dtype) = match data {
+            WeightData::F32(v) => {
+                hw.act.push(to_act_bits(v, plan.capture.dtype));
+                (hw.act.last().map_or(0, |x| x.as_ptr() as u64), plan.capture.dtype)
+            }
+            WeightData::I64(v) => {
+                hw.ids.push(v.clone());
+                (hw.ids.last().map_or(0, |x| x.as_ptr() as u64), DType::I64)
+            }
+        };
+        hw.tensors.insert(
+            d.name.clone(),
+            DeviceTensor {
+                ptr,
+                dtype,
+                shape: d.shape.clone(),
+            },
+        );
+    }
+    hw
+}
+
+/// One engine layout: how K and V of a (page, offset) slot sit in one host buffer per layer.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// SGLang NHD: K and V separate `[slots, H, D]`, token-slot table.
+    SglangNhd,
+    /// SGLang HND: `[pages, H, P, D]`, token-slot table.
+    SglangHnd,
+    /// vLLM NHD: `[blocks, P, H, 2·D]`, V at K + D, page-id table.
+    VllmNhd,
+    /// vLLM HND: `[blocks, H, P, 2·D]`.
+    VllmHnd,
+}
+
+/// A host buffer of u16 whose element 0 is 16-byte aligned (what a registration asks).
+struct Buf {
+    v: Vec<u16>,
+    off: usize,
+}
+
+impl Buf {
+    fn new(elems: usize, fill: u16) -> Buf {
+        let v = vec![fill; elems + 8];
+        let off = (v.as_ptr() as usize).next_multiple_of(16) - v.as_ptr() as usize;
+        Buf { v, off: off / 2 }
+    }
+    fn get(&self, i: usize) -> u16 {
+        self.v[self.off + i]
+    }
+    fn set(&mut self, i: usize, x: u16) {
+        self.v[self.off + i] = x;
+    }
+    fn addr(&mut self) -> u64 {
+        self.v[self.off..].as_mut_ptr() as u64
+    }
+}
+
+struct Pools {
+    /// Per layer: the K buffer (and V's for SGLang; vLLM's V lives in K's, D further).
+    k: Vec<Buf>,
+    v: Vec<Buf>,
+    geom: KvGeometry,
+    packed: bool,
+}
+
+fn pools(plan: &ValidatedPlan, c: &Case, layout: Layout) -> Pools {
+    let (h, d) = (plan.model.kv_heads as u64, plan.model.head_dim as u64);
+    let p = plan.capture.page_size as u64;
+    // One spare page past the case's (the dense pool's scratch page).
+    let pages = c.used_pages as u64 + 1;
+    let slots = pages * p;
+    let (geom, packed) = match layout {
+        Layout::SglangNhd => (KvGeometry::dense(slots, h * d, d), false),
+        Layout::SglangHnd => (
+            KvGeometry {
+                slots,
+                page: p,
+                page_stride: h * p * d,
+                slot_stride: d,
+                head_stride: p * d,
+            },
+            false,
+        ),
+        Layout::VllmNhd => (
+            KvGeometry {
+                slots,
+                page: p,
+                page_stride: p * h * 2 * d,
+                slot_stride: h * 2 * d,
+                head_stride: 2 * d,
+            },
+            true,
+        ),
+        Layout::VllmHnd => (
+            KvGeometry {
+                slots,
+                page: p,
+                page_stride: h * p * 2 * d,
+                slot_stride: 2 * d,
+                head_stride: p * 2 * d,
+            },
+            true,
+        ),
+    };
+    let elems = (slots * h * d * if packed { 2 } else { 1 }) as usize;
+    // Poison-free filler that differs from every written value: the case's bits go where
+    // the geometry says, the rest of the buffer keeps a marker.
+    let mut out = Pools {
+        k: Vec::new(),
+        v: Vec::new(),
+        geom,
+        packed,
+    };
+    let per_layer = c.used_pages * (p * h * d) as usize;
+    for l in 0..plan.model.layers as usize {
+        // A filler (1.0) that no case value is guaranteed to equal, for the unwritten checks.
+        let mut kb = Buf::new(elems, 0x3f80);
+        let mut vb = Buf::new(if packed { 0 } else { elems }, 0x3f80);
+        for t in 0..(c.used_pages as u64 * p) {
+            for g in 0..h {
+                for e in 0..d {
+                    let src = l * per_layer + ((t * h + g) * d + e) as usize;
+                    let at = geom.offset(t, g, e).expect("offset") as usize;
+                    kb.set(at, c.k0[src]);
+                    if packed {
+                        kb.set(at + d as usize, c.v0[src]);
+                    } else {
+                        vb.set(at, c.v0[src]);
+                    }
+                }
+            }
+        }
+        out.k.push(kb);
+        out.v.push(vb);
+    }
+    out
+}
+
+fn read_back(plan: &ValidatedPlan, pools: &Pools, layer: usize, v: bool, t: u64, g: u64, e: u64) -> f32 {
+    let d = plan.model.head_dim as u64;
+    let at = pools.geom.offset(t, g, e).expect("offset") as usize;
+    let bits = match (v, pools.packed) {
+        (false, _) => pools.k[layer].get(at),
+        (true, true) => pools.k[layer].get(at + d as usize),
+        (true, false) => pools.v[layer].get(at),
+    };
+    from_act_bits(bits, plan.capture.dtype)
+}
+
+struct Run {
+    probs: Vec<f32>,
+    ids: Vec<i64>,
+    hidden: Vec<u16>,
+    logits: Vec<f32>,
+    pools: Pools,
+    error: Option<specplan_runtime::gpu::DeviceError>,
+}
+
+fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, accept: &[i32]) -> Run {
+    let mut pools = pools(plan, c, layout);
+    let p = plan.capture.page_size as usize;
+    let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
+    // Row i of the table: request i's pages (page ids), or its positions' token slots.
+    let cols = if token_slots {
+        c.step.page_cols * p
+    } else {
+        c.step.page_cols
+    };
+    let mut table = vec![-1i32; c.b * cols];
+    for i in 0..c.b {
+        if token_slots {
+            for pos in 0..c.pages[i].len() * p {
+                table[i * cols + pos] = c.pages[i][pos / p] * p as i32 + (pos % p) as i32;
+            }
+        } else {
+            table[i * cols..i * cols + c.pages[i].len()].copy_from_slice(&c.pages[i]);
+        }
+    }
+    let d = plan.model.head_dim as u64;
+    let (kp, vp): (Vec<u64>, Vec<u64>) = (0..plan.model.layers as usize)
+        .map(|l| {
+            let k = pools.k[l].addr();
+            // vLLM packs V in K's last dimension, D elements (2·D bytes) after K.
+            let v = if pools.packed { k + 2 * d } else { pools.v[l].addr() };
+            (k, v)
+        })
+        .unzip();
+    let mem = EngineMemory {
+        kv: KvRegistration {
+            k: kp,
+            v: vp,
+            geom: pools.geom,
+        },
+        table: TableRegistration {
+            ptr: table.as_ptr() as u64,
+            mode: if token_slots {
+                TableMode::TokenSlots
+            } else {
+                TableMode::PageIds
+            },
+            rows: c.b as u64,
+            cols: cols as u64,
+            stride: cols as u64,
+            page_size: if token_slots { 1 } else { p as u64 },
+        },
+        weights: &w.tensors,
+    };
+    // SAFETY: every address is a live host buffer of this function sized for its
+    // registration (pools for the geometry's extent past the 16-byte shift, the table for
+    // b × cols, the weights for their shapes), untouched while the engine runs.
+    let mut eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    let cols_l = signature::logits_cols(plan) as usize;
+    let outs = plan.capture.outputs;
+    let mut run = Run {
+        probs: vec![f32::NAN; if outs.topk { c.b * k } else { 0 }],
+        ids: vec![-7; if outs.topk { c.b * k } else { 0 }],
+        hidden: vec![0xffff; c.b * h],
+        logits: vec![f32::NAN; if outs.logits { c.b * cols_l } else { 0 }],
+        pools: Pools {
+            k: Vec::new(),
+            v: Vec::new(),
+            geom: pools.geom,
+            packed: pools.packed,
+        },
+        error: None,
+    };
+    let req: Vec<i64> = (0..c.b as i64).collect();
+    let prefix: Vec<i32> = c.step.prefix_lens.clone();
+    let step = HostStep {
+        input_ids: &c.step.input_ids,
+        hidden: &c.hidden_bits,
+        req: Ints::I64(&req),
+        prefix: Ints::I32(&prefix),
+        accept: Ints::I32(accept),
+        prefix_bias: 0,
+    };
+    let mut o = HostOutputs {
+        topk_p: outs.topk.then_some(&mut run.probs[..]),
+        topk_index: outs.topk.then_some(&mut run.ids[..]),
+        hidden: Some(&mut run.hidden[..]),
+        logits: outs.logits.then_some(&mut run.logits[..]),
+    };
+    eng.step(&step, &mut o).expect("steps");
+    run.error = eng.last_error();
+    drop(eng);
+    run.pools = pools;
+    run
+}
+
+#[test]
+fn engine_layouts_match_the_dense_executor() {
+    let s = seed();
+    println!("seed {s:#x}");
+    let mut rng = Rng(s);
+    for (page, outputs) in [(4u32, "topk,logits"), (1, "topk"), (4, "logits")] {
+        let plan = plan(page, outputs);
+        let w = random_weights(&plan, &mut rng);
+        let hw = host_weights(&plan, &w);
+        let c = make_case(&plan, &mut rng, 3, 9);
+        let (want, pool) = cpu_reference(&plan, &w, &c).expect("reference");
+        let layouts: &[Layout] = if page == 1 {
+            &[Layout::SglangNhd, Layout::VllmNhd]
+        } else {
+            &[Layout::SglangNhd, Layout::SglangHnd, Layout::VllmNhd, Layout::VllmHnd]
+        };
+        let runs: Vec<Run> = layouts
+            .iter()
+            .map(|&l| run_layout(&plan, &hw, &c, l, &c.step.accept_lens))
+            .collect();
+        let act = plan.capture.dtype;
+        for (l, r) in layouts.iter().zip(&runs) {
+            let tag = format!("page {page}, outputs {outputs}, {l:?}");
+            assert!(r.error.is_none(), "{tag}: {:?}", r.error);
+            // Every layout runs the same math on the same values: equal bit for bit.
+            assert_eq!(r.hidden, runs[0].hidden, "{tag}: hidden differs from {:?}", layouts[0]);
+            assert_eq!(r.ids, runs[0].ids, "{tag}");
+            assert_eq!(
+                r.probs.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                runs[0].probs.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{tag}"
+            );
+            assert_eq!(
+                r.logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                runs[0].logits.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{tag}"
+            );
+            // Against the dense executor (which keeps written K/V in f32): within bf16's
+            // rounding of what this step wrote and read back.
+            for (i, (&a, &b)) in r.hidden.iter().zip(&want.hidden_out).enumerate() {
+                let a = from_act_bits(a, act);
+                assert!((a - b).abs() <= 3e-2 * (1.0 + b.abs()), "{tag}: hidden[{i}] {a} vs {b}");
+            }
+            for (i, (&a, &b)) in r.logits.iter().zip(&want.logits).enumerate() {
+                assert!((a - b).abs() <= 3e-2 * (1.0 + b.abs()), "{tag}: logits[{i}] {a} vs {b}");
+            }
+            for (i, (&a, &b)) in r.probs.iter().zip(&want.topk_probs).enumerate() {
+                assert!((a - b).abs() <= 2e-2, "{tag}: topk_p[{i}] {a} vs {b}");
+            }
+            // Written K/V: each request's N new positions hold the dense run's values
+            // (rounded); every other element is the case's original or the filler.
+            let (hh, d, p) = (plan.model.kv_heads as u64, plan.model.head_dim as u64, page as u64);
+            let n = plan.spec.num_draft_tokens as usize;
+            let per_layer = c.used_pages * (p * hh * d) as usize;
+            let mut written = std::collections::HashSet::new();
+            for i in 0..c.b {
+                for j in 0..n {
+                    let pos = c.step.prefix_lens[i] as usize + j;
+                    let t = c.pages[i][pos / page as usize] as u64 * p + (pos % page as usize) as u64;
+                    written.insert(t);
+                }
+            }
+            for layer in 0..plan.model.layers as usize {
+                for t in 0..c.used_pages as u64 * p {
+                    for g in 0..hh {
+                        for e in 0..d {
+                            let dense = ((t * hh + g) * d + e) as usize;
+                            for (v, orig, dense_pool) in [(false, &c.k0, &pool.k), (true, &c.v0, &pool.v)] {
+                                let got = read_back(&plan, &r.pools, layer, v, t, g, e);
+                                if written.contains(&t) {
+                                    let want = dense_pool[layer][dense];
+                                    let want_r = specplan_runtime::bits::round_act(want, act);
+                                    let what = if v { "V" } else { "K" };
+                                    // Layer 0's K/V do not depend on this step's rounded
+                                    // cache reads: exact. Later layers read them back.
+                                    if layer == 0 {
+                                        assert_eq!(got, want_r, "{tag}: layer 0 {what} slot {t} head {g} [{e}]");
+                                    } else {
+                                        assert!(
+                                            (got - want).abs() <= 3e-2 * (1.0 + want.abs()),
+                                            "{tag}: layer {layer} {what} slot {t} head {g} [{e}]: {got} vs {want}"
+                                        );
+                                    }
+                                } else {
+                                    let o = from_act_bits(orig[layer * per_layer + dense], act);
+                                    assert_eq!(got.to_bits(), o.to_bits(), "{tag}: unwritten slot {t} changed");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_refused_request_writes_nothing_and_has_zero_outputs() {
+    let s = seed();
+    println!("seed {s:#x}");
+    let mut rng = Rng(s ^ 0x5a5a);
+    let plan = plan(4, "topk,logits");
+    let w = random_weights(&plan, &mut rng);
+    let hw = host_weights(&plan, &w);
+    let c = make_case(&plan, &mut rng, 3, 9);
+    let good = run_layout(&plan, &hw, &c, Layout::VllmNhd, &c.step.accept_lens);
+    let mut accept = c.step.accept_lens.clone();
+    accept[1] = plan.spec.num_draft_tokens as i32 + 1;
+    let bad = run_layout(&plan, &hw, &c, Layout::VllmNhd, &accept);
+    let e = bad.error.as_ref().expect("request 1 is refused");
+    assert_eq!((e.count, e.request, e.rule), (1, 1, Some(DeviceRule::Accept)));
+    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    let cols = signature::logits_cols(&plan) as usize;
+    // Request 1's rows are zeros; the others equal the run without the refusal.
+    assert!(bad.hidden[h..2 * h]
+        .iter()
+        .all(|&x| from_act_bits(x, plan.capture.dtype) == 0.0));
+    assert!(bad.logits[cols..2 * cols].iter().all(|&x| x == 0.0));
+    assert!(bad.probs[k..2 * k].iter().all(|&x| x == 0.0) && bad.ids[k..2 * k].iter().all(|&x| x == 0));
+    for i in [0usize, 2] {
+        assert_eq!(bad.hidden[i * h..(i + 1) * h], good.hidden[i * h..(i + 1) * h]);
+        assert_eq!(bad.ids[i * k..(i + 1) * k], good.ids[i * k..(i + 1) * k]);
+    }
+    // Request 1's new positions keep the case's values.
+    let (hh, d, p) = (plan.model.kv_heads as u64, plan.model.head_dim as u64, 4u64);
+    let per_layer = c.used_pages * (p * hh * d) as usize;
+    for j in 0..plan.spec.num_draft_tokens as usize {
+        let pos = c.step.prefix_lens[1] as usize + j;
+        let t = c.pages[1][pos / 4] as u64 * p + (pos % 4) as u64;
+        for layer in 0..plan.model.layers as usize {
+            let got = read_back(&plan, &bad.pools, layer, false, t, 0, 0);
+            let o = from_act_bits(c.k0[layer * per_layer + (t * hh * d) as usize], plan.capture.dtype);
+            assert_eq!(got.to_bits(), o.to_bits(), "refused request 1 wrote slot {t}");
+        }
+    }
+}
