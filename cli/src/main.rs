@@ -158,8 +158,10 @@ struct InputArgs {
     #[arg(long)]
     hot_vocab_size: Option<u32>,
     /// What the head emits per request besides its hidden row: topk (the fused top-K,
-    /// target ids), logits (the selected row's logits over the lm_head's rows, for an
-    /// engine that samples itself, as SGLang's draft-extend slot does) or topk,logits.
+    /// target ids), topk-draft (the fused top-K with ids left in the lm_head's vocabulary,
+    /// for an engine that maps them itself), logits (the selected row's logits over the
+    /// lm_head's rows, for an engine that samples itself, as SGLang's draft-extend slot
+    /// does), or a top-K and logits joined by a comma.
     #[arg(long)]
     outputs: Option<String>,
 }

@@ -340,7 +340,14 @@ fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
     let probs = g.act("probs", DType::F32, vec![b, f(vh)]);
     g.op("softmax", OpKind::Softmax, vec![logits], vec![probs]);
     let top_p = g.output(io::TOPK_PROBS, DType::F32, vec![b, f(k)]);
-    match (cfg.capture.hot_vocab_size, m.draft_vocab) {
+    // Ids left unmapped (`topk-draft`): the lm_head's row indices, for an engine that maps
+    // them itself.
+    let map = if outputs.draft_ids {
+        (None, None)
+    } else {
+        (cfg.capture.hot_vocab_size, m.draft_vocab)
+    };
+    match map {
         (None, Some(vd)) => {
             let draft_idx = g.act("topk_draft_ids", DType::I64, vec![b, f(k)]);
             g.op(

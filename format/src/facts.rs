@@ -26,8 +26,8 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         inv_freq: inv_freq.to_vec(),
         window: 0,
         has_bias: m.fc_bias,
-        hot_map: c.hot_vocab_size.is_some(),
-        id_offset: m.draft_vocab.is_some(),
+        hot_map: c.hot_vocab_size.is_some() && c.outputs.maps_ids(),
+        id_offset: m.draft_vocab.is_some() && c.outputs.maps_ids(),
         out_topk: c.outputs.topk,
         out_logits: c.outputs.logits,
     }

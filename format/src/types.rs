@@ -116,53 +116,68 @@ pub struct CaptureDesc {
 }
 
 /// The head's per-request outputs besides `hidden_out`: the fused top-K (`topk_probs`,
-/// `topk_ids`, ids in the target vocabulary) and/or the selected row's `logits` over the
-/// lm_head's rows (the draft or hot vocabulary, ids unmapped: what SGLang's draft-extend
-/// slot returns and samples itself). At least one is set.
+/// `topk_ids`) and/or the selected row's `logits` over the lm_head's rows (the draft or hot
+/// vocabulary, unmapped: what SGLang's draft-extend slot returns and samples itself). At
+/// least one is set. The top-K ids are target ids (mapped through d2t or the FR-Spec hot
+/// map), or with `draft_ids` the lm_head's own row indices, unmapped — for an engine that
+/// maps them itself (SGLang's `draft_forward` applies `hot_token_id`), so no id is mapped
+/// twice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HeadOutputs {
     pub topk: bool,
     pub logits: bool,
+    pub draft_ids: bool,
 }
 
 impl HeadOutputs {
     pub const TOPK: HeadOutputs = HeadOutputs {
         topk: true,
         logits: false,
+        draft_ids: false,
     };
     pub const LOGITS: HeadOutputs = HeadOutputs {
         topk: false,
         logits: true,
-    };
-    pub const BOTH: HeadOutputs = HeadOutputs {
-        topk: true,
-        logits: true,
+        draft_ids: false,
     };
 
-    /// `topk`, `logits` or `topk,logits` (the flag's spelling).
+    /// The flag's spelling: `topk` or `topk-draft` and/or `logits`, joined by a comma.
     pub fn name(self) -> &'static str {
-        match (self.topk, self.logits) {
-            (true, false) => "topk",
-            (false, true) => "logits",
-            (true, true) => "topk,logits",
-            (false, false) => "none",
+        match (self.topk, self.draft_ids, self.logits) {
+            (true, false, false) => "topk",
+            (true, true, false) => "topk-draft",
+            (false, _, true) => "logits",
+            (true, false, true) => "topk,logits",
+            (true, true, true) => "topk-draft,logits",
+            (false, _, false) => "none",
         }
     }
 
-    /// Parses the flag's spelling: `topk`, `logits`, or both joined by `,` or `+`.
+    /// Parses the flag's spelling: `topk`, `topk-draft` (ids unmapped), `logits`, or a top-K
+    /// and `logits` joined by `,` or `+`.
     pub fn parse(s: &str) -> Option<HeadOutputs> {
         let mut o = HeadOutputs {
             topk: false,
             logits: false,
+            draft_ids: false,
         };
         for part in s.split([',', '+']) {
             match part.trim() {
                 "topk" if !o.topk => o.topk = true,
+                "topk-draft" if !o.topk => {
+                    o.topk = true;
+                    o.draft_ids = true;
+                }
                 "logits" if !o.logits => o.logits = true,
                 _ => return None,
             }
         }
         (o.topk || o.logits).then_some(o)
+    }
+
+    /// Whether the top-K ids go through the plan's id map (d2t or the FR-Spec hot map).
+    pub fn maps_ids(self) -> bool {
+        self.topk && !self.draft_ids
     }
 }
 

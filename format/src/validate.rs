@@ -449,6 +449,9 @@ fn capture(p: &Plan, e: &mut Errors) {
     e.field(c.outputs.topk || c.outputs.logits, "capture.outputs", || {
         "names no output besides hidden_out (expected topk, logits or both)".into()
     });
+    e.field(c.outputs.topk || !c.outputs.draft_ids, "capture.outputs", || {
+        "draft ids without a top-K".into()
+    });
     e.field(printable(&p.name, 256), "name", || {
         "must be 1–256 printable characters".into()
     });

@@ -6,18 +6,22 @@
 //   Constants: act_t, HIDDEN, HIDDEN_IN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
 //   Launch:    grid (batch, 1, 1), block (ADMIT_THREADS = 256, 1, 1), no dynamic shared memory.
 //   Params (by value, natural C alignment, fields in this order):
-//     src_ids     const long long*  [b, N]       the caller's token ids
+//     src_ids     const long long*  [b, N]       the caller's token ids (int32 when flags has
+//                                   ADMIT_FLAG_IDS_I32)
 //     src_hidden  const act_t*      [b, N, HIDDEN_IN]   (HIDDEN_IN: the head's input width,
 //                                   HIDDEN for EAGLE-1/2, 3 x the target's for EAGLE-3)
 //     src_req     const long long*  [b]          page-table rows (int32 when flags bit 0)
 //     src_prefix  const long long*  [b]          prefix lengths (int32 when flags bit 1)
-//     src_accept  const long long*  [b]          accept lengths (int32 when flags bit 2)
+//     src_accept  const long long*  [b]          accept lengths (int32 when flags bit 2); with
+//                                   ADMIT_FLAG_SELECT the selected rows (base+i)*N + A - 1
+//                                   instead (SGLang's select_index, vLLM's last_token_indices)
 //     out_probs, out_ids, out_hidden, out_logits where emit copies the outputs (null: not)
 //     ids, hidden, req_slots, prefix_lens, accept_lens   the bucket's input buffers
 //     page_table  const int*        the registered table; kv_layout const long long* its words
 //     status      long long*        the runtime's status words (kv.rs)
 //     b, batch, flags, prefix_bias  real requests, bucket, flags (bits 0-2: int32 inputs;
-//                                   ADMIT_FLAG_LAST: the step's last chunk), added to prefixes (i32)
+//                                   ADMIT_FLAG_LAST: the step's last chunk; ADMIT_FLAG_IDS_I32;
+//                                   ADMIT_FLAG_SELECT), added to prefixes (i32)
 //     base, epoch   the step-wide index of request 0 (chunks), the step's status tag
 //   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
 //   A = src_accept[i], request i < b is admitted when it passes, in order:
@@ -115,6 +119,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
             r = load_int(p.src_req, i, (p.flags & 1u) != 0u);
             L = load_int(p.src_prefix, i, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
             A = load_int(p.src_accept, i, (p.flags & 4u) != 0u);
+            if ((p.flags & ADMIT_FLAG_SELECT) != 0u) A = A - ((long long)p.base + i) * kN + 1;
             const long long end = L + kN;  // one past the last new position
             const long long need = lay.mode == KV_MODE_TOKENS ? end : ceil_div(end, (long long)PAGE_SIZE);
             if (r < 0 || r >= lay.rows) rule = RULE_REQUEST;
@@ -143,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
         const int j = (int)threadIdx.x;
         const int* row = kv_row(lay, p.page_table, s_req);
         bad_slot = kv_token(lay, row, s_len + j, (long long)PAGE_SIZE) < 0;
-        const long long id = p.src_ids[(long long)i * kN + j];
+        const long long id = load_int(p.src_ids, (long long)i * kN + j, (p.flags & ADMIT_FLAG_IDS_I32) != 0u);
         bad_id = id < 0 || id >= (long long)VOCAB;
     }
     const int any_slot = __syncthreads_or(bad_slot);
@@ -164,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
         p.accept_lens[i] = ok ? (int)s_acc : kN;
     }
     for (int j = (int)threadIdx.x; j < kN; j += (int)blockDim.x) {
-        p.ids[(long long)i * kN + j] = ok ? p.src_ids[(long long)i * kN + j] : 0;
+        p.ids[(long long)i * kN + j] = ok ? load_int(p.src_ids, (long long)i * kN + j, (p.flags & ADMIT_FLAG_IDS_I32) != 0u) : 0;
     }
     act_t* dst = p.hidden + (long long)i * kN * kHin;
     if (ok) {

@@ -126,6 +126,11 @@ pub const STATUS_EPOCH: usize = 8;
 pub const MIRROR_SLOTS: usize = 16;
 /// `admit`'s flag bit: this launch is the step's last chunk.
 pub const ADMIT_FLAG_LAST: u32 = 8;
+/// `admit`'s flag bit: the ids are int32 (vLLM's, older SGLang's), else int64.
+pub const ADMIT_FLAG_IDS_I32: u32 = 16;
+/// `admit`'s flag bit: the accept tensor holds each request's selected row `r·N + A − 1`
+/// in the whole batch (SGLang's `select_index`, vLLM's `last_token_indices`), else `A`.
+pub const ADMIT_FLAG_SELECT: u32 = 32;
 
 /// How a page table's entries name K/V slots.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -219,7 +224,13 @@ pub(crate) fn prelude_lines() -> String {
     ] {
         s.push_str(&format!("constexpr int {name} = {v};\n"));
     }
-    s.push_str(&format!("constexpr unsigned ADMIT_FLAG_LAST = {ADMIT_FLAG_LAST}u;\n"));
+    for (name, v) in [
+        ("ADMIT_FLAG_LAST", ADMIT_FLAG_LAST),
+        ("ADMIT_FLAG_IDS_I32", ADMIT_FLAG_IDS_I32),
+        ("ADMIT_FLAG_SELECT", ADMIT_FLAG_SELECT),
+    ] {
+        s.push_str(&format!("constexpr unsigned {name} = {v}u;\n"));
+    }
     s.push_str(&format!(
         "constexpr long long KV_MODE_TOKENS = {};\n",
         TableMode::TokenSlots.word()

@@ -136,7 +136,8 @@ class DraftExtendRunner:
         self._max_b = plan.max_requests
         self._max_ctx = plan.max_context_len
         outputs = plan.outputs.split(",")
-        self._emits_topk, self._emits_logits = "topk" in outputs, "logits" in outputs
+        self._emits_topk = any(p in ("topk", "topk-draft") for p in outputs)
+        self._emits_logits = "logits" in outputs
         kp, vp, geom, page, device, kept = self._kv(k_cache, v_cache, kv_cache, kv_layout)
         self._device = device
         self._cuda = device.type == "cuda"
@@ -335,18 +336,26 @@ class DraftExtendRunner:
         return dt is self._i32
 
     def run(self, input_ids, hidden_states, req_pool_indices, prefix_lens, accept_lens, prefix_lens_cpu=None, *,
-            prefix_includes_new_tokens=False):
+            prefix_includes_new_tokens=False, accept_is_select_index=False, out=None):
         """One draft-extend step of b = len(req_pool_indices) requests, on the current stream;
         returns once it is enqueued (no host synchronization).
 
-        input_ids         int64 [b*N] or [b, N]
+        input_ids         int64 or int32 [b*N] or [b, N]
         hidden_states     [b*N, H] or [b, N, H], the plan's dtype (the target's hidden states)
         req_pool_indices  int64/int32 [b]: rows of the registered table
         prefix_lens       int64/int32 [b]: tokens already cached per request (or SGLang's
                           seq_lens = prefix + N, with prefix_includes_new_tokens=True)
-        accept_lens       int64/int32 [b]: accepted tokens per request, in [1, N]
+        accept_lens       int64/int32 [b]: accepted tokens per request, in [1, N]; or, with
+                          accept_is_select_index=True, each request's selected row
+                          r*N + A - 1 of the batch (SGLang's select_index, vLLM's
+                          last_token_indices)
         prefix_lens_cpu   optional host copy of prefix_lens: checked here first, so a bad
                           length raises ValueError instead of being refused on the device
+        out               optional dict of the caller's output tensors ("topk_p",
+                          "topk_index", "hidden_states", "logits": contiguous, of the
+                          plan's dtypes and shapes [b, ...], on the runner's device): the
+                          device writes those outputs there instead of into the runner's
+                          own buffers (no extra copy; such a tensor outlives later runs)
         """
         torch = self._torch
         if not isinstance(req_pool_indices, torch.Tensor):
@@ -362,8 +371,8 @@ class DraftExtendRunner:
         n = self._n
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
-        if input_ids.dtype is not self._i64:
-            raise TypeError(f"input_ids: dtype {input_ids.dtype}, expected torch.int64")
+        if input_ids.dtype is not self._i64 and input_ids.dtype is not self._i32:
+            raise TypeError(f"input_ids: dtype {input_ids.dtype}, expected torch.int64 or torch.int32")
         if tuple(input_ids.shape) not in ((b * n,), (b, n)):
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected [{b * n}] or [{b}, {n}]")
         if input_ids.get_device() != self._index or not input_ids.is_contiguous():
@@ -383,17 +392,52 @@ class DraftExtendRunner:
         if prefix_lens_cpu is not None:
             self._check_lengths(prefix_lens_cpu, b, bias)
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        dst = self._outputs(out, b)
+        if not isinstance(accept_is_select_index, bool):
+            raise TypeError(f"accept_is_select_index: expected a bool, got {type(accept_is_select_index).__name__}")
         self._engine.step(
-            b, input_ids.data_ptr(), hidden_states.data_ptr(), req_pool_indices.data_ptr(), req_i32,
-            prefix_lens.data_ptr(), prefix_i32, bias, accept_lens.data_ptr(), accept_i32,
-            ptr(self._out_p), ptr(self._out_i), self._out_h.data_ptr(), ptr(self._out_l), self._stream(),
+            b, input_ids.data_ptr(), input_ids.dtype is self._i32, hidden_states.data_ptr(),
+            req_pool_indices.data_ptr(), req_i32, prefix_lens.data_ptr(), prefix_i32, bias,
+            accept_lens.data_ptr(), accept_i32, accept_is_select_index,
+            ptr(dst[0]), ptr(dst[1]), dst[2].data_ptr(), ptr(dst[3]), self._stream(),
         )
-        out = self._views.get(b)
+        if out is not None:
+            return DraftExtendOutput(*dst)
+        views = self._views.get(b)
+        if views is None:
+            views = DraftExtendOutput(*dst)
+            self._views[b] = views
+        return views
+
+    def _outputs(self, out, b):
+        """(topk_p, topk_index, hidden_states, logits) for a step of b: the caller's tensors
+        where `out` gives them (checked), else views of the runner's own buffers."""
+        view = lambda t: None if t is None else t[:b]  # noqa: E731
+        own = [view(self._out_p), view(self._out_i), self._out_h[:b], view(self._out_l)]
         if out is None:
-            view = lambda t: None if t is None else t[:b]  # noqa: E731
-            out = DraftExtendOutput(view(self._out_p), view(self._out_i), self._out_h[:b], view(self._out_l))
-            self._views[b] = out
-        return out
+            return own
+        if not isinstance(out, dict):
+            raise TypeError(f"out: expected a dict of output tensors, got {type(out).__name__}")
+        torch = self._torch
+        names = ("topk_p", "topk_index", "hidden_states", "logits")
+        dtypes = (torch.float32, torch.int64, self._act, torch.float32)
+        for key in out:
+            if key not in names:
+                raise ValueError(f"out: unknown output {key!r} (expected {', '.join(names)})")
+        for i, (name, dt) in enumerate(zip(names, dtypes)):
+            t = out.get(name)
+            if t is None:
+                continue
+            what = f"out[{name!r}]"
+            _need_tensor(torch, what, t)
+            if own[i] is None:
+                raise ValueError(f"{what}: the plan does not emit it (outputs={self.plan.outputs})")
+            if t.dtype != dt or tuple(t.shape) != tuple(own[i].shape):
+                raise ValueError(f"{what}: {t.dtype} {tuple(t.shape)}, expected {dt} {tuple(own[i].shape)}")
+            if t.get_device() != self._index or not t.is_contiguous():
+                raise ValueError(f"{what}: must be contiguous on {self._device}")
+            own[i] = t
+        return own
 
     def _check_lengths(self, lens, b, bias):
         values = lens.tolist() if hasattr(lens, "tolist") else list(lens)

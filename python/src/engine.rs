@@ -12,8 +12,8 @@ use pyo3::prelude::*;
 use specplan_format::{signature, DType, Replay, ValidatedPlan};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
 use specplan_runtime::gpu::{
-    DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions,
-    GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode, TableRegistration,
+    AcceptForm, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuError,
+    GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode, TableRegistration,
 };
 use specplan_runtime::registration::RegError;
 
@@ -120,6 +120,14 @@ fn registration(
     })
 }
 
+fn accept_form(select: bool) -> AcceptForm {
+    if select {
+        AcceptForm::SelectRows
+    } else {
+        AcceptForm::Lengths
+    }
+}
+
 /// Whether a captured graph serves a batch of `b` (the smallest bucket ≥ b, when it
 /// replays as a graph).
 fn graph_serves(graph: &[(u32, bool)], b: usize) -> bool {
@@ -202,15 +210,16 @@ impl Engine {
     }
 
     /// One draft-extend step of `b` requests on the caller's stream: addresses of the
-    /// inputs (`*_i32`: the tensor holds int32, else int64) and of the outputs (0: not
-    /// copied), copied to by the device. Returns once enqueued: no synchronization, no
-    /// host copy.
-    #[pyo3(signature = (b, input_ids, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, out_probs, out_ids, out_hidden, out_logits, stream))]
+    /// inputs (`*_i32`: the tensor holds int32, else int64; `accept_select`: the accept
+    /// tensor holds the selected rows r·N + A − 1) and of the outputs (0: not copied),
+    /// copied to by the device. Returns once enqueued: no synchronization, no host copy.
+    #[pyo3(signature = (b, input_ids, ids_i32, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, accept_select, out_probs, out_ids, out_hidden, out_logits, stream))]
     #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
         b: usize,
         input_ids: u64,
+        ids_i32: bool,
         hidden_states: u64,
         req: u64,
         req_i32: bool,
@@ -219,6 +228,7 @@ impl Engine {
         prefix_bias: i32,
         accept: u64,
         accept_i32: bool,
+        accept_select: bool,
         out_probs: u64,
         out_ids: u64,
         out_hidden: u64,
@@ -228,6 +238,7 @@ impl Engine {
         let s = DeviceStep {
             b,
             input_ids,
+            ids_i32,
             hidden_states,
             req_pool_indices: DeviceInts { ptr: req, i32: req_i32 },
             prefix_lens: DeviceInts {
@@ -238,6 +249,7 @@ impl Engine {
                 ptr: accept,
                 i32: accept_i32,
             },
+            accept_form: accept_form(accept_select),
             prefix_bias,
             outputs: DeviceOutputs {
                 topk_p: out_probs,
@@ -340,13 +352,14 @@ impl CpuEngine {
     }
 
     /// As `Engine.step`, on host addresses (runs to completion; `stream` is ignored).
-    #[pyo3(signature = (b, input_ids, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, out_probs, out_ids, out_hidden, out_logits, stream=0))]
+    #[pyo3(signature = (b, input_ids, ids_i32, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, accept_select, out_probs, out_ids, out_hidden, out_logits, stream=0))]
     #[allow(clippy::too_many_arguments)]
     fn step(
         &mut self,
         py: Python<'_>,
         b: usize,
         input_ids: u64,
+        ids_i32: bool,
         hidden_states: u64,
         req: u64,
         req_i32: bool,
@@ -355,6 +368,7 @@ impl CpuEngine {
         prefix_bias: i32,
         accept: u64,
         accept_i32: bool,
+        accept_select: bool,
         out_probs: u64,
         out_ids: u64,
         out_hidden: u64,
@@ -377,21 +391,21 @@ impl CpuEngine {
         // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
         // [b, ...] and contiguity on the CPU before passing its address, and holds it for
         // the call; outputs are the runner's own tensors of the plan's shapes.
-        let ints = |p: u64, i32: bool| unsafe {
+        let ints = |p: u64, i32: bool, len: usize| unsafe {
             if i32 {
-                Ints::I32(std::slice::from_raw_parts(p as *const i32, b))
+                Ints::I32(std::slice::from_raw_parts(p as *const i32, len))
             } else {
-                Ints::I64(std::slice::from_raw_parts(p as *const i64, b))
+                Ints::I64(std::slice::from_raw_parts(p as *const i64, len))
             }
         };
         let x = HostStep {
-            // SAFETY: as above.
-            input_ids: unsafe { std::slice::from_raw_parts(input_ids as *const i64, b * n) },
+            input_ids: ints(input_ids, ids_i32, b * n),
             // SAFETY: as above.
             hidden: unsafe { std::slice::from_raw_parts(hidden_states as *const u16, b * n * hin) },
-            req: ints(req, req_i32),
-            prefix: ints(prefix, prefix_i32),
-            accept: ints(accept, accept_i32),
+            req: ints(req, req_i32, b),
+            prefix: ints(prefix, prefix_i32, b),
+            accept: ints(accept, accept_i32, b),
+            accept_form: accept_form(accept_select),
             prefix_bias,
         };
         // SAFETY: as above; a null address leaves that output uncopied.

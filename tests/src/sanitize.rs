@@ -92,9 +92,17 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
     if prefill_gemm_outputs {
         return Ok(());
     }
-    let blocks = plan.capture.page_size > 1;
-    for b in [smallest, max_b] {
-        crate::engine::engine_once(plan, rng, blocks, b)?;
+    // Token pools at page 1; paged plans run SGLang's HND pool and vLLM's packed blocks
+    // (strided K/V addressing in every kernel that touches the cache).
+    let layouts: &[crate::engine::Layout] = if plan.capture.page_size > 1 {
+        &[crate::engine::Layout::SglangHnd, crate::engine::Layout::VllmNhd]
+    } else {
+        &[crate::engine::Layout::SglangNhd]
+    };
+    for &layout in layouts {
+        for b in [smallest, max_b] {
+            crate::engine::engine_once(plan, rng, layout, b)?;
+        }
     }
     Ok(())
 }

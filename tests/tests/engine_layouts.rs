@@ -15,6 +15,7 @@ use specplan_kernels::kv::{DeviceRule, KvGeometry, TableMode};
 use specplan_runtime::bits::{from_act_bits, to_act_bits};
 use specplan_runtime::cpu::engine::{CpuEngine, HostOutputs, HostStep, Ints};
 use specplan_runtime::cpu::WeightData;
+use specplan_runtime::gpu::AcceptForm;
 use specplan_runtime::registration::{DeviceTensor, EngineMemory, KvRegistration, TableRegistration};
 use specplan_tests::random::{make_case, random_weights, Case};
 use specplan_tests::reference::cpu_reference;
@@ -278,14 +279,37 @@ fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, a
         error: None,
     };
     let req: Vec<i64> = (0..c.b as i64).collect();
-    let prefix: Vec<i32> = c.step.prefix_lens.clone();
-    let step = HostStep {
-        input_ids: &c.step.input_ids,
-        hidden: &c.hidden_bits,
-        req: Ints::I64(&req),
-        prefix: Ints::I32(&prefix),
-        accept: Ints::I32(accept),
-        prefix_bias: 0,
+    let n = plan.spec.num_draft_tokens as i64;
+    // vLLM's integers for its layouts: i32 ids, i32 seq_lens (prefix + N), the selected rows
+    // r·N + A − 1; SGLang's otherwise: i64 ids, i32 prefixes, accept lengths.
+    let vllm = matches!(layout, Layout::VllmNhd | Layout::VllmHnd);
+    let ids32: Vec<i32> = c.step.input_ids.iter().map(|&x| x as i32).collect();
+    let seq: Vec<i32> = c.step.prefix_lens.iter().map(|&l| l + n as i32).collect();
+    let sel: Vec<i64> = accept
+        .iter()
+        .enumerate()
+        .map(|(i, &a)| i as i64 * n + a as i64 - 1)
+        .collect();
+    let step = if vllm {
+        HostStep {
+            input_ids: Ints::I32(&ids32),
+            hidden: &c.hidden_bits,
+            req: Ints::I64(&req),
+            prefix: Ints::I32(&seq),
+            accept: Ints::I64(&sel),
+            accept_form: AcceptForm::SelectRows,
+            prefix_bias: -(n as i32),
+        }
+    } else {
+        HostStep {
+            input_ids: Ints::I64(&c.step.input_ids),
+            hidden: &c.hidden_bits,
+            req: Ints::I64(&req),
+            prefix: Ints::I32(&c.step.prefix_lens),
+            accept: Ints::I32(accept),
+            accept_form: AcceptForm::Lengths,
+            prefix_bias: 0,
+        }
     };
     let mut o = HostOutputs {
         topk_p: outs.topk.then_some(&mut run.probs[..]),

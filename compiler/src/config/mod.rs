@@ -446,7 +446,7 @@ fn read_outputs(v: &Value, o: &Overrides, e: &mut Errors) -> HeadOutputs {
         (None, Some(x)) => {
             e.push(
                 OUTPUTS.into(),
-                format!("expected \"topk\", \"logits\" or \"topk,logits\", got {x}"),
+                format!("expected \"topk\", \"topk-draft\", \"logits\" or a top-K and \"logits\" joined by a comma, got {x}"),
             );
             return HeadOutputs::TOPK;
         }
@@ -454,7 +454,7 @@ fn read_outputs(v: &Value, o: &Overrides, e: &mut Errors) -> HeadOutputs {
     HeadOutputs::parse(&text).unwrap_or_else(|| {
         e.push(
             OUTPUTS.into(),
-            format!("\"{text}\" is not an output set (expected topk, logits or topk,logits)"),
+            format!("\"{text}\" is not an output set (expected topk, topk-draft, logits, or a top-K and logits joined by a comma)"),
         );
         HeadOutputs::TOPK
     })

@@ -40,15 +40,17 @@ impl Ints<'_> {
 /// One step's inputs on the host: `b = req.len()` requests.
 #[derive(Clone, Copy, Debug)]
 pub struct HostStep<'a> {
-    /// `[b, N]`.
-    pub input_ids: &'a [i64],
+    /// `[b, N]`, i64 or i32.
+    pub input_ids: Ints<'a>,
     /// `[b, N, H_in]`, activation bits (bf16 or fp16, as the plan's dtype).
     pub hidden: &'a [u16],
     /// Rows of the registered page table.
     pub req: Ints<'a>,
     /// Tokens already cached per request, plus `prefix_bias` (−N for SGLang's `seq_lens`).
     pub prefix: Ints<'a>,
+    /// `A` per request, or (`accept_form`) each request's selected row `r·N + A − 1`.
     pub accept: Ints<'a>,
+    pub accept_form: crate::gpu::AcceptForm,
     pub prefix_bias: i32,
 }
 
@@ -206,6 +208,15 @@ impl CpuEngine {
         std::mem::take(&mut self.unpolled)
     }
 
+    /// Request `i`'s accept length (`A`, however the caller gave it).
+    fn accept(&self, x: &HostStep, i: usize) -> i64 {
+        let n = self.plan.spec.num_draft_tokens as i64;
+        match x.accept_form {
+            crate::gpu::AcceptForm::Lengths => x.accept.get(i),
+            crate::gpu::AcceptForm::SelectRows => x.accept.get(i) - i as i64 * n + 1,
+        }
+    }
+
     /// Request `i`'s table row, or the first rule it breaks in `admit`'s order.
     fn admit(&self, x: &HostStep, i: usize) -> Result<Vec<i32>, DeviceRule> {
         let p = &self.plan;
@@ -213,7 +224,7 @@ impl CpuEngine {
         let ps = p.capture.page_size as i64;
         let r = x.req.get(i);
         let l = x.prefix.get(i) + x.prefix_bias as i64;
-        let a = x.accept.get(i);
+        let a = self.accept(x, i);
         let end = l + n;
         let t = &self.table;
         let need = match t.mode {
@@ -247,8 +258,11 @@ impl CpuEngine {
         if bad_slot {
             return Err(DeviceRule::Slot);
         }
-        let ids = &x.input_ids[i * n as usize..(i + 1) * n as usize];
-        if ids.iter().any(|&id| id < 0 || id >= p.model.vocab as i64) {
+        let un = n as usize;
+        if (i * un..(i + 1) * un).any(|e| {
+            let id = x.input_ids.get(e);
+            id < 0 || id >= p.model.vocab as i64
+        }) {
             return Err(DeviceRule::Id);
         }
         Ok(row)
@@ -328,8 +342,10 @@ impl CpuEngine {
                         table.data[c * table.cols..(c + 1) * table.cols].copy_from_slice(&row);
                         inp.req_slots[c] = c as i32;
                         inp.prefix_lens[c] = (x.prefix.get(i) + x.prefix_bias as i64) as i32;
-                        inp.accept_lens[c] = x.accept.get(i) as i32;
-                        inp.input_ids[c * n..(c + 1) * n].copy_from_slice(&x.input_ids[i * n..(i + 1) * n]);
+                        inp.accept_lens[c] = self.accept(x, i) as i32;
+                        for j in 0..n {
+                            inp.input_ids[c * n + j] = x.input_ids.get(i * n + j);
+                        }
                         for (dst, &u) in inp.hidden_states[c * n * hin..(c + 1) * n * hin]
                             .iter_mut()
                             .zip(&x.hidden[i * n * hin..(i + 1) * n * hin])

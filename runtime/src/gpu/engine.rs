@@ -60,20 +60,33 @@ pub enum StepPoll {
     },
 }
 
+/// What a step's accept tensor holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AcceptForm {
+    /// `A`, accepted tokens per request.
+    #[default]
+    Lengths,
+    /// Each request's selected row `r·N + A − 1` in the whole batch (SGLang's
+    /// `select_index`, vLLM's `last_token_indices`).
+    SelectRows,
+}
+
 /// One engine-memory step: `b` requests whose inputs are the caller's device tensors.
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceStep {
     pub b: usize,
-    /// `[b, N]` i64.
+    /// `[b, N]` i64 (i32 with `ids_i32`).
     pub input_ids: u64,
+    pub ids_i32: bool,
     /// `[b, N, H]` in the plan's activation type.
     pub hidden_states: u64,
     /// `[b]` rows of the registered page table.
     pub req_pool_indices: DeviceInts,
     /// `[b]` tokens already cached per request (plus `prefix_bias`).
     pub prefix_lens: DeviceInts,
-    /// `[b]` accepted tokens per request.
+    /// `[b]` accepted tokens per request (or their selected rows: `accept_form`).
     pub accept_lens: DeviceInts,
+    pub accept_form: AcceptForm,
     /// Added to every prefix length on the device (−N when the caller passes SGLang's
     /// `seq_lens`, which count the N new tokens).
     pub prefix_bias: i32,
@@ -435,7 +448,15 @@ impl GpuRuntime {
             Mode::Owned(_) => return Err(GpuError::Mode("an engine-memory step")),
         };
         let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
-        let flags = s.req_pool_indices.i32 as u32 | (s.prefix_lens.i32 as u32) << 1 | (s.accept_lens.i32 as u32) << 2;
+        let flags = s.req_pool_indices.i32 as u32
+            | (s.prefix_lens.i32 as u32) << 1
+            | (s.accept_lens.i32 as u32) << 2
+            | if s.ids_i32 { kv::ADMIT_FLAG_IDS_I32 } else { 0 }
+            | if s.accept_form == AcceptForm::SelectRows {
+                kv::ADMIT_FLAG_SELECT
+            } else {
+                0
+            };
         let last_start = (s.b - 1) / max_b.max(1) * max_b.max(1);
         let width = |d: DeviceInts| if d.i32 { 4 } else { 8 };
         let mut info = StepInfo {
@@ -449,7 +470,7 @@ impl GpuRuntime {
             let at = |p: u64, per: u64| if p == 0 { 0 } else { p + st * per };
             let args = StepArgs {
                 ptrs: AdmitPtrs {
-                    src_ids: at(s.input_ids, n * 8),
+                    src_ids: at(s.input_ids, n * if s.ids_i32 { 4 } else { 8 }),
                     src_hidden: at(s.hidden_states, n * hin * act),
                     src_req: at(s.req_pool_indices.ptr, width(s.req_pool_indices)),
                     src_prefix: at(s.prefix_lens.ptr, width(s.prefix_lens)),

@@ -42,7 +42,7 @@ use specplan_kernels::kv;
 
 use device::{cuda, DevMem, Module};
 pub use device::{driver_report, GpuError};
-pub use engine::{DeviceError, DeviceInts, DeviceOutputs, DeviceStep, StepPoll};
+pub use engine::{AcceptForm, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, StepPoll};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
 use launch::{gemm_call, load_kernels, Launcher};

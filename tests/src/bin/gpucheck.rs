@@ -206,10 +206,19 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
     let mut rng = Rng(seed());
     let mut ok = true;
     let mut all = Vec::new();
-    for (path, blocks) in [(sglang, false), (vllm, true)] {
+    use specplan_tests::engine::Layout;
+    // SGLang's token pool at page 1; at page 16 SGLang's HND pool and vLLM 0.33's packed
+    // tensors (NHD and HND), K/V strided in place.
+    let runs = [
+        (sglang, Layout::SglangNhd),
+        (vllm, Layout::SglangHnd),
+        (vllm, Layout::VllmNhd),
+        (vllm, Layout::VllmHnd),
+    ];
+    for (path, layout) in runs {
         match load_file(std::path::Path::new(path))
             .map_err(|e| e.to_string())
-            .and_then(|p| specplan_tests::engine::engine_check(&p, &mut rng, blocks))
+            .and_then(|p| specplan_tests::engine::engine_check(&p, &mut rng, layout))
         {
             Ok(reports) => {
                 for r in &reports {

@@ -15,7 +15,7 @@ use crate::gpu::DeviceBuf;
 use crate::random::make_case;
 use crate::Rng;
 
-use super::fixture::{err, fixture, upload};
+use super::fixture::{err, fixture, upload, Layout};
 use super::{engine_step, Ints};
 
 /// Load time of a plan onto caller memory (weights, pool and table allocated here, not
@@ -159,6 +159,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
     let step = DeviceStep {
         b,
         input_ids: upload(&mut bufs, &ids)?,
+        ids_i32: false,
         hidden_states: hidden,
         req_pool_indices: DeviceInts {
             ptr: upload(&mut bufs, &rows)?,
@@ -172,6 +173,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
             ptr: upload(&mut bufs, &accept)?,
             i32: true,
         },
+        accept_form: specplan_runtime::gpu::AcceptForm::Lengths,
         prefix_bias: 0,
         outputs: DeviceOutputs {
             topk_p: fill(&mut bufs, b * k_ * 4)?,
@@ -191,10 +193,10 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
 }
 
 /// One engine-memory step at batch `b` (for the sanitizers: little work, every kernel).
-pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool, b: usize) -> Result<(), String> {
+pub fn engine_once(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout, b: usize) -> Result<(), String> {
     let weights = crate::random::random_weights(plan, rng);
     let c = make_case(plan, rng, b, 40);
-    let fx = fixture(plan, &c, &weights, blocks, false, rng)?;
+    let fx = fixture(plan, &c, &weights, layout, false, rng)?;
     let mem = EngineMemory {
         kv: fx.kv.clone(),
         table: fx.table.clone(),

@@ -7,7 +7,7 @@ use cudarc::driver::result;
 use specplan_format::{DType, Packing, ValidatedPlan};
 use specplan_runtime::bits::to_act_bits;
 use specplan_runtime::cpu::WeightData;
-use specplan_runtime::gpu::{DeviceTensor, KvRegistration, TableMode, TableRegistration};
+use specplan_runtime::gpu::{DeviceTensor, KvGeometry, KvRegistration, TableMode, TableRegistration};
 
 use crate::gpu::DeviceBuf;
 use crate::random::Case;
@@ -28,6 +28,8 @@ pub(crate) fn download<T: Copy + Default>(ptr: u64, n: usize) -> Result<Vec<T>, 
 pub(crate) struct Fixture {
     pub _bufs: Vec<DeviceBuf>,
     pub kv: KvRegistration,
+    /// Each layer's whole allocation at the start, as the layout placed the case's cache.
+    pub images: Vec<Vec<u16>>,
     pub table: TableRegistration,
     /// The table as the device holds it now (a case may break an entry).
     pub table_host: Vec<i32>,
@@ -121,45 +123,122 @@ pub(crate) fn device_weights(
     Ok(out)
 }
 
+/// How an engine lays out its K/V pool and page table (the layouts the registration takes
+/// in place).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// SGLang's default: per layer K and V `[slots, Hkv, D]`, K and V halves of one
+    /// allocation, a token-slot `req_to_token`.
+    SglangNhd,
+    /// SGLang's `SGLANG_USE_HND_KVCACHE`: per layer `[pages, Hkv, P, D]`, token slots.
+    SglangHnd,
+    /// vLLM 0.33's default (LBNHC): per layer one `[blocks, block, Hkv, 2·D]` tensor, V at
+    /// K + D, a block table.
+    VllmNhd,
+    /// vLLM with the HND layout (LBHNC): `[blocks, Hkv, block, 2·D]`.
+    VllmHnd,
+}
+
+impl Layout {
+    pub const ALL: [Layout; 4] = [Layout::SglangNhd, Layout::SglangHnd, Layout::VllmNhd, Layout::VllmHnd];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::SglangNhd => "sglang-nhd-token-slots",
+            Layout::SglangHnd => "sglang-hnd-token-slots",
+            Layout::VllmNhd => "vllm-nhd-packed-blocks",
+            Layout::VllmHnd => "vllm-hnd-packed-blocks",
+        }
+    }
+
+    /// A page-id (block) table, else token slots.
+    pub fn blocks(self) -> bool {
+        matches!(self, Layout::VllmNhd | Layout::VllmHnd)
+    }
+
+    fn packed(self) -> bool {
+        self.blocks()
+    }
+
+    /// The pool geometry for `slots` token slots of pages of `p`.
+    pub fn geometry(self, slots: u64, p: u64, h: u64, d: u64) -> KvGeometry {
+        match self {
+            Layout::SglangNhd => KvGeometry::dense(slots, h * d, d),
+            Layout::SglangHnd => KvGeometry {
+                slots,
+                page: p,
+                page_stride: h * p * d,
+                slot_stride: d,
+                head_stride: p * d,
+            },
+            Layout::VllmNhd => KvGeometry {
+                slots,
+                page: p,
+                page_stride: p * h * 2 * d,
+                slot_stride: h * 2 * d,
+                head_stride: 2 * d,
+            },
+            Layout::VllmHnd => KvGeometry {
+                slots,
+                page: p,
+                page_stride: h * p * 2 * d,
+                slot_stride: 2 * d,
+                head_stride: p * 2 * d,
+            },
+        }
+    }
+}
+
 /// The engine's pool and table for case `c`, holding the case's cache: engine slot (or
-/// block) t holds what the owned pool's page t holds. `blocks`: vLLM's layout, else SGLang's.
+/// block) t holds what the owned pool's page t holds, placed by the layout's geometry.
 pub(crate) fn fixture(
     plan: &ValidatedPlan,
     c: &Case,
     w: &[WeightData],
-    blocks: bool,
+    layout: Layout,
     views: bool,
     rng: &mut Rng,
 ) -> Result<Fixture, String> {
     let m = &plan.model;
     let ps = plan.capture.page_size as usize;
-    let slot = (m.kv_heads * m.head_dim) as usize;
+    let (h, d) = (m.kv_heads as u64, m.head_dim as u64);
+    let slot = (h * d) as usize;
     let layers = m.layers as usize;
     let mut bufs = Vec::new();
     let pool_slots = c.used_pages * ps;
     let per_layer = pool_slots * slot;
+    let geom = layout.geometry(pool_slots as u64, ps as u64, h, d);
+    // One allocation per layer: K and V halves (SGLang), or one packed tensor (vLLM).
+    let span = pool_slots * slot * if layout.packed() { 2 } else { 1 };
     let (mut k0, mut v0) = (Vec::new(), Vec::new());
-    let (mut kp, mut vp) = (Vec::new(), Vec::new());
+    let (mut kp, mut vp, mut images) = (Vec::new(), Vec::new(), Vec::new());
     for l in 0..layers {
         let (k, v) = (
             &c.k0[l * per_layer..(l + 1) * per_layer],
             &c.v0[l * per_layer..(l + 1) * per_layer],
         );
-        if blocks {
-            // One [2, blocks, block, Hkv, D] tensor per layer: K then V halves.
-            let both: Vec<u16> = k.iter().chain(v).copied().collect();
-            let base = upload(&mut bufs, &both)?;
-            kp.push(base);
-            vp.push(base + (per_layer * 2) as u64);
-        } else {
-            kp.push(upload(&mut bufs, k)?);
-            vp.push(upload(&mut bufs, v)?);
+        let mut image = vec![0u16; if layout.packed() { span } else { 2 * span }];
+        let v_at = if layout.packed() { d as usize } else { span };
+        for t in 0..pool_slots as u64 {
+            for g in 0..h {
+                for e in 0..d {
+                    let at = geom.offset(t, g, e).ok_or("geometry overflow")? as usize;
+                    let src = ((t * h + g) * d + e) as usize;
+                    image[at] = k[src];
+                    image[at + v_at] = v[src];
+                }
+            }
         }
+        let base = upload(&mut bufs, &image)?;
+        kp.push(base);
+        vp.push(base + (v_at * 2) as u64);
+        images.push(image);
         k0.push(k.to_vec());
         v0.push(v.to_vec());
     }
     // Table rows in scattered order; unused entries -1. Token slots (SGLang) or blocks.
     let n = plan.spec.num_draft_tokens as usize;
+    let blocks = layout.blocks();
     let rows_n = 2 * c.b + 3;
     let perm = rng.permutation(rows_n);
     let cols = if blocks {
@@ -185,7 +264,8 @@ pub(crate) fn fixture(
     let weights = device_weights(plan, w, &mut bufs, if views { 16 } else { 0 })?;
     Ok(Fixture {
         _bufs: bufs,
-        kv: KvRegistration::dense(kp, vp, pool_slots as u64, slot as u64, plan.model.head_dim as u64),
+        kv: KvRegistration { k: kp, v: vp, geom },
+        images,
         table: TableRegistration {
             ptr: tp,
             mode: if blocks {
@@ -215,14 +295,41 @@ impl Fixture {
         unsafe { result::memcpy_htod_sync(self.table.ptr, self.table_host.as_slice()) }.map_err(|e| format!("{e:?}"))
     }
 
-    /// Puts the case's initial cache back into the caller's pool.
+    /// Puts the case's initial cache back into the caller's pool (the whole allocation of
+    /// each layer, as the layout placed it).
     pub fn restore(&self) -> Result<(), String> {
-        for l in 0..self.kv.k.len() {
-            for (pool, init) in [(self.kv.k[l], &self.k0[l]), (self.kv.v[l], &self.v0[l])] {
-                // SAFETY: the pool holds the layer's initial contents' size; synchronous.
-                unsafe { result::memcpy_htod_sync(pool, init.as_slice()) }.map_err(|e| format!("{e:?}"))?;
-            }
+        for (l, image) in self.images.iter().enumerate() {
+            // SAFETY: layer l's allocation holds its image's size; synchronous.
+            unsafe { result::memcpy_htod_sync(self.kv.k[l], image.as_slice()) }.map_err(|e| format!("{e:?}"))?;
         }
         Ok(())
+    }
+
+    /// Layer `l`'s K and V as the device holds them now, gathered slot-major through the
+    /// geometry (`[slots, Hkv, D]` each), and whether any element outside the geometry's
+    /// K and V (padding of the allocation) changed.
+    pub fn read_layer(&self, l: usize, plan: &ValidatedPlan) -> Result<(Vec<u16>, Vec<u16>, usize), String> {
+        let image = &self.images[l];
+        let got: Vec<u16> = download(self.kv.k[l], image.len())?;
+        let (h, d) = (plan.model.kv_heads as u64, plan.model.head_dim as u64);
+        let g = self.kv.geom;
+        let v_at = ((self.kv.v[l] - self.kv.k[l]) / 2) as usize;
+        let per = (g.slots * h * d) as usize;
+        let (mut k, mut v) = (vec![0u16; per], vec![0u16; per]);
+        let mut owned = vec![false; image.len()];
+        for t in 0..g.slots {
+            for hh in 0..h {
+                for e in 0..d {
+                    let at = g.offset(t, hh, e).ok_or("geometry overflow")? as usize;
+                    let dst = ((t * h + hh) * d + e) as usize;
+                    k[dst] = got[at];
+                    v[dst] = got[at + v_at];
+                    owned[at] = true;
+                    owned[at + v_at] = true;
+                }
+            }
+        }
+        let stray = (0..image.len()).filter(|&i| !owned[i] && got[i] != image[i]).count();
+        Ok((k, v, stray))
     }
 }

@@ -1,10 +1,12 @@
-//! The engine-memory check: an engine-like pool, page table and weights allocated here (as
-//! SGLang lays them out — per-layer `[slots, Hkv, D]` K and V tensors and a token-slot
-//! `req_to_token` table — or as vLLM does — per layer `[2, blocks, block, Hkv, D]` and a
-//! block table), rows in scattered order, device inputs, a stream of its own. A step in
-//! engine memory must equal the same step in owned memory bit for bit, change exactly the
-//! N new slots of each real request, leave the table alone, not synchronize, and refuse a
-//! bad request (writing nothing for it: no K/V, no output rows) while computing the others.
+//! The engine-memory check: an engine-like pool, page table and weights allocated here in
+//! each layout the engines use ([`Layout`]: SGLang's NHD and HND token pools with a
+//! token-slot `req_to_token`, vLLM 0.33's packed `[.., 2·D]` layer tensors, NHD and HND,
+//! with a block table), rows in scattered order, device inputs, a stream of its own. A step
+//! in engine memory must equal the same step in owned memory bit for bit (the logits too,
+//! for a plan that emits them), change exactly the N new slots of each real request (no
+//! other byte of the caller's allocations), leave the table alone, not synchronize, and
+//! refuse a bad request (writing nothing for it: no K/V; its output rows zeros) while
+//! computing the others.
 //! Each case replays its runtime three times with fresh input and output tensors and both
 //! integer conventions (the replay path after the first launch), and checks that a good
 //! step after a bad one reports nothing. Weight views at 16-byte offsets (a slice of a
@@ -15,8 +17,8 @@ use std::time::Instant;
 use cudarc::driver::result;
 use specplan_format::ValidatedPlan;
 use specplan_runtime::gpu::{
-    DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime, Hidden,
-    StepRequest,
+    AcceptForm, DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime,
+    Hidden, StepRequest,
 };
 use specplan_runtime::step::StepInputs;
 
@@ -29,6 +31,7 @@ mod bench;
 mod fixture;
 
 pub use bench::{bench_fixture, engine_load_ms, engine_once, BenchFixture};
+pub use fixture::Layout;
 use fixture::{download, err, fixture, Fixture};
 
 /// What one engine step produced, read back.
@@ -36,15 +39,19 @@ pub(crate) struct Outputs {
     probs: Vec<f32>,
     ids: Vec<i64>,
     hidden: Vec<u16>,
+    logits: Vec<f32>,
 }
 
-/// How a step passes its integer inputs. `Sglang`: i64 request rows, i64 `seq_lens`
-/// (prefix + N) with bias −N, i32 accept lengths; `Plain`: i32 rows, i32 prefix lengths
-/// with bias 0, i64 accept lengths.
+/// How a step passes its integer inputs. `Sglang`: i64 ids, i64 request rows, i64
+/// `seq_lens` (prefix + N) with bias −N, i32 accept lengths; `Plain`: i64 ids, i32 rows, i32
+/// prefix lengths with bias 0, i64 accept lengths; `Vllm`: i32 ids, i64 rows (`idx_mapping`),
+/// i32 `seq_lens` with bias −N, and the selected rows `r·N + A − 1` (`last_token_indices`,
+/// i64) instead of accept lengths.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ints {
     Sglang,
     Plain,
+    Vllm,
 }
 
 /// One engine step on fresh device copies of `x`'s inputs (outputs filled with 0xff first).
@@ -66,39 +73,72 @@ pub(crate) fn engine_step(
         plan.model.hidden as usize,
     );
     let b = x.batch;
-    let sglang = ints == Ints::Sglang;
-    let ins = if sglang {
-        let seq: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64 + n).collect();
-        [
-            DeviceBuf::from_slice(rows)?,
-            DeviceBuf::from_slice(&seq)?,
-            DeviceBuf::from_slice(&x.accept_lens)?,
-        ]
+    let outs_of = plan.capture.outputs;
+    let k = if outs_of.topk { k } else { 0 };
+    let cols = if outs_of.logits {
+        specplan_format::signature::logits_cols(&plan) as usize
     } else {
-        let rows32: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        let acc64: Vec<i64> = x.accept_lens.iter().map(|&a| a as i64).collect();
-        [
-            DeviceBuf::from_slice(&rows32)?,
-            DeviceBuf::from_slice(&x.prefix_lens)?,
-            DeviceBuf::from_slice(&acc64)?,
-        ]
+        0
     };
-    let (ids, hid) = (DeviceBuf::from_slice(&x.input_ids)?, DeviceBuf::from_slice(hidden)?);
+    let ins = match ints {
+        Ints::Sglang => {
+            let seq: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64 + n).collect();
+            [
+                DeviceBuf::from_slice(rows)?,
+                DeviceBuf::from_slice(&seq)?,
+                DeviceBuf::from_slice(&x.accept_lens)?,
+            ]
+        }
+        Ints::Plain => {
+            let rows32: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+            let acc64: Vec<i64> = x.accept_lens.iter().map(|&a| a as i64).collect();
+            [
+                DeviceBuf::from_slice(&rows32)?,
+                DeviceBuf::from_slice(&x.prefix_lens)?,
+                DeviceBuf::from_slice(&acc64)?,
+            ]
+        }
+        Ints::Vllm => {
+            let seq: Vec<i32> = x.prefix_lens.iter().map(|&l| l + n as i32).collect();
+            let sel: Vec<i64> = x
+                .accept_lens
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| i as i64 * n + a as i64 - 1)
+                .collect();
+            [
+                DeviceBuf::from_slice(rows)?,
+                DeviceBuf::from_slice(&seq)?,
+                DeviceBuf::from_slice(&sel)?,
+            ]
+        }
+    };
+    let ids = if ints == Ints::Vllm {
+        let ids32: Vec<i32> = x.input_ids.iter().map(|&t| t as i32).collect();
+        DeviceBuf::from_slice(&ids32)?
+    } else {
+        DeviceBuf::from_slice(&x.input_ids)?
+    };
+    let hid = DeviceBuf::from_slice(hidden)?;
+    let sized = |bytes: usize| DeviceBuf::new(bytes.max(16));
     let outs = [
-        DeviceBuf::new(b * k * 4)?,
-        DeviceBuf::new(b * k * 8)?,
-        DeviceBuf::new(b * h * 2)?,
+        sized(b * k * 4)?,
+        sized(b * k * 8)?,
+        sized(b * h * 2)?,
+        sized(b * cols * 4)?,
     ];
     for o in &outs {
         o.fill(0xff, std::ptr::null_mut())?;
     }
+    let sglang = ints == Ints::Sglang;
     let step = DeviceStep {
         b,
         input_ids: ids.ptr,
+        ids_i32: ints == Ints::Vllm,
         hidden_states: hid.ptr,
         req_pool_indices: DeviceInts {
             ptr: ins[0].ptr,
-            i32: !sglang,
+            i32: ints == Ints::Plain,
         },
         prefix_lens: DeviceInts {
             ptr: ins[1].ptr,
@@ -108,12 +148,17 @@ pub(crate) fn engine_step(
             ptr: ins[2].ptr,
             i32: sglang,
         },
-        prefix_bias: if sglang { -(n as i32) } else { 0 },
+        accept_form: if ints == Ints::Vllm {
+            AcceptForm::SelectRows
+        } else {
+            AcceptForm::Lengths
+        },
+        prefix_bias: if ints == Ints::Plain { 0 } else { -(n as i32) },
         outputs: DeviceOutputs {
-            topk_p: outs[0].ptr,
-            topk_index: outs[1].ptr,
+            topk_p: if k > 0 { outs[0].ptr } else { 0 },
+            topk_index: if k > 0 { outs[1].ptr } else { 0 },
             hidden_states: outs[2].ptr,
-            logits: 0,
+            logits: if cols > 0 { outs[3].ptr } else { 0 },
         },
         stream,
     };
@@ -139,6 +184,7 @@ pub(crate) fn engine_step(
             probs: download(outs[0].ptr, b * k)?,
             ids: download(outs[1].ptr, b * k)?,
             hidden: download(outs[2].ptr, b * h)?,
+            logits: download(outs[3].ptr, b * cols)?,
         },
         host_us,
         pending,
@@ -208,7 +254,17 @@ fn check_step(
     views: bool,
     rep: &mut EngineReport,
 ) -> Result<(), String> {
-    let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
+    let h = plan.model.hidden as usize;
+    let k = if plan.capture.outputs.topk {
+        plan.spec.topk as usize
+    } else {
+        0
+    };
+    let cols = if plan.capture.outputs.logits {
+        specplan_format::signature::logits_cols(plan) as usize
+    } else {
+        0
+    };
     fx.restore()?;
     let (eo, host_us, pending) = engine_step(eng, s.x, &c.hidden_bits, &fx.rows, s.ints, stream, s.busy)?;
     rep.steps += 1;
@@ -223,11 +279,13 @@ fn check_step(
     let skip = s.bad.map(|b| b.0);
     for i in 0..c.b {
         let (pr, ir, hr) = (i * k..(i + 1) * k, i * k..(i + 1) * k, i * h..(i + 1) * h);
+        let lr = i * cols..(i + 1) * cols;
         if Some(i) == skip {
-            // A refused request's output rows keep the caller's 0xff fill.
-            rep.refused_rows_written += eo.probs[pr].iter().filter(|p| p.to_bits() != u32::MAX).count()
-                + eo.ids[ir].iter().filter(|&&x| x != -1).count()
-                + eo.hidden[hr].iter().filter(|&&x| x != u16::MAX).count();
+            // A refused request's output rows are zeros (never a stale row).
+            rep.refused_rows_written += eo.probs[pr].iter().filter(|p| p.to_bits() != 0).count()
+                + eo.ids[ir].iter().filter(|&&x| x != 0).count()
+                + eo.hidden[hr].iter().filter(|&&x| x != 0).count()
+                + eo.logits[lr].iter().filter(|p| p.to_bits() != 0).count();
         } else if views {
             let g: Vec<f64> = eo.hidden[hr.clone()]
                 .iter()
@@ -251,11 +309,15 @@ fn check_step(
                 2e-3,
             )
             .len();
-            rep.output_diffs += bad_p + bad_ids;
+            let g: Vec<f64> = eo.logits[lr.clone()].iter().map(|&x| x as f64).collect();
+            let w: Vec<f64> = oo.logits[lr].iter().map(|&x| x as f64).collect();
+            let bad_l = (crate::tolerance::rel_rms(&g, &w) > 1e-2) as usize;
+            rep.output_diffs += bad_p + bad_ids + bad_l;
         } else {
             rep.output_diffs += f32_bit_diffs(&eo.probs[pr.clone()], &oo.topk_probs[pr])
                 + bit_diffs(&eo.ids[ir.clone()], &oo.topk_ids[ir])
-                + bit_diffs(&eo.hidden[hr.clone()], &oo.hidden_out[hr]);
+                + bit_diffs(&eo.hidden[hr.clone()], &oo.hidden_out[hr])
+                + f32_bit_diffs(&eo.logits[lr.clone()], &oo.logits[lr]);
         }
     }
     // The caller's pool: written slots equal the owned pool's (bitwise, or within the
@@ -263,11 +325,13 @@ fn check_step(
     let written = written_slots(plan, c, skip);
     let per = written.len();
     for l in 0..plan.model.layers as usize {
-        for (pool, init, owned) in [
-            (fx.kv.k[l], &fx.k0[l], &owned_kv.0[l * per..(l + 1) * per]),
-            (fx.kv.v[l], &fx.v0[l], &owned_kv.1[l * per..(l + 1) * per]),
+        let (gk, gv, stray) = fx.read_layer(l, plan)?;
+        // Bytes of the allocation outside the geometry's K and V (none written).
+        rep.kv_unwritten_changed += stray;
+        for (got, init, owned) in [
+            (&gk, &fx.k0[l], &owned_kv.0[l * per..(l + 1) * per]),
+            (&gv, &fx.v0[l], &owned_kv.1[l * per..(l + 1) * per]),
         ] {
-            let got: Vec<u16> = download(pool, per)?;
             for e in 0..per {
                 if written[e] {
                     let differs = if views {
@@ -357,6 +421,13 @@ fn compare(
             bad: None,
             busy: None,
         },
+        // vLLM's integers: i32 ids, selected rows instead of accept lengths.
+        StepCase {
+            x: &c.step,
+            ints: Ints::Vllm,
+            bad: None,
+            busy: None,
+        },
     ];
     for s in &steps {
         if s.bad.is_none() {
@@ -398,10 +469,10 @@ struct EngineCase {
 
 /// The engine-memory check on one plan: good steps at several batch sizes (padding, chunks),
 /// one step per bad-request rule (one of them in a later chunk), weights given as views.
-/// `blocks`: vLLM's layout (page size > 1), else SGLang's. Both runtimes take cuBLASLt's
-/// first heuristic choice, so equal shapes and alignments get equal algorithms.
-pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result<Vec<EngineReport>, String> {
-    let layout = if blocks { "vllm-blocks" } else { "sglang-token-slots" };
+/// `layout`: the engine's K/V layout and table. Both runtimes take cuBLASLt's first
+/// heuristic choice, so equal shapes and alignments get equal algorithms.
+pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Result<Vec<EngineReport>, String> {
+    let blocks = layout.blocks();
     let weights = crate::random::random_weights(plan, rng);
     let opts = || GpuOptions {
         gemms: GemmPolicy::Heuristic,
@@ -436,7 +507,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
     ]);
     for ec in cases {
         let c = make_case(plan, rng, ec.b, 60);
-        let mut fx = fixture(plan, &c, &weights, blocks, ec.views, rng)?;
+        let mut fx = fixture(plan, &c, &weights, layout, ec.views, rng)?;
         let mem = EngineMemory {
             kv: fx.kv.clone(),
             table: fx.table.clone(),
@@ -470,7 +541,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, blocks: bool) -> Result
             }
         }
         let mut rep = EngineReport {
-            layout,
+            layout: layout.name(),
             b: ec.b,
             weight_views: ec.views,
             eager: ec.eager,
