@@ -112,6 +112,8 @@ class DraftExtendRunner:
                   (kv_layout "BHNC", vLLM's, or "BNHC")
     req_to_token  torch.int32 [rows, max_context] token slots (SGLang), or
     block_table   torch.int32 [rows, max_pages] page ids; exactly one of the two
+    block_size    tokens per block_table entry (default: the pool's page; vLLM's manager
+                  block when its kernel blocks, the pool's pages, are smaller)
     gemms         "cached" (default: cuBLASLt algorithms from the on-disk cache, timed once
                   per shape), "heuristic" or "retune"
 
@@ -120,7 +122,7 @@ class DraftExtendRunner:
     """
 
     def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
-                 kv_cache=None, kv_layout=None, gemms="cached"):
+                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached"):
         from . import Plan
 
         torch = _torch()
@@ -149,7 +151,9 @@ class DraftExtendRunner:
             self._index = device.index if device.index is not None else torch.cuda.current_device()
         else:
             self._index = -1
-        table, mode, tpage = self._table(req_to_token, block_table, page)
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+            raise TypeError(f"block_size: expected a positive int, got {block_size!r}")
+        table, mode, tpage = self._table(req_to_token, block_table, block_size or page)
         self._weights = self._load_weights(weights)
         listed = []
         for name, t in self._weights.items():
