@@ -16,9 +16,10 @@
 //
 //                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4)
 //                (q rows)           (K and V tiles of each stage)  (cross-warp merge, aliased)
-//                +  STAGES*KV_TILE*4
-//                   (token slots of the tiles in flight; kStages - 1 rows are in use at a
-//                   time, one more keeps the row indexing a plain modulo)
+//                +  STAGES*KV_TILE*8
+//                   (each key's element offset in the pool, head included, of the tiles in
+//                   flight; kStages - 1 rows are in use at a time, one more keeps the row
+//                   indexing a plain modulo)
 //
 //              (mirrored by specplan_kernels::facts::attn_smem_bytes; no static
 //              shared memory is used, so this is the CTA's whole footprint).
@@ -128,7 +129,7 @@ constexpr int kQBytes = kGR * kD * 2;
 constexpr int kTileBytes = kTile * kD * 2;
 constexpr int kStageBytes = kStages * 2 * kTileBytes;
 constexpr int kMergeBytes = kWarps * 16 * kD * 4 + kWarps * 16 * 2 * 4;
-constexpr int kSlotBytes = kStages * kTile * 4;  // int token slots, one row per stage
+constexpr int kSlotBytes = kStages * kTile * 8;  // element offsets, one row per stage
 constexpr int kSmemBytes = kQBytes + imax(kStageBytes, kMergeBytes) + kSlotBytes;
 static_assert(kSmemBytes <= 227 * 1024, "attn_partial shared memory exceeds 227 KiB");
 
@@ -194,12 +195,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 //   tile_entries: thread k < kTile reads the table entry of key k (kv_entry) into a
 //                 register; nothing uses it yet, so the read stays in flight;
 //   tile_slots:   later (after a tile's compute) it turns the entry into the token slot
-//                 (kv_resolve) and stores it in the tile's row of shared memory;
+//                 (kv_resolve) and that into the key's element offset in the pool, this
+//                 CTA's kv head included (kv_at: the registered geometry), and stores the
+//                 offset in the tile's row of shared memory;
 //   issue_tile:   after a barrier, every thread issues the cp.async copies of its chunks
-//                 from that row.
-// The table read and the guards run once per key, not once per 16-byte chunk (a key of
-// HEAD_DIM 128 is 16 chunks of K and 16 of V, and with page size 1 every key is its own
-// table read). The main loop reads tile t+kStages's entries right after issuing tile
+//                 at that row's offsets.
+// The table read, the guards and the geometry's arithmetic run once per key, not once per
+// 16-byte chunk (a key of HEAD_DIM 128 is 16 chunks of K and 16 of V, and with page size 1
+// every key is its own table read). The main loop reads tile t+kStages's entries right after issuing tile
 // t+kStages-1's copies, stores their slots at the top of the next iteration and publishes
 // them with that iteration's barrier. Each tile in flight has its own row (kStages rows).
 constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
@@ -220,31 +223,35 @@ __device__ __forceinline__ void tile_entries(TileEntries& e, int tile0, int hi, 
     }
 }
 
-// The token slot of each key of the tile, or -1 when the key is outside the split (p >= hi)
-// or has no slot (common.cuh kv_token): such keys are zero-filled. Slots fit an int: the
-// runtime registers pools of at most 2^31 - 1 slots.
-__device__ __forceinline__ void tile_slots(int* dst, const TileEntries& e, int tile0, const KvLayout& lay) {
+// The element offset (head `head_off` included) of each key of the tile in the pool, or -1
+// when the key is outside the split (p >= hi) or has no slot (common.cuh kv_token): such
+// keys are zero-filled.
+__device__ __forceinline__ void tile_slots(long long* dst, const TileEntries& e, int tile0, const KvLayout& lay,
+                                           long long head_off) {
 #pragma unroll
     for (int it = 0; it < kKeyIters; ++it) {
         const int k = (int)threadIdx.x + it * kThreads;
-        if (k < kTile) dst[k] = (int)kv_resolve(lay, e.has[it], e.entry[it], tile0 + k, kPage);
+        if (k < kTile) {
+            const long long t = kv_resolve(lay, e.has[it], e.entry[it], tile0 + k, kPage);
+            dst[k] = t < 0 ? -1 : kv_at(lay, t) + head_off;
+        }
     }
 }
 
 // Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
 // are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
-                                           const int* slot, const KvLayout& lay, int g) {
+                                           const long long* off) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
         if (q < kTile * kChunks) {
             const int t = q / kChunks, c = q % kChunks;
-            const int sl = slot[t];
-            const bool valid = sl >= 0;
-            const long long off = valid ? kv_at(lay, sl) + (long long)g * lay.head_stride + c * 8 : 0;
-            cp_async16(dK + chunk_at(t, c), k_cache + off, valid);
-            cp_async16(dV + chunk_at(t, c), v_cache + off, valid);
+            const long long o = off[t];
+            const bool valid = o >= 0;
+            const long long at = valid ? o + c * 8 : 0;
+            cp_async16(dK + chunk_at(t, c), k_cache + at, valid);
+            cp_async16(dV + chunk_at(t, c), v_cache + at, valid);
         }
     }
 }
@@ -272,8 +279,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     float* sO = reinterpret_cast<float*>(stage_base);                // [kWarps][16][kD]
     float* sM = sO + kWarps * 16 * kD;                               // [kWarps][16]
     float* sL = sM + kWarps * 16;                                    // [kWarps][16]
-    // Token slots of the tiles in flight, [kStages][kTile], outside the aliased area.
-    int* sSlot = reinterpret_cast<int*>(stage_base + imax(kStageBytes, kMergeBytes));
+    // Element offsets of the tiles' keys in flight, [kStages][kTile], outside the aliased area.
+    long long* sSlot = reinterpret_cast<long long*>(stage_base + imax(kStageBytes, kMergeBytes));
 
     const int i = (int)blockIdx.x;  // request
     const int g = (int)blockIdx.y;  // kv head
@@ -288,6 +295,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     // This request's page-table row (null: no row, every key then reads as zero).
     const KvLayout lay = kv_layout(p.kv_layout);
     const int* pt_row = kv_row(lay, p.page_table, p.req_slots[i]);
+    // This CTA's kv head within every slot (the geometry's head stride).
+    const long long head_off = (long long)g * lay.head_stride;
 
     // ---- This split's key range ----------------------------------------------------------
     const int L = p.prefix_lens[i];
@@ -325,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
         for (int st = 0; st < kStages - 1; ++st) {
             if (st < num_tiles) {
                 tile_entries(ent, lo + st * kTile, hi, lay, pt_row);
-                tile_slots(sSlot + st * kTile, ent, lo + st * kTile, lay);
+                tile_slots(sSlot + st * kTile, ent, lo + st * kTile, lay, head_off);
             }
         }
         __syncthreads();  // the slot rows are written
@@ -333,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
         for (int st = 0; st < kStages - 1; ++st) {
             if (st < num_tiles) {
                 issue_tile(stage_k(stage_base, st), stage_v(stage_base, st), p.k_cache, p.v_cache,
-                           sSlot + st * kTile, lay, g);
+                           sSlot + st * kTile);
             }
             cp_async_commit();  // (possibly empty: keeps the group count uniform)
         }
@@ -387,12 +396,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             // Tile nxt's entries were read during the last tile's compute: its slots go to
             // row nxt % kStages, last read when tile nxt - kStages was issued (before an
             // earlier barrier), and the barrier below publishes them.
-            if (nxt < num_tiles) tile_slots(sSlot + (nxt % kStages) * kTile, ent, lo + nxt * kTile, lay);
+            if (nxt < num_tiles) tile_slots(sSlot + (nxt % kStages) * kTile, ent, lo + nxt * kTile, lay, head_off);
             cp_async_wait<kStages - 2>();  // this thread's copies of tile `tile` have landed ...
             __syncthreads();               // ... and everyone's; stage (tile-1) is free again
             if (nxt < num_tiles) {
                 issue_tile(stage_k(stage_base, nxt % kStages), stage_v(stage_base, nxt % kStages), p.k_cache,
-                           p.v_cache, sSlot + (nxt % kStages) * kTile, lay, g);
+                           p.v_cache, sSlot + (nxt % kStages) * kTile);
             }
             cp_async_commit();
             if (nxt + 1 < num_tiles) tile_entries(ent, lo + (nxt + 1) * kTile, hi, lay, pt_row);

@@ -133,6 +133,7 @@ pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u
     let warps = crate::entries::attention::ATTN_THREADS as u64 / 32;
     let tiles = st * 2 * t * d * a;
     let merge = warps * 16 * d * 4 + warps * 16 * 2 * 4;
-    let slots = st * t * 4;
+    // Each key's element offset (i64) per stage.
+    let slots = st * t * 8;
     rows_per_pass * d * a + tiles.max(merge) + slots
 }

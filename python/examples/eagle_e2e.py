@@ -463,8 +463,10 @@ def timing(s, prefix_len, iters=200):
     pre32, acc32 = prefix.int(), accept.int()
     r = s.runner
     eng = r._engine
-    ptrs = (flat_ids.data_ptr(), flat_h.data_ptr(), s.req.data_ptr(), False, pre32.data_ptr(), True, 0,
-            acc32.data_ptr(), True, r._out_p.data_ptr(), r._out_i.data_ptr(), r._out_h.data_ptr())
+    # The native step's arguments, as runner.run passes them: (ids, ids_i32, hidden, req,
+    # req_i32, prefix, prefix_i32, bias, accept, accept_i32, accept_select, outputs...).
+    ptrs = (flat_ids.data_ptr(), False, flat_h.data_ptr(), s.req.data_ptr(), False, pre32.data_ptr(), True, 0,
+            acc32.data_ptr(), True, False, r._out_p.data_ptr(), r._out_i.data_ptr(), r._out_h.data_ptr(), 0)
     stream = torch.cuda.current_stream().cuda_stream
     run_ns, step_ns = [], []
     for it in range(iters):

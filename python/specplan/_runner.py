@@ -395,23 +395,35 @@ class DraftExtendRunner:
         bias = -n if prefix_includes_new_tokens else 0
         if prefix_lens_cpu is not None:
             self._check_lengths(prefix_lens_cpu, b, bias)
-        ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        dst = self._outputs(out, b)
+        if out is None:
+            # The runner's own buffers: their addresses never change (no per-step slicing).
+            dst, ptrs = None, self._own_ptrs()
+        else:
+            dst = self._outputs(out, b)
+            ptrs = tuple(0 if t is None else t.data_ptr() for t in dst)
         if not isinstance(accept_is_select_index, bool):
             raise TypeError(f"accept_is_select_index: expected a bool, got {type(accept_is_select_index).__name__}")
         self._engine.step(
             b, input_ids.data_ptr(), input_ids.dtype is self._i32, hidden_states.data_ptr(),
             req_pool_indices.data_ptr(), req_i32, prefix_lens.data_ptr(), prefix_i32, bias,
-            accept_lens.data_ptr(), accept_i32, accept_is_select_index,
-            ptr(dst[0]), ptr(dst[1]), dst[2].data_ptr(), ptr(dst[3]), self._stream(),
+            accept_lens.data_ptr(), accept_i32, accept_is_select_index, *ptrs, self._stream(),
         )
-        if out is not None:
+        if dst is not None:
             return DraftExtendOutput(*dst)
         views = self._views.get(b)
         if views is None:
-            views = DraftExtendOutput(*dst)
+            view = lambda t: None if t is None else t[:b]  # noqa: E731
+            views = DraftExtendOutput(view(self._out_p), view(self._out_i), self._out_h[:b], view(self._out_l))
             self._views[b] = views
         return views
+
+    def _own_ptrs(self):
+        p = getattr(self, "_own", None)
+        if p is None:
+            ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+            p = (ptr(self._out_p), ptr(self._out_i), self._out_h.data_ptr(), ptr(self._out_l))
+            self._own = p
+        return p
 
     def _outputs(self, out, b):
         """(topk_p, topk_index, hidden_states, logits) for a step of b: the caller's tensors
@@ -436,8 +448,9 @@ class DraftExtendRunner:
             _need_tensor(torch, what, t)
             if own[i] is None:
                 raise ValueError(f"{what}: the plan does not emit it (outputs={self.plan.outputs})")
-            if t.dtype != dt or tuple(t.shape) != tuple(own[i].shape):
-                raise ValueError(f"{what}: {t.dtype} {tuple(t.shape)}, expected {dt} {tuple(own[i].shape)}")
+            want = (b,) + tuple(own[i].shape[1:])
+            if t.dtype != dt or tuple(t.shape) != want:
+                raise ValueError(f"{what}: {t.dtype} {tuple(t.shape)}, expected {dt} {want}")
             if t.get_device() != self._index or not t.is_contiguous():
                 raise ValueError(f"{what}: must be contiguous on {self._device}")
             own[i] = t

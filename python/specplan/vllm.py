@@ -87,6 +87,14 @@ def make_speculator_class(base):
                     f"specplan plan: num_draft_tokens {plan.num_draft_tokens}, topk {plan.topk}; vLLM's chain of "
                     f"{self.num_speculative_steps} drafts needs num_draft_tokens {self.num_speculative_steps + 1}, topk 1"
                 )
+            if "topk" not in plan.outputs.split(","):
+                # The first draft is the plan's top-1 in the target's vocabulary ("topk"):
+                # "topk-draft" leaves EAGLE-3 ids in the draft vocabulary (d2t not applied),
+                # and a logits-only plan emits no ids at all.
+                raise ValueError(
+                    f"specplan plan: outputs {plan.outputs!r}; vLLM's speculator needs the plan's top-1 in the "
+                    "target's vocabulary (compile with outputs=\"topk\")"
+                )
             eagle3 = self.method == "eagle3"
             if (plan.head == "eagle3") != eagle3:
                 raise ValueError(f"specplan plan: an {plan.head} head, vLLM's method is {self.method}")

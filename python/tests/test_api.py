@@ -216,6 +216,9 @@ def _bare_runner(torch, plan):
     r._out_p = torch.Tensor((r._max_b, r._k), torch.float32)
     r._out_i = torch.Tensor((r._max_b, r._k), torch.int64)
     r._out_h = torch.Tensor((r._max_b, r._h), torch.bfloat16)
+    r._out_l = torch.Tensor((r._max_b, plan.logits_size), torch.float32) if "logits" in plan.outputs else None
+    r._emits_logits = "logits" in plan.outputs
+    r._cuda = True
     r._views = {}
     r._i32, r._i64 = torch.int32, torch.int64
     r._stream = lambda: 0x5EED
@@ -234,11 +237,14 @@ def test_run_checks_every_input_before_launching(fake):
     acc = torch.Tensor((b,), torch.int32)
     out = r.run(ids, hid, req, pre, acc, prefix_includes_new_tokens=True)
     (call,) = r._engine.calls
-    assert call[0] == b and call[1] == ids.data_ptr() and call[2] == hid.data_ptr()
-    assert call[4] is False and call[6] is True and call[7] == -n and call[9] is True and call[-1] == 0x5EED
+    # (b, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, bias, accept, accept_i32,
+    #  accept_select, out_p, out_i, out_h, out_logits, stream)
+    assert call[0] == b and call[1] == ids.data_ptr() and call[2] is False and call[3] == hid.data_ptr()
+    assert call[5] is False and call[7] is True and call[8] == -n and call[10] is True and call[11] is False
+    assert call[15] == 0 and call[-1] == 0x5EED
     assert out is r.run(ids, hid, req, pre, acc), "views are cached per batch size"
     cases = [
-        ((torch.Tensor((b * n,), torch.int32), hid, req, pre, acc), TypeError, "input_ids: dtype"),
+        ((torch.Tensor((b * n,), torch.float32), hid, req, pre, acc), TypeError, "input_ids: dtype"),
         ((torch.Tensor((b * n + 1,), torch.int64), hid, req, pre, acc), ValueError, "input_ids: shape"),
         ((ids, torch.Tensor((b * n, h), torch.float16), req, pre, acc), TypeError, "hidden_states: dtype"),
         ((ids, torch.Tensor((b * n, h + 1), torch.bfloat16), req, pre, acc), ValueError, "hidden_states: shape"),
@@ -261,28 +267,31 @@ def test_run_checks_every_input_before_launching(fake):
         r.run(ids, hid, req, pre, acc, prefix_lens_cpu=[0, plan.max_context_len, 0])
 
 
-def test_sglang_adapter_reads_forward_batch_fields(fake):
+def test_sglang_slot_passes_sglangs_fields(fake):
+    """The slot's `execute(forward_batch, select_index)` hands SGLang 0.5.23's fields to the
+    runner as they are (seq_lens = L + N with bias -N, select_index as the selected rows, a
+    fresh hidden tensor per step) and returns the logits and hidden rows. The same contract
+    against SGLang's own classes: tests/engines/test_sglang_0523.py."""
     from specplan.sglang import SGLangDraftExtendRunner
 
     torch, _ = fake
-    plan = specplan.Plan.compile(preset="tiny")
+    plan = specplan.Plan.compile(preset="tiny", outputs="logits")
     r = _bare_runner(torch, plan)
     a = SGLangDraftExtendRunner(r)
     b, n, h = 2, plan.num_draft_tokens, plan.hidden_size
-    spec = types.SimpleNamespace(hidden_states=torch.Tensor((b * n, h), torch.bfloat16),
-                                 accept_length=torch.Tensor((b,), torch.int32))
+    spec = types.SimpleNamespace(hidden_states=torch.Tensor((b * n, h), torch.bfloat16), num_tokens_per_req=n)
     fb = types.SimpleNamespace(
         input_ids=torch.Tensor((b * n,), torch.int64), req_pool_indices=torch.Tensor((b,), torch.int64),
-        seq_lens=torch.Tensor((b,), torch.int64), seq_lens_cpu=[n + 3, n + 9], spec_info=spec, batch_size=b,
+        seq_lens=torch.Tensor((b,), torch.int64), spec_info=spec,
     )
-    out = a.execute(fb)
+    select = torch.Tensor((b,), torch.int64)
+    r.poll_error = lambda: ([], False)
+    out = a.execute(fb, select)
     (call,) = r._engine.calls
-    assert call[7] == -n, "seq_lens count the N new tokens"
-    assert call[8] == spec.accept_length.data_ptr()
-    assert hasattr(out, "topk_p") and hasattr(out, "topk_index") and hasattr(out, "hidden_states")
-    fb.seq_lens_cpu = [n - 1, n]
-    with pytest.raises(ValueError, match=r"prefix_lens_cpu\[0\]: prefix -1"):
-        a.execute(fb)
+    assert call[8] == -n, "seq_lens count the N new tokens"
+    assert call[9] == select.data_ptr() and call[11] is True, "select_index gives the selected rows"
+    assert call[15] == r._out_l.data_ptr() and call[14] != r._out_h.data_ptr(), "a fresh hidden tensor"
+    assert out.next_token_logits is not None and out.hidden_states is not None
 
 
 def test_rebuilt_kernels_equal_the_honest_ones(tmp_path):

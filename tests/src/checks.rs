@@ -8,6 +8,8 @@
 //!   ~0.02 and p by ~2e-2·p. Measured on the H200: EAGLE-3 heads up to 2.1e-2·p; EAGLE-1
 //!   (the tiny soak, 6,000 probabilities per 10,000 steps) up to 1.47e-2·p, past the 1e-2·p
 //!   the EAGLE-1 checks used before, with hidden_out at 5.9e-3 (inside its own bound);
+//! - logits (plans that emit them): relative RMS error per request ≤ 1e-2 against the f32
+//!   reference (the logits are a GEMM of the bf16 hidden row: one rounding of the row);
 //! - graph == eager, bit for bit (outputs and the whole cache);
 //! - every cache element no request writes keeps its bits;
 //! - attention alone: relative RMS ≤ 1e-2 and max |error| ≤ 5e-2 of the output's RMS.
@@ -53,7 +55,9 @@ pub fn check_case(
     weights: &[WeightData],
     c: &Case,
 ) -> Result<CaseReport, String> {
-    let (h, k) = (plan.model.hidden as usize, plan.spec.topk as usize);
+    let h = plan.model.hidden as usize;
+    let k = if plan.capture.outputs.topk { plan.spec.topk as usize } else { 0 };
+    let cols = specplan_format::signature::logits_cols(plan) as usize;
     let act = plan.capture.dtype;
     for (i, &s) in c.slots.iter().enumerate() {
         rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
@@ -81,6 +85,7 @@ pub fn check_case(
     e.graph_vs_eager_diff = bit_diffs(&og.hidden_out, &oe.hidden_out)
         + f32_bit_diffs(&og.topk_probs, &oe.topk_probs)
         + bit_diffs(&og.topk_ids, &oe.topk_ids)
+        + f32_bit_diffs(&og.logits, &oe.logits)
         + bit_diffs(&kg, &ke)
         + bit_diffs(&vg, &ve);
     let (r, pool) = cpu_reference(plan, weights, c)?;
@@ -91,6 +96,16 @@ pub fn check_case(
             .collect();
         let want: Vec<f64> = r.hidden_out[i * h..(i + 1) * h].iter().map(|&x| x as f64).collect();
         e.hidden_rel = e.hidden_rel.max(rel_rms(&got, &want));
+        if plan.capture.outputs.logits {
+            let got: Vec<f64> = og.logits[i * cols..(i + 1) * cols].iter().map(|&x| x as f64).collect();
+            let want: Vec<f64> = r.logits[i * cols..(i + 1) * cols].iter().map(|&x| x as f64).collect();
+            let rel = rel_rms(&got, &want);
+            e.logits_rel = e.logits_rel.max(rel);
+            if !(rel <= REL_BOUND) {
+                e.failures
+                    .push(format!("b={} req {i}: logits relative error {rel:.3e} > {REL_BOUND}", c.b));
+            }
+        }
         let sl = i * k..(i + 1) * k;
         for s in sl.clone() {
             let (gp, wp) = (og.topk_probs[s] as f64, r.topk_probs[s] as f64);
@@ -99,6 +114,9 @@ pub fn check_case(
                 e.failures
                     .push(format!("b={} req {i} slot {}: prob {gp} vs {wp}", c.b, s - i * k));
             }
+        }
+        if k == 0 {
+            continue;
         }
         let tie = (PROB_REL * r.topk_probs[i * k] as f64).max(TIE);
         for s in id_mismatches(

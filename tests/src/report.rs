@@ -11,6 +11,9 @@ pub struct CaseReport {
     pub hidden_rel: f64,
     pub prob_abs: f64,
     pub kv_rel: f64,
+    /// Largest relative RMS error of a request's logits row against the CPU executor (plans
+    /// that emit logits; 0 otherwise).
+    pub logits_rel: f64,
     pub id_mismatch: usize,
     pub kv_untouched_changed: usize,
     pub graph_vs_eager_diff: usize,

@@ -147,12 +147,12 @@ impl Mapped {
         let ptr = cuda("cuMemHostAlloc", unsafe {
             result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP)
         })? as *mut u64;
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `ptr` is a mapped allocation of this context; out-pointer to a local.
-        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr as *mut c_void, 0) };
-        let mapped = Mapped { ptr, words, dev };
+        // Owned from here: an error below frees it (once, through Drop).
+        let mut mapped = Mapped { ptr, words, dev: 0 };
+        // SAFETY: `ptr` is a mapped allocation of this context; out-pointer to a field.
+        let rc = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapped.dev, ptr as *mut c_void, 0) };
         cuda_rc("cuMemHostGetDevicePointer", rc)?;
-        Ok(Mapped { dev, ..mapped })
+        Ok(mapped)
     }
 
     /// Word `i` (volatile: the device writes it); 0 past the end.
