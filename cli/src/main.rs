@@ -180,7 +180,7 @@ impl InputArgs {
     }
 
     fn resolve(&self) -> Result<config::Config> {
-        let read = |p: &Path| std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()));
+        let read = |p: &Path| specplan_format::read_config(p).map_err(anyhow::Error::from);
         let name = |p: &Path| {
             p.file_stem()
                 .map_or("config".into(), |s| s.to_string_lossy().into_owned())
@@ -328,16 +328,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
             })?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
-            // With --text, the text goes first: if it fails, the plan is not replaced
-            // either; if the plan then fails, a text file this command created is removed.
-            if let Some(t) = &text_out {
-                t.write(format::to_text(&compiled.plan).as_bytes())?;
-            }
-            if let Err(e) = plan_out.write(&bytes) {
-                if let Some(t) = &text_out {
-                    t.undo_new();
+            // Both outputs are staged (written to temporary files) before either is put in
+            // place: a failure while staging leaves both paths as they were; then the plan,
+            // then the text (a text this command created goes if the plan cannot be put).
+            let text_staged = match &text_out {
+                Some(t) => Some(t.stage(format::to_text(&compiled.plan).as_bytes())?),
+                None => None,
+            };
+            let plan_staged = plan_out.stage(&bytes)?;
+            plan_staged.commit()?;
+            if let Some(t) = text_staged {
+                if let Err(e) = t.commit() {
+                    plan_out.undo_new();
+                    return Err(e.into());
                 }
-                return Err(e.into());
             }
             print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64())?;
             match compiled.jit {

@@ -240,3 +240,96 @@ fn hidden_out_is_written_in_the_plans_dtype() {
         );
     }
 }
+
+/// Every file `run` and `compile` read is bounded by what the plan (or a config) can need:
+/// an endless input — a character device like /dev/zero, made here in the temp folder, or a
+/// FIFO a writer keeps filling — is refused once past its cap, naming the file and the cap,
+/// within seconds and with nothing written.
+#[test]
+fn endless_and_oversized_files_are_refused_at_their_cap() {
+    use std::os::unix::fs::FileTypeExt;
+    let f = files(&[]);
+    write_safetensors(&f.path("w.safetensors"), &f.weights).expect("write weights");
+    write_safetensors(&f.path("i.safetensors"), &f.inputs).expect("write inputs");
+    // Endless sources: a FIFO a writer thread keeps filling with zeros (anyone may make one),
+    // and where mknod is permitted (root) a character device like /dev/zero (c 1 5), made here
+    // in the temp folder, never the machine's own.
+    let fifo = |name: &str| -> PathBuf {
+        let p = f.path(name);
+        let ok = std::process::Command::new("mkfifo")
+            .arg(&p)
+            .status()
+            .is_ok_and(|st| st.success());
+        assert!(ok, "mkfifo {}", p.display());
+        let w = p.clone();
+        // The writer stops at the first failed write (the reader closed: EPIPE, as Rust
+        // ignores SIGPIPE); one the CLI never opens stays blocked in open until the test ends.
+        std::thread::spawn(move || {
+            if let Ok(mut out) = std::fs::OpenOptions::new().write(true).open(&w) {
+                let zeros = vec![0u8; 1 << 16];
+                while std::io::Write::write_all(&mut out, &zeros).is_ok() {}
+            }
+        });
+        p
+    };
+    let zero = f.path("zero");
+    let made = std::process::Command::new("mknod")
+        .args([&s(&zero), "c", "1", "5"])
+        .status()
+        .is_ok_and(|st| st.success())
+        && std::fs::metadata(&zero).is_ok_and(|m| m.file_type().is_char_device());
+    let run = |weights: &Path, inputs: &Path| {
+        let t0 = std::time::Instant::now();
+        let o = specplan(&[
+            "run",
+            "--plan",
+            &s(&f.plan),
+            "--weights",
+            &s(weights),
+            "--inputs",
+            &s(inputs),
+            "--out",
+            &s(&f.path("o.safetensors")),
+        ]);
+        (o, t0.elapsed())
+    };
+    let mut sources: Vec<Box<dyn Fn(&str) -> PathBuf>> = vec![Box::new(fifo)];
+    if made {
+        sources.push(Box::new(|_: &str| zero.clone()));
+    }
+    for source in &sources {
+        for (n, what) in [(0, "the plan's weights can need"), (1, "a step's inputs can need")] {
+            let endless = source(&format!("endless-{n}"));
+            let (w, i) = if n == 0 {
+                (endless, f.path("i.safetensors"))
+            } else {
+                (f.path("w.safetensors"), endless)
+            };
+            let (o, took) = run(&w, &i);
+            assert_refused(&o, what);
+            assert!(took.as_secs() < 30, "the capped read took {took:?}");
+            assert!(!f.path("o.safetensors").exists());
+        }
+        // A config: --hf-config of an endless file.
+        let o = specplan(&[
+            "compile",
+            "--hf-config",
+            &s(&source("endless-config")),
+            "--no-kernels",
+            "-o",
+            &s(&f.path("x.plan")),
+        ]);
+        assert_refused(&o, "a config can need");
+        assert!(!f.path("x.plan").exists());
+        for n in ["endless-0", "endless-1", "endless-config"] {
+            let _ = std::fs::remove_file(f.path(n));
+        }
+    }
+    // A regular file past the cap is refused from its size alone, before any read.
+    let big = f.path("big.safetensors");
+    let file = std::fs::File::create(&big).expect("create");
+    file.set_len(specplan_runtime::contract::inputs_cap(&specplan_format::load_file(&f.plan).expect("plan")) + 1)
+        .expect("sparse file");
+    let (o, _) = run(&f.path("w.safetensors"), &big);
+    assert_refused(&o, "a step's inputs can need");
+}

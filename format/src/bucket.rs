@@ -283,6 +283,21 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
             )
         });
     }
+    // First-fit packing puts a buffer at most at the sum of the (aligned) buffers placed
+    // before it, so an arena past that sum holds a hole no buffer needs — memory the runtime
+    // would allocate for nothing (one buffer moved to a high offset).
+    let unshared = b.buffers.iter().fold(0u64, |a, x| {
+        a.saturating_add(x.bytes.div_ceil(ALIGN).saturating_mul(ALIGN))
+    });
+    e.check(b.arena_bytes <= unshared, || {
+        (
+            Location::bucket(bi, b.batch),
+            format!(
+                "{tag}.arena_bytes: {}, more than the {unshared} bytes its buffers take even unshared (a hole no buffer needs)",
+                b.arena_bytes
+            ),
+        )
+    });
     e.check(b.arena_bytes.div_ceil(ALIGN) <= end.div_ceil(ALIGN), || {
         (
             Location::bucket(bi, b.batch),

@@ -105,6 +105,60 @@ pub fn decode(bytes: &[u8]) -> Result<ValidatedPlan, PlanError> {
     validate(plan)
 }
 
+/// Largest config file (TOML or Hugging Face `config.json`) any reader takes: real ones are a
+/// few KiB.
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
+/// A file read that stopped at its cap (`TooLarge`) or failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    #[error("cannot read {path}: {message}")]
+    Io { path: String, message: String },
+    #[error(
+        "cannot read {path}: it holds more than the {limit} bytes {what} can need; refused before reading further"
+    )]
+    TooLarge { path: String, limit: u64, what: String },
+}
+
+/// Reads at most `limit` bytes of `path` (`what` names the file's role in the error): a
+/// larger file — or an endless one, `/dev/zero`, a FIFO that keeps writing — is refused
+/// once `limit + 1` bytes have arrived, so no read grows past the cap.
+pub fn read_capped(path: &std::path::Path, limit: u64, what: &str) -> Result<Vec<u8>, ReadError> {
+    let io = |e: std::io::Error| ReadError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    let f = std::fs::File::open(path).map_err(io)?;
+    if let Ok(m) = f.metadata() {
+        if m.is_file() && m.len() > limit {
+            return Err(ReadError::TooLarge {
+                path: path.display().to_string(),
+                limit,
+                what: what.into(),
+            });
+        }
+    }
+    let mut bytes = Vec::new();
+    f.take(limit.saturating_add(1)).read_to_end(&mut bytes).map_err(io)?;
+    if bytes.len() as u64 > limit {
+        return Err(ReadError::TooLarge {
+            path: path.display().to_string(),
+            limit,
+            what: what.into(),
+        });
+    }
+    Ok(bytes)
+}
+
+/// A config file's text, at most [`MAX_CONFIG_BYTES`].
+pub fn read_config(path: &std::path::Path) -> Result<String, ReadError> {
+    let bytes = read_capped(path, MAX_CONFIG_BYTES, "a config")?;
+    String::from_utf8(bytes).map_err(|e| ReadError::Io {
+        path: path.display().to_string(),
+        message: format!("not UTF-8 text ({e})"),
+    })
+}
+
 /// Reads (at most [`MAX_PLAN_BYTES`] plus the header) and decodes a plan file.
 pub fn load_file(path: &std::path::Path) -> Result<ValidatedPlan, PlanError> {
     let io = |e: std::io::Error| PlanError::Io {

@@ -17,7 +17,10 @@ mod text;
 mod types;
 mod validate;
 
-pub use codec::{decode, encode, load_file, FORMAT_VERSION, MAGIC, MAX_PLAN_BYTES};
+pub use codec::{
+    decode, encode, load_file, read_capped, read_config, ReadError, FORMAT_VERSION, MAGIC, MAX_CONFIG_BYTES,
+    MAX_PLAN_BYTES,
+};
 pub use diff::{diff, DiffEntry, PlanDiff};
 pub use facts::{bucket_facts, kernel_facts, kernel_facts_of, rope_inv_freq};
 pub use location::{Location, Violation};

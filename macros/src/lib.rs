@@ -191,8 +191,8 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
             "preset" => Source::Preset(lit.value()),
             k => {
                 let path = manifest_path(&lit)?;
-                let text = std::fs::read_to_string(&path)
-                    .map_err(|e| syn::Error::new_spanned(&lit, format!("cannot read {}: {e}", path.display())))?;
+                let text =
+                    specplan_format::read_config(&path).map_err(|e| syn::Error::new_spanned(&lit, e.to_string()))?;
                 tracked.push(path.clone());
                 let name = path
                     .file_stem()

@@ -39,8 +39,24 @@ const FLAGS: &[&str] = &[
 ];
 
 fn u32_flag(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
+    // A bool is an int to Python: `page_size=True` must not compile as page size 1.
+    if v.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected a non-negative integer below 2^32, got the bool {v}"
+        )));
+    }
     v.extract::<u32>()
         .map_err(|_| PyTypeError::new_err(format!("{name}: expected a non-negative integer below 2^32, got {v}")))
+}
+
+/// The flag an alias names (`topk` and `speculative_eagle_topk` are one flag).
+fn canonical(name: &str) -> &str {
+    match name {
+        "topk" => "speculative_eagle_topk",
+        "num_steps" => "speculative_num_steps",
+        "num_draft_tokens" => "speculative_num_draft_tokens",
+        other => other,
+    }
 }
 
 fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
@@ -49,8 +65,16 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
     let Some(flags) = flags else {
         return Ok((o, no_kernels));
     };
+    let mut seen: Vec<String> = Vec::new();
     for (k, v) in flags.iter() {
         let name: String = k.extract()?;
+        let flag = canonical(&name).to_string();
+        if let Some(prev) = seen.iter().find(|s| canonical(s) == flag) {
+            return Err(PyTypeError::new_err(format!(
+                "{name} and {prev} are the same flag ({flag}); give it once"
+            )));
+        }
+        seen.push(name.clone());
         match name.as_str() {
             "speculative_eagle_topk" | "topk" => o.topk = Some(u32_flag(&name, &v)?),
             "speculative_num_steps" | "num_steps" => o.num_steps = Some(u32_flag(&name, &v)?),
@@ -91,6 +115,9 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
                 })
             }
             "no_kernels" => {
+                if !v.is_instance_of::<pyo3::types::PyBool>() {
+                    return Err(PyTypeError::new_err(format!("no_kernels: expected a bool, got {v}")));
+                }
                 no_kernels = v
                     .extract::<bool>()
                     .map_err(|_| PyTypeError::new_err(format!("no_kernels: expected a bool, got {v}")))?
@@ -107,7 +134,7 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
 }
 
 fn read(what: &str, path: &str) -> PyResult<String> {
-    std::fs::read_to_string(path).map_err(|e| PyValueError::new_err(format!("{what} {path}: {e}")))
+    specplan_format::read_config(std::path::Path::new(path)).map_err(|e| PyValueError::new_err(format!("{what}: {e}")))
 }
 
 #[pymethods]
@@ -184,25 +211,14 @@ impl Plan {
         })
     }
 
-    /// Writes the plan (atomically: a temporary file renamed into place).
+    /// Writes the plan by the CLI's output rules (`specplan_runtime::contract::output`): a
+    /// new path or a regular file atomically (a temporary file renamed into place); a FIFO
+    /// or a character device written through, never replaced; a symbolic link followed; a
+    /// read-only file, a directory, a block device or a socket refused, nothing written.
     fn save(&self, path: PathBuf) -> PyResult<()> {
         let bytes = specplan_format::encode(&self.inner)
             .map_err(|e| PyValueError::new_err(format!("cannot encode the plan: {e}")))?;
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(std::path::Path::new("."));
-        let tmp = dir.join(format!(
-            ".{}.tmp-{}",
-            path.file_name().map_or("plan".into(), |n| n.to_string_lossy()),
-            std::process::id()
-        ));
-        std::fs::write(&tmp, bytes)
-            .and_then(|_| std::fs::rename(&tmp, &path))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                PyValueError::new_err(format!("cannot write {}: {e}", path.display()))
-            })
+        specplan_runtime::contract::output::write_file(&path, &bytes).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     /// The canonical text (one fact per line), as `specplan show` prints it.

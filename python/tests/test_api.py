@@ -310,3 +310,86 @@ def test_an_eagle3_plan_reports_its_head():
     assert (plan.head, plan.hidden_in_size, plan.draft_vocab_size, plan.vocab_size) == ("eagle3", 576, 600, 1000)
     names = [w[0] for w in plan.weights()]
     assert "d2t" in names and "norm.weight" in names and "midlayer.self_attn.qkv_proj.weight" in names
+
+
+def test_save_follows_the_cli_output_rules(tmp_path):
+    """Plan.save writes through the CLI's output code: a character device and a FIFO are
+    written through (never replaced by a regular file), a symbolic link is followed, a
+    read-only file is refused untouched. Every node is made here, in a temporary folder
+    (never the machine's own /dev/null)."""
+    import stat
+    import threading
+
+    plan = specplan.Plan.compile(preset="tiny", no_kernels=True)
+    # A character device like /dev/null (1, 3), made in the temp folder.
+    dev = tmp_path / "null"
+    try:
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        dev = None
+    if dev is not None:
+        plan.save(dev)
+        assert stat.S_ISCHR(os.stat(dev).st_mode), "the device node was replaced"
+    # A FIFO: written through while a reader drains it.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    plan.save(fifo)
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode), "the FIFO was replaced"
+    assert got and specplan.Plan.from_bytes(got[0]).text() == plan.text()
+    # A symbolic link: followed, the link kept.
+    target = tmp_path / "real.plan"
+    target.write_bytes(b"old")
+    link = tmp_path / "link.plan"
+    os.symlink(target, link)
+    plan.save(link)
+    assert os.path.islink(link) and specplan.Plan.load(target).text() == plan.text()
+    # A read-only file: refused, its bytes kept.
+    ro = tmp_path / "ro.plan"
+    ro.write_bytes(b"keep")
+    os.chmod(ro, 0o444)
+    with pytest.raises(ValueError, match="read-only"):
+        plan.save(ro)
+    assert ro.read_bytes() == b"keep"
+    # A directory: refused.
+    with pytest.raises(ValueError, match="cannot write"):
+        plan.save(tmp_path)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not leftovers, f"temporary files left: {leftovers}"
+
+
+def test_compile_flags_are_checked_by_type_and_alias():
+    with pytest.raises(TypeError, match="page_size: .*bool"):
+        specplan.Plan.compile(preset="tiny", page_size=True, no_kernels=True)
+    with pytest.raises(TypeError, match="same flag"):
+        specplan.Plan.compile(preset="tiny", topk=4, speculative_eagle_topk=2, no_kernels=True)
+    with pytest.raises(TypeError, match="no_kernels: expected a bool"):
+        specplan.Plan.compile(preset="tiny", no_kernels=1)
+
+
+def test_run_refuses_layouts_and_values_it_would_misread(fake):
+    """A transposed [N, b] input, a 0-dim request tensor, float host lengths and a
+    non-string weights key each get an error naming the argument."""
+    torch, _ = fake
+    plan = specplan.Plan.compile(preset="tiny", no_kernels=True)
+    r = _bare_runner(torch, plan)
+    b, n, h = 3, plan.num_draft_tokens, plan.hidden_size
+    assert b != n
+    ids = torch.Tensor((b * n,), torch.int64)
+    hid = torch.Tensor((b * n, h), torch.bfloat16)
+    req, pre, acc = (torch.Tensor((b,), torch.int64) for _ in range(3))
+    with pytest.raises(ValueError, match=r"input_ids: shape \(4, 3\)"):
+        r.run(torch.Tensor((n, b), torch.int64), hid, req, pre, acc)
+    with pytest.raises(ValueError, match=r"hidden_states: shape \(4, 3, 256\)"):
+        r.run(ids, torch.Tensor((n, b, h), torch.bfloat16), req, pre, acc)
+    with pytest.raises(ValueError, match=r"req_pool_indices: shape \(\)"):
+        r.run(ids, hid, torch.Tensor((), torch.int64), pre, acc)
+    with pytest.raises(TypeError, match=r"prefix_lens_cpu\[0\]: expected an integer"):
+        r.run(ids, hid, req, pre, acc, prefix_lens_cpu=[1.5, 2, 3])
+    with pytest.raises(TypeError, match="accept_is_select_index: expected a bool"):
+        r.run(ids, hid, req, pre, acc, accept_is_select_index=1)
+    with pytest.raises(TypeError, match="weights: keys must be tensor names"):
+        r._load_weights({3: torch.Tensor((4,), torch.bfloat16)})

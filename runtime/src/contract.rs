@@ -52,11 +52,49 @@ impl ContractError {
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, ContractError> {
-    std::fs::read(path).map_err(|e| ContractError::Io {
+fn read(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, ContractError> {
+    specplan_format::read_capped(path, limit, what).map_err(|e| ContractError::Io {
         path: path.display().to_string(),
-        message: e.to_string(),
+        message: match e {
+            specplan_format::ReadError::Io { message, .. } => message,
+            e @ specplan_format::ReadError::TooLarge { .. } => e
+                .to_string()
+                .trim_start_matches(&format!("cannot read {}: ", path.display()))
+                .to_string(),
+        },
     })
+}
+
+/// Room in a safetensors file beyond its tensors' bytes: the JSON header (names, shapes,
+/// offsets) and tensors the plan does not read.
+const FILE_SLACK: u64 = 64 << 20;
+
+/// The largest weights file the plan can need: every plan weight's sources at 4 bytes per
+/// element (f32, the widest float the contract takes; FR-Spec's full lm_head for its hot
+/// rows; EAGLE-3's d2t and t2d), twice over for tensors the plan ignores, plus the header.
+pub fn weights_cap(plan: &ValidatedPlan) -> u64 {
+    let m = &plan.model;
+    let elems: u64 = plan
+        .weights
+        .iter()
+        .map(|w| match w.packing {
+            Packing::GatherRows => m.vocab as u64 * w.shape.iter().skip(1).product::<u64>() + w.shape[0],
+            _ => w.shape.iter().product::<u64>(),
+        })
+        .sum();
+    (elems + m.vocab as u64).saturating_mul(8).saturating_add(FILE_SLACK)
+}
+
+/// The largest inputs file a step of the plan can need: the largest bucket's ids, hidden
+/// states (f32), lengths and page-table rows, and K/V caches of the plan's whole pool (f32),
+/// plus the header.
+pub fn inputs_cap(plan: &ValidatedPlan) -> u64 {
+    let b = plan.buckets.last().map_or(0, |x| x.batch) as u64;
+    let n = plan.spec.num_draft_tokens as u64;
+    let step =
+        b * n * (8 + plan.model.hidden_in() as u64 * 4) + b * (16 + plan.capture.max_pages_per_request as u64 * 4);
+    let kv = 2 * plan.kv_pool_bytes() * 2;
+    step.saturating_add(kv).saturating_add(FILE_SLACK)
 }
 
 fn parse<'a>(bytes: &'a [u8], file: &str) -> Result<SafeTensors<'a>, ContractError> {
@@ -171,7 +209,7 @@ fn ints(
 /// Reads the weights file and packs every plan weight (concatenations, FR-Spec gather).
 pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>, ContractError> {
     let file = path.display().to_string();
-    let bytes = read(path)?;
+    let bytes = read(path, weights_cap(plan), "the plan's weights")?;
     let st = parse(&bytes, &file)?;
     let m = &plan.model;
     let (h, v) = (m.hidden as usize, m.vocab as usize);
@@ -200,13 +238,33 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
             }
         };
         let cols: usize = w.shape.iter().skip(1).product::<u64>() as usize;
+        // The plan's dtype decides how a weight is read, never its name: an id map is an
+        // i64 weight the plan declares as such (and a float tensor under an id map's name
+        // is refused by `ints`), every other weight a float of the activation type.
+        let bad = |msg: String| ContractError::input(&file, input_error(&w.name, String::new(), msg));
+        match (w.dtype, &w.packing) {
+            (DType::I64, Packing::Single) if w.name == "d2t" || w.name == "hot_token_ids" => {}
+            (DType::I64, _) => {
+                return Err(bad(
+                    "an i64 weight the run contract does not know (only d2t and hot_token_ids are id maps)".into(),
+                ))
+            }
+            (dt, _) if dt == act => {}
+            (dt, _) => {
+                return Err(bad(format!(
+                    "the plan declares it {}, not its activation type {}",
+                    dt.name(),
+                    act.name()
+                )))
+            }
+        }
         let data = match w.packing {
-            Packing::Single if w.name == "hot_token_ids" => {
+            Packing::Single if w.dtype == DType::I64 && w.name == "hot_token_ids" => {
                 let (ids, _) = ints(&st, "hot_token_ids", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
                 check_hot_ids(&ids, v).map_err(fail)?;
                 WeightData::I64(ids)
             }
-            Packing::Single if w.name == "d2t" => {
+            Packing::Single if w.dtype == DType::I64 => {
                 let (d2t, _) = ints(&st, "d2t", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
                 check_d2t(&d2t, v).map_err(fail)?;
                 WeightData::I64(d2t)
@@ -278,7 +336,7 @@ pub struct InputsFile {
 
 pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, ContractError> {
     let file = path.display().to_string();
-    let bytes = read(path)?;
+    let bytes = read(path, inputs_cap(plan), "a step's inputs")?;
     let st = parse(&bytes, &file)?;
     let fail = |e: InputError| ContractError::input(&file, e);
     let m = &plan.model;

@@ -56,7 +56,11 @@ pub fn check_case(
     c: &Case,
 ) -> Result<CaseReport, String> {
     let h = plan.model.hidden as usize;
-    let k = if plan.capture.outputs.topk { plan.spec.topk as usize } else { 0 };
+    let k = if plan.capture.outputs.topk {
+        plan.spec.topk as usize
+    } else {
+        0
+    };
     let cols = specplan_format::signature::logits_cols(plan) as usize;
     let act = plan.capture.dtype;
     for (i, &s) in c.slots.iter().enumerate() {
@@ -101,9 +105,11 @@ pub fn check_case(
             let want: Vec<f64> = r.logits[i * cols..(i + 1) * cols].iter().map(|&x| x as f64).collect();
             let rel = rel_rms(&got, &want);
             e.logits_rel = e.logits_rel.max(rel);
-            if !(rel <= REL_BOUND) {
-                e.failures
-                    .push(format!("b={} req {i}: logits relative error {rel:.3e} > {REL_BOUND}", c.b));
+            if rel.is_nan() || rel > REL_BOUND {
+                e.failures.push(format!(
+                    "b={} req {i}: logits relative error {rel:.3e} > {REL_BOUND}",
+                    c.b
+                ));
             }
         }
         let sl = i * k..(i + 1) * k;

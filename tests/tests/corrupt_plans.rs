@@ -106,6 +106,13 @@ fn inconsistent_plans_name_the_bad_field() {
     // A theta the table was not computed from (the kernels and the CPU executor read the
     // table: both would rotate by the same wrong angles).
     case("rope_theta without its table", &|p| p.model.rope_theta *= 2.0);
+    // One buffer moved past every other: a hole the runtime would allocate for nothing.
+    case("arena hole", &|p| {
+        let b = &mut p.buckets[0];
+        let end = b.arena_bytes.div_ceil(256) * 256 + (1 << 30);
+        b.buffers[0].offset = end;
+        b.arena_bytes = end + b.buffers[0].bytes.div_ceil(256) * 256;
+    });
     // The runtime-launched entries: exactly one of each.
     case("admit missing, emit twice", &|p| {
         if let Some(k) = p.kernels.iter_mut().find(|k| k.entry == specplan_kernels::Entry::Admit) {

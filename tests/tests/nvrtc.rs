@@ -2,9 +2,9 @@
 //! window and FR-Spec, bf16 and fp16), the PTX is ISA 9.0, the cache makes a warm compile
 //! fast, and a compile error shows the log with numbered source lines.
 //!
-//! Where NVRTC is absent the tests print SKIP and pass — unless `SPECPLAN_CUDA_INCLUDE` is
-//! set (as `.ci/with-nvrtc` does), in which case a missing NVRTC is a failure: CI must not
-//! silently skip kernel compilation.
+//! Built without the pinned NVRTC (not under `.ci/with-nvrtc`: `tests/build.rs`), the tests
+//! are ignored and the summary says so; built with it, a missing NVRTC is a failure: CI must
+//! not silently skip kernel compilation.
 
 use std::time::Instant;
 
@@ -15,19 +15,11 @@ use specplan_kernels::source::full_source;
 use specplan_kernels::Entry;
 
 fn jit() -> Option<Jit> {
-    match Jit::from_env() {
-        Ok(j) => Some(j),
-        Err(e) => {
-            if std::env::var_os("SPECPLAN_CUDA_INCLUDE").is_some() {
-                panic!("SPECPLAN_CUDA_INCLUDE is set but NVRTC is unusable: {e}");
-            }
-            println!("SKIP: NVRTC not available ({e})");
-            None
-        }
-    }
+    Some(Jit::from_env().unwrap_or_else(|e| panic!("NVRTC was provided at build time but is unusable: {e}")))
 }
 
 #[test]
+#[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
 fn every_preset_kernel_compiles_to_sm90_and_ptx_9_0() {
     let Some(jit) = jit() else { return };
     let variants: Vec<(&str, Overrides)> = vec![
@@ -92,6 +84,7 @@ fn every_preset_kernel_compiles_to_sm90_and_ptx_9_0() {
 }
 
 #[test]
+#[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
 fn warm_recompile_hits_the_cache() {
     let Some(jit) = jit() else { return };
     let dir = tempfile::tempdir().expect("tempdir");
@@ -121,6 +114,7 @@ fn warm_recompile_hits_the_cache() {
 }
 
 #[test]
+#[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
 fn compile_errors_show_the_kernel_and_numbered_source() {
     let Some(jit) = jit() else { return };
     let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("config");
@@ -155,6 +149,7 @@ fn compile_errors_show_the_kernel_and_numbered_source() {
 /// entries compiled for other constants (well-formed ELF with the right symbols, which
 /// validation cannot tell from the honest code) gets the honest binaries back.
 #[test]
+#[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
 fn rebuilt_kernels_replace_the_binaries_a_plan_carries() {
     let Some(jit) = jit() else { return };
     let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("tiny");

@@ -406,6 +406,17 @@ fn read_capture(
             "does not apply to an EAGLE-3 head: its draft vocabulary already maps to target ids through d2t".into(),
         );
     }
+    if let (Some(vd), Some(s)) = (m.desc.draft_vocab, spec) {
+        if vd < s.topk {
+            e.push(
+                "model.draft_vocab_size".into(),
+                format!(
+                    "{vd} is below topk = {}: the top-K needs at least topk draft-vocabulary rows",
+                    s.topk
+                ),
+            );
+        }
+    }
     if let (Some(h), Some(s)) = (hot, spec) {
         if h < s.topk || h > m.desc.vocab {
             e.push(

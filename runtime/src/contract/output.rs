@@ -179,6 +179,22 @@ impl OutputTarget {
     }
 
     fn write_atomic(&self, bytes: &[u8]) -> Result<(), OutputError> {
+        self.stage(bytes)?.commit()
+    }
+
+    /// The first half of a write: for a new path or a regular file, the bytes in a synced
+    /// temporary file beside the target (nothing at the path changes yet); for a FIFO or a
+    /// device, the bytes kept for the write-through. [`Staged::commit`] does the rest;
+    /// dropping a `Staged` leaves the path as it was. Several outputs of one command are
+    /// staged first and committed after, so a failure while staging writes none of them.
+    pub fn stage(&self, bytes: &[u8]) -> Result<Staged<'_>, OutputError> {
+        if self.kind == OutputKind::Stream {
+            return Ok(Staged {
+                target: self,
+                tmp: None,
+                bytes: bytes.to_vec(),
+            });
+        }
         let e = |m: String| err(&self.path, m);
         let dir = match self.resolved.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -196,31 +212,57 @@ impl OutputTarget {
             tmp.file.sync_all()
         })();
         written.map_err(|x| e(x.to_string()))?;
-        match self.kind {
+        Ok(Staged {
+            target: self,
+            tmp: Some(tmp),
+            bytes: Vec::new(),
+        })
+    }
+}
+
+/// A staged output ([`OutputTarget::stage`]): committed, or dropped with nothing written.
+pub struct Staged<'a> {
+    target: &'a OutputTarget,
+    tmp: Option<TempFile>,
+    /// A stream target's bytes (written at commit).
+    bytes: Vec<u8>,
+}
+
+impl Staged<'_> {
+    /// Puts the staged bytes in place: the temporary file linked or renamed over the path
+    /// (after checking the path is still what was checked), or the bytes written through.
+    pub fn commit(self) -> Result<(), OutputError> {
+        let t = self.target;
+        let Some(tmp) = &self.tmp else {
+            return t.write_through(&self.bytes);
+        };
+        let e = |m: String| err(&t.path, m);
+        match t.kind {
             // A hard link fails if the name exists: a file (or FIFO, or device) that
             // appeared since the check is never replaced.
-            OutputKind::New => match std::fs::hard_link(&tmp.path, &self.resolved) {
+            OutputKind::New => match std::fs::hard_link(&tmp.path, &t.resolved) {
                 Ok(()) => Ok(()),
                 Err(x) if x.kind() == std::io::ErrorKind::AlreadyExists => {
                     Err(e("a file appeared at this path while writing; not replaced".into()))
                 }
                 // Filesystems without hard links: rename, after checking again.
-                Err(_) => match std::fs::symlink_metadata(&self.resolved) {
+                Err(_) => match std::fs::symlink_metadata(&t.resolved) {
                     Err(x) if x.kind() == std::io::ErrorKind::NotFound => {
-                        std::fs::rename(&tmp.path, &self.resolved).map_err(|x| e(x.to_string()))
+                        std::fs::rename(&tmp.path, &t.resolved).map_err(|x| e(x.to_string()))
                     }
                     _ => Err(e("a file appeared at this path while writing; not replaced".into())),
                 },
             },
             _ => {
-                let now = std::fs::symlink_metadata(&self.resolved).map_err(|x| e(x.to_string()))?;
+                let now = std::fs::symlink_metadata(&t.resolved).map_err(|x| e(x.to_string()))?;
                 if !now.file_type().is_file() {
                     return Err(e("it is no longer a regular file; not replaced".into()));
                 }
-                std::fs::rename(&tmp.path, &self.resolved).map_err(|x| e(x.to_string()))
+                std::fs::rename(&tmp.path, &t.resolved).map_err(|x| e(x.to_string()))
             }
         }
-        // `tmp` is dropped here: its name is removed (after a link; a renamed name is gone).
+        // `tmp` is dropped with `self`: its name is removed (after a link; a renamed name
+        // is gone).
     }
 }
 
@@ -275,5 +317,41 @@ impl TempFile {
 impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A staged output changes nothing at its path until committed, and a dropped one leaves
+    /// the path as it was with no temporary file behind: what lets a command write two
+    /// outputs both or neither (`compile --text`).
+    #[test]
+    fn staged_outputs_touch_nothing_until_committed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let old = dir.path().join("p.plan.txt");
+        std::fs::write(&old, b"old").expect("write");
+        let fresh = dir.path().join("p.plan");
+        let (t_old, t_new) = (
+            check_output(&old, &[]).expect("regular"),
+            check_output(&fresh, &[]).expect("new"),
+        );
+        {
+            let a = t_old.stage(b"new text").expect("stage");
+            let _b = t_new.stage(b"plan").expect("stage");
+            assert_eq!(std::fs::read(&old).expect("read"), b"old");
+            assert!(!fresh.exists());
+            drop(a);
+        }
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["p.plan.txt"], "nothing written, no temporary file left");
+        t_new.stage(b"plan").expect("stage").commit().expect("commit");
+        t_old.stage(b"new text").expect("stage").commit().expect("commit");
+        assert_eq!(std::fs::read(&old).expect("read"), b"new text");
+        assert_eq!(std::fs::read(&fresh).expect("read"), b"plan");
     }
 }
