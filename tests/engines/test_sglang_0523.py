@@ -47,6 +47,7 @@ class Case:
         # (SGLang then also creates attention biases, left zero as a checkpoint without them).
         bias = (not eagle3) if bias is None else bias
         path = env.write_config(eagle3=eagle3, ctx=CTX, draft_vocab=draft_vocab, bias=bias)
+        self.config_path = os.path.join(path, "config.json")
         self.mc = env.model_config(path, eagle3=eagle3)
         self.model = env.build_model(self.mc, eagle3=eagle3, device=DEVICE, seed=seed)
         cfg = self.mc.hf_config
@@ -302,3 +303,27 @@ def test_mismatched_plans_and_modules_are_refused():
         b.data.fill_(0.5)
         with pytest.raises(ValueError, match="attention biases"):
             sp_sglang.install(c.worker, c.plan)
+
+
+def test_the_readme_plugin_code():
+    """The README's SGLang block, run as it is written, on a started worker (a Scheduler
+    holding an EAGLEWorkerV2): the fused path it installs gives SGLang's eager drafts."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    import readme_blocks
+
+    c = Case(outputs="topk-draft,logits", eagle3=False, topk=1, steps=3, ndraft=4)
+    want, (wk, wv), _ = c.step()
+    eagle = object.__new__(EAGLEWorkerV2)
+    eagle._draft_worker = c.worker
+    eagle.adaptive_controller = None
+    scheduler = object.__new__(Scheduler)
+    scheduler.draft_worker = eagle
+    scope = {"draft_config": c.config_path, "max_context_len": CTX, "scheduler": scheduler}
+    exec(readme_blocks.block("test_sglang_0523.py::test_the_readme_plugin_code"), scope)
+    assert scope["plan"].outputs == "topk-draft,logits"
+    assert hasattr(c.worker, "_specplan_fused")
+    got, (gk, gv), _ = c.step()
+    same_draft(got, want, logits_tol=2e-2)
+    assert close(gk, wk, 3e-2) and close(gv, wv, 3e-2)

@@ -14,6 +14,7 @@ as skipped. CPU tensors: specplan's CPU executor in place on vLLM's memory, vLLM
 triton's interpreter (vllm_env says what it sets and every attribute it replaces).
 """
 
+import os
 import types
 
 import pytest
@@ -387,3 +388,24 @@ def test_plans_without_target_vocabulary_ids_are_refused(outputs):
     c = env.Case(eagle3=True, plan_flags=dict(outputs=outputs), build=False)
     with pytest.raises(ValueError, match="outputs"):
         c.build()
+
+
+def test_the_readme_plugin_code():
+    """The README's vLLM block, run as it is written (after vLLM's own speculator class is
+    restored): the speculator vLLM then builds is specplan's, and its drafts are vLLM's own."""
+    import readme_blocks
+    from vllm.v1.worker.gpu.spec_decode.eagle import speculator as eagle_mod
+
+    case = env.Case(eagle3=True, layout="LBNHC", plan=False, build=False)
+    scope = {"draft_config": os.path.join(case.draft_dir, "config.json"), "max_model_len": env.CTX}
+    exec(readme_blocks.block("test_vllm_0330.py::test_the_readme_plugin_code"), scope)
+    case.plan, case.cls = scope["plan"], eagle_mod.EagleSpeculator
+    assert case.cls.__name__ == "SpecplanEagleSpeculator"
+    case.build()
+    case.bind()
+    batch = env.Batch(case, REQS, pad_tokens=PAD_TOKENS)
+    with env.spy_runner() as calls:
+        sp = env.propose(case, batch)
+    assert calls, "specplan served the first pass"
+    vl = env.propose(case, batch, vllm_prefill=True)
+    _same_drafts(sp, vl)
