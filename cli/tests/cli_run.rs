@@ -293,7 +293,8 @@ fn endless_and_oversized_files_are_refused_at_their_cap() {
         ]);
         (o, t0.elapsed())
     };
-    let mut sources: Vec<Box<dyn Fn(&str) -> PathBuf>> = vec![Box::new(fifo)];
+    type Source<'a> = Box<dyn Fn(&str) -> PathBuf + 'a>;
+    let mut sources: Vec<Source> = vec![Box::new(fifo)];
     if made {
         sources.push(Box::new(|_: &str| zero.clone()));
     }
@@ -332,4 +333,78 @@ fn endless_and_oversized_files_are_refused_at_their_cap() {
         .expect("sparse file");
     let (o, _) = run(&f.path("w.safetensors"), &big);
     assert_refused(&o, "a step's inputs can need");
+}
+
+/// Finite values whose forward overflows: request 1's hidden states at 3.3e38 (finite in
+/// bf16, so the input check passes) make its outputs non-finite. The step is refused naming
+/// the tensor and the request, with nothing written.
+#[test]
+fn outputs_that_overflow_are_refused_naming_the_request() {
+    let mut f = files(&[]);
+    let t = Files::tensor(&mut f.inputs, "hidden_states");
+    let per = t.shape[1] * t.shape[2];
+    let big = half::bf16::from_f32(3.3e38).to_bits();
+    for at in per..2 * per {
+        set16(t, at, big);
+    }
+    let out = f.path("o.safetensors");
+    let o = f.run(&out);
+    assert_refused(&o, "no outputs were written");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("[1]: element"), "request 1 is named: {err}");
+    assert!(!out.exists());
+}
+
+/// A request whose prefix page is a page another request writes in the same step (their
+/// K/V would race), or that names one of its own pages twice, is refused naming both
+/// requests and the page-table entry.
+#[test]
+fn a_request_reading_a_page_another_writes_is_refused_naming_both() {
+    let p = {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let plan = dir.path().join("p.plan");
+        compile_tiny(&plan, &[]);
+        specplan_format::load_file(&plan).expect("load plan")
+    };
+    let (ps, n) = (p.capture.page_size as usize, p.spec.num_draft_tokens as usize);
+    let i32s = |t: &FileTensor| -> Vec<i32> {
+        t.bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    // A seed whose request 1 has a whole prefix page (entry 0 is then only read).
+    let mut f = files(&[]);
+    let seed = (1..200)
+        .find(|&seed| {
+            let t = input_tensors(&p, seed, 3, 20).expect("inputs");
+            i32s(t.iter().find(|t| t.name == "prefix_lens").expect("prefix_lens"))[1] as usize >= ps
+        })
+        .expect("a seed with a full prefix page");
+    f.inputs = input_tensors(&p, seed, 3, 20).expect("inputs");
+    let prefix = i32s(Files::tensor(&mut f.inputs, "prefix_lens"));
+    let table = Files::tensor(&mut f.inputs, "page_table");
+    let cols = table.shape[1];
+    let mut rows = i32s(table);
+    let (l0, l1) = (prefix[0] as usize, prefix[1] as usize);
+    let cases = [
+        // Request 0's first write page as request 1's first page.
+        (rows[l0 / ps], "which request 0 writes in this step"),
+        // Request 1's own write page as its first page.
+        (
+            rows[cols + (l1 + n - 1) / ps],
+            "which it also writes at another position",
+        ),
+    ];
+    for (page, what) in cases {
+        rows[cols] = page;
+        let t = Files::tensor(&mut f.inputs, "page_table");
+        t.bytes = rows.iter().flat_map(|x| x.to_le_bytes()).collect();
+        f.refused(what);
+    }
+    // The message names the entry and the reader.
+    rows[cols] = rows[l0 / ps];
+    Files::tensor(&mut f.inputs, "page_table").bytes = rows.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let o = f.run(&f.path("o.safetensors"));
+    assert_refused(&o, "page_table[1][0]: request 1 reads position");
 }

@@ -35,6 +35,13 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
     e.check(b.batch > 0 && b.batch <= MAX_BATCH, || {
         at(format!("batch: {} is outside [1, {MAX_BATCH}]", b.batch))
     });
+    let max_rows = specplan_kernels::entries::io::ADMIT_MAX_ROWS;
+    e.check(b.rows <= max_rows, || {
+        at(format!(
+            "rows: {} exceed {max_rows}, the rows one replay's device admission checks",
+            b.rows
+        ))
+    });
     e.check(b.rows as u64 == b.batch as u64 * n as u64, || {
         at(format!(
             "rows: {} != batch · num_draft_tokens = {}",

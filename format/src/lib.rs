@@ -28,7 +28,7 @@ pub use rules::kernel_source;
 pub use specplan_kernels::facts::{BucketFacts, KernelFacts, MAX_SMEM_BYTES};
 pub use text::{escape, facts, to_text, Fact};
 pub use types::*;
-pub use validate::{validate, ValidatedPlan};
+pub use validate::{limits, validate, ValidatedPlan};
 
 /// Errors of loading or validating a plan. Each names what is wrong and where.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]

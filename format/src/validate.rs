@@ -51,7 +51,7 @@ use crate::location::{Location, Violation};
 use crate::types::*;
 use crate::PlanError;
 
-mod limits {
+pub mod limits {
     pub const MAX_HIDDEN: u32 = 1 << 16;
     pub const MAX_INTERMEDIATE: u32 = 1 << 18;
     pub const MAX_HEADS: u32 = 256;

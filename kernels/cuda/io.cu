@@ -4,7 +4,10 @@
 //
 // Entry admit
 //   Constants: act_t, HIDDEN, HIDDEN_IN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
-//   Launch:    grid (batch, 1, 1), block (ADMIT_THREADS = 256, 1, 1), no dynamic shared memory.
+//   Launch:    grid (batch, 1, 1), block (ADMIT_THREADS = 256, 1, 1), dynamic shared memory
+//              admit_smem_bytes(batch, N) (entries/io.rs): the write set, HASH =
+//              admit_hash_slots(batch, N) slots of a u32 key and a u32 owner pair, then
+//              one rule byte per request. batch * N <= ADMIT_MAX_ROWS (8192).
 //   Params (by value, natural C alignment, fields in this order):
 //     src_ids     const long long*  [b, N]       the caller's token ids (int32 when flags has
 //                                   ADMIT_FLAG_IDS_I32)
@@ -32,21 +35,30 @@
 //     RULE_ACCEPT   1 <= A <= N
 //     RULE_SLOT     each new position's token slot (common.cuh kv_token) is in the pool
 //     RULE_ID       each src_ids[i][j] is in [0, VOCAB)
+//     RULE_ALIAS    no token slot of positions 0 .. L+N-1 of row r is written by another
+//                   (request, position) of this launch: W is the set of slots the requests
+//                   j < b passing rules 1-6 write (their positions L_j .. L_j+N-1), each with
+//                   its writers; request i is refused when a slot it reads has a writer
+//                   other than i at that same position (two requests writing one slot, a
+//                   request reading another's new slot, or one row mapping two positions
+//                   to one slot). Every CTA builds W in shared memory (O(b N)) and probes
+//                   its own row (O(L + N)).
 //   Admitted: req_slots[i] = r, prefix_lens[i] = L, accept_lens[i] = A, ids and hidden rows
 //   copied. Otherwise (and for i >= b, padding): req_slots[i] = -1 (no K/V read or written
 //   anywhere), prefix 0, accept N, ids 0, hidden 0. A request i < b that broke rule R
-//   counts in the status words, both tagged with the step (epoch << 32): STATUS_ERR_COUNT
-//   holds the step's refused requests, STATUS_ERR_FIRST its lowest (base + i) << 8 | R; a
-//   word tagged with another step is replaced, not merged (no reset between steps).
-//   CTA 0 writes b, the out pointers and (on the step's last chunk, else 0) the epoch to the
-//   status words for emit.
+//   counts in the status words, all tagged with the step (epoch << 32): STATUS_ERR_COUNT
+//   holds the step's refused requests, STATUS_ERR_FIRST its lowest (base + i) << 8 | R,
+//   STATUS_ERR_OTHER for RULE_ALIAS the lowest (base + i) << 16 | (base + writer) (16 bits
+//   each, clamped); a word tagged with another step is replaced, not merged (no reset
+//   between steps). CTA 0 writes b, the out pointers, the epoch (STATUS_STEP_EPOCH), base
+//   and (on the step's last chunk, else 0) the mirror tag STATUS_EPOCH for emit.
 //
 // Entry emit
 //   Constants: as admit, plus OUT_TOPK, OUT_LOGITS (the plan emits the top-K / the logits)
 //              and COLS (columns of a logits row).
 //   Launch:    grid (batch, EMIT_Y, 1), block (EMIT_THREADS = 256, 1, 1), no dynamic shared
 //              memory; EMIT_Y = OUT_LOGITS ? clamp(ceil(COLS / 8192), 1, 32) : 1.
-//   Params: req_slots const int* [batch] (as admit wrote them),
+//   Params: req_slots int* [batch] (as admit wrote them),
 //           probs const float* [batch, TOPK], ids const long long* [batch, TOPK] (null
 //           without OUT_TOPK), hidden const act_t* [batch, HIDDEN], logits const float*
 //           [batch, COLS] (null without OUT_LOGITS): the bucket's outputs;
@@ -55,11 +67,16 @@
 //   rows copied to the status's out pointers (a null one is skipped), bit exact; a refused
 //   one has them written as zeros (probabilities 0, ids 0, hidden 0, logits 0: a draft the
 //   target rejects, never a stale row of another step). CTA y copies the y-th of EMIT_Y
-//   equal slices of the logits row; CTA y = 0 the rest. When status[STATUS_EPOCH] = e is
-//   not 0 (the step's last chunk) and status[STATUS_MIRROR] is not null (host-mapped
-//   memory), CTA (0, 0) writes the two refusal words (STATUS_ERR_COUNT, STATUS_ERR_FIRST)
-//   to words 1, 2 of mirror slot e % MIRROR_SLOTS, fences system-wide, then writes e to its
-//   word 0: the host polls finished steps there without a copy or a wait.
+//   equal slices of the logits row; CTA y = 0 the rest. Each CTA checks the values it
+//   covers (in the bucket's buffers, whether copied or not) and, if one is not finite,
+//   sets NON_FINITE_MARK in req_slots[i]. Every CTA then counts itself in
+//   status[STATUS_EMIT_DONE]; the last one (after a fence) resets it to 0, folds the marked
+//   requests into the refusal words as RULE_NONFINITE (count and lowest request, tagged
+//   status[STATUS_STEP_EPOCH]) and, when status[STATUS_EPOCH] = e is not 0 (the step's last
+//   chunk) and status[STATUS_MIRROR] is not null (host-mapped memory), writes the three
+//   refusal words to words 1..3 of mirror slot e % MIRROR_SLOTS (MIRROR_WORDS each),
+//   fences system-wide, then writes e to its word 0: the host polls finished steps there
+//   without a copy or a wait.
 //
 // Entry fill
 //   Constants: none read (compiled with admit and emit).
@@ -102,58 +119,154 @@ __device__ __forceinline__ long long load_int(const long long* p, long long i, b
     return is_i32 ? (long long)reinterpret_cast<const int*>(p)[i] : p[i];
 }
 
+// Whether x is finite (false for NaN and ±inf), without the math library.
+__device__ __forceinline__ bool finite_f(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+__device__ __forceinline__ unsigned next_pow2(unsigned x) { return x <= 1u ? 1u : 1u << (32 - __clz(x - 1u)); }
+
+
+// A request's admission by rules 1-6: the rule it breaks (0: none) and its row, prefix and
+// accept length. Serial over its N positions: one thread per request.
+struct Admission {
+    int rule;
+    long long r, L, A;
+};
+
+__device__ Admission rule_of(const AdmitParams& p, const KvLayout& lay, unsigned j) {
+    using namespace io;
+    Admission q;
+    q.rule = 0;
+    q.r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
+    q.L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+    q.A = load_int(p.src_accept, j, (p.flags & 4u) != 0u);
+    if ((p.flags & ADMIT_FLAG_SELECT) != 0u) q.A = q.A - ((long long)p.base + j) * kN + 1;
+    const long long end = q.L + kN;  // one past the last new position
+    const long long need = lay.mode == KV_MODE_TOKENS ? end : ceil_div(end, (long long)PAGE_SIZE);
+    if (q.r < 0 || q.r >= lay.rows) q.rule = RULE_REQUEST;
+    else if (q.L < 0 || end > (long long)MAX_CONTEXT) q.rule = RULE_PREFIX;
+    else if (need > lay.cols) q.rule = RULE_ROW;
+    else if (q.A < 1 || q.A > kN) q.rule = RULE_ACCEPT;
+    if (q.rule != 0) return q;
+    const int* row = kv_row(lay, p.page_table, q.r);
+    for (int t = 0; t < kN; ++t) {
+        if (kv_token(lay, row, q.L + t, (long long)PAGE_SIZE) < 0) {
+            q.rule = RULE_SLOT;
+            return q;
+        }
+    }
+    const bool i32 = (p.flags & ADMIT_FLAG_IDS_I32) != 0u;
+    for (int t = 0; t < kN; ++t) {
+        const long long id = load_int(p.src_ids, (long long)j * kN + t, i32);
+        if (id < 0 || id >= (long long)VOCAB) {
+            q.rule = RULE_ID;
+            return q;
+        }
+    }
+    return q;
+}
+
+// The write set: open addressing over `slots` (a power of two) keys slot + 1 (0: empty),
+// each with up to two writers (row j * N + t, 16 bits each; 0xffff: none). Two writers are
+// enough to tell a request it is not alone on a slot and name one other.
+struct WriteSet {
+    unsigned* keys;
+    unsigned* owners;
+    unsigned mask;
+
+    __device__ unsigned home(unsigned key) const { return (key * 2654435761u) & mask; }
+
+    __device__ void insert(long long slot, unsigned writer) {
+        const unsigned key = (unsigned)slot + 1u;
+        for (unsigned h = home(key);; h = (h + 1u) & mask) {
+            const unsigned prev = atomicCAS(keys + h, 0u, key);
+            if (prev != 0u && prev != key) continue;
+            const unsigned first = atomicCAS(owners + h, 0xffffffffu, 0xffff0000u | writer);
+            if (first != 0xffffffffu && (first >> 16) == 0xffffu) {
+                atomicCAS(owners + h, first, (writer << 16) | (first & 0xffffu));
+            }
+            return;
+        }
+    }
+
+    // A writer of `slot` other than `mine` (0xffff: none).
+    __device__ unsigned other(long long slot, unsigned mine) const {
+        const unsigned key = (unsigned)slot + 1u;
+        for (unsigned h = home(key);; h = (h + 1u) & mask) {
+            const unsigned k = keys[h];
+            if (k == 0u) return 0xffffu;
+            if (k != key) continue;
+            const unsigned o = owners[h], w1 = o & 0xffffu, w2 = o >> 16;
+            if (w1 != 0xffffu && w1 != mine) return w1;
+            if (w2 != 0xffffu && w2 != mine) return w2;
+            return 0xffffu;
+        }
+    }
+};
+
 }  // namespace io
 
 extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p) {
     using namespace io;
     const unsigned i = blockIdx.x;
     if (i >= p.batch) return;  // uniform per CTA
-    __shared__ int s_rule;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned hash = max(32u, next_pow2(2u * max(p.batch, 1u) * (unsigned)kN));
+    WriteSet ws{reinterpret_cast<unsigned*>(smem), reinterpret_cast<unsigned*>(smem) + hash, hash - 1u};
+    unsigned char* rules = smem + 8ull * hash;
     __shared__ long long s_req, s_len, s_acc;
+    __shared__ unsigned s_other;
     const bool real = i < p.b;
     const KvLayout lay = kv_layout(p.kv_layout);
-    if (threadIdx.x == 0) {
-        int rule = 0;
-        long long r = -1, L = 0, A = kN;
-        if (real) {
-            r = load_int(p.src_req, i, (p.flags & 1u) != 0u);
-            L = load_int(p.src_prefix, i, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
-            A = load_int(p.src_accept, i, (p.flags & 4u) != 0u);
-            if ((p.flags & ADMIT_FLAG_SELECT) != 0u) A = A - ((long long)p.base + i) * kN + 1;
-            const long long end = L + kN;  // one past the last new position
-            const long long need = lay.mode == KV_MODE_TOKENS ? end : ceil_div(end, (long long)PAGE_SIZE);
-            if (r < 0 || r >= lay.rows) rule = RULE_REQUEST;
-            else if (L < 0 || end > (long long)MAX_CONTEXT) rule = RULE_PREFIX;
-            else if (need > lay.cols) rule = RULE_ROW;
-            else if (A < 1 || A > kN) rule = RULE_ACCEPT;
+    for (unsigned h = threadIdx.x; h < hash; h += blockDim.x) {
+        ws.keys[h] = 0u;
+        ws.owners[h] = 0xffffffffu;
+    }
+    if (threadIdx.x == 0) s_other = 0xffffu;
+    // Rules 1-6 for every request of the launch (each CTA needs all of them for W).
+    for (unsigned j = threadIdx.x; j < p.b; j += blockDim.x) {
+        const Admission q = rule_of(p, lay, j);
+        rules[j] = (unsigned char)q.rule;
+        if (j == i) {
+            s_req = q.r;
+            s_len = q.L;
+            s_acc = q.A;
         }
-        s_rule = rule;
-        s_req = r;
-        s_len = L;
-        s_acc = A;
-        if (i == 0) {
-            p.status[STATUS_STEP_B] = p.b;
-            p.status[STATUS_OUT_PROBS] = (long long)p.out_probs;
-            p.status[STATUS_OUT_IDS] = (long long)p.out_ids;
-            p.status[STATUS_OUT_HIDDEN] = (long long)p.out_hidden;
-            p.status[STATUS_OUT_LOGITS] = (long long)p.out_logits;
-            p.status[STATUS_EPOCH] = (p.flags & ADMIT_FLAG_LAST) != 0u ? (long long)p.epoch : 0;
+    }
+    if (threadIdx.x == 0 && i == 0) {
+        p.status[STATUS_STEP_B] = p.b;
+        p.status[STATUS_OUT_PROBS] = (long long)p.out_probs;
+        p.status[STATUS_OUT_IDS] = (long long)p.out_ids;
+        p.status[STATUS_OUT_HIDDEN] = (long long)p.out_hidden;
+        p.status[STATUS_OUT_LOGITS] = (long long)p.out_logits;
+        p.status[STATUS_STEP_EPOCH] = (long long)p.epoch;
+        p.status[STATUS_BASE] = (long long)p.base;
+        p.status[STATUS_EPOCH] = (p.flags & ADMIT_FLAG_LAST) != 0u ? (long long)p.epoch : 0;
+    }
+    __syncthreads();
+    // W: the new slots of the requests passing rules 1-6, one (request, position) per thread.
+    for (unsigned e = threadIdx.x; e < p.b * (unsigned)kN; e += blockDim.x) {
+        const unsigned j = e / (unsigned)kN, t = e % (unsigned)kN;
+        if (rules[j] != 0) continue;
+        const long long r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
+        const long long L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+        ws.insert(kv_token(lay, kv_row(lay, p.page_table, r), L + t, (long long)PAGE_SIZE), e);
+    }
+    __syncthreads();
+    // RULE_ALIAS: request i's reads, positions 0 .. L+N-1, against W.
+    const int base_rule = real ? (int)rules[i] : 0;
+    if (real && base_rule == 0) {
+        const int* row = kv_row(lay, p.page_table, s_req);
+        const long long end = s_len + kN;
+        for (long long q = threadIdx.x; q < end; q += blockDim.x) {
+            const long long slot = kv_token(lay, row, q, (long long)PAGE_SIZE);
+            if (slot < 0) continue;
+            const unsigned mine = q >= s_len ? i * (unsigned)kN + (unsigned)(q - s_len) : 0xffffu;
+            const unsigned w = ws.other(slot, mine);
+            if (w != 0xffffu) atomicMin(&s_other, w / (unsigned)kN);
         }
     }
     __syncthreads();
-    // The new positions' slots and the ids, one thread per row (rules RULE_SLOT, RULE_ID).
-    bool bad_slot = false, bad_id = false;
-    const bool checks = real && s_rule == 0;
-    if (checks && (int)threadIdx.x < kN) {
-        const int j = (int)threadIdx.x;
-        const int* row = kv_row(lay, p.page_table, s_req);
-        bad_slot = kv_token(lay, row, s_len + j, (long long)PAGE_SIZE) < 0;
-        const long long id = load_int(p.src_ids, (long long)i * kN + j, (p.flags & ADMIT_FLAG_IDS_I32) != 0u);
-        bad_id = id < 0 || id >= (long long)VOCAB;
-    }
-    const int any_slot = __syncthreads_or(bad_slot);
-    const int any_id = __syncthreads_or(bad_id);
-    const int rule = s_rule != 0 ? s_rule : (any_slot ? RULE_SLOT : (any_id ? RULE_ID : 0));
+    const int rule = base_rule != 0 ? base_rule : (real && s_other != 0xffffu ? RULE_ALIAS : 0);
     const bool ok = real && rule == 0;
     if (threadIdx.x == 0) {
         if (real && rule != 0) {
@@ -163,6 +276,12 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
                         [](unsigned long long a, unsigned long long v) { return min(a + v, 0xffffffffull); });
             fold_tagged(p.status + STATUS_ERR_FIRST, p.epoch, (at << 8) | (unsigned long long)rule,
                         [](unsigned long long a, unsigned long long v) { return min(a, v); });
+            if (rule == RULE_ALIAS) {
+                const unsigned long long reader = min((unsigned long long)p.base + i, 0xffffull);
+                const unsigned long long writer = min((unsigned long long)p.base + s_other, 0xffffull);
+                fold_tagged(p.status + STATUS_ERR_OTHER, p.epoch, (reader << 16) | writer,
+                            [](unsigned long long a, unsigned long long v) { return min(a, v); });
+            }
         }
         p.req_slots[i] = ok ? (int)s_req : -1;
         p.prefix_lens[i] = ok ? (int)s_len : 0;
@@ -179,49 +298,109 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
-    using namespace io;
-    const unsigned i = blockIdx.x, y = blockIdx.y;
-    if (i == 0 && y == 0 && threadIdx.x == 0) {
-        // Host memory mapped into the device: the words, a system-wide fence, then the tag,
-        // so a host that sees the tag sees the words. admit (the previous launch) wrote the
-        // status words; this step's refusals are final.
-        volatile long long* mirror = reinterpret_cast<volatile long long*>(p.status[STATUS_MIRROR]);
-        const long long e = p.status[STATUS_EPOCH];
-        if (mirror != nullptr && e != 0) {
-            volatile long long* slot = mirror + 3 * (e % MIRROR_SLOTS);
-            slot[1] = p.status[STATUS_ERR_COUNT];
-            slot[2] = p.status[STATUS_ERR_FIRST];
-            __threadfence_system();
-            slot[0] = e;
-        }
-    }
-    if (i >= p.batch || (long long)i >= p.status[STATUS_STEP_B]) return;  // uniform per CTA
+namespace io {
+
+// Copies (or zeroes) request i's outputs this CTA covers; returns whether a value it
+// covers in the bucket's buffers is not finite (an admitted request's only).
+__device__ bool emit_rows(const EmitParams& p, unsigned i, unsigned y) {
     const bool ok = p.req_slots[i] >= 0;
+    bool bad = false;
     float* logits = reinterpret_cast<float*>(p.status[STATUS_OUT_LOGITS]);
-    if (OUT_LOGITS && logits != nullptr && p.logits != nullptr) {
+    if (OUT_LOGITS && p.logits != nullptr) {
         const long long per = ceil_div((long long)COLS, (long long)gridDim.y);
         const long long lo = (long long)y * per, hi = min((long long)COLS, lo + per);
-        float* dst = logits + (long long)i * COLS;
         const float* src = p.logits + (long long)i * COLS;
-        for (long long c = lo + threadIdx.x; c < hi; c += blockDim.x) dst[c] = ok ? src[c] : 0.0f;
+        for (long long c = lo + threadIdx.x; c < hi; c += blockDim.x) {
+            const float v = ok ? src[c] : 0.0f;
+            bad |= !finite_f(v);
+            if (logits != nullptr) logits[(long long)i * COLS + c] = v;
+        }
     }
-    if (y != 0) return;
+    if (y != 0) return bad;
     float* probs = reinterpret_cast<float*>(p.status[STATUS_OUT_PROBS]);
     long long* ids = reinterpret_cast<long long*>(p.status[STATUS_OUT_IDS]);
     act_t* hidden = reinterpret_cast<act_t*>(p.status[STATUS_OUT_HIDDEN]);
     if (OUT_TOPK && p.probs != nullptr && p.ids != nullptr) {
         for (int k = (int)threadIdx.x; k < kK; k += (int)blockDim.x) {
-            if (probs != nullptr) probs[(long long)i * kK + k] = ok ? p.probs[(long long)i * kK + k] : 0.0f;
+            const float v = ok ? p.probs[(long long)i * kK + k] : 0.0f;
+            bad |= !finite_f(v);
+            if (probs != nullptr) probs[(long long)i * kK + k] = v;
             if (ids != nullptr) ids[(long long)i * kK + k] = ok ? p.ids[(long long)i * kK + k] : 0;
         }
     }
-    if (hidden != nullptr) {
-        if (ok) {
-            block_copy_act(hidden + (long long)i * kH, p.hidden + (long long)i * kH, kH);
-        } else {
-            for (long long e = threadIdx.x; e < kH; e += blockDim.x) hidden[(long long)i * kH + e] = to_act(0.0f);
+    const act_t* src = p.hidden + (long long)i * kH;
+    if (ok) {
+        for (long long e = threadIdx.x; e < kH; e += blockDim.x) bad |= !finite_f(to_f(src[e]));
+        if (hidden != nullptr) block_copy_act(hidden + (long long)i * kH, src, kH);
+    } else if (hidden != nullptr) {
+        for (long long e = threadIdx.x; e < kH; e += blockDim.x) hidden[(long long)i * kH + e] = to_act(0.0f);
+    }
+    return bad;
+}
+
+// The last emit CTA: the flagged requests into the refusal words, then the mirror.
+__device__ void emit_finish(const EmitParams& p) {
+    __shared__ unsigned s_count, s_first;
+    if (threadIdx.x == 0) {
+        s_count = 0u;
+        s_first = 0xffffffffu;
+    }
+    __syncthreads();
+    const long long b = min((long long)p.batch, p.status[STATUS_STEP_B]);
+    const volatile int* slots = p.req_slots;
+    for (long long j = threadIdx.x; j < b; j += blockDim.x) {
+        const int v = slots[j];
+        if (v >= 0 && (v & (int)NON_FINITE_MARK) != 0) {
+            atomicAdd(&s_count, 1u);
+            atomicMin(&s_first, (unsigned)j);
         }
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    p.status[STATUS_EMIT_DONE] = 0;
+    const unsigned epoch = (unsigned)p.status[STATUS_STEP_EPOCH];
+    if (s_count != 0u) {
+        const unsigned long long at = min((unsigned long long)p.status[STATUS_BASE] + s_first, 0xffffffull);
+        const unsigned long long n = s_count;
+        fold_tagged(p.status + STATUS_ERR_COUNT, epoch, n,
+                    [](unsigned long long a, unsigned long long v) { return min(a + v, 0xffffffffull); });
+        fold_tagged(p.status + STATUS_ERR_FIRST, epoch, (at << 8) | (unsigned long long)RULE_NONFINITE,
+                    [](unsigned long long a, unsigned long long v) { return min(a, v); });
+    }
+    // Host memory mapped into the device: the words, a system-wide fence, then the tag, so
+    // a host that sees the tag sees the words.
+    volatile long long* mirror = reinterpret_cast<volatile long long*>(p.status[STATUS_MIRROR]);
+    const long long e = p.status[STATUS_EPOCH];
+    if (mirror != nullptr && e != 0) {
+        volatile long long* slot = mirror + MIRROR_WORDS * (e % MIRROR_SLOTS);
+        const volatile long long* st = p.status;
+        slot[1] = st[STATUS_ERR_COUNT];
+        slot[2] = st[STATUS_ERR_FIRST];
+        slot[3] = st[STATUS_ERR_OTHER];
+        __threadfence_system();
+        slot[0] = e;
+    }
+}
+
+}  // namespace io
+
+extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
+    using namespace io;
+    const unsigned i = blockIdx.x, y = blockIdx.y;
+    bool bad = false;
+    if (i < p.batch && (long long)i < p.status[STATUS_STEP_B]) bad = emit_rows(p, i, y);  // uniform per CTA
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(reinterpret_cast<unsigned*>(p.req_slots + i), NON_FINITE_MARK);
+    // The last CTA to finish sees every CTA's marks (each fenced them before counting).
+    __shared__ bool s_last;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned long long done = atomicAdd(reinterpret_cast<unsigned long long*>(p.status + STATUS_EMIT_DONE), 1ull);
+        s_last = done + 1ull == (unsigned long long)gridDim.x * gridDim.y;
+    }
+    __syncthreads();
+    if (s_last) {
+        __threadfence();
+        emit_finish(p);
     }
 }
 

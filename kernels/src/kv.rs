@@ -83,7 +83,7 @@ impl KvGeometry {
 }
 
 /// Words of the step status (i64 each), in runtime memory.
-pub const STATUS_WORDS: usize = 12;
+pub const STATUS_WORDS: usize = 16;
 /// `epoch << 32 | n`: the step tagged `epoch` refused `n` requests (`admit`). A word tagged
 /// with another step says nothing about this one.
 pub const STATUS_ERR_COUNT: usize = 0;
@@ -91,10 +91,28 @@ pub const STATUS_ERR_COUNT: usize = 0;
 /// rule it broke.
 pub const STATUS_ERR_FIRST: usize = 1;
 
-/// What the status words say about the step tagged `epoch`: `(refused, first request, rule
-/// code)`, or `None` when it refused nothing.
-pub fn step_refusals(words: [u64; 2], epoch: u32) -> Option<(u64, u64, u64)> {
-    let [count, first] = words;
+/// `epoch << 32 | reader << 16 | writer` (16 bits each, clamped): of the step's requests
+/// refused by [`DeviceRule::Alias`], the lowest reader and the lowest request writing a
+/// slot it reads (the reader itself when it writes one slot twice).
+pub const STATUS_ERR_OTHER: usize = 12;
+
+/// One step's refusals as the status words say them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRefusals {
+    /// Requests refused (admission) or flagged (non-finite outputs).
+    pub count: u64,
+    /// The lowest such request, in the whole step.
+    pub request: u64,
+    /// The rule code it broke.
+    pub rule: u64,
+    /// For an alias refusal: the request writing what it reads.
+    pub other: Option<u64>,
+}
+
+/// What the status words `[STATUS_ERR_COUNT, STATUS_ERR_FIRST, STATUS_ERR_OTHER]` say
+/// about the step tagged `epoch` (`None`: nothing refused).
+pub fn step_refusals(words: [u64; 3], epoch: u32) -> Option<StepRefusals> {
+    let [count, first, other] = words;
     let mine = |w: u64| (w >> 32) as u32 == epoch;
     if !mine(count) || count & 0xffff_ffff == 0 {
         return None;
@@ -104,7 +122,15 @@ pub fn step_refusals(words: [u64; 2], epoch: u32) -> Option<(u64, u64, u64)> {
     } else {
         u32::MAX as u64
     };
-    Some((count & 0xffff_ffff, first >> 8, first & 0xff))
+    let (request, rule) = (first >> 8, first & 0xff);
+    let other = (rule == DeviceRule::Alias as u64 && mine(other) && (other >> 16) & 0xffff == request.min(0xffff))
+        .then_some(other & 0xffff);
+    Some(StepRefusals {
+        count: count & 0xffff_ffff,
+        request,
+        rule,
+        other,
+    })
 }
 /// Real requests of the step being run (written by `admit`, read by `emit`).
 pub const STATUS_STEP_B: usize = 2;
@@ -122,8 +148,20 @@ pub const STATUS_MIRROR: usize = 7;
 /// The epoch `emit` tags the mirror with: the step's, written by `admit` on the step's last
 /// chunk, 0 on earlier chunks (which leave the mirror alone).
 pub const STATUS_EPOCH: usize = 8;
-/// Slots of the mirror ring (three words each: tag, refusal count word, first-refusal word).
+/// `emit`'s CTAs done so far (the last one finishes the step's words and resets it to 0).
+pub const STATUS_EMIT_DONE: usize = 9;
+/// The step's tag on every chunk (`admit` writes it; `emit` folds its flags under it).
+pub const STATUS_STEP_EPOCH: usize = 10;
+/// The step-wide index of the chunk's request 0 (`admit` writes it for `emit`).
+pub const STATUS_BASE: usize = 11;
+/// Slots of the mirror ring.
 pub const MIRROR_SLOTS: usize = 16;
+/// Words of a mirror slot: tag, then the words of `STATUS_ERR_COUNT`, `STATUS_ERR_FIRST`
+/// and `STATUS_ERR_OTHER`.
+pub const MIRROR_WORDS: usize = 4;
+/// The bit `emit` sets in a request's `req_slots` entry when one of its outputs is not
+/// finite (an entry of an admitted request is a table row, below it).
+pub const NON_FINITE_MARK: u32 = 1 << 30;
 /// `admit`'s flag bit: this launch is the step's last chunk.
 pub const ADMIT_FLAG_LAST: u32 = 8;
 /// `admit`'s flag bit: the ids are int32 (vLLM's, older SGLang's), else int64.
@@ -165,17 +203,33 @@ pub enum DeviceRule {
     Slot = 5,
     /// An input id is outside `[0, vocab)`.
     Id = 6,
+    /// The request reads a cache slot (of any position) that another request of the same
+    /// replay writes, or writes one slot at two of its positions, or reads a slot it
+    /// writes at another position: the writes and reads would race. Checked after rules
+    /// 1–6, against the writes of the replay's requests that pass them.
+    Alias = 7,
+    /// One of the request's outputs (hidden state, top-K probabilities, logits) is not
+    /// finite. Checked by `emit` after the forward: the request's K/V were written and its
+    /// outputs are left as computed.
+    NonFinite = 8,
 }
 
 impl DeviceRule {
-    pub const ALL: [DeviceRule; 6] = [
+    pub const ALL: [DeviceRule; 8] = [
         DeviceRule::Request,
         DeviceRule::Prefix,
         DeviceRule::Row,
         DeviceRule::Accept,
         DeviceRule::Slot,
         DeviceRule::Id,
+        DeviceRule::Alias,
+        DeviceRule::NonFinite,
     ];
+
+    /// Whether a request the rule names wrote nothing (every rule but `NonFinite`).
+    pub fn wrote_nothing(self) -> bool {
+        self != DeviceRule::NonFinite
+    }
 
     pub fn from_code(c: u64) -> Option<DeviceRule> {
         DeviceRule::ALL.into_iter().find(|r| *r as u64 == c)
@@ -194,6 +248,12 @@ impl DeviceRule {
             DeviceRule::Accept => "accept_lens: outside [1, num_draft_tokens]",
             DeviceRule::Slot => "page table: a new token's slot (or page) is outside the registered KV pool",
             DeviceRule::Id => "input_ids: an id is outside [0, vocab)",
+            DeviceRule::Alias => {
+                "page table: the request reads a cache slot that a request of the same replay writes (or writes one slot twice)"
+            }
+            DeviceRule::NonFinite => {
+                "outputs: a non-finite value in the request's outputs (its inputs, K/V or the weights are out of the activation type's range); its K/V were written"
+            }
         }
     }
 }
@@ -220,7 +280,12 @@ pub(crate) fn prelude_lines() -> String {
         ("STATUS_OUT_LOGITS", STATUS_OUT_LOGITS),
         ("STATUS_MIRROR", STATUS_MIRROR),
         ("STATUS_EPOCH", STATUS_EPOCH),
+        ("STATUS_EMIT_DONE", STATUS_EMIT_DONE),
+        ("STATUS_STEP_EPOCH", STATUS_STEP_EPOCH),
+        ("STATUS_BASE", STATUS_BASE),
+        ("STATUS_ERR_OTHER", STATUS_ERR_OTHER),
         ("MIRROR_SLOTS", MIRROR_SLOTS),
+        ("MIRROR_WORDS", MIRROR_WORDS),
     ] {
         s.push_str(&format!("constexpr int {name} = {v};\n"));
     }
@@ -228,6 +293,7 @@ pub(crate) fn prelude_lines() -> String {
         ("ADMIT_FLAG_LAST", ADMIT_FLAG_LAST),
         ("ADMIT_FLAG_IDS_I32", ADMIT_FLAG_IDS_I32),
         ("ADMIT_FLAG_SELECT", ADMIT_FLAG_SELECT),
+        ("NON_FINITE_MARK", NON_FINITE_MARK),
     ] {
         s.push_str(&format!("constexpr unsigned {name} = {v}u;\n"));
     }
@@ -252,8 +318,31 @@ mod status_tests {
     #[test]
     fn words_of_another_step_say_nothing() {
         let tag = |e: u64, v: u64| (e << 32) | v;
-        assert_eq!(step_refusals([tag(7, 2), tag(7, (5 << 8) | 3)], 7), Some((2, 5, 3)));
-        assert_eq!(step_refusals([tag(6, 2), tag(6, (5 << 8) | 3)], 7), None);
-        assert_eq!(step_refusals([0, u64::MAX], 1), None);
+        let r = |count, request, rule, other| {
+            Some(super::StepRefusals {
+                count,
+                request,
+                rule,
+                other,
+            })
+        };
+        assert_eq!(step_refusals([tag(7, 2), tag(7, (5 << 8) | 3), 0], 7), r(2, 5, 3, None));
+        assert_eq!(step_refusals([tag(6, 2), tag(6, (5 << 8) | 3), 0], 7), None);
+        assert_eq!(step_refusals([0, u64::MAX, 0], 1), None);
+        // An alias refusal names its writer when the other word is this step's and names
+        // the same reader.
+        let alias = (5 << 8) | 7;
+        assert_eq!(
+            step_refusals([tag(7, 1), tag(7, alias), tag(7, (5 << 16) | 2)], 7),
+            r(1, 5, 7, Some(2))
+        );
+        assert_eq!(
+            step_refusals([tag(7, 1), tag(7, alias), tag(6, (5 << 16) | 2)], 7),
+            r(1, 5, 7, None)
+        );
+        assert_eq!(
+            step_refusals([tag(7, 1), tag(7, alias), tag(7, (4 << 16) | 2)], 7),
+            r(1, 5, 7, None)
+        );
     }
 }

@@ -26,20 +26,27 @@ def _torch():
 
 
 class DeviceError:
-    """What the device-side checks refused in a step: `count` requests (none of which
-    wrote anything; their outputs are zeros), the first refused `request` (its index in the
-    batch) and the `rule` it broke."""
+    """What the device-side checks refused or flagged in a step: `count` requests, the
+    first such `request` (its index in the batch), the `rule` it broke, and for the
+    aliasing rule the `other` request writing a cache slot it reads (itself when two of
+    its positions share one). A refused request wrote nothing and its outputs are zeros;
+    one flagged for non-finite outputs wrote its K/V and its outputs are as computed."""
 
-    __slots__ = ("count", "request", "rule")
+    __slots__ = ("count", "request", "rule", "other")
 
-    def __init__(self, count, request, rule):
-        self.count, self.request, self.rule = count, request, rule
+    def __init__(self, count, request, rule, other=None):
+        self.count, self.request, self.rule, self.other = count, request, rule, other
 
     def __repr__(self):
-        return f"DeviceError(count={self.count}, request={self.request}, rule={self.rule!r})"
+        return (f"DeviceError(count={self.count}, request={self.request}, rule={self.rule!r}, "
+                f"other={self.other!r})")
 
     def __str__(self):
-        return f"{self.count} request(s) refused on the device (each wrote nothing); request {self.request}: {self.rule}"
+        with_ = ""
+        if self.other is not None:
+            with_ = (" (with itself: two of its positions share a slot)" if self.other == self.request
+                     else f" (with request {self.other}, which writes a slot it reads)")
+        return f"{self.count} request(s) refused or flagged on the device; request {self.request}{with_}: {self.rule}"
 
 
 class DraftExtendOutput:

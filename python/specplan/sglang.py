@@ -174,11 +174,7 @@ class SGLangDraftExtendRunner:
         finished since the last report (no wait, no copy). Returns the DeviceErrors."""
         errors, pending = self.runner.poll_error()
         for e in errors:
-            logger.error(
-                "specplan draft-extend refused %d request(s), first request %d of its batch: %s; "
-                "a refused request's K/V was not written and its draft is empty",
-                e.count, e.request, e.rule,
-            )
+            logger.error("specplan draft-extend: %s", e)
         self._pending = pending
         return errors
 

@@ -246,8 +246,7 @@ def make_speculator_class(base):
                 return []
             errors, _ = self._sp_runner.poll_error()
             for e in errors:
-                logger.error("specplan draft prefill refused %d request(s), first request %d: %s",
-                             e.count, e.request, e.rule)
+                logger.error("specplan draft prefill: %s", e)
             return errors
 
     SpecplanEagleSpeculator.__qualname__ = "SpecplanEagleSpeculator"

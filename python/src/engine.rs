@@ -49,8 +49,9 @@ fn dtype(name: &str, what: &str) -> PyResult<DType> {
     }
 }
 
-/// `(count, first request, rule)` of a device refusal, for Python.
-type Refusal = (u64, u64, String);
+/// `(count, first request, rule, other request)` of a device refusal, for Python (`other`:
+/// the request writing what an alias refusal's request reads).
+type Refusal = (u64, u64, String, Option<u64>);
 
 fn refusal(e: DeviceError) -> Refusal {
     (
@@ -58,6 +59,7 @@ fn refusal(e: DeviceError) -> Refusal {
         e.request,
         e.rule
             .map_or("an unknown rule".to_string(), |r| r.describe().to_string()),
+        e.other,
     )
 }
 

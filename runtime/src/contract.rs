@@ -41,6 +41,13 @@ pub enum ContractError {
     Gpu(#[from] crate::gpu::GpuError),
     #[error("cannot write {path}: {message}")]
     Write { path: String, message: String },
+    /// The step ran, but a request's outputs are not finite: nothing is written.
+    #[error("{tensor}[{request}]: {message}; no outputs were written (inputs, K/V or weights near the activation type's range overflow in the forward)")]
+    NonFinite {
+        tensor: String,
+        request: usize,
+        message: String,
+    },
 }
 
 impl ContractError {
@@ -485,7 +492,7 @@ pub fn run_cpu(
     // Each output's first b rows (a row's width: its length over the bucket's rows).
     let rows = |v: &[f32]| v[..v.len() / bucket.batch as usize * b].to_vec();
     let k = out.topk_ids.len() / bucket.batch as usize;
-    Ok(StepResult {
+    let res = StepResult {
         outputs: BucketOutputs {
             hidden_out: out.hidden_out[..b * h].to_vec(),
             topk_probs: rows(&out.topk_probs),
@@ -493,7 +500,9 @@ pub fn run_cpu(
             logits: rows(&out.logits),
         },
         bucket: bucket.batch,
-    })
+    };
+    res.check_finite(plan, b)?;
+    Ok(res)
 }
 
 /// Runs the step on the GPU (graph replay unless `eager`), with the same files and the
@@ -561,7 +570,7 @@ pub fn run_gpu(
             }
         }
     }
-    Ok(StepResult {
+    let res = StepResult {
         outputs: BucketOutputs {
             hidden_out: out.hidden_out.iter().map(|&u| to_f(u)).collect(),
             topk_probs: out.topk_probs,
@@ -569,7 +578,40 @@ pub fn run_gpu(
             logits: out.logits,
         },
         bucket: info.bucket,
-    })
+    };
+    res.check_finite(plan, b)?;
+    Ok(res)
+}
+
+impl StepResult {
+    /// The first request whose outputs are not finite (the hidden state as the plan's
+    /// activation type holds it, the top-K probabilities, the logits), named with the
+    /// tensor: a step must not report success with them.
+    pub fn check_finite(&self, plan: &ValidatedPlan, b: usize) -> Result<(), ContractError> {
+        let o = &self.outputs;
+        let h = plan.model.hidden as usize;
+        let act = plan.capture.dtype;
+        for i in 0..b {
+            let row = |v: &[f32]| {
+                let w = v.len() / b.max(1);
+                v[i * w..(i + 1) * w].to_vec()
+            };
+            let bad = |tensor: &str, message: String| ContractError::NonFinite {
+                tensor: tensor.into(),
+                request: i,
+                message,
+            };
+            if let Some((j, m)) = crate::step::first_non_finite(&o.hidden_out[i * h..(i + 1) * h], act) {
+                return Err(bad("hidden_out", format!("element {j}: {m}")));
+            }
+            for (name, v) in [(io::TOPK_PROBS, &o.topk_probs), (io::LOGITS, &o.logits)] {
+                if let Some(j) = row(v).iter().position(|x| !x.is_finite()) {
+                    return Err(bad(name, format!("element {j} is {}", row(v)[j])));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 fn to_bytes(v: &[f32], dt: Dtype) -> Vec<u8> {

@@ -6,6 +6,7 @@
 //! dependency).
 
 pub mod admission;
+pub mod aliasing;
 pub mod bits;
 pub mod contract;
 pub mod cpu;

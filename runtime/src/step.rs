@@ -8,21 +8,23 @@
 //! Who checks what, for host inputs:
 //! - [`StepInputs::check`] (the library): batch size, every tensor's shape, input ids in
 //!   the vocabulary, hidden states finite *after* rounding to the plan's activation type,
-//!   lengths, page-table rows against the pool, and no two requests writing one cache
-//!   slot (the rules of [`crate::admission`]). O(b·N·H) for the hidden states, O(b·N + b)
-//!   otherwise; it never reads the KV cache or the weights.
+//!   lengths, page-table rows against the pool, no two requests writing one cache slot
+//!   (the rules of [`crate::admission`]) and no request reading a slot another writes
+//!   ([`crate::aliasing`]). O(b·N·H) for the hidden states, O(Σ (L + N)) for the rows (what
+//!   the attention reads); it never reads the KV cache or the weights.
 //! - The file contract ([`crate::contract`], `specplan run`) adds what only files carry:
 //!   dtypes and shapes of every tensor, finite weights and K/V caches (after rounding to
 //!   the activation type; the first bad index is named), one KV dtype equal to the plan's,
 //!   the FR-Spec id map.
 //! - An engine calling the GPU step API owns its weights and K/V pool: their values are
-//!   not checked per step (a NaN there gives NaN outputs, as in any engine); the step's
-//!   own inputs pass the rules of [`crate::admission`].
+//!   not checked per step; the step's own inputs pass the rules of [`crate::admission`],
+//!   and a step whose outputs come out non-finite is reported (`DeviceRule::NonFinite` in
+//!   engine memory; the outputs' check of [`crate::contract`] for files).
 
 use specplan_format::{BucketPlan, DType, Plan};
 pub use specplan_kernels::kv::TableMode;
 
-use crate::admission;
+use crate::{admission, aliasing};
 
 /// Inputs of a step for `b` real requests (host memory, row-major).
 #[derive(Clone, Debug, PartialEq)]
@@ -130,6 +132,33 @@ impl StepInputs {
             admission::check_row_len(i, l, n, ps, row.len())?;
             admission::check_page_ids("page_table", i, &row[..(l + n).div_ceil(ps)], pool_pages)?;
             adm.writes(i, l, n, ps, row)?;
+        }
+        // Rule 8 (aliasing): O(Σ (L + N)), the rows the attention reads.
+        let reqs: Vec<aliasing::Request> = (0..b)
+            .map(|i| aliasing::Request {
+                l: self.prefix_lens[i] as usize,
+                admitted: true,
+            })
+            .collect();
+        let cols = self.page_cols;
+        let aliases = aliasing::check(&reqs, n, |i, pos| {
+            let pg = *self.page_table.get(i * cols + pos / ps)?;
+            (pg >= 0).then(|| pg as u64 * ps as u64 + (pos % ps) as u64)
+        });
+        if let Some((i, a)) = aliases.iter().enumerate().find_map(|(i, a)| a.map(|a| (i, a))) {
+            let (page, off) = (a.slot / ps as u64, a.slot % ps as u64);
+            let msg = if a.writer == i {
+                format!(
+                    "request {i} maps position {} to page {page} slot {off}, which it also writes at another position (a row may not name one cache slot twice)",
+                    a.position
+                )
+            } else {
+                format!(
+                    "request {i} reads position {} at page {page} slot {off}, which request {} writes in this step (their K/V would race)",
+                    a.position, a.writer
+                )
+            };
+            return Err(input_error("page_table", format!("[{i}][{}]", a.position / ps), msg));
         }
         Ok(())
     }

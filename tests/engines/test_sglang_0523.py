@@ -249,7 +249,7 @@ def test_a_refused_request_is_logged_and_gets_an_empty_draft(caplog):
     bad, (bk, bv), _ = c.step(corrupt)
     with caplog.at_level(logging.ERROR, logger="sglang.srt.speculative.specplan"):
         c.worker.cuda_graph_runner_for_draft_extend.report()
-    assert any("first request 1" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("; request 1:" in r.getMessage() for r in caplog.records), caplog.text
     assert torch.equal(bad.topk_index[1].cpu(), torch.zeros(2, dtype=torch.int64))
     assert torch.equal(bad.topk_p[1].cpu(), torch.zeros(2))
     assert bool((bad.hidden_states[1] == 0).all())
@@ -261,6 +261,27 @@ def test_a_refused_request_is_logged_and_gets_an_empty_draft(caplog):
     k0 = env.slot_kv_of(c.kv0[0][0], c.kv, window[n + 1:2 * n])
     assert torch.equal(bk[n + 1:2 * n], k0)
     assert torch.equal(bk[:n], gk[:n]) and torch.equal(bk[2 * n:], gk[2 * n:])
+
+
+def test_a_request_reading_another_requests_new_slot_is_refused_naming_both(caplog):
+    c = Case(outputs="topk-draft,logits", eagle3=False, topk=2, steps=3, ndraft=4)
+    sp_sglang.install(c.worker, c.plan, fused=True)
+    good, _, _ = c.step()
+    # SGLang's req_to_token maps request 1's first cached position to the slot request 0's
+    # first new token is written to in this step: their K/V would race.
+    def alias(batch):
+        r0, r1 = int(batch.req_pool_indices[0]), int(batch.req_pool_indices[1])
+        c.r2t.req_to_token[r1, 0] = c.r2t.req_to_token[r0, c.L[0]]
+
+    assert c.L[1] >= 1, "request 1 has a cached position to alias"
+    bad, _, _ = c.step(alias)
+    with caplog.at_level(logging.ERROR, logger="sglang.srt.speculative.specplan"):
+        c.worker.cuda_graph_runner_for_draft_extend.report()
+    assert any("request 1 (with request 0, which writes a slot it reads)" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert bool((bad.hidden_states[1] == 0).all())
+    for i in (0, 2):
+        assert torch.equal(bad.topk_index[i], good.topk_index[i])
 
 
 def test_install_finds_the_worker_and_patches_matching_adaptive_tiers():

@@ -82,6 +82,7 @@ pub fn pattern_weights(plan: &ValidatedPlan) -> Vec<WeightData> {
 /// One step of `b` requests on random data: request slots, pages dealt in random order,
 /// random prefixes in [0, max_prefix], accept lengths in [1, N], ids, hidden states, and a
 /// random initial cache holding exactly the pages the requests use (layer-major raw bits).
+#[derive(Clone)]
 pub struct Case {
     pub b: usize,
     pub slots: Vec<i32>,

@@ -460,3 +460,74 @@ fn a_refused_request_writes_nothing_and_has_zero_outputs() {
         }
     }
 }
+
+/// The aliasing rule and the non-finite flag in the CPU engine (the device's `admit` and
+/// `emit` twins): a request whose prefix page is a page another request writes is refused
+/// naming that request; one whose row names its own write page twice names itself; one
+/// whose finite inputs overflow in the forward is flagged, its outputs left as computed.
+/// Both table kinds (token slots, page ids).
+#[test]
+fn aliasing_and_non_finite_outputs_are_reported_by_request() {
+    let s = seed();
+    println!("seed {s:#x}");
+    let mut rng = Rng(s ^ 0xa11a5);
+    let plan = plan(4, "topk,logits");
+    let w = random_weights(&plan, &mut rng);
+    let hw = host_weights(&plan, &w);
+    let n = plan.spec.num_draft_tokens as usize;
+    // Request 1 needs a whole prefix page (entry 0 of its row is then only read) and a
+    // second page to write in.
+    let c = (0..256)
+        .map(|_| make_case(&plan, &mut rng, 3, 12))
+        .find(|c| c.step.prefix_lens[1] >= 4 && c.pages[1].len() >= 2)
+        .expect("a case whose request 1 has a full prefix page");
+    for layout in [Layout::SglangNhd, Layout::VllmNhd] {
+        let clean = run_layout(&plan, &hw, &c, layout, &c.step.accept_lens);
+        assert_eq!(clean.error, None, "{layout:?}: a case without aliasing");
+        // Another request's write page as request 1's first (prefix) page.
+        let mut x = c.clone();
+        let l0 = x.step.prefix_lens[0] as usize;
+        x.pages[1][0] = x.pages[0][l0 / 4];
+        let r = run_layout(&plan, &hw, &x, layout, &x.step.accept_lens);
+        let e = r.error.as_ref().expect("request 1 reads request 0's new slot");
+        assert_eq!(
+            (e.count, e.request, e.rule, e.other),
+            (1, 1, Some(DeviceRule::Alias), Some(0)),
+            "{layout:?}: {e}"
+        );
+        assert!(e.to_string().contains("with request 0"), "{e}");
+        let h = plan.model.hidden as usize;
+        assert!(
+            r.hidden[h..2 * h].iter().all(|&b| b == 0),
+            "a refused request's outputs are zeros"
+        );
+        // Its own write page as its first page: two positions share a slot.
+        let mut x = c.clone();
+        let l1 = x.step.prefix_lens[1] as usize;
+        x.pages[1][0] = x.pages[1][(l1 + n - 1) / 4];
+        let r = run_layout(&plan, &hw, &x, layout, &x.step.accept_lens);
+        let e = r.error.as_ref().expect("request 1 reads its own new slot");
+        assert_eq!(
+            (e.request, e.rule, e.other),
+            (1, Some(DeviceRule::Alias), Some(1)),
+            "{e}"
+        );
+        // Finite hidden states at 90% of bf16's largest value overflow in the forward.
+        let mut x = c.clone();
+        let per = n * plan.model.hidden_in() as usize;
+        let big = specplan_runtime::bits::to_act_bits(&[0.9 * half::bf16::MAX.to_f32()], plan.capture.dtype)[0];
+        x.hidden_bits[2 * per..3 * per].iter_mut().for_each(|b| *b = big);
+        let r = run_layout(&plan, &hw, &x, layout, &x.step.accept_lens);
+        let e = r.error.as_ref().expect("request 2's outputs are not finite");
+        assert_eq!(
+            (e.count, e.request, e.rule),
+            (1, 2, Some(DeviceRule::NonFinite)),
+            "{layout:?}: {e}"
+        );
+        assert_eq!(
+            r.hidden[..2 * h],
+            clean.hidden[..2 * h],
+            "the other requests are unaffected"
+        );
+    }
+}

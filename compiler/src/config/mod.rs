@@ -350,6 +350,9 @@ fn read_capture(
         return None;
     }
     let buckets = read_buckets(v, o, max_bs, e);
+    if let Some(list) = buckets.as_ref() {
+        check_bucket_bounds(list, spec, e);
+    }
     if let (Some(given), Some(largest)) = (max_bs_given, buckets.as_ref().and_then(|b| b.last())) {
         if *largest > given {
             e.push(
@@ -587,6 +590,37 @@ fn read_buckets(v: &Value, o: &Overrides, max_bs: u32, e: &mut Errors) -> Option
         }
     };
     parse_buckets(&text, max_bs, e)
+}
+
+/// The bounds validation puts on a bucket list, as config errors naming `capture.buckets`:
+/// at most `MAX_BUCKETS` buckets, and `batch · N` rows of the largest within what one
+/// replay's `admit` checks on the device.
+fn check_bucket_bounds(list: &[u32], spec: Option<&SpecDesc>, e: &mut Errors) {
+    const BUCKETS: &str = "capture.buckets (--buckets, --max-bs)";
+    let max_buckets = specplan_format::limits::MAX_BUCKETS;
+    if list.len() > max_buckets {
+        e.push(
+            BUCKETS.into(),
+            format!(
+                "{} buckets exceed the {max_buckets} a plan may have (give a smaller --max-bs or an explicit --buckets list)",
+                list.len()
+            ),
+        );
+    }
+    let max_rows = specplan_kernels::entries::io::ADMIT_MAX_ROWS;
+    if let (Some(s), Some(&largest)) = (spec, list.last()) {
+        let rows = largest as u64 * s.num_draft_tokens as u64;
+        if rows > max_rows as u64 {
+            e.push(
+                BUCKETS.into(),
+                format!(
+                    "the largest bucket {largest} × num_draft_tokens {} = {rows} rows exceed {max_rows}, the rows one replay's device admission checks (give a largest bucket of at most {})",
+                    s.num_draft_tokens,
+                    max_rows / s.num_draft_tokens.max(1)
+                ),
+            );
+        }
+    }
 }
 
 /// "auto" or an explicit list, taken as given: every entry in `[1, MAX_BATCH]`, strictly

@@ -78,14 +78,16 @@ pub struct AdmitParams {
 
 /// `emit`: CTA (i, y), i < b, copies request i's output rows to the caller's tensors when it
 /// was admitted, or writes them as zeros when it was refused (no stale row of another step
-/// reaches the caller); the logits row is split over `EMIT_Y` CTAs. CTA (0, 0) also copies
-/// the refusal words to the host-mapped mirror.
+/// reaches the caller), and flags an admitted request with a non-finite output; the logits
+/// row is split over `EMIT_Y` CTAs. The last CTA to finish counts the flagged requests into
+/// the status words and copies the step's refusal words to the host-mapped mirror.
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct EmitParams {
-    /// `[batch]` rows as `admit` wrote them (−1: refused or padding).
-    #[arg(input = io::REQ_SLOTS)]
-    pub req_slots: DevPtr<i32>,
+    /// `[batch]` rows as `admit` wrote them (−1: refused or padding); `emit` marks a
+    /// request with non-finite outputs here (`kv::NON_FINITE_MARK`).
+    #[arg(input = io::REQ_SLOTS, rw)]
+    pub req_slots: DevPtrMut<i32>,
     #[arg(buffer)]
     pub probs: DevPtr<f32>,
     #[arg(buffer)]
@@ -94,9 +96,25 @@ pub struct EmitParams {
     pub hidden: DevPtr<Act>,
     #[arg(buffer)]
     pub logits: DevPtr<f32>,
-    #[arg(status)]
-    pub status: DevPtr<i64>,
+    #[arg(status, rw)]
+    pub status: DevPtrMut<i64>,
     pub batch: u32,
+}
+
+/// Slots of `admit`'s write set for a bucket of `batch` requests of `n` rows: a power of two
+/// at least twice the rows (linear probing stays short).
+pub fn admit_hash_slots(batch: u32, n: u32) -> u32 {
+    (2 * batch.max(1) * n.max(1)).next_power_of_two().max(32)
+}
+
+/// Rows of one replay `admit`'s write set can index (16-bit owners, 0xffff = none) and that
+/// fit its shared memory: the bound validation puts on `bucket · N`.
+pub const ADMIT_MAX_ROWS: u32 = 8192;
+
+/// `admit`'s dynamic shared memory for a bucket of `batch` requests: the write set (a u32
+/// key and a u32 pair of owners per slot), then one rule byte per request.
+pub fn admit_smem_bytes(batch: u32, n: u32) -> u32 {
+    8 * admit_hash_slots(batch, n) + batch.div_ceil(8) * 8
 }
 
 /// CTAs per request row of `emit` (the logits row is split across them).

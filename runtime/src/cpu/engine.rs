@@ -11,9 +11,10 @@ use specplan_format::{signature, DType, Packing, Plan, ValidatedPlan};
 use specplan_kernels::kv::{DeviceRule, TableMode};
 
 use super::{CpuExecutor, ExecError, KvStore, StridedKv, WeightData};
+use crate::aliasing;
 use crate::gpu::DeviceError;
 use crate::registration::{bind_weights, check_d2t, check_kv, check_table, EngineMemory, RegError, WeightBinding};
-use crate::step::{BucketInputs, PageTable};
+use crate::step::{first_non_finite, BucketInputs, PageTable};
 
 /// A `[b]` integer tensor of the caller, i32 or i64.
 #[derive(Clone, Copy, Debug)]
@@ -314,7 +315,9 @@ impl CpuEngine {
         }
         let max_b = p.buckets.last().map_or(1, |x| x.batch as usize);
         let exec = CpuExecutor::borrowing(&self.plan, &self.weights).map_err(|e| e.to_string())?;
-        let mut refused: Vec<(usize, DeviceRule)> = Vec::new();
+        // (request, rule, the other request of an alias)
+        let mut refused: Vec<(usize, DeviceRule, Option<usize>)> = Vec::new();
+        let ps = p.capture.page_size as usize;
         for start in (0..b).step_by(max_b) {
             let end = (start + max_b).min(b);
             let bucket = p.bucket_for((end - start) as u32).ok_or("no bucket serves the chunk")?;
@@ -332,27 +335,55 @@ impl CpuEngine {
                 accept_lens: vec![n as i32; bb],
                 req_slots: vec![-1; bb],
             };
+            // Rules 1-6 per request, then the aliasing rule over the chunk (one replay),
+            // as admit checks them.
+            let admitted: Vec<Result<Vec<i32>, DeviceRule>> = (start..end).map(|i| self.admit(x, i)).collect();
+            let reqs: Vec<aliasing::Request> = (start..end)
+                .zip(&admitted)
+                .map(|(i, a)| aliasing::Request {
+                    l: (x.prefix.get(i) + x.prefix_bias as i64).max(0) as usize,
+                    admitted: a.is_ok(),
+                })
+                .collect();
+            let (mode, slots) = (self.table.mode, self.kv.slots());
+            let aliases = aliasing::check(&reqs, n, |c, pos| {
+                let row = admitted[c].as_ref().ok()?;
+                let tok = match mode {
+                    TableMode::TokenSlots => *row.get(pos)? as i64,
+                    TableMode::PageIds => match *row.get(pos / ps)? {
+                        pg if pg >= 0 => pg as i64 * ps as i64 + (pos % ps) as i64,
+                        _ => -1,
+                    },
+                };
+                (tok >= 0 && (tok as u64) < slots).then_some(tok as u64)
+            });
             let mut ok = vec![false; end - start];
             for i in start..end {
                 let c = i - start;
-                match self.admit(x, i) {
-                    Err(rule) => refused.push((i, rule)),
-                    Ok(row) => {
-                        ok[c] = true;
-                        table.data[c * table.cols..(c + 1) * table.cols].copy_from_slice(&row);
-                        inp.req_slots[c] = c as i32;
-                        inp.prefix_lens[c] = (x.prefix.get(i) + x.prefix_bias as i64) as i32;
-                        inp.accept_lens[c] = self.accept(x, i) as i32;
-                        for j in 0..n {
-                            inp.input_ids[c * n + j] = x.input_ids.get(i * n + j);
-                        }
-                        for (dst, &u) in inp.hidden_states[c * n * hin..(c + 1) * n * hin]
-                            .iter_mut()
-                            .zip(&x.hidden[i * n * hin..(i + 1) * n * hin])
-                        {
-                            *dst = crate::bits::from_act_bits(u, p.capture.dtype);
-                        }
+                let row = match (&admitted[c], aliases[c]) {
+                    (Err(rule), _) => {
+                        refused.push((i, *rule, None));
+                        continue;
                     }
+                    (Ok(_), Some(a)) => {
+                        refused.push((i, DeviceRule::Alias, Some(start + a.writer)));
+                        continue;
+                    }
+                    (Ok(row), None) => row,
+                };
+                ok[c] = true;
+                table.data[c * table.cols..(c + 1) * table.cols].copy_from_slice(row);
+                inp.req_slots[c] = c as i32;
+                inp.prefix_lens[c] = (x.prefix.get(i) + x.prefix_bias as i64) as i32;
+                inp.accept_lens[c] = self.accept(x, i) as i32;
+                for j in 0..n {
+                    inp.input_ids[c * n + j] = x.input_ids.get(i * n + j);
+                }
+                for (dst, &u) in inp.hidden_states[c * n * hin..(c + 1) * n * hin]
+                    .iter_mut()
+                    .zip(&x.hidden[i * n * hin..(i + 1) * n * hin])
+                {
+                    *dst = crate::bits::from_act_bits(u, p.capture.dtype);
                 }
             }
             let o = exec
@@ -361,6 +392,15 @@ impl CpuEngine {
             let act = p.capture.dtype;
             for (c, &keep) in ok.iter().enumerate() {
                 let i = start + c;
+                // emit's flag: an admitted request's outputs, as the device holds them.
+                if keep {
+                    let hidden_bad = first_non_finite(&o.hidden_out[c * h..(c + 1) * h], act).is_some();
+                    let probs_bad = outs.topk && o.topk_probs[c * k..(c + 1) * k].iter().any(|v| !v.is_finite());
+                    let logits_bad = outs.logits && o.logits[c * cols..(c + 1) * cols].iter().any(|v| !v.is_finite());
+                    if hidden_bad || probs_bad || logits_bad {
+                        refused.push((i, DeviceRule::NonFinite, None));
+                    }
+                }
                 if let Some(dst) = out.topk_p.as_deref_mut() {
                     for j in 0..k {
                         dst[i * k + j] = if keep { o.topk_probs[c * k + j] } else { 0.0 };
@@ -384,10 +424,13 @@ impl CpuEngine {
                 }
             }
         }
-        self.last = refused.first().map(|&(request, rule)| DeviceError {
+        // The lowest request first (a request breaks one rule), as the status words.
+        refused.sort_by_key(|r| r.0);
+        self.last = refused.first().map(|&(request, rule, other)| DeviceError {
             count: refused.len() as u64,
             request: request as u64,
             rule: Some(rule),
+            other: other.map(|o| o as u64),
         });
         self.unpolled.extend(self.last.clone());
         Ok(())

@@ -19,7 +19,7 @@ use std::time::Instant;
 use cudarc::driver::{result, sys};
 use specplan_format::{io, BucketFacts, KernelFacts, Plan, Replay, ValidatedPlan};
 use specplan_kernels::abi::{Kernel, KernelParams};
-use specplan_kernels::entries::io::{AdmitParams, AdmitPtrs, EmitParams, EmitPtrs};
+use specplan_kernels::entries::io::{admit_smem_bytes, AdmitParams, AdmitPtrs, EmitParams, EmitPtrs};
 use specplan_kernels::kv::{self, DeviceRule};
 use specplan_kernels::Entry;
 
@@ -98,12 +98,28 @@ pub struct DeviceStep {
 /// What the device rules refused in the last step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceError {
-    /// Requests refused (each wrote nothing: no K/V, no output rows).
+    /// Requests refused (each wrote nothing: no K/V, zero output rows) or flagged for
+    /// non-finite outputs.
     pub count: u64,
-    /// The lowest refused request index of the step (in the whole batch) and the rule it
+    /// The lowest such request index of the step (in the whole batch) and the rule it
     /// broke.
     pub request: u64,
     pub rule: Option<DeviceRule>,
+    /// For [`DeviceRule::Alias`]: the request writing a slot it reads (itself when it
+    /// writes one slot at two positions).
+    pub other: Option<u64>,
+}
+
+impl DeviceError {
+    /// The report of the status words `[count, first, other]` of the step tagged `epoch`.
+    pub fn from_words(words: [u64; 3], epoch: u32) -> Option<DeviceError> {
+        kv::step_refusals(words, epoch).map(|r| DeviceError {
+            count: r.count,
+            request: r.request,
+            rule: DeviceRule::from_code(r.rule),
+            other: r.other,
+        })
+    }
 }
 
 impl std::fmt::Display for DeviceError {
@@ -111,9 +127,17 @@ impl std::fmt::Display for DeviceError {
         let rule = self.rule.map_or("an unknown rule", |r| r.describe());
         write!(
             f,
-            "{} request(s) refused on the device (each wrote nothing); request {}: {rule}",
+            "{} request(s) refused or flagged on the device; request {}",
             self.count, self.request
-        )
+        )?;
+        if let Some(o) = self.other {
+            if o == self.request {
+                write!(f, " (with itself: two of its positions share a slot)")?;
+            } else {
+                write!(f, " (with request {o}, which writes a slot it reads)")?;
+            }
+        }
+        write!(f, ": {rule}")
     }
 }
 
@@ -243,7 +267,8 @@ impl EngineState {
     ) -> Result<(), GpuError> {
         let (grid, _) = AdmitParams::launch(b, f);
         let block = [AdmitParams::threads(f), 1, 1];
-        launch_packed(funcs[self.admit as usize], grid, block, 0, blob, stream)
+        let smem = admit_smem_bytes(b.batch, f.n);
+        launch_packed(funcs[self.admit as usize], grid, block, smem, blob, stream)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -358,6 +383,26 @@ impl GpuRuntime {
         crate::registration::check_d2t(&plan, ids_of("d2t").as_deref())?;
         let (admit, emit) = (kernel_of(&plan, Entry::Admit)?, kernel_of(&plan, Entry::Emit)?);
         let core = Self::core(&plan, &opts)?;
+        // admit's write set grows with the bucket: above 48 KiB of shared memory a kernel
+        // must opt in to it.
+        let n = plan.spec.num_draft_tokens;
+        let smem = plan
+            .buckets
+            .iter()
+            .map(|b| admit_smem_bytes(b.batch, n))
+            .max()
+            .unwrap_or(0);
+        if smem > 48 * 1024 {
+            // SAFETY: a function of the runtime's loaded module; the attribute is a size
+            // validation bounds (bucket rows ≤ ADMIT_MAX_ROWS keeps it under 227 KiB).
+            cuda_rc("cuFuncSetAttribute", unsafe {
+                sys::cuFuncSetAttribute(
+                    core.funcs[admit as usize],
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            })?;
+        }
         let (weights, owned) = place_weights(&plan, &bindings)?;
         let mem = Memory {
             arena: DevMem::new(plan.arena_bytes() as usize)?,
@@ -365,7 +410,7 @@ impl GpuRuntime {
             kv: m.kv,
             table: m.table,
             meta: meta_block()?,
-            mirror: super::device::Mapped::new(3 * kv::MIRROR_SLOTS)?,
+            mirror: super::device::Mapped::new(kv::MIRROR_WORDS * kv::MIRROR_SLOTS)?,
             _owned: owned,
         };
         let state = EngineState {
@@ -529,6 +574,7 @@ impl GpuRuntime {
                 p.func = self.funcs[e.admit as usize];
                 (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid[0], grid[1], grid[2]);
                 (p.blockDimX, p.blockDimY, p.blockDimZ) = (AdmitParams::threads(f), 1, 1);
+                p.sharedMemBytes = admit_smem_bytes(b.batch, f.n);
                 p.kernelParams = params.as_mut_ptr();
                 // SAFETY: `node` is the admit node of this exec's graph; the parameters
                 // point at a struct laid out as admit declares, read during the call (the
@@ -570,17 +616,19 @@ impl GpuRuntime {
         cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
         // SAFETY: the runtime's event, recorded by the last step.
         cuda("cuEventSynchronize", unsafe { result::event::synchronize(e.done.0) })?;
-        let mut words = [0u64; 2];
-        let at = self.mem.status_ptr() + (kv::STATUS_ERR_COUNT * 8) as u64;
-        // SAFETY: the first two status words; the last step that writes them is done.
-        cuda("cuMemcpyDtoH", unsafe { result::memcpy_dtoh_sync(&mut words, at) })?;
-        Ok(
-            kv::step_refusals(words, e.epoch).map(|(count, request, code)| DeviceError {
-                count,
-                request,
-                rule: DeviceRule::from_code(code),
-            }),
-        )
+        let mut words = [0u64; kv::STATUS_WORDS];
+        // SAFETY: the runtime's status words; the last step that writes them is done.
+        cuda("cuMemcpyDtoH", unsafe {
+            result::memcpy_dtoh_sync(&mut words, self.mem.status_ptr())
+        })?;
+        Ok(DeviceError::from_words(
+            [
+                words[kv::STATUS_ERR_COUNT],
+                words[kv::STATUS_ERR_FIRST],
+                words[kv::STATUS_ERR_OTHER],
+            ],
+            e.epoch,
+        ))
     }
 
     /// What the device rules refused in the steps that finished since the last poll,
@@ -610,21 +658,16 @@ impl GpuRuntime {
         let mut pending = false;
         while e.polled < e.epoch {
             let next = e.polled + 1;
-            let at = 3 * (next % slots) as usize;
+            let at = kv::MIRROR_WORDS * (next % slots) as usize;
             if self.mem.mirror.read(at) != next as u64 {
                 pending = true;
                 break;
             }
             // The tag was written after the words and a system-wide fence.
             std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-            let words = [self.mem.mirror.read(at + 1), self.mem.mirror.read(at + 2)];
-            if let Some((count, request, code)) = kv::step_refusals(words, next) {
-                refused.push(DeviceError {
-                    count,
-                    request,
-                    rule: DeviceRule::from_code(code),
-                });
-            }
+            let m = &self.mem.mirror;
+            let words = [m.read(at + 1), m.read(at + 2), m.read(at + 3)];
+            refused.extend(DeviceError::from_words(words, next));
             e.polled = next;
         }
         Ok(StepPoll::Done { refused, pending, lost })

@@ -207,7 +207,7 @@ impl GpuRuntime {
         words[kv::KV_WORDS + kv::STATUS_ERR_FIRST] = -1; // u64::MAX: no error yet
         words[kv::KV_WORDS + kv::STATUS_MIRROR] = rt.mem.mirror.dev as i64;
         // Tag 0 names no step: every slot starts empty.
-        for w in 0..3 * kv::MIRROR_SLOTS {
+        for w in 0..kv::MIRROR_WORDS * kv::MIRROR_SLOTS {
             rt.mem.mirror.write(w, 0);
         }
         // SAFETY: `meta` holds the layout and status words.

@@ -76,6 +76,9 @@ pub(crate) struct OwnedState {
     slot_pages: Vec<u32>,
     /// Host mirror of the device page table (for the O(b·N) write-conflict check).
     table_host: Vec<i32>,
+    /// Per pool page, how many slot rows list it: a page listed by two rows is shared
+    /// (a cached prefix) and read-only, so the aliasing rule is O(b·N) per step.
+    page_refs: Vec<u32>,
     admission: Admission,
     pub last_batch: usize,
     /// Outputs of a batch run in chunks (above the largest bucket), and whether the last
@@ -118,7 +121,9 @@ impl GpuRuntime {
                 page_size: plan.capture.page_size as u64,
             },
             meta: meta_block()?,
-            mirror: super::device::Mapped::new(3 * specplan_kernels::kv::MIRROR_SLOTS)?,
+            mirror: super::device::Mapped::new(
+                specplan_kernels::kv::MIRROR_WORDS * specplan_kernels::kv::MIRROR_SLOTS,
+            )?,
             _owned: Vec::new(),
         };
         let max_rows = plan.buckets.last().map_or(1, |b| b.rows as usize);
@@ -127,6 +132,7 @@ impl GpuRuntime {
             staging: Staging::new(&plan)?,
             slot_pages: vec![0; rows as usize],
             table_host: Vec::new(),
+            page_refs: vec![0; pool_pages as usize],
             admission: Admission::new(rows as usize, max_rows),
             last_batch: 0,
             chunk_out: None,
@@ -186,6 +192,7 @@ impl GpuRuntime {
         let s = self.owned_mut()?;
         s.table_host = vec![scratch; n];
         s.slot_pages.iter_mut().for_each(|p| *p = 0);
+        s.page_refs.iter_mut().for_each(|r| *r = 0);
         // SAFETY: exactly the table's size.
         cuda("cuMemcpyHtoD", unsafe {
             result::memcpy_htod_sync(table, &s.table_host)
@@ -194,8 +201,16 @@ impl GpuRuntime {
 
     /// Sets a request slot's pages from column 0 (a new request). Not on the replay path.
     pub fn set_pages(&mut self, slot: usize, pages: &[i32]) -> Result<(), GpuError> {
-        if let Some(p) = self.owned_mut()?.slot_pages.get_mut(slot) {
-            *p = 0;
+        let cols = self.plan.capture.max_pages_per_request as usize;
+        let s = self.owned_mut()?;
+        if let Some(&have) = s.slot_pages.get(slot) {
+            // The old row's pages are released first (the new row may list them again).
+            for &pg in &s.table_host[slot * cols..slot * cols + have as usize] {
+                if let Some(r) = s.page_refs.get_mut(pg as usize) {
+                    *r = r.saturating_sub(1);
+                }
+            }
+            s.slot_pages[slot] = 0;
         }
         self.append_pages(slot, pages)
     }
@@ -221,6 +236,19 @@ impl GpuRuntime {
         admission::check_page_ids("page_table", slot, pages, scratch)?;
         if pages.is_empty() {
             return Ok(());
+        }
+        // The aliasing rule's own half: a row names each page once (two positions on one
+        // page slot would read what the other writes). O(row), at assignment.
+        let row = &s.table_host[slot * cols..slot * cols + have];
+        for (c, &pg) in pages.iter().enumerate() {
+            if row.contains(&pg) || pages[..c].contains(&pg) {
+                return Err(bad(format!(
+                    "page {pg} is listed twice in the row (a row may not name one cache slot twice)"
+                )));
+            }
+        }
+        for &pg in pages {
+            s.page_refs[pg as usize] += 1;
         }
         let first = slot * cols + have;
         s.table_host[first..first + pages.len()].copy_from_slice(pages);
@@ -321,6 +349,23 @@ impl GpuRuntime {
             admission::check_row_len(i, l, n, ps, have)?;
             let row = &s.table_host[slot as usize * cols..slot as usize * cols + have];
             s.admission.writes(i, l, n, ps, row)?;
+            // The aliasing rule: a page another slot's row lists is read-only.
+            let first_page = l / ps;
+            for (pi, &pg) in row[..(l + n).div_ceil(ps)].iter().enumerate().skip(first_page) {
+                if s.page_refs.get(pg as usize).copied().unwrap_or(0) > 1 {
+                    let other = (0..s.slot_pages.len())
+                        .filter(|&r| r != slot as usize)
+                        .find(|&r| s.table_host[r * cols..r * cols + s.slot_pages[r] as usize].contains(&pg));
+                    return Err(GpuError::Input(crate::step::input_error(
+                        "page_table",
+                        format!("[{i}][{pi}]"),
+                        format!(
+                            "request {i} writes page {pg}, which slot {}'s row also lists (a page shared between requests is read-only: the request writing it would change what the other reads)",
+                            other.map_or("another".to_string(), |o| o.to_string())
+                        ),
+                    )));
+                }
+            }
         }
         Ok(())
     }

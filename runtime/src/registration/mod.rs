@@ -195,11 +195,12 @@ pub fn check_table(plan: &Plan, t: &TableRegistration) -> Result<(), RegError> {
     if t.ptr == 0 || !t.ptr.is_multiple_of(4) {
         return Err(bad(what, format!("address {:#x} is null or not 4-byte aligned", t.ptr)));
     }
-    if t.rows == 0 || t.rows > i32::MAX as u64 || t.cols == 0 || t.cols > i32::MAX as u64 {
+    // Rows below 2^30: emit marks a request's row entry with bit 30 (kv::NON_FINITE_MARK).
+    if t.rows == 0 || t.rows >= kv::NON_FINITE_MARK as u64 || t.cols == 0 || t.cols > i32::MAX as u64 {
         return Err(bad(
             what,
             format!(
-                "shape [{}, {}] must have rows and columns in [1, 2^31 - 1]",
+                "shape [{}, {}] must have rows in [1, 2^30 - 1] and columns in [1, 2^31 - 1]",
                 t.rows, t.cols
             ),
         ));

@@ -235,6 +235,8 @@ fn written_slots(plan: &ValidatedPlan, c: &Case, skip: Option<usize>) -> Vec<boo
 /// One step of a case: what the engine is given, how, and which request it must refuse.
 struct StepCase<'a> {
     x: &'a StepInputs,
+    /// The hidden states the engine is given (the case's, or a bad request's overflowing).
+    hidden: &'a [u16],
     ints: Ints,
     bad: Option<(usize, DeviceRule)>,
     busy: Option<&'a DeviceBuf>,
@@ -266,7 +268,7 @@ fn check_step(
         0
     };
     fx.restore()?;
-    let (eo, host_us, pending) = engine_step(eng, s.x, &c.hidden_bits, &fx.rows, s.ints, stream, s.busy)?;
+    let (eo, host_us, pending) = engine_step(eng, s.x, s.hidden, &fx.rows, s.ints, stream, s.busy)?;
     rep.steps += 1;
     if s.busy.is_some() {
         rep.host_us = host_us;
@@ -277,10 +279,26 @@ fn check_step(
         }
     }
     let skip = s.bad.map(|b| b.0);
+    // A request flagged for non-finite outputs ran: its K/V were written and its outputs
+    // are as computed (they must hold a non-finite value, or the flag is wrong).
+    let flagged = matches!(s.bad, Some((_, DeviceRule::NonFinite)));
     for i in 0..c.b {
         let (pr, ir, hr) = (i * k..(i + 1) * k, i * k..(i + 1) * k, i * h..(i + 1) * h);
         let lr = i * cols..(i + 1) * cols;
-        if Some(i) == skip {
+        if Some(i) == skip && flagged {
+            let act = plan.capture.dtype;
+            let non_finite = eo.probs[pr].iter().any(|p| !p.is_finite())
+                || eo.hidden[hr]
+                    .iter()
+                    .any(|&x| !specplan_runtime::bits::from_act_bits(x, act).is_finite())
+                || eo.logits[lr].iter().any(|p| !p.is_finite());
+            if !non_finite {
+                rep.failures.push(format!(
+                    "step {}: request {i}'s overflowing inputs gave finite outputs (the case does not test the flag)",
+                    rep.steps
+                ));
+            }
+        } else if Some(i) == skip {
             // A refused request's output rows are zeros (never a stale row).
             rep.refused_rows_written += eo.probs[pr].iter().filter(|p| p.to_bits() != 0).count()
                 + eo.ids[ir].iter().filter(|&&x| x != 0).count()
@@ -323,6 +341,15 @@ fn check_step(
     // The caller's pool: written slots equal the owned pool's (bitwise, or within the
     // activation's rounding for views); every other element kept.
     let written = written_slots(plan, c, skip);
+    // The flagged request's slots hold what its overflowing forward wrote: neither
+    // compared nor required unchanged.
+    let ignored = match (flagged, skip) {
+        (true, Some(_)) => {
+            let all = written_slots(plan, c, None);
+            all.iter().zip(&written).map(|(a, w)| *a && !*w).collect()
+        }
+        _ => vec![false; written.len()],
+    };
     let per = written.len();
     for l in 0..plan.model.layers as usize {
         let (gk, gv, stray) = fx.read_layer(l, plan)?;
@@ -333,6 +360,9 @@ fn check_step(
             (&gv, &fx.v0[l], &owned_kv.1[l * per..(l + 1) * per]),
         ] {
             for e in 0..per {
+                if ignored[e] {
+                    continue;
+                }
                 if written[e] {
                     let differs = if views {
                         let (g, w) = (
@@ -359,8 +389,15 @@ fn check_step(
             "step {}: no bad request, but the device reported: {e}",
             rep.steps
         )),
-        (Some((i, rule)), Some(e)) if e.request == i as u64 && e.rule == Some(rule) && e.count == 1 => {
-            rep.refused.push(format!("request {i}: {rule:?} refused and reported"))
+        // An alias case's reader names request 0, whose new slot it reads.
+        (Some((i, rule)), Some(e))
+            if e.request == i as u64
+                && e.rule == Some(rule)
+                && e.count == 1
+                && e.other == (rule == DeviceRule::Alias).then_some(0) =>
+        {
+            rep.refused
+                .push(format!("request {i}: {rule:?} refused and reported ({e})"))
         }
         (Some((i, rule)), got) => rep.failures.push(format!(
             "step {}: request {i} broke {rule:?}, the device reported {got:?}",
@@ -381,6 +418,7 @@ fn compare(
     fx: &mut Fixture,
     c: &Case,
     engine_x: &StepInputs,
+    engine_hidden: &[u16],
     bad: Option<(usize, DeviceRule)>,
     views: bool,
     stream: u64,
@@ -405,18 +443,21 @@ fn compare(
     let steps = [
         StepCase {
             x: engine_x,
+            hidden: engine_hidden,
             ints: Ints::Sglang,
             bad,
             busy: Some(&busy),
         },
         StepCase {
             x: engine_x,
+            hidden: engine_hidden,
             ints: Ints::Plain,
             bad,
             busy: None,
         },
         StepCase {
             x: &c.step,
+            hidden: &c.hidden_bits,
             ints: Ints::Sglang,
             bad: None,
             busy: None,
@@ -424,6 +465,7 @@ fn compare(
         // vLLM's integers: i32 ids, selected rows instead of accept lengths.
         StepCase {
             x: &c.step,
+            hidden: &c.hidden_bits,
             ints: Ints::Vllm,
             bad: None,
             busy: None,
@@ -497,6 +539,8 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
         case(4, Some((1, DeviceRule::Accept)), false),
         case(4, Some((1, DeviceRule::Row)), false),
         case(4, Some((1, DeviceRule::Slot)), false),
+        case(4, Some((1, DeviceRule::Alias)), false),
+        case(4, Some((2, DeviceRule::NonFinite)), false),
         case(3, None, true),
         // Eager steps (no graph): the end-of-step event is recorded by the host, and a
         // refusal must still be reported.
@@ -505,8 +549,23 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
             ..case(4, Some((1, DeviceRule::Accept)), false)
         },
     ]);
+    let ps = plan.capture.page_size as usize;
     for ec in cases {
-        let c = make_case(plan, rng, ec.b, 60);
+        let mut c = make_case(plan, rng, ec.b, 60);
+        // The alias case reads a whole table entry of its prefix: the request needs a
+        // prefix covering entry 0 (one token slot, or one page of ps).
+        let cover = if blocks { ps } else { 1 };
+        if let Some((at, DeviceRule::Alias)) = ec.bad {
+            for _ in 0..64 {
+                if c.step.prefix_lens[at] as usize >= cover {
+                    break;
+                }
+                c = make_case(plan, rng, ec.b, 60.max(2 * cover));
+            }
+            if (c.step.prefix_lens[at] as usize) < cover {
+                return Err(format!("no alias case with a prefix of {cover} found"));
+            }
+        }
         let mut fx = fixture(plan, &c, &weights, layout, ec.views, rng)?;
         let mem = EngineMemory {
             kv: fx.kv.clone(),
@@ -537,8 +596,36 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                     unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
                         .map_err(|e| format!("{e:?}"))?;
                 }
+                DeviceRule::Alias => {
+                    // Entry 0 of the request's row (a prefix position it reads) names the
+                    // slot, or page, of request 0's first new position.
+                    let per = |p: usize| if blocks { p / ps } else { p };
+                    let stride = fx.table.stride as usize;
+                    let w = fx.rows[0] as usize * stride + per(x.prefix_lens[0] as usize);
+                    let e = fx.rows[at] as usize * stride;
+                    fx.table_host[e] = fx.table_host[w];
+                    // SAFETY: one entry inside the table allocation; synchronous.
+                    unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
+                        .map_err(|e| format!("{e:?}"))?;
+                }
+                // Hidden states at 90% of the activation type's largest value: finite
+                // inputs whose forward overflows (set below).
+                DeviceRule::NonFinite => {}
                 other => return Err(format!("no engine case breaks {other:?}")),
             }
+        }
+        let mut engine_hidden = c.hidden_bits.clone();
+        if let Some((at, DeviceRule::NonFinite)) = ec.bad {
+            let act = plan.capture.dtype;
+            let big = match act {
+                specplan_format::DType::F16 => 0.9 * half::f16::MAX.to_f32(),
+                _ => 0.9 * half::bf16::MAX.to_f32(),
+            };
+            let per = plan.spec.num_draft_tokens as usize * plan.model.hidden_in() as usize;
+            let bits = specplan_runtime::bits::to_act_bits(&[big], act)[0];
+            engine_hidden[at * per..(at + 1) * per]
+                .iter_mut()
+                .for_each(|x| *x = bits);
         }
         let mut rep = EngineReport {
             layout: layout.name(),
@@ -554,6 +641,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
             &mut fx,
             &c,
             &x,
+            &engine_hidden,
             ec.bad,
             ec.views,
             stream.cu_stream() as u64,
