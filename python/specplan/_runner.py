@@ -42,6 +42,8 @@ class DeviceError:
                 f"other={self.other!r})")
 
     def __str__(self):
+        if self.request < 0:  # the ring lost steps (poll_error): no request to name
+            return self.rule
         with_ = ""
         if self.other is not None:
             with_ = (" (with itself: two of its positions share a slot)" if self.other == self.request
@@ -496,7 +498,9 @@ class DraftExtendRunner:
         refusals, pending, lost = self._engine.poll_error()
         errors = [DeviceError(*e) for e in refusals]
         if lost:
-            errors.append(DeviceError(lost, -1, f"{lost} unpolled step(s) were overwritten in the refusal ring"))
+            errors.append(DeviceError(lost, -1, f"{lost} unpolled step(s) were overwritten in the refusal ring "
+                                                f"before a poll: what they refused is unknown (poll at least "
+                                                f"every 16 steps)"))
         return errors, pending
 
     def load_times(self):

@@ -635,8 +635,9 @@ impl GpuRuntime {
     /// without waiting: `emit` leaves each step's refusal words in a host-mapped ring
     /// tagged with the step, so this reads memory only — no synchronization and no copy —
     /// and an engine may call it on its replay path (before each step, say). A step not yet
-    /// finished is reported by a later poll; more than [`kv::MIRROR_SLOTS`] unpolled steps
-    /// overwrite the oldest (`lost` counts them).
+    /// finished stops the poll (`pending`; a later poll reports it); a finished step whose
+    /// slot a step [`kv::MIRROR_SLOTS`] later has overwritten before the poll is counted
+    /// in `lost`.
     pub fn poll_error(&mut self) -> Result<StepPoll, GpuError> {
         let Mode::Engine(e) = &mut self.mode else {
             return Err(GpuError::Mode("an engine-memory step"));
@@ -650,24 +651,35 @@ impl GpuRuntime {
         }
         let slots = kv::MIRROR_SLOTS as u32;
         let mut lost = 0;
-        if e.epoch - e.polled > slots {
-            lost = e.epoch - e.polled - slots;
-            e.polled = e.epoch - slots;
-        }
         let mut refused = Vec::new();
         let mut pending = false;
+        let m = &self.mem.mirror;
         while e.polled < e.epoch {
             let next = e.polled + 1;
             let at = kv::MIRROR_WORDS * (next % slots) as usize;
-            if self.mem.mirror.read(at) != next as u64 {
+            let tag = m.read(at);
+            if tag < next as u64 {
+                // Not finished yet (a host far ahead of the device is not a loss: the
+                // slot still holds an older step's words).
                 pending = true;
                 break;
             }
-            // The tag was written after the words and a system-wide fence.
-            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
-            let m = &self.mem.mirror;
-            let words = [m.read(at + 1), m.read(at + 2), m.read(at + 3)];
-            refused.extend(DeviceError::from_words(words, next));
+            if tag == next as u64 {
+                // The tag was written after the words and a system-wide fence.
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                let words = [m.read(at + 1), m.read(at + 2), m.read(at + 3)];
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                // Unchanged tag: the words are this step's (a later step writes its words
+                // before its tag).
+                if m.read(at) == next as u64 {
+                    refused.extend(DeviceError::from_words(words, next));
+                } else {
+                    lost += 1;
+                }
+            } else {
+                // A later step has overwritten the slot before this poll.
+                lost += 1;
+            }
             e.polled = next;
         }
         Ok(StepPoll::Done { refused, pending, lost })

@@ -76,9 +76,12 @@ pub(crate) struct OwnedState {
     slot_pages: Vec<u32>,
     /// Host mirror of the device page table (for the O(b·N) write-conflict check).
     table_host: Vec<i32>,
-    /// Per pool page, how many slot rows list it: a page listed by two rows is shared
-    /// (a cached prefix) and read-only, so the aliasing rule is O(b·N) per step.
-    page_refs: Vec<u32>,
+    /// Per pool page, the (slot, column) entries of the rows that list it, kept at
+    /// assignment, so the aliasing rule costs a step O(b·N · sharers), never a row scan.
+    page_rows: Vec<Vec<(u32, u32)>>,
+    /// Per slot, `(stamp, request, prefix)` when the slot steps in the check's step.
+    step_slot: Vec<(u32, u32, u32)>,
+    step_stamp: u32,
     admission: Admission,
     pub last_batch: usize,
     /// Outputs of a batch run in chunks (above the largest bucket), and whether the last
@@ -132,7 +135,9 @@ impl GpuRuntime {
             staging: Staging::new(&plan)?,
             slot_pages: vec![0; rows as usize],
             table_host: Vec::new(),
-            page_refs: vec![0; pool_pages as usize],
+            page_rows: vec![Vec::new(); pool_pages as usize],
+            step_slot: vec![(0, 0, 0); rows as usize],
+            step_stamp: 0,
             admission: Admission::new(rows as usize, max_rows),
             last_batch: 0,
             chunk_out: None,
@@ -192,7 +197,7 @@ impl GpuRuntime {
         let s = self.owned_mut()?;
         s.table_host = vec![scratch; n];
         s.slot_pages.iter_mut().for_each(|p| *p = 0);
-        s.page_refs.iter_mut().for_each(|r| *r = 0);
+        s.page_rows.iter_mut().for_each(Vec::clear);
         // SAFETY: exactly the table's size.
         cuda("cuMemcpyHtoD", unsafe {
             result::memcpy_htod_sync(table, &s.table_host)
@@ -206,8 +211,8 @@ impl GpuRuntime {
         if let Some(&have) = s.slot_pages.get(slot) {
             // The old row's pages are released first (the new row may list them again).
             for &pg in &s.table_host[slot * cols..slot * cols + have as usize] {
-                if let Some(r) = s.page_refs.get_mut(pg as usize) {
-                    *r = r.saturating_sub(1);
+                if let Some(r) = s.page_rows.get_mut(pg as usize) {
+                    r.retain(|&(sl, _)| sl as usize != slot);
                 }
             }
             s.slot_pages[slot] = 0;
@@ -247,8 +252,8 @@ impl GpuRuntime {
                 )));
             }
         }
-        for &pg in pages {
-            s.page_refs[pg as usize] += 1;
+        for (c, &pg) in pages.iter().enumerate() {
+            s.page_rows[pg as usize].push((slot as u32, (have + c) as u32));
         }
         let first = slot * cols + have;
         s.table_host[first..first + pages.len()].copy_from_slice(pages);
@@ -349,21 +354,42 @@ impl GpuRuntime {
             admission::check_row_len(i, l, n, ps, have)?;
             let row = &s.table_host[slot as usize * cols..slot as usize * cols + have];
             s.admission.writes(i, l, n, ps, row)?;
-            // The aliasing rule: a page another slot's row lists is read-only.
-            let first_page = l / ps;
-            for (pi, &pg) in row[..(l + n).div_ceil(ps)].iter().enumerate().skip(first_page) {
-                if s.page_refs.get(pg as usize).copied().unwrap_or(0) > 1 {
-                    let other = (0..s.slot_pages.len())
-                        .filter(|&r| r != slot as usize)
-                        .find(|&r| s.table_host[r * cols..r * cols + s.slot_pages[r] as usize].contains(&pg));
-                    return Err(GpuError::Input(crate::step::input_error(
-                        "page_table",
-                        format!("[{i}][{pi}]"),
-                        format!(
-                            "request {i} writes page {pg}, which slot {}'s row also lists (a page shared between requests is read-only: the request writing it would change what the other reads)",
-                            other.map_or("another".to_string(), |o| o.to_string())
-                        ),
-                    )));
+        }
+        // The aliasing rule (crate::aliasing): no request of the step reads a slot another
+        // writes. Rows naming a page twice were refused at assignment, so only other
+        // stepping slots whose rows list a written page can read it.
+        s.step_stamp = s.step_stamp.wrapping_add(1);
+        if s.step_stamp == 0 {
+            s.step_slot.iter_mut().for_each(|e| *e = (0, 0, 0));
+            s.step_stamp = 1;
+        }
+        let stamp = s.step_stamp;
+        for i in 0..b {
+            s.step_slot[req.slots[i] as usize] = (stamp, i as u32, req.prefix_lens[i] as u32);
+        }
+        for i in 0..b {
+            let slot = req.slots[i] as usize;
+            let l = req.prefix_lens[i] as usize;
+            let row = &s.table_host[slot * cols..slot * cols + s.slot_pages[slot] as usize];
+            for (pi, &pg) in row.iter().enumerate().take((l + n).div_ceil(ps)).skip(l / ps) {
+                // Offsets [lo, hi) of the page this request writes.
+                let lo = l.max(pi * ps) - pi * ps;
+                for &(other, col) in &s.page_rows[pg as usize] {
+                    let (st, j, lj) = s.step_slot[other as usize];
+                    if other as usize == slot || st != stamp {
+                        continue;
+                    }
+                    // The other request reads offsets [0, reads) of its entry `col`.
+                    let reads = (lj as usize + n).saturating_sub(col as usize * ps).min(ps);
+                    if lo < reads {
+                        return Err(GpuError::Input(crate::step::input_error(
+                            "page_table",
+                            format!("[{j}][{col}]"),
+                            format!(
+                                "request {j} reads page {pg} slot {lo}, which request {i} writes in this step (their K/V would race; a page two requests share is read-only while both run)"
+                            ),
+                        )));
+                    }
                 }
             }
         }
