@@ -50,6 +50,9 @@ enum Cmd {
         /// executor, not for the GPU runtime).
         #[arg(long)]
         no_kernels: bool,
+        /// Also print how the config was read: its format and the keys nothing reads.
+        #[arg(short, long)]
+        verbose: bool,
     },
     /// Print a plan's canonical text form.
     Show { plan: PathBuf },
@@ -296,6 +299,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             out,
             text,
             no_kernels,
+            verbose,
         } => {
             let t0 = Instant::now();
             // Outputs first (cheap, and a doomed command should fail before compiling),
@@ -312,6 +316,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 None
             };
             let cfg = input.resolve()?;
+            for n in &cfg.notes {
+                outln!("note: {n}");
+            }
+            if verbose {
+                outln!("config: {} read as a {}", cfg.name, cfg.format);
+                match cfg.ignored.as_slice() {
+                    [] => outln!("ignored keys: none"),
+                    keys => outln!("ignored keys ({}, nothing reads them): {}", keys.len(), keys.join(", ")),
+                }
+            }
             let jit = if no_kernels { None } else { Some(Jit::from_env()?) };
             let total = cfg.capture.buckets.len();
             let bar = indicatif::ProgressBar::new(total as u64);

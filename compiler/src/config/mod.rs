@@ -7,6 +7,7 @@
 
 mod eagle3;
 mod keys;
+mod recognize;
 pub use keys::did_you_mean;
 pub mod limits;
 mod model;
@@ -35,12 +36,26 @@ pub struct ConfigError(pub Vec<FieldError>);
 #[derive(Default)]
 pub struct Errors {
     list: Vec<FieldError>,
+    /// One-line notes of an accepted config (what was read how), for the user.
+    notes: Vec<String>,
     /// Paths of non-finite numbers (already reported): a TOML `nan` reads as an absent
     /// value, which must not be reported again as "missing".
     non_finite: Vec<String>,
 }
 
 impl Errors {
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    pub fn note(&mut self, line: String) {
+        self.notes.push(line);
+    }
+
     pub fn push(&mut self, field: String, message: String) {
         let path = field.split(' ').next().unwrap_or(&field);
         if message.starts_with("missing") && self.non_finite.iter().any(|p| p == path) {
@@ -108,6 +123,14 @@ pub struct Config {
     pub model: ModelConfig,
     pub spec: SpecDesc,
     pub capture: CaptureConfig,
+    /// The format the model keys were read as (`config`, `vLLM nested EAGLE config`,
+    /// `Speculators config`).
+    pub format: &'static str,
+    /// One line each: how the config was read where a user could be surprised (a serving
+    /// context above the head's training length, say).
+    pub notes: Vec<String>,
+    /// Keys of the model config nothing reads (they do not change the plan).
+    pub ignored: Vec<String>,
 }
 
 pub struct Preset {
@@ -190,7 +213,11 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
         }
         (table("model"), table("speculative"), table("capture"))
     };
-    let model = read_model_checked(model_v, if hf { "" } else { "model." }, &mut e);
+    let prefix = if hf { "" } else { "model." };
+    let recognized = recognize::recognize(model_v, prefix, &mut e);
+    let model = recognized
+        .as_ref()
+        .and_then(|r| model::read_model(&r.model, prefix, &mut e));
     let spec = read_spec(spec_v, o, &mut e);
     let capture = model
         .as_ref()
@@ -219,12 +246,18 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
         }
     }
     match (model, spec, capture) {
-        (Some(model), Some(spec), Some(capture)) if e.list.is_empty() => Ok(Config {
-            name,
-            model,
-            spec,
-            capture,
-        }),
+        (Some(model), Some(spec), Some(capture)) if e.list.is_empty() => {
+            let r = recognized.as_ref();
+            Ok(Config {
+                name,
+                model,
+                spec,
+                capture,
+                format: r.map_or("config", |r| r.format),
+                notes: e.notes,
+                ignored: r.map(|r| r.ignored.clone()).unwrap_or_default(),
+            })
+        }
         _ => Err(ConfigError(e.list)),
     }
 }
@@ -248,10 +281,6 @@ fn parse_toml(text: &str, name: &str, e: &mut Errors) -> Option<Value> {
             None
         }
     }
-}
-
-fn read_model_checked(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig> {
-    model::read_model(v, prefix, e)
 }
 
 fn uint_field(v: &Value, key: &str, field: &str, e: &mut Errors) -> Option<u32> {
@@ -374,13 +403,15 @@ fn read_capture(
     let max_pos = m.desc.max_position_embeddings;
     let ctx_given = o.max_context_len.or_else(|| uint_field(v, "max_context_len", CTX, e));
     let ctx = ctx_given.unwrap_or(max_pos);
-    let ctx_ok = ctx <= max_pos && ctx <= MAX_CONTEXT;
-    if ctx > max_pos {
-        e.push(
-            CTX.into(),
-            format!("{ctx} exceeds the model's max_position_embeddings {max_pos}"),
-        );
-    } else if ctx > MAX_CONTEXT {
+    let ctx_ok = ctx <= MAX_CONTEXT;
+    if ctx > max_pos && ctx <= MAX_CONTEXT {
+        // Engines serve a head at the target's context (SGLang sets the draft's context
+        // length to the target's); RoPE is defined at every position.
+        e.note(format!(
+            "max_context_len {ctx} is above the head's max_position_embeddings {max_pos} (its training length): positions past {max_pos} are served as the engines serve them; the plan records both"
+        ));
+    }
+    if ctx > MAX_CONTEXT {
         let from = if ctx_given.is_none() {
             " (the default: max_position_embeddings; give a smaller --max-context-len)"
         } else {

@@ -28,6 +28,7 @@ mod lt;
 mod memory;
 mod owned;
 mod probes;
+mod refusals;
 pub use graph::Exec;
 pub use probes::GraphNodes;
 mod staging;
@@ -42,7 +43,7 @@ use specplan_kernels::kv;
 
 use device::{cuda, DevMem, Module};
 pub use device::{driver_report, GpuError};
-pub use engine::{AcceptForm, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, StepPoll};
+pub use engine::{AcceptForm, DeviceInts, DeviceOutputs, DeviceStep};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
 use launch::{gemm_call, load_kernels, Launcher};
@@ -50,6 +51,7 @@ pub use lt::GemmChoice;
 use memory::Memory;
 pub use memory::{DeviceTensor, EngineMemory, KvGeometry, KvRegistration, TableRegistration};
 pub use owned::{Hidden, HostOutputs, StepInfo, StepRequest};
+pub use refusals::{DeviceError, StepPoll};
 pub use specplan_kernels::kv::{DeviceRule, TableMode};
 
 pub struct GpuOptions {
