@@ -51,3 +51,38 @@ fn rebuilt_kernels_run_the_same_step() {
     };
     assert_eq!(run("a.safetensors", &[]), run("b.safetensors", &["--rebuild-kernels"]));
 }
+
+/// The plan records the NVRTC it was compiled with by what was found, not by how: a run
+/// under `.ci/with-nvrtc` and a plain run (NVRTC found in its install folder, no
+/// environment) give byte-identical plans, through one shared kernel cache.
+#[test]
+#[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
+fn with_nvrtc_and_plain_runs_give_identical_plans() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cache = dir.path().join("kernels");
+    let compile = |name: &str, plain: bool| {
+        let out = dir.path().join(name);
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_specplan"));
+        c.args(["compile", "--preset", "tiny", "-o", out.to_str().expect("utf-8")])
+            .env("SPECPLAN_CACHE_DIR", &cache);
+        if plain {
+            c.env_remove("SPECPLAN_NVRTC_VERSION")
+                .env_remove("SPECPLAN_CUDA_INCLUDE")
+                .env_remove("LD_LIBRARY_PATH");
+        }
+        let o = c.output().expect("run specplan");
+        assert!(o.status.success(), "{}", text(&o));
+        (
+            std::fs::read(&out).expect("plan"),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+        )
+    };
+    let (a, _) = compile("a.plan", false);
+    let (b, out_b) = compile("b.plan", true);
+    assert!(a == b, "the plans differ: {}", out_b);
+    // The second compile found every kernel in the cache the first filled.
+    assert!(
+        out_b.contains("kernels: 0 compiled by NVRTC") && !out_b.contains(", 0 from the cache"),
+        "{out_b}"
+    );
+}

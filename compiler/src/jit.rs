@@ -46,7 +46,8 @@ pub enum JitError {
 #[derive(Clone, Debug)]
 pub struct Jit {
     include_dir: PathBuf,
-    /// "13.0" from nvrtcVersion, plus the wheel's patch version when `.ci/with-nvrtc` says it.
+    /// "13.0.88": the wheel's version when NVRTC comes from a wheel folder, else "13.0"
+    /// from nvrtcVersion ([`wheel_version`]).
     pub version: String,
     cache_dir: Option<PathBuf>,
 }
@@ -77,10 +78,7 @@ impl Jit {
         if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
             return Err(JitError::NotFound(format!("{}: nvrtcVersion failed", found.origin)));
         }
-        let version = match std::env::var("SPECPLAN_NVRTC_VERSION") {
-            Ok(v) if v.starts_with(&format!("{major}.{minor}")) => v,
-            _ => format!("{major}.{minor}"),
-        };
+        let version = wheel_version(&found.include_dir, major, minor);
         let cache_dir = match std::env::var("SPECPLAN_CACHE_DIR") {
             Ok(v) if v == "off" => None,
             Ok(v) if !v.is_empty() => Some(PathBuf::from(v)),
@@ -293,6 +291,32 @@ fn excerpt(source: &str, log: &str) -> String {
         shown_to = hi;
     }
     out
+}
+
+/// The NVRTC version a plan records: the `nvidia-cuda-nvrtc` wheel's own version when the
+/// headers come from a wheel folder (`<root>/nvidia/cu13/include` beside
+/// `<root>/nvidia_cuda_nvrtc-X.dist-info`), else `major.minor` from `nvrtcVersion`. It
+/// depends only on the NVRTC found, never on how it was found (`.ci/with-nvrtc` or a plain
+/// run), so both give byte-identical plans and share one kernel cache.
+fn wheel_version(include_dir: &std::path::Path, major: i32, minor: i32) -> String {
+    let short = format!("{major}.{minor}");
+    let root = include_dir.ancestors().nth(3);
+    let from_wheel = root.and_then(|r| std::fs::read_dir(r).ok()).and_then(|entries| {
+        let mut found: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let v = name
+                    .strip_prefix("nvidia_cuda_nvrtc-")?
+                    .strip_suffix(".dist-info")?
+                    .to_string();
+                v.starts_with(&format!("{short}.")).then_some(v)
+            })
+            .collect();
+        found.sort();
+        found.pop()
+    });
+    from_wheel.unwrap_or(short)
 }
 
 /// Rejects PTX newer than the driver accepts (reads the `.version X.Y` directive).

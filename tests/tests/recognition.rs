@@ -71,6 +71,13 @@ const CASES: &[(&str, Verdict)] = &[
             layers: 1,
         },
     ),
+    (
+        "eagle3-mrope",
+        Accept {
+            head: HeadKind::Eagle3,
+            layers: 1,
+        },
+    ),
     // Refused, by the key that says what the file is or what it would change.
     ("dflash", Refuse { key: "architectures" }),
     ("peagle", Refuse { key: "architectures" }),

@@ -61,6 +61,7 @@ pub const ROPE_SCALING_KEYS: &[&str] = &[
     "low_freq_factor",
     "high_freq_factor",
     "original_max_position_embeddings",
+    "mrope_section",
 ];
 
 const TABLES: &[(&str, &[&str])] = &[

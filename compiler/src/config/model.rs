@@ -259,6 +259,15 @@ fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
         .present("rope_type")
         .or_else(|| s.present("type"))
         .and_then(|t| t.as_str());
+    // Multimodal RoPE on text positions: the three sections' positions are all the token
+    // index, so the rotation is plain RoPE (a request with image tokens is not).
+    if kind == Some("mrope") || (matches!(kind, None | Some("default")) && s.present("mrope_section").is_some()) {
+        e.note(format!(
+            "{}: mrope is read as plain RoPE, exact for text positions (the plan computes no image-token positions)",
+            s.path("rope_type")
+        ));
+        return Some(RopeScaling::None);
+    }
     match kind {
         None | Some("default") => Some(RopeScaling::None),
         Some("linear") => Some(RopeScaling::Linear {
@@ -288,7 +297,7 @@ fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
         Some(other) => {
             e.push(
                 s.path("rope_type"),
-                format!("\"{other}\" is not supported (expected default, linear or llama3)"),
+                format!("\"{other}\" is not supported (expected default, linear, llama3 or mrope)"),
             );
             None
         }

@@ -4,7 +4,8 @@
 //! peerprep plan-json PLAN [OUT.json]                  the plan's facts (stdout without OUT)
 //! peerprep weights PLAN OUT.safetensors               random weights under Hugging Face names
 //! peerprep inputs PLAN OUT.safetensors [--batch B] [--max-prefix L]
-//!                                                     one step's inputs (default B 3, L 1000)
+//!                                                     one step's inputs (default B 3, L 1000 or
+//!                                                     the plan's max context − N if less)
 //! peerprep contract-files PLAN DIR [--batch B] [--max-prefix L] [--no-weights]
 //!                                                     DIR/{weights,inputs}.safetensors + plan.json
 //! ```
@@ -29,14 +30,15 @@ const USAGE: &str = "usage:
 
 struct Opts {
     batch: usize,
-    max_prefix: usize,
+    /// `None`: 1000, or less where the plan's context is shorter.
+    max_prefix: Option<usize>,
     no_weights: bool,
 }
 
 fn opts(rest: &[String]) -> Result<Opts, String> {
     let mut o = Opts {
         batch: 3,
-        max_prefix: 1000,
+        max_prefix: None,
         no_weights: false,
     };
     let mut it = rest.iter();
@@ -49,7 +51,7 @@ fn opts(rest: &[String]) -> Result<Opts, String> {
         };
         match a.as_str() {
             "--batch" => o.batch = num("--batch")?,
-            "--max-prefix" => o.max_prefix = num("--max-prefix")?,
+            "--max-prefix" => o.max_prefix = Some(num("--max-prefix")?),
             "--no-weights" => o.no_weights = true,
             other => return Err(format!("unknown option {other}")),
         }
@@ -78,14 +80,16 @@ fn write_weights(plan: &ValidatedPlan, out: &Path, seed: u64) -> Result<(), Stri
 
 fn write_inputs(plan: &ValidatedPlan, out: &Path, seed: u64, o: &Opts) -> Result<(), String> {
     let t0 = Instant::now();
-    let t = input_tensors(plan, seed, o.batch, o.max_prefix)?;
+    let room = (plan.capture.max_context_len as usize).saturating_sub(plan.spec.num_draft_tokens as usize);
+    let max_prefix = o.max_prefix.unwrap_or(room.min(1000));
+    let t = input_tensors(plan, seed, o.batch, max_prefix)?;
     write_safetensors(out, &t)?;
     let bytes: usize = t.iter().map(|x| x.bytes.len()).sum();
     println!(
         "wrote {} (batch {}, max prefix {}, {:.1} MB) in {:.1} s",
         out.display(),
         o.batch,
-        o.max_prefix,
+        max_prefix,
         bytes as f64 / 1e6,
         t0.elapsed().as_secs_f64()
     );
