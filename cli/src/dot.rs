@@ -98,9 +98,9 @@ mod tests {
         // Not validated: the printer must hold even for names `validate` would refuse.
         let mut p = compiled.plan.into_inner();
         p.name = "evil\" }\n digraph x { \\".into();
-        p.buckets[0].buffers[0].name = "buf\"\nforged [label=\"x\"];".into();
-        p.buckets[0].launches[0].op = "op\r\"}".into();
-        let b = &p.buckets[0];
+        p.phases[0].buckets[0].buffers[0].name = "buf\"\nforged [label=\"x\"];".into();
+        p.phases[0].buckets[0].launches[0].op = "op\r\"}".into();
+        let b = &p.buckets()[0];
         let dot = plan_dot(&p, b);
         let lines: Vec<&str> = dot.lines().collect();
         // Every line is one the printer wrote: none came from a name.

@@ -403,8 +403,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Dot { plan, bucket } => {
             let p = load(&plan)?;
             let b = match bucket {
-                None => &p.buckets[0],
-                Some(x) => p.buckets.iter().find(|b| b.batch == x).with_context(|| {
+                None => &p.buckets()[0],
+                Some(x) => p.buckets().iter().find(|b| b.batch == x).with_context(|| {
                     format!(
                         "--bucket {x}: the plan has no such bucket (buckets: {})",
                         bucket_list(&p)
@@ -480,7 +480,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 fn bucket_list(p: &format::Plan) -> String {
-    p.buckets
+    p.buckets()
         .iter()
         .map(|b| b.batch.to_string())
         .collect::<Vec<_>>()
@@ -496,9 +496,9 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> 
         "wrote {} ({} bytes): {} buckets, {} kernels, {} launches per bucket, compiled in {:.3} s",
         out.display(),
         file_bytes,
-        p.buckets.len(),
+        p.buckets().len(),
         p.kernels.len(),
-        p.buckets.first().map_or(0, |b| b.launches.len()),
+        p.buckets().first().map_or(0, |b| b.launches.len()),
         secs
     );
     outln!(
@@ -509,7 +509,7 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> 
         mib(p.arena_bytes())
     );
     outln!("{:>6} {:>7} {:>12} {:>7} replay", "bucket", "rows", "arena", "splits");
-    for b in &p.buckets {
+    for b in p.buckets() {
         let replay = match &b.replay {
             format::Replay::Graph => "graph".to_string(),
             other => format!("{other:?}"),

@@ -36,13 +36,13 @@ fn plan_strings_are_escaped_in_show_diff_and_dot() {
     let plain = tiny();
     let mut odd = plain.clone();
     odd.name = r#"ti"ny\ } digraph {"#.into();
-    let buf = odd.buckets[0]
+    let buf = odd.phases[0].buckets[0]
         .buffers
         .iter_mut()
         .find(|b| b.name == "fc_in")
         .expect("tiny has an fc_in buffer");
     buf.name = r#"ids"];  evil -> x; b0 [label=""#.into();
-    odd.buckets[0].launches[0].op = r#"op"} evil"#.into();
+    odd.phases[0].buckets[0].launches[0].op = r#"op"} evil"#.into();
     let (a, b) = (dir.path().join("a.plan"), dir.path().join("b.plan"));
     std::fs::write(&a, encode(&plain).expect("encode")).expect("write");
     std::fs::write(&b, encode(&odd).expect("encode")).expect("write");

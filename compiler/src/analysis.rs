@@ -11,7 +11,7 @@ use specplan_format::{Replay, ReplayBlocker};
 use crate::config::Config;
 use crate::graph::OpGraph;
 
-pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32) -> Replay {
+pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32, rows_per_request: u64) -> Replay {
     if let Some(op) = g.graph.node_weights().find(|op| op.kind.needs_host_sync()) {
         return Replay::Eager(ReplayBlocker::HostSync { op: op.name.clone() });
     }
@@ -25,9 +25,10 @@ pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32) -> Replay {
             limit: i32::MAX as u64,
         });
     }
-    // N new positions can straddle one more page boundary than N / page_size suggests.
+    // R new positions (the phase's rows per request) can straddle one more page boundary
+    // than R / page_size suggests.
     let ps = c.page_size as u64;
-    let pages_per_req = (cfg.spec.num_draft_tokens as u64 + ps - 1).div_ceil(ps);
+    let pages_per_req = (rows_per_request + ps - 1).div_ceil(ps);
     let need = batch as u64 * pages_per_req + 1;
     if need > pool {
         return Replay::Eager(ReplayBlocker::PoolTooSmall {

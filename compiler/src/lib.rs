@@ -28,7 +28,8 @@ pub mod verify;
 use std::collections::BTreeMap;
 
 use specplan_format::{
-    kernel_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Plan, SpecDesc, TargetDesc, ValidatedPlan, WeightDesc,
+    kernel_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Phase, PhaseKind, Plan, SpecDesc, TargetDesc,
+    ValidatedPlan, WeightDesc,
 };
 
 pub use config::{Config, Overrides, Source};
@@ -79,14 +80,14 @@ pub struct Compiled {
 }
 
 /// The plan-wide descriptors of a config.
-struct Descs {
+pub(crate) struct Descs {
     model: ModelDesc,
     spec: SpecDesc,
     capture: CaptureDesc,
     inv_freq: Vec<f32>,
 }
 
-fn descs(cfg: &Config) -> Descs {
+pub(crate) fn descs(cfg: &Config) -> Descs {
     let c = &cfg.capture;
     Descs {
         model: cfg.model.desc.clone(),
@@ -116,8 +117,9 @@ pub fn compile(
     jit: Option<&jit::Jit>,
     progress: &dyn Fn(usize, usize),
 ) -> Result<Compiled, CompileError> {
-    let n = cfg.spec.num_draft_tokens as u64;
-    let unfused = lower::lower(cfg);
+    let kind = PhaseKind::DraftExtend;
+    let n = kind.rows_per_request(&cfg.spec) as u64;
+    let unfused = lower::lower(cfg, kind)?;
     verify::graph(&unfused, n)?;
     let mut fused = unfused.clone();
     let fusions = passes::run(&mut fused, cfg);
@@ -136,11 +138,12 @@ pub fn compile(
         facts: &facts,
         weight_ids: &weight_ids,
         sm_count: target.sm_count,
+        rows_per_request: n as u32,
     };
     let mut kernels = codegen::KernelTable::default();
     let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());
     for (i, &b) in cfg.capture.buckets.iter().enumerate() {
-        let replay = analysis::replay_verdict(&fused, cfg, b);
+        let replay = analysis::replay_verdict(&fused, cfg, b, n);
         buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
         progress(i + 1, cfg.capture.buckets.len());
     }
@@ -169,7 +172,11 @@ pub fn compile(
         weight_bytes,
         kernels: kernels.kernels,
         fusions,
-        buckets,
+        phases: vec![Phase {
+            kind,
+            rows_per_request: n as u32,
+            buckets,
+        }],
     };
     Ok(Compiled {
         plan: validate(plan)?,

@@ -68,7 +68,13 @@ fn plain_linear(g: &OpGraph, n: Option<NodeIndex>) -> Option<NodeIndex> {
     })
 }
 
-fn row_bytes(g: &OpGraph, t: TensorId) -> u64 {
+/// Rows a request owns in tensor `t` (the phase's rows per request for a per-row tensor, 1
+/// for a per-request one): read from the graph, where lowering put the phase's fact.
+pub(crate) fn rows_per_request(g: &OpGraph, t: TensorId) -> u64 {
+    g.tensor(t).shape.first().map_or(1, |d| d.per_batch.max(1))
+}
+
+pub(crate) fn row_bytes(g: &OpGraph, t: TensorId) -> u64 {
     let tensor = g.tensor(t);
     tensor.shape.iter().skip(1).map(|d| d.fixed).product::<u64>() * tensor.dtype.size()
 }
@@ -110,7 +116,7 @@ fn remove(g: &mut OpGraph, ns: &[NodeIndex]) {
 }
 
 /// embed(ids) and concat(·, hidden) → one kernel writing the fc input directly.
-fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+fn embed_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for e in nodes_where(g, |k| *k == OpKind::Embed) {
         let emb = g.graph[e].outs[0];
@@ -131,7 +137,7 @@ fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
             fused: names(g, &[e, c]),
             into: op.name.clone(),
             launches_saved: 1,
-            bytes_saved_per_request: 2 * row_bytes(g, emb) * cfg.spec.num_draft_tokens as u64,
+            bytes_saved_per_request: 2 * row_bytes(g, emb) * rows_per_request(g, emb),
         });
         remove(g, &[e, c]);
         g.add_op(op);
@@ -142,7 +148,7 @@ fn embed_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
 /// The fc bias: embed_concat also writes the fc output rows as the bias, and the fc GEMM
 /// accumulates onto them (beta = 1), so the bias costs no launch of its own and cuBLAS
 /// needs no epilogue.
-fn fc_bias_into_embed(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+fn fc_bias_into_embed(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for e in nodes_where(g, |k| *k == OpKind::EmbedConcat { bias: false }) {
         let fc_in = g.graph[e].outs[0];
@@ -171,7 +177,7 @@ fn fc_bias_into_embed(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
             fused: vec![format!("{} bias", g.graph[l].name)],
             into: g.graph[e].name.clone(),
             launches_saved: 1,
-            bytes_saved_per_request: 2 * row_bytes(g, y) * cfg.spec.num_draft_tokens as u64,
+            bytes_saved_per_request: 2 * row_bytes(g, y) * rows_per_request(g, y),
         });
         let emb = &mut g.graph[e];
         emb.kind = OpKind::EmbedConcat { bias: true };
@@ -189,7 +195,7 @@ fn fc_bias_into_embed(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
 
 /// q/k/v projections → one GEMM over a packed weight; RoPE(q), RoPE(k) and the K/V append
 /// → one kernel that rotates q in place and writes rotated k and v into the pages.
-fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for a in nodes_where(g, |k| matches!(k, OpKind::KvAppend { .. })) {
         let OpKind::KvAppend { layer } = g.graph[a].kind else {
@@ -251,7 +257,7 @@ fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
             ..qt
         });
         let fused = names(g, &[lq, lk, lv, rq, rk, a]);
-        let saved = (row_bytes(g, q_rot) + row_bytes(g, k_rot)) * 2 * cfg.spec.num_draft_tokens as u64;
+        let saved = (row_bytes(g, q_rot) + row_bytes(g, k_rot)) * 2 * rows_per_request(g, q_rot);
         let gemm = Op {
             name: format!("l{layer}.qkv_proj"),
             kind: OpKind::Linear {
@@ -285,7 +291,7 @@ fn qkv_rope_append(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
 }
 
 /// gate and up projections → one GEMM over a packed weight; silu and mul → one kernel.
-fn gate_up_silu_mul(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+fn gate_up_silu_mul(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for s in nodes_where(g, |k| *k == OpKind::Silu) {
         let gate = g.graph[s].ins[0];
@@ -337,7 +343,7 @@ fn gate_up_silu_mul(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
             fused,
             into: format!("{} + {}", gemm.name, sm.name),
             launches_saved: 2,
-            bytes_saved_per_request: 2 * row_bytes(g, ga) * cfg.spec.num_draft_tokens as u64,
+            bytes_saved_per_request: 2 * row_bytes(g, ga) * rows_per_request(g, ga),
         });
         remove(g, &[lg, lu, s, mul]);
         g.add_op(gemm);
@@ -348,7 +354,7 @@ fn gate_up_silu_mul(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
 
 /// `x + linear(y)` → the GEMM accumulates into x in place (beta = 1), when every other
 /// reader of x runs before the GEMM (so overwriting x is unobservable).
-fn residual_into_gemm(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+fn residual_into_gemm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for a in nodes_where(g, |k| *k == OpKind::Add) {
         let (x, y) = (g.graph[a].ins[0], g.graph[a].ins[1]);
@@ -369,7 +375,7 @@ fn residual_into_gemm(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
         }
         let sum = g.graph[a].outs[0];
         g.tensors[sum.0 as usize].alias_of = Some(x);
-        let bytes = 2 * row_bytes(g, y) * cfg.spec.num_draft_tokens as u64;
+        let bytes = 2 * row_bytes(g, y) * rows_per_request(g, y);
         out.push(FusionRecord {
             rule: "residual_into_gemm".into(),
             fused: names(g, &[l, a]),
@@ -444,10 +450,11 @@ mod tests {
     use crate::config::{resolve, Overrides, Source};
     use crate::graph::Tensor;
     use crate::lower::lower;
+    use specplan_format::PhaseKind;
 
     fn tiny(o: &Overrides) -> (OpGraph, Config) {
         let cfg = resolve(&Source::Preset("tiny".into()), o).expect("tiny resolves");
-        (lower(&cfg), cfg)
+        (lower(&cfg, PhaseKind::DraftExtend).expect("lowers"), cfg)
     }
 
     fn kinds(g: &OpGraph) -> Vec<&'static str> {
@@ -527,7 +534,7 @@ mod tests {
         // No bias in the model: the fc is a plain GEMM and nothing folds.
         let (_, mut cfg) = tiny(&Overrides::default());
         cfg.model.desc.fc_bias = false;
-        let mut g2 = lower(&cfg);
+        let mut g2 = lower(&cfg, PhaseKind::DraftExtend).expect("lowers");
         upto(&mut g2, &cfg, "fc_bias_into_embed");
         let before = kinds(&g2);
         assert!(run_one(&mut g2, &cfg, "fc_bias_into_embed").is_empty());

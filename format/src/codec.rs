@@ -23,8 +23,9 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// vocabulary, the `embed_norm_concat`/`select_norm` entries, engine-memory `admit`/`emit`).
 /// 4: the `fill` entry (every plan carries it). 5: logits outputs, engine K/V geometry. 6: 16
 /// status words (`admit`'s alias rule and write set, `emit`'s non-finite flag, 4-word mirror
-/// slots): the runtime and a plan's `admit`/`emit` must agree on them.
-pub const FORMAT_VERSION: u32 = 6;
+/// slots): the runtime and a plan's `admit`/`emit` must agree on them. 7: phases (`Plan.phases`,
+/// each with its kind, rows per request and buckets) instead of one bucket list.
+pub const FORMAT_VERSION: u32 = 7;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -6,13 +6,18 @@
 use std::collections::BTreeMap;
 
 use super::text::{facts, Fact};
-use super::types::Plan;
+use super::types::{PhaseKind, Plan};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DiffEntry {
     Added(Fact),
     Removed(Fact),
-    Changed { key: String, old: String, new: String },
+    Changed {
+        phase: Option<PhaseKind>,
+        key: String,
+        old: String,
+        new: String,
+    },
 }
 
 impl DiffEntry {
@@ -23,11 +28,20 @@ impl DiffEntry {
         }
     }
 
+    /// The phase the fact belongs to (`None`: a plan-wide fact).
+    pub fn phase(&self) -> Option<PhaseKind> {
+        match self {
+            DiffEntry::Added(f) | DiffEntry::Removed(f) => f.phase,
+            DiffEntry::Changed { phase, .. } => *phase,
+        }
+    }
+
     /// The part of the plan a fact belongs to: config, weights, kernels, buckets,
     /// layouts, buffers or launches.
     pub fn category(&self) -> &'static str {
         let words: Vec<&str> = self.key().split(' ').collect();
         match words.as_slice() {
+            ["phase", _] => "phases",
             ["bucket", _] => "buckets",
             ["bucket", _, "qo_indptr", ..] | ["bucket", _, "kv", ..] => "layouts",
             ["bucket", _, "buffer", ..] => "buffers",
@@ -42,10 +56,12 @@ impl DiffEntry {
 
 impl std::fmt::Display for DiffEntry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Facts of a phase are named by it: `~ draft_extend: bucket 4 launch ...`.
+        let ph = self.phase().map_or(String::new(), |p| format!("{}: ", p.name()));
         match self {
-            DiffEntry::Added(x) => write!(f, "+ {x}"),
-            DiffEntry::Removed(x) => write!(f, "- {x}"),
-            DiffEntry::Changed { key, old, new } => write!(f, "~ {key}: {old}  =>  {new}"),
+            DiffEntry::Added(x) => write!(f, "+ {ph}{x}"),
+            DiffEntry::Removed(x) => write!(f, "- {ph}{x}"),
+            DiffEntry::Changed { key, old, new, .. } => write!(f, "~ {ph}{key}: {old}  =>  {new}"),
         }
     }
 }
@@ -82,13 +98,15 @@ impl PlanDiff {
 pub fn diff(a: &Plan, b: &Plan) -> PlanDiff {
     let fa = facts(a);
     let fb = facts(b);
-    let in_b: BTreeMap<&str, &Fact> = fb.iter().map(|f| (f.key.as_str(), f)).collect();
-    let in_a: BTreeMap<&str, &Fact> = fa.iter().map(|f| (f.key.as_str(), f)).collect();
+    let id = |f: &Fact| (f.phase, f.key.clone());
+    let in_b: BTreeMap<(Option<PhaseKind>, String), &Fact> = fb.iter().map(|f| (id(f), f)).collect();
+    let in_a: BTreeMap<(Option<PhaseKind>, String), &Fact> = fa.iter().map(|f| (id(f), f)).collect();
     let mut entries = Vec::new();
     for f in &fa {
-        match in_b.get(f.key.as_str()) {
+        match in_b.get(&id(f)) {
             None => entries.push(DiffEntry::Removed(f.clone())),
             Some(g) if g.value != f.value => entries.push(DiffEntry::Changed {
+                phase: f.phase,
                 key: f.key.clone(),
                 old: f.value.clone(),
                 new: g.value.clone(),
@@ -97,7 +115,7 @@ pub fn diff(a: &Plan, b: &Plan) -> PlanDiff {
         }
     }
     for f in &fb {
-        if !in_a.contains_key(f.key.as_str()) {
+        if !in_a.contains_key(&id(f)) {
             entries.push(DiffEntry::Added(f.clone()));
         }
     }

@@ -4,9 +4,11 @@
 
 use specplan_kernels::facts::{BucketFacts, KernelFacts};
 
-use crate::types::{BucketPlan, CaptureDesc, ModelDesc, Plan, RopeScaling, SpecDesc};
+use crate::types::{BucketPlan, CaptureDesc, ModelDesc, PhaseKind, Plan, RopeScaling, SpecDesc};
 
-/// Facts of a plan with these descriptors (window 0: see [`KernelFacts::with_window`]).
+/// Facts of a plan with these descriptors (window 0: see [`KernelFacts::with_window`]), for
+/// the kernels of the draft-extend phase (`n`: its rows per request, the one definition in
+/// `PhaseKind::rows_per_request`).
 pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32]) -> KernelFacts {
     KernelFacts {
         act: c.dtype,
@@ -18,7 +20,7 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         head_dim: m.head_dim,
         vocab: m.vocab,
         cols: c.hot_vocab_size.unwrap_or(m.lm_vocab()),
-        n: s.num_draft_tokens,
+        n: PhaseKind::DraftExtend.rows_per_request(s),
         topk: s.topk,
         page_size: c.page_size,
         max_context: c.max_context_len,

@@ -6,12 +6,11 @@
 //! [`encode`], and consumed only as a [`ValidatedPlan`], which [`decode`] and [`validate`]
 //! alone construct.
 
-mod bucket;
 mod codec;
 mod diff;
 mod facts;
+pub mod limits;
 mod location;
-mod rules;
 pub mod signature;
 mod text;
 mod types;
@@ -24,11 +23,10 @@ pub use codec::{
 pub use diff::{diff, DiffEntry, PlanDiff};
 pub use facts::{bucket_facts, kernel_facts, kernel_facts_of, rope_inv_freq};
 pub use location::{Location, Violation};
-pub use rules::kernel_source;
 pub use specplan_kernels::facts::{BucketFacts, KernelFacts, MAX_SMEM_BYTES};
 pub use text::{escape, facts, to_text, Fact};
 pub use types::*;
-pub use validate::{limits, validate, ValidatedPlan};
+pub use validate::{kernel_source, validate, ValidatedPlan};
 
 /// Errors of loading or validating a plan. Each names what is wrong and where.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]

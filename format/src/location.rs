@@ -1,5 +1,7 @@
 //! Where a validation rule was broken: a typed location plus readable text.
 
+use crate::types::PhaseKind;
+
 /// A part of a plan.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Location {
@@ -9,9 +11,10 @@ pub enum Location {
     Weight(u32),
     /// `kernels[i]`.
     Kernel(u32),
-    /// A bucket (index in the plan and batch), optionally one buffer or one launch (and an
-    /// argument of it, by field index).
+    /// A bucket (its phase, index in the phase and batch), optionally one buffer or one
+    /// launch (and an argument of it, by field index).
     Bucket {
+        phase: PhaseKind,
         index: u32,
         batch: u32,
         buffer: Option<u32>,
@@ -21,8 +24,9 @@ pub enum Location {
 }
 
 impl Location {
-    pub fn bucket(index: usize, batch: u32) -> Location {
+    pub fn bucket(phase: PhaseKind, index: usize, batch: u32) -> Location {
         Location::Bucket {
+            phase,
             index: index as u32,
             batch,
             buffer: None,

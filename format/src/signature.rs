@@ -1,12 +1,235 @@
-//! The draft-extend step's signature: every buffer a bucket exposes to host prep (its
-//! inputs) and to the caller (its outputs), with dtype and shape for the bucket's batch.
-//! Validation checks a bucket's I/O buffers against it; the runtimes and the run contract
-//! read the output set from it.
+//! Each phase's signature: the one declaration of the tensors a forward exchanges with its
+//! caller — name, dtype, shape in terms of the batch, role and when it exists. Everything
+//! else derives from it: validation checks a bucket's I/O buffers against it, the runtimes
+//! stage inputs and copy outputs by it, admission and the run contract check the caller's
+//! tensors by it, and the Python runner checks its arguments by it (`Plan.signature`). The
+//! names are spelled once, in `specplan_kernels::io` (the kernels' argument declarations
+//! bind to them); a tidy test keeps every other file from spelling them.
 
-use crate::types::{BufferRole, HeadOutputs, Plan};
+use crate::types::{BufferRole, CaptureDesc, HeadOutputs, ModelDesc, PhaseKind, Plan, SpecDesc};
 use specplan_kernels::{io, DType};
 
-/// One tensor of the signature for a bucket of `batch` requests.
+/// A size in a tensor's shape, in terms of the bucket and the plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dim {
+    /// Requests of the step (the bucket's batch, or the caller's `b`).
+    Requests,
+    /// Rows of the forward: requests × the phase's rows per request.
+    Rows,
+    /// Width of an input hidden row (`ModelDesc::hidden_in`).
+    HiddenIn,
+    /// The draft model's hidden size.
+    Hidden,
+    /// Candidates per request (`spec.topk`).
+    TopK,
+    /// Columns of a logits row (`logits_cols`).
+    LogitsCols,
+    /// Layers of the draft model.
+    Layers,
+    /// Pages of the KV pool.
+    PoolPages,
+    /// Tokens per page.
+    PageSize,
+    KvHeads,
+    HeadDim,
+    /// Request slots of the page table (the scratch slot included).
+    TableRows,
+    /// Columns of the page table.
+    TableCols,
+}
+
+/// A tensor's element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DTypeRule {
+    Exact(DType),
+    /// The plan's activation type (`capture.dtype`).
+    Activation,
+}
+
+/// Who owns a tensor and who writes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The engine's memory, registered once and used in place (the KV pools, the page table).
+    Engine,
+    /// Written into the bucket's input buffer before every replay (by host prep, or by the
+    /// device's `admit` from the caller's tensor).
+    Staged,
+    /// Read by the caller after a replay (copied out by `emit`, or read from the arena).
+    Output,
+}
+
+/// When a tensor is part of the signature.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum When {
+    Always,
+    /// The plan emits the fused top-K (`capture.outputs` has `topk`).
+    TopK,
+    /// The plan emits the selected rows' logits (`capture.outputs` has `logits`).
+    Logits,
+}
+
+impl When {
+    pub fn holds(self, o: HeadOutputs) -> bool {
+        match self {
+            When::Always => true,
+            When::TopK => o.topk,
+            When::Logits => o.logits,
+        }
+    }
+}
+
+/// One declared tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorDecl {
+    pub name: &'static str,
+    pub dtype: DTypeRule,
+    pub shape: &'static [Dim],
+    pub role: Role,
+    pub when: When,
+    /// One line for people (`specplan show`, docs, Python's errors).
+    pub doc: &'static str,
+}
+
+use Dim::*;
+
+const fn decl(
+    name: &'static str,
+    dtype: DTypeRule,
+    shape: &'static [Dim],
+    role: Role,
+    when: When,
+    doc: &'static str,
+) -> TensorDecl {
+    TensorDecl {
+        name,
+        dtype,
+        shape,
+        role,
+        when,
+        doc,
+    }
+}
+
+const I32: DTypeRule = DTypeRule::Exact(DType::I32);
+const I64: DTypeRule = DTypeRule::Exact(DType::I64);
+const F32: DTypeRule = DTypeRule::Exact(DType::F32);
+const ACT: DTypeRule = DTypeRule::Activation;
+
+/// The draft-extend forward: inputs in staging order, then outputs in emit order.
+pub const DRAFT_EXTEND: &[TensorDecl] = &[
+    decl(
+        io::K_CACHE,
+        ACT,
+        &[Layers, PoolPages, PageSize, KvHeads, HeadDim],
+        Role::Engine,
+        When::Always,
+        "K pool of every layer (any registered layout)",
+    ),
+    decl(
+        io::V_CACHE,
+        ACT,
+        &[Layers, PoolPages, PageSize, KvHeads, HeadDim],
+        Role::Engine,
+        When::Always,
+        "V pool of every layer (any registered layout)",
+    ),
+    decl(
+        io::PAGE_TABLE,
+        I32,
+        &[TableRows, TableCols],
+        Role::Engine,
+        When::Always,
+        "request slot -> page (or token slot) per position",
+    ),
+    decl(
+        io::INPUT_IDS,
+        I64,
+        &[Rows],
+        Role::Staged,
+        When::Always,
+        "the N verified token ids per request (int32 accepted from engines)",
+    ),
+    decl(
+        io::HIDDEN_STATES,
+        ACT,
+        &[Rows, HiddenIn],
+        Role::Staged,
+        When::Always,
+        "the target's hidden states of those rows (EAGLE-3: three layers concatenated)",
+    ),
+    decl(
+        io::PREFIX_LENS,
+        I32,
+        &[Requests],
+        Role::Staged,
+        When::Always,
+        "L: tokens cached before this step's rows",
+    ),
+    decl(
+        io::ACCEPT_LENS,
+        I32,
+        &[Requests],
+        Role::Staged,
+        When::Always,
+        "A in [1, N]: the row whose outputs are emitted is L + A - 1",
+    ),
+    decl(
+        io::REQ_SLOTS,
+        I32,
+        &[Requests],
+        Role::Staged,
+        When::Always,
+        "the request's row of the page table",
+    ),
+    decl(
+        io::HIDDEN_OUT,
+        ACT,
+        &[Requests, Hidden],
+        Role::Output,
+        When::Always,
+        "the selected row's hidden state (EAGLE-3: before the final norm)",
+    ),
+    decl(
+        io::TOPK_PROBS,
+        F32,
+        &[Requests, TopK],
+        Role::Output,
+        When::TopK,
+        "softmax probabilities of the top-K, descending",
+    ),
+    decl(
+        io::TOPK_IDS,
+        I64,
+        &[Requests, TopK],
+        Role::Output,
+        When::TopK,
+        "their ids (target ids, or lm_head rows with topk-draft)",
+    ),
+    decl(
+        io::LOGITS,
+        F32,
+        &[Requests, LogitsCols],
+        Role::Output,
+        When::Logits,
+        "the selected row's logits over the lm_head's rows, unmapped",
+    ),
+];
+
+/// The declaration of a phase kind.
+pub fn declared(kind: PhaseKind) -> &'static [TensorDecl] {
+    match kind {
+        PhaseKind::DraftExtend => DRAFT_EXTEND,
+    }
+}
+
+/// Every tensor name any phase declares.
+pub fn all_names() -> impl Iterator<Item = &'static str> {
+    PhaseKind::ALL
+        .into_iter()
+        .flat_map(|k| declared(k).iter().map(|d| d.name))
+}
+
+/// One tensor of the signature resolved for a plan and a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IoTensor {
     pub name: &'static str,
@@ -15,43 +238,98 @@ pub struct IoTensor {
     pub role: BufferRole,
 }
 
-/// The bucket's inputs, then its outputs (those `plan.capture.outputs` selects).
+/// A declared tensor resolved for a plan, a phase and `batch` requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    pub decl: TensorDecl,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+/// The plan facts a signature resolves against (the compiler has them before it has a plan).
+#[derive(Clone, Copy, Debug)]
+pub struct Facts<'a> {
+    pub model: &'a ModelDesc,
+    pub spec: &'a SpecDesc,
+    pub capture: &'a CaptureDesc,
+}
+
+impl<'a> Facts<'a> {
+    pub fn of(p: &'a Plan) -> Facts<'a> {
+        Facts {
+            model: &p.model,
+            spec: &p.spec,
+            capture: &p.capture,
+        }
+    }
+
+    /// The size `d` stands for at `batch` requests of a phase with `rows_per_request`.
+    pub fn dim(&self, rows_per_request: u32, batch: u32, d: Dim) -> u64 {
+        let (m, c) = (self.model, self.capture);
+        match d {
+            Requests => batch as u64,
+            Rows => batch as u64 * rows_per_request as u64,
+            HiddenIn => m.hidden_in() as u64,
+            Hidden => m.hidden as u64,
+            TopK => self.spec.topk as u64,
+            LogitsCols => c.hot_vocab_size.unwrap_or(m.lm_vocab()) as u64,
+            Layers => m.layers as u64,
+            PoolPages => c.kv_pool_pages as u64,
+            PageSize => c.page_size as u64,
+            KvHeads => m.kv_heads as u64,
+            HeadDim => m.head_dim as u64,
+            TableRows => c.max_requests as u64 + 1,
+            TableCols => c.max_pages_per_request as u64,
+        }
+    }
+
+    /// The tensors of phase `kind` that exist under these facts (by `capture.outputs`),
+    /// resolved at `batch` requests, in declaration order.
+    pub fn resolve(&self, kind: PhaseKind, batch: u32) -> Vec<Resolved> {
+        let rows = kind.rows_per_request(self.spec);
+        declared(kind)
+            .iter()
+            .filter(|d| d.when.holds(self.capture.outputs))
+            .map(|d| Resolved {
+                decl: *d,
+                dtype: match d.dtype {
+                    DTypeRule::Exact(t) => t,
+                    DTypeRule::Activation => self.capture.dtype,
+                },
+                shape: d.shape.iter().map(|&x| self.dim(rows, batch, x)).collect(),
+            })
+            .collect()
+    }
+}
+
+/// [`Facts::resolve`] for a plan.
+pub fn resolve(p: &Plan, kind: PhaseKind, batch: u32) -> Vec<Resolved> {
+    Facts::of(p).resolve(kind, batch)
+}
+
+/// The bucket buffers of phase `kind` at `batch` (its staged inputs, then its outputs).
+pub fn phase_io(p: &Plan, kind: PhaseKind, batch: u32) -> Vec<IoTensor> {
+    resolve(p, kind, batch)
+        .into_iter()
+        .filter_map(|r| {
+            let role = match r.decl.role {
+                Role::Engine => return None,
+                Role::Staged => BufferRole::Input,
+                Role::Output => BufferRole::Output,
+            };
+            Some(IoTensor {
+                name: r.decl.name,
+                dtype: r.dtype,
+                shape: r.shape,
+                role,
+            })
+        })
+        .collect()
+}
+
+/// The draft-extend bucket's buffers at `batch`.
 pub fn bucket_io(p: &Plan, batch: u32) -> Vec<IoTensor> {
-    let (bb, rows) = (batch as u64, batch as u64 * p.spec.num_draft_tokens as u64);
-    let act = p.capture.dtype;
-    let t = |name, dtype, shape, role| IoTensor {
-        name,
-        dtype,
-        shape,
-        role,
-    };
-    let mut v = vec![
-        t(io::INPUT_IDS, DType::I64, vec![rows], BufferRole::Input),
-        t(
-            io::HIDDEN_STATES,
-            act,
-            vec![rows, p.model.hidden_in() as u64],
-            BufferRole::Input,
-        ),
-        t(io::PREFIX_LENS, DType::I32, vec![bb], BufferRole::Input),
-        t(io::ACCEPT_LENS, DType::I32, vec![bb], BufferRole::Input),
-        t(io::REQ_SLOTS, DType::I32, vec![bb], BufferRole::Input),
-        t(io::HIDDEN_OUT, act, vec![bb, p.model.hidden as u64], BufferRole::Output),
-    ];
-    let k = p.spec.topk as u64;
-    if p.capture.outputs.topk {
-        v.push(t(io::TOPK_PROBS, DType::F32, vec![bb, k], BufferRole::Output));
-        v.push(t(io::TOPK_IDS, DType::I64, vec![bb, k], BufferRole::Output));
-    }
-    if p.capture.outputs.logits {
-        v.push(t(
-            io::LOGITS,
-            DType::F32,
-            vec![bb, logits_cols(p) as u64],
-            BufferRole::Output,
-        ));
-    }
-    v
+    phase_io(p, PhaseKind::DraftExtend, batch)
 }
 
 /// Columns of the `logits` output: the lm_head's rows (the hot vocabulary under FR-Spec,
@@ -60,12 +338,60 @@ pub fn logits_cols(p: &Plan) -> u32 {
     p.capture.hot_vocab_size.unwrap_or(p.model.lm_vocab())
 }
 
-/// Whether `name` is an output of a plan with these head outputs.
+/// Whether `name` is an output of a draft-extend plan with these head outputs.
 pub fn is_output(outputs: HeadOutputs, name: &str) -> bool {
-    match name {
-        io::HIDDEN_OUT => true,
-        io::TOPK_PROBS | io::TOPK_IDS => outputs.topk,
-        io::LOGITS => outputs.logits,
-        _ => false,
+    DRAFT_EXTEND
+        .iter()
+        .any(|d| d.name == name && d.role == Role::Output && d.when.holds(outputs))
+}
+
+/// The declared output names of the draft-extend phase, in emit order (all of them; see
+/// [`is_output`] for a plan's).
+pub fn output_names() -> impl Iterator<Item = &'static str> {
+    DRAFT_EXTEND.iter().filter(|d| d.role == Role::Output).map(|d| d.name)
+}
+
+/// The declared staged input names of the draft-extend phase, in staging order.
+pub fn input_names() -> impl Iterator<Item = &'static str> {
+    DRAFT_EXTEND.iter().filter(|d| d.role == Role::Staged).map(|d| d.name)
+}
+
+/// `name dtype[dims] role` for people: `specplan show`, docs and error messages.
+pub fn describe(p: &Plan, kind: PhaseKind) -> Vec<String> {
+    resolve(p, kind, 1)
+        .into_iter()
+        .map(|r| {
+            let dims: Vec<String> = r.decl.shape.iter().map(|d| dim_name(*d).to_string()).collect();
+            format!(
+                "{}:{}[{}]:{}",
+                r.decl.name,
+                r.dtype.name(),
+                dims.join(","),
+                match r.decl.role {
+                    Role::Engine => "engine",
+                    Role::Staged => "staged",
+                    Role::Output => "output",
+                }
+            )
+        })
+        .collect()
+}
+
+/// The symbol of a dimension in [`describe`]'s text.
+pub fn dim_name(d: Dim) -> &'static str {
+    match d {
+        Requests => "b",
+        Rows => "rows",
+        HiddenIn => "hidden_in",
+        Hidden => "hidden",
+        TopK => "topk",
+        LogitsCols => "cols",
+        Layers => "layers",
+        PoolPages => "pages",
+        PageSize => "page",
+        KvHeads => "kv_heads",
+        HeadDim => "head_dim",
+        TableRows => "table_rows",
+        TableCols => "table_cols",
     }
 }

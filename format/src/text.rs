@@ -13,9 +13,12 @@ use specplan_kernels::abi::{Access, FieldKind};
 use crate::types::*;
 use crate::FORMAT_VERSION;
 
-/// One line of the text form.
+/// One line of the text form. Facts of a phase (its header and its buckets) carry the
+/// phase: their keys are unique within it, and `diff` names it. The text form groups them
+/// under the phase's `phase <kind>` header line instead of repeating it on every line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fact {
+    pub phase: Option<PhaseKind>,
     pub key: String,
     pub value: String,
 }
@@ -133,7 +136,8 @@ pub fn replay_text(r: &Replay) -> String {
 /// All facts of a plan in canonical order.
 pub fn facts(p: &Plan) -> Vec<Fact> {
     let mut out = Vec::new();
-    let mut fact = |key: String, value: String| out.push(Fact { key, value });
+    let mut phase = None;
+    let mut fact = |key: String, value: String| out.push(Fact { phase, key, value });
     let m = &p.model;
     let c = &p.capture;
     fact(
@@ -252,8 +256,22 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
         };
         fact(format!("kernel k{i} binary"), bin);
     }
-    for b in &p.buckets {
-        bucket_facts(p, b, &mut fact);
+    for ph in &p.phases {
+        phase = Some(ph.kind);
+        let mut fact = |key: String, value: String| out.push(Fact { phase, key, value });
+        let batches: Vec<String> = ph.buckets.iter().map(|b| b.batch.to_string()).collect();
+        fact(
+            format!("phase {}", ph.kind.name()),
+            format!(
+                "rows_per_request={} buckets={} signature={}",
+                ph.rows_per_request,
+                batches.join(","),
+                crate::signature::describe(p, ph.kind).join(" ")
+            ),
+        );
+        for b in &ph.buckets {
+            bucket_facts(p, ph, b, &mut fact);
+        }
     }
     out
 }
@@ -263,9 +281,9 @@ fn short(hash: &str) -> &str {
     &hash[..end]
 }
 
-fn bucket_facts(p: &Plan, b: &BucketPlan, fact: &mut dyn FnMut(String, String)) {
+fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(String, String)) {
     let tag = format!("bucket {}", b.batch);
-    let n = p.spec.num_draft_tokens;
+    let n = ph.rows_per_request;
     fact(
         tag.clone(),
         format!(

@@ -356,14 +356,70 @@ pub enum Replay {
     Eager(ReplayBlocker),
 }
 
+/// Which forward of the draft model a phase is. Each kind has one signature
+/// (`signature.rs`), one lowering (`compiler/src/lower/<kind>.rs`) and one runner; a plan
+/// holds at most one phase of each kind (per-tier variants of one kind would add a tier to
+/// this key). ARCHITECTURE.md, "How to add a phase", lists what a new kind touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum PhaseKind {
+    /// The draft model over the N rows per request that target verification produced:
+    /// K/V appended at positions L .. L+N−1, the accepted row's outputs emitted.
+    DraftExtend,
+}
+
+impl PhaseKind {
+    pub const ALL: [PhaseKind; 1] = [PhaseKind::DraftExtend];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PhaseKind::DraftExtend => "draft_extend",
+        }
+    }
+
+    /// Rows each request contributes to one forward of this phase: the one definition every
+    /// stage reads (through [`Phase::rows_per_request`], which validation checks against it).
+    pub fn rows_per_request(self, spec: &SpecDesc) -> u32 {
+        match self {
+            PhaseKind::DraftExtend => spec.num_draft_tokens,
+        }
+    }
+
+    /// Launches of one forward that append to each layer's K and V pools (draft-extend
+    /// appends its N rows once; a multi-step phase appends once per step).
+    pub fn kv_appends_per_layer(self) -> u32 {
+        match self {
+            PhaseKind::DraftExtend => 1,
+        }
+    }
+}
+
+/// One forward of the draft model, compiled for every batch bucket: its rows per request,
+/// its buckets (layouts, buffers, launches) and, through its kind, its signature. Weights,
+/// the KV layout, the kernels and the arena belong to the plan and are shared by every phase.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Phase {
+    pub kind: PhaseKind,
+    /// Rows per request of every bucket (`kind.rows_per_request(spec)`).
+    pub rows_per_request: u32,
+    pub buckets: Vec<BucketPlan>,
+}
+
+impl Phase {
+    /// The bucket a raw batch of `b` requests replays in (the smallest that fits).
+    pub fn bucket_for(&self, b: u32) -> Option<&BucketPlan> {
+        self.buckets.iter().find(|x| x.batch >= b)
+    }
+}
+
 /// Everything one batch bucket needs to replay: layouts, buffers, launches.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BucketPlan {
     pub batch: u32,
-    /// `batch * num_draft_tokens`.
+    /// `batch * rows_per_request` of its phase.
     pub rows: u32,
     pub arena_bytes: u64,
-    /// Constant qo layout: request i owns rows `qo_indptr[i]..qo_indptr[i+1]` (= i·N..(i+1)·N).
+    /// Constant qo layout: request i owns rows `qo_indptr[i]..qo_indptr[i+1]` (= i·R..(i+1)·R,
+    /// R the phase's rows per request).
     pub qo_indptr: Vec<u32>,
     /// KV splits of the attention (fixed per bucket from the static row count).
     pub attn_splits: u32,
@@ -388,7 +444,8 @@ pub struct Plan {
     pub weight_bytes: u64,
     pub kernels: Vec<KernelDesc>,
     pub fusions: Vec<FusionRecord>,
-    pub buckets: Vec<BucketPlan>,
+    /// The forwards this plan compiles, ascending by kind, one per kind.
+    pub phases: Vec<Phase>,
 }
 
 impl Plan {
@@ -410,14 +467,37 @@ impl Plan {
         self.capture.max_requests as u64 + 1
     }
 
-    /// Largest arena over the buckets: what the runtime allocates.
+    /// Largest arena over every phase's buckets: what the runtime allocates (phases run one
+    /// at a time on the stream, so they share it).
     pub fn arena_bytes(&self) -> u64 {
-        self.buckets.iter().map(|b| b.arena_bytes).max().unwrap_or(0)
+        self.phases
+            .iter()
+            .flat_map(|ph| &ph.buckets)
+            .map(|b| b.arena_bytes)
+            .max()
+            .unwrap_or(0)
     }
 
-    /// The bucket a raw batch of `b` requests replays in (the smallest that fits).
+    pub fn phase(&self, kind: PhaseKind) -> Option<&Phase> {
+        self.phases.iter().find(|p| p.kind == kind)
+    }
+
+    /// The draft-extend phase's buckets (empty when the plan has none; a validated plan
+    /// always has it).
+    pub fn buckets(&self) -> &[BucketPlan] {
+        self.phase(PhaseKind::DraftExtend).map_or(&[], |p| &p.buckets[..])
+    }
+
+    /// The draft-extend bucket a raw batch of `b` requests replays in.
     pub fn bucket_for(&self, b: u32) -> Option<&BucketPlan> {
-        self.buckets.iter().find(|x| x.batch >= b)
+        self.phase(PhaseKind::DraftExtend)?.bucket_for(b)
+    }
+
+    /// Every phase's buckets, with the phase.
+    pub fn all_buckets(&self) -> impl Iterator<Item = (&Phase, &BucketPlan)> {
+        self.phases
+            .iter()
+            .flat_map(|ph| ph.buckets.iter().map(move |b| (ph, b)))
     }
 }
 

@@ -39,7 +39,7 @@ pub struct KernelFacts {
     pub vocab: u32,
     /// Columns of a logits row: the vocabulary, or the FR-Spec hot rows.
     pub cols: u32,
-    /// N = num_draft_tokens.
+    /// N: rows per request of the phase the kernel serves (draft-extend: num_draft_tokens).
     pub n: u32,
     pub topk: u32,
     /// Tokens per page of a page-id table (the plan's page size).

@@ -1,4 +1,6 @@
-//! Names of the buffers every bucket exposes to host prep and to the caller.
+//! The spelling of every tensor name a phase's signature declares (the declaration itself —
+//! dtype, shape, role — is `specplan_format::signature`; the kernels' argument declarations
+//! bind their `input = ...` fields to these names, which is why they live this low).
 
 pub const INPUT_IDS: &str = "input_ids";
 pub const HIDDEN_STATES: &str = "hidden_states";
@@ -11,7 +13,7 @@ pub const TOPK_IDS: &str = "topk_ids";
 /// The selected row's logits over the lm_head's rows (a plan compiled with `outputs`
 /// including `logits`).
 pub const LOGITS: &str = "logits";
-pub const INPUTS: [&str; 5] = [INPUT_IDS, HIDDEN_STATES, PREFIX_LENS, ACCEPT_LENS, REQ_SLOTS];
-/// Every name an output may have; which of them a plan has is its `capture.outputs`
-/// (`specplan_format::signature`).
-pub const OUTPUTS: [&str; 4] = [HIDDEN_OUT, TOPK_PROBS, TOPK_IDS, LOGITS];
+/// The engine-owned tensors: every layer's K and V pools, and the page table.
+pub const K_CACHE: &str = "k_cache";
+pub const V_CACHE: &str = "v_cache";
+pub const PAGE_TABLE: &str = "page_table";

@@ -213,7 +213,7 @@ fn expand(input: TokenStream) -> syn::Result<TokenStream> {
     };
     let bytes = encode(&plan).map_err(|e| syn::Error::new_spanned(&lit, e.to_string()))?;
     let bytes_lit = proc_macro2::Literal::byte_string(&bytes);
-    let buckets: Vec<u32> = plan.buckets.iter().map(|b| b.batch).collect();
+    let buckets: Vec<u32> = plan.buckets().iter().map(|b| b.batch).collect();
     let (n, topk, hidden, vocab) = (
         plan.spec.num_draft_tokens,
         plan.spec.topk,

@@ -5,6 +5,7 @@
 //! same rules). `Engine` takes CUDA tensors and replays graphs on the caller's stream;
 //! `CpuEngine` takes CPU tensors and runs the CPU executor on them in place.
 
+use specplan_format::io;
 use std::collections::{BTreeMap, HashMap};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -141,7 +142,7 @@ fn graph_serves(graph: &[(u32, bool)], b: usize) -> bool {
 }
 
 fn graph_table(vp: &ValidatedPlan) -> Vec<(u32, bool)> {
-    vp.buckets
+    vp.buckets()
         .iter()
         .map(|b| (b.batch, b.replay == Replay::Graph))
         .collect()
@@ -380,11 +381,11 @@ impl CpuEngine {
         let _ = stream;
         let (n, hin, h, k, cols, _) = self.facts;
         for (name, p) in [
-            ("input_ids", input_ids),
-            ("hidden_states", hidden_states),
+            (io::INPUT_IDS, input_ids),
+            (io::HIDDEN_STATES, hidden_states),
             ("req_pool_indices", req),
-            ("prefix_lens", prefix),
-            ("accept_lens", accept),
+            (io::PREFIX_LENS, prefix),
+            (io::ACCEPT_LENS, accept),
         ] {
             if p == 0 {
                 return Err(PyValueError::new_err(format!("{name} is a null pointer")));

@@ -232,13 +232,13 @@ impl Plan {
     }
     #[getter]
     fn buckets(&self) -> Vec<u32> {
-        self.inner.buckets.iter().map(|b| b.batch).collect()
+        self.inner.buckets().iter().map(|b| b.batch).collect()
     }
     /// Buckets replayed as CUDA graphs (the others run eagerly).
     #[getter]
     fn graph_buckets(&self) -> Vec<u32> {
         self.inner
-            .buckets
+            .buckets()
             .iter()
             .filter(|b| b.replay == Replay::Graph)
             .map(|b| b.batch)

@@ -15,18 +15,19 @@
 //!    A batch above the largest bucket is checked whole before its first chunk runs.
 
 use crate::step::{input_error, InputError};
+use specplan_format::io;
 use specplan_format::Plan;
 
 /// Rule 1.
 pub fn check_batch(b: usize, max_b: Option<usize>) -> Result<(), InputError> {
     match max_b {
         _ if b == 0 => Err(input_error(
-            "input_ids",
+            io::INPUT_IDS,
             String::new(),
             "a step needs at least one request".into(),
         )),
         Some(max) if b > max => Err(input_error(
-            "input_ids",
+            io::INPUT_IDS,
             String::new(),
             format!("batch {b} is outside [1, {max}] (the plan's largest bucket)"),
         )),
@@ -52,7 +53,7 @@ pub fn check_ids(ids: &[i64], vocab: u32, n: usize) -> Result<(), InputError> {
     match ids.iter().position(|&x| x < 0 || x >= vocab as i64) {
         None => Ok(()),
         Some(r) => Err(input_error(
-            "input_ids",
+            io::INPUT_IDS,
             format!("[{}][{}]", r / n.max(1), r % n.max(1)),
             format!("{} is outside [0, {vocab})", ids[r]),
         )),
@@ -66,14 +67,14 @@ pub fn check_lengths(plan: &Plan, i: usize, prefix: i32, accept: i32) -> Result<
     let l = prefix as i64;
     if l < 0 || l + n > ctx {
         return Err(input_error(
-            "prefix_lens",
+            io::PREFIX_LENS,
             format!("[{i}]"),
             format!("{l} + num_draft_tokens {n} must be in [{n}, max_context_len {ctx}]"),
         ));
     }
     if accept < 1 || accept as i64 > n {
         return Err(input_error(
-            "accept_lens",
+            io::ACCEPT_LENS,
             format!("[{i}]"),
             format!("{accept} is outside [1, {n}]"),
         ));
@@ -87,7 +88,7 @@ pub fn check_row_len(i: usize, l: usize, n: usize, page_size: usize, have: usize
     let used = (l + n).div_ceil(page_size);
     if used > have {
         return Err(input_error(
-            "page_table",
+            io::PAGE_TABLE,
             format!("[{i}]"),
             format!(
                 "has {have} pages, but positions up to {} need {used} pages of {page_size}",
@@ -150,14 +151,14 @@ impl Admission {
     pub fn slot(&mut self, i: usize, slot: i32, max_requests: u32) -> Result<(), InputError> {
         if slot < 0 || slot as u32 >= max_requests || slot as usize >= self.slot_seen.len() {
             return Err(input_error(
-                "req_slots",
+                io::REQ_SLOTS,
                 format!("[{i}]"),
                 format!("{slot} is outside [0, {max_requests})"),
             ));
         }
         if std::mem::replace(&mut self.slot_seen[slot as usize], self.stamp) == self.stamp {
             return Err(input_error(
-                "req_slots",
+                io::REQ_SLOTS,
                 format!("[{i}]"),
                 format!("slot {slot} appears twice in one step"),
             ));
@@ -170,7 +171,7 @@ impl Admission {
         for pos in l..l + n {
             let Some(&page) = row.get(pos / page_size) else {
                 return Err(input_error(
-                    "page_table",
+                    io::PAGE_TABLE,
                     format!("[{i}]"),
                     format!("has no page for position {pos}"),
                 ));
@@ -180,7 +181,7 @@ impl Admission {
                 .wrapping_add((pos % page_size) as u64);
             if !insert_write(&mut self.write_seen, self.stamp, key) {
                 return Err(input_error(
-                    "page_table",
+                    io::PAGE_TABLE,
                     format!("[{i}][{}]", pos / page_size),
                     format!(
                         "request {i} writes page {page} slot {}, which another request of this step also writes",
@@ -244,15 +245,15 @@ mod tests {
     fn batch_rule() {
         assert!(check_batch(1, Some(8)).is_ok());
         assert!(check_batch(9, None).is_ok());
-        assert_eq!(check_batch(0, None).unwrap_err().tensor, "input_ids");
+        assert_eq!(check_batch(0, None).unwrap_err().tensor, io::INPUT_IDS);
         let e = check_batch(9, Some(8)).unwrap_err();
         assert!(e.message.contains("batch 9 is outside [1, 8]"), "{e}");
     }
 
     #[test]
     fn shape_rule_names_the_tensor_and_shape() {
-        assert!(check_shape("hidden_states", 12, 12, "[1, 3, 4]").is_ok());
-        let e = check_shape("hidden_states", 11, 12, "[1, 3, 4]").unwrap_err();
+        assert!(check_shape(io::HIDDEN_STATES, 12, 12, "[1, 3, 4]").is_ok());
+        let e = check_shape(io::HIDDEN_STATES, 11, 12, "[1, 3, 4]").unwrap_err();
         assert_eq!(e.to_string(), "hidden_states: has 11 elements, expected [1, 3, 4] = 12");
     }
 
@@ -270,10 +271,10 @@ mod tests {
         assert!(check_row_len(0, 5, 4, 4, 3).is_ok());
         let e = check_row_len(0, 5, 4, 4, 2).unwrap_err();
         assert!(e.message.contains("need 3 pages"), "{e}");
-        assert!(check_page_ids("page_table", 2, &[3, 1, 0], 4).is_ok());
-        let e = check_page_ids("page_table", 2, &[3, 4, 0], 4).unwrap_err();
+        assert!(check_page_ids(io::PAGE_TABLE, 2, &[3, 1, 0], 4).is_ok());
+        let e = check_page_ids(io::PAGE_TABLE, 2, &[3, 4, 0], 4).unwrap_err();
         assert_eq!(e.index, "[2][1]");
-        assert!(check_page_ids("page_table", 0, &[-1], 4).is_err());
+        assert!(check_page_ids(io::PAGE_TABLE, 0, &[-1], 4).is_err());
     }
 
     #[test]

@@ -97,7 +97,7 @@ pub fn weights_cap(plan: &ValidatedPlan) -> u64 {
 /// states (f32), lengths and page-table rows, and K/V caches of the plan's whole pool (f32),
 /// plus the header.
 pub fn inputs_cap(plan: &ValidatedPlan) -> u64 {
-    let b = plan.buckets.last().map_or(0, |x| x.batch) as u64;
+    let b = plan.buckets().last().map_or(0, |x| x.batch) as u64;
     let n = plan.spec.num_draft_tokens as u64;
     let step =
         b * n * (8 + plan.model.hidden_in() as u64 * 4) + b * (16 + plan.capture.max_pages_per_request as u64 * 4);
@@ -349,23 +349,23 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
     let fail = |e: InputError| ContractError::input(&file, e);
     let m = &plan.model;
     let n = plan.spec.num_draft_tokens as usize;
-    let (ids, shape) = ints(&st, "input_ids", Dtype::I64, None).map_err(fail)?;
+    let (ids, shape) = ints(&st, io::INPUT_IDS, Dtype::I64, None).map_err(fail)?;
     if shape.len() != 2 || shape[1] != n {
         return Err(fail(input_error(
-            "input_ids",
+            io::INPUT_IDS,
             String::new(),
             format!("has shape {shape:?}, expected [b, {n}]"),
         )));
     }
     let b = shape[0];
     let act = plan.capture.dtype;
-    let hidden = floats(&st, "hidden_states", &[b, n, m.hidden_in() as usize], act).map_err(fail)?;
-    let (prefix, _) = ints(&st, "prefix_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
-    let (accept, _) = ints(&st, "accept_lens", Dtype::I32, Some(&[b])).map_err(fail)?;
-    let (table, tshape) = ints(&st, "page_table", Dtype::I32, None).map_err(fail)?;
+    let hidden = floats(&st, io::HIDDEN_STATES, &[b, n, m.hidden_in() as usize], act).map_err(fail)?;
+    let (prefix, _) = ints(&st, io::PREFIX_LENS, Dtype::I32, Some(&[b])).map_err(fail)?;
+    let (accept, _) = ints(&st, io::ACCEPT_LENS, Dtype::I32, Some(&[b])).map_err(fail)?;
+    let (table, tshape) = ints(&st, io::PAGE_TABLE, Dtype::I32, None).map_err(fail)?;
     if tshape.len() != 2 || tshape[0] != b {
         return Err(fail(input_error(
-            "page_table",
+            io::PAGE_TABLE,
             String::new(),
             format!("has shape {tshape:?}, expected [{b}, P]"),
         )));
@@ -405,11 +405,11 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
         }
         Ok((s, t.dtype()))
     };
-    let (ks, kdt) = kv_shape_of("k_cache").map_err(fail)?;
-    let (vs, _) = kv_shape_of("v_cache").map_err(fail)?;
+    let (ks, kdt) = kv_shape_of(io::K_CACHE).map_err(fail)?;
+    let (vs, _) = kv_shape_of(io::V_CACHE).map_err(fail)?;
     if ks != vs {
         return Err(fail(input_error(
-            "v_cache",
+            io::V_CACHE,
             String::new(),
             format!("has shape {vs:?}, k_cache has {ks:?}"),
         )));
@@ -427,8 +427,8 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
     // Check the cheap bounds before converting the (large) caches.
     step.check(plan, pages).map_err(fail)?;
     let per_layer = pages * ks[2] * ks[3] * ks[4];
-    let k_all = floats(&st, "k_cache", &ks, act).map_err(fail)?;
-    let v_all = floats(&st, "v_cache", &vs, act).map_err(fail)?;
+    let k_all = floats(&st, io::K_CACHE, &ks, act).map_err(fail)?;
+    let v_all = floats(&st, io::V_CACHE, &vs, act).map_err(fail)?;
     // One extra page past the caller's: the scratch page padded rows write to.
     let scratch = ks[2] * ks[3] * ks[4];
     let split = |all: Vec<f32>| -> Vec<Vec<f32>> {
@@ -468,7 +468,7 @@ pub fn run_cpu(
         ContractError::input(
             "inputs",
             input_error(
-                "input_ids",
+                io::INPUT_IDS,
                 String::new(),
                 format!("batch {b} exceeds the largest bucket"),
             ),
@@ -653,13 +653,13 @@ pub fn encode_outputs(plan: &ValidatedPlan, res: &StepResult, inputs: &InputsFil
     }
     tensors.extend([
         (
-            "hidden_out",
+            io::HIDDEN_OUT,
             file_dtype(plan.capture.dtype),
             vec![b, m.hidden as usize],
             to_bytes(&res.outputs.hidden_out, file_dtype(plan.capture.dtype)),
         ),
-        ("k_cache", kd, kv_shape.clone(), to_bytes(&cache(&inputs.kv.k), kd)),
-        ("v_cache", kd, kv_shape, to_bytes(&cache(&inputs.kv.v), kd)),
+        (io::K_CACHE, kd, kv_shape.clone(), to_bytes(&cache(&inputs.kv.k), kd)),
+        (io::V_CACHE, kd, kv_shape, to_bytes(&cache(&inputs.kv.v), kd)),
     ]);
     let views: Vec<(String, TensorView)> = tensors
         .iter()

@@ -21,6 +21,7 @@
 //!   and a step whose outputs come out non-finite is reported (`DeviceRule::NonFinite` in
 //!   engine memory; the outputs' check of [`crate::contract`] for files).
 
+use specplan_format::io;
 use specplan_format::{BucketPlan, DType, Plan};
 pub use specplan_kernels::kv::TableMode;
 
@@ -94,22 +95,22 @@ impl StepInputs {
         let n = plan.spec.num_draft_tokens as usize;
         // The input rows' width (3·H_t for an EAGLE-3 head).
         let h = plan.model.hidden_in() as usize;
-        let max_b = plan.buckets.last().map_or(0, |x| x.batch as usize);
+        let max_b = plan.buckets().last().map_or(0, |x| x.batch as usize);
         admission::check_batch(b, Some(max_b))?;
-        admission::check_shape("input_ids", self.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
+        admission::check_shape(io::INPUT_IDS, self.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
         admission::check_shape(
-            "hidden_states",
+            io::HIDDEN_STATES,
             self.hidden_states.len(),
             b * n * h,
             &format!("[{b}, {n}, {h}]"),
         )?;
-        admission::check_shape("prefix_lens", self.prefix_lens.len(), b, &format!("[{b}]"))?;
-        admission::check_shape("accept_lens", self.accept_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_shape(io::PREFIX_LENS, self.prefix_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_shape(io::ACCEPT_LENS, self.accept_lens.len(), b, &format!("[{b}]"))?;
         if self.page_cols == 0 {
-            return Err(input_error("page_table", String::new(), "has no columns".into()));
+            return Err(input_error(io::PAGE_TABLE, String::new(), "has no columns".into()));
         }
         admission::check_shape(
-            "page_table",
+            io::PAGE_TABLE,
             self.page_table.len(),
             b * self.page_cols,
             &format!("[{b}, {}]", self.page_cols),
@@ -117,7 +118,7 @@ impl StepInputs {
         admission::check_ids(&self.input_ids, plan.model.vocab, n)?;
         if let Some((i, message)) = first_non_finite(&self.hidden_states, plan.capture.dtype) {
             return Err(input_error(
-                "hidden_states",
+                io::HIDDEN_STATES,
                 format!("[{}][{}][{}]", i / (n * h), i / h % n, i % h),
                 message,
             ));
@@ -130,7 +131,7 @@ impl StepInputs {
             let l = self.prefix_lens[i] as usize;
             let row = &self.page_table[i * self.page_cols..(i + 1) * self.page_cols];
             admission::check_row_len(i, l, n, ps, row.len())?;
-            admission::check_page_ids("page_table", i, &row[..(l + n).div_ceil(ps)], pool_pages)?;
+            admission::check_page_ids(io::PAGE_TABLE, i, &row[..(l + n).div_ceil(ps)], pool_pages)?;
             adm.writes(i, l, n, ps, row)?;
         }
         // Rule 8 (aliasing): O(Σ (L + N)), the rows the attention reads.
@@ -158,7 +159,7 @@ impl StepInputs {
                     a.position, a.writer
                 )
             };
-            return Err(input_error("page_table", format!("[{i}][{}]", a.position / ps), msg));
+            return Err(input_error(io::PAGE_TABLE, format!("[{i}][{}]", a.position / ps), msg));
         }
         Ok(())
     }
@@ -201,7 +202,7 @@ impl PageTable {
     pub fn set_row(&mut self, slot: usize, pages: &[i32]) -> Result<(), InputError> {
         if slot >= self.rows {
             return Err(input_error(
-                "page_table",
+                io::PAGE_TABLE,
                 format!("[{slot}]"),
                 format!("request slot {slot} is outside the table's rows [0, {})", self.rows),
             ));
@@ -239,15 +240,15 @@ pub fn pad_to_bucket(
     let h = plan.model.hidden_in() as usize;
     admission::check_batch(b, Some(bb))
         .map_err(|e| input_error(&e.tensor, e.index, e.message.replace("largest bucket", "bucket")))?;
-    admission::check_shape("input_ids", x.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
+    admission::check_shape(io::INPUT_IDS, x.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
     admission::check_shape(
-        "hidden_states",
+        io::HIDDEN_STATES,
         x.hidden_states.len(),
         b * n * h,
         &format!("[{b}, {n}, {h}]"),
     )?;
-    admission::check_shape("prefix_lens", x.prefix_lens.len(), b, &format!("[{b}]"))?;
-    admission::check_shape("accept_lens", x.accept_lens.len(), b, &format!("[{b}]"))?;
+    admission::check_shape(io::PREFIX_LENS, x.prefix_lens.len(), b, &format!("[{b}]"))?;
+    admission::check_shape(io::ACCEPT_LENS, x.accept_lens.len(), b, &format!("[{b}]"))?;
     if slots.len() < b {
         return Err(input_error(
             "slots",

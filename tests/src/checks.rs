@@ -372,14 +372,14 @@ pub fn contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u64) -> 
         })
     };
     let mut report = Vec::new();
-    for name in ["hidden_out", "topk_probs", "k_cache", "v_cache"] {
+    for name in [io::HIDDEN_OUT, io::TOPK_PROBS, io::K_CACHE, io::V_CACHE] {
         let e = rel_rms(&read(&outs[1], name)?, &read(&outs[0], name)?);
         report.push(format!("{name} rel {e:.2e}"));
         if e > REL_BOUND {
             return Err(format!("{name}: cuda vs cpu relative error {e:.3e}"));
         }
     }
-    let (gi, ci) = (read(&outs[1], "topk_ids")?, read(&outs[0], "topk_ids")?);
+    let (gi, ci) = (read(&outs[1], io::TOPK_IDS)?, read(&outs[0], io::TOPK_IDS)?);
     report.push(format!(
         "topk_ids equal {}/{}",
         gi.len() - bit_diffs(&gi, &ci),

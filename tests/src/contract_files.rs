@@ -13,6 +13,7 @@
 //! Large tensors are generated in parallel chunks, each from its own generator seeded by
 //! the seed and the chunk's index, so a seed gives the same files on any machine.
 
+use specplan_format::io;
 use std::collections::HashSet;
 use std::path::Path;
 
@@ -209,7 +210,7 @@ pub fn input_tensors(plan: &Plan, seed: u64, b: usize, max_prefix: usize) -> Res
     // Input rows are 3·H_t wide for an EAGLE-3 head.
     let ps = plan.capture.page_size as usize;
     let h = m.hidden_in() as usize;
-    let max_b = plan.buckets.last().map_or(0, |x| x.batch as usize);
+    let max_b = plan.buckets().last().map_or(0, |x| x.batch as usize);
     if b == 0 || b > max_b {
         return Err(format!("batch {b} is outside [1, {max_b}] (the plan's largest bucket)"));
     }
@@ -249,43 +250,43 @@ pub fn input_tensors(plan: &Plan, seed: u64, b: usize, max_prefix: usize) -> Res
     let le32 = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     Ok(vec![
         FileTensor {
-            name: "input_ids".into(),
+            name: io::INPUT_IDS.into(),
             dtype: Dtype::I64,
             shape: vec![b, n],
             bytes: ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
         },
         FileTensor {
-            name: "hidden_states".into(),
+            name: io::HIDDEN_STATES.into(),
             dtype: file_dtype(act),
             shape: vec![b, n, h],
             bytes: random_act(b * n * h, seed, (1 << 32) + 1, act, |u| u),
         },
         FileTensor {
-            name: "prefix_lens".into(),
+            name: io::PREFIX_LENS.into(),
             dtype: Dtype::I32,
             shape: vec![b],
             bytes: le32(&prefix),
         },
         FileTensor {
-            name: "accept_lens".into(),
+            name: io::ACCEPT_LENS.into(),
             dtype: Dtype::I32,
             shape: vec![b],
             bytes: le32(&accept),
         },
         FileTensor {
-            name: "page_table".into(),
+            name: io::PAGE_TABLE.into(),
             dtype: Dtype::I32,
             shape: vec![b, cols],
             bytes: le32(&table),
         },
         FileTensor {
-            name: "k_cache".into(),
+            name: io::K_CACHE.into(),
             dtype: file_dtype(act),
             shape: kv_shape.clone(),
             bytes: random_act(kv_n, seed, (1 << 32) + 2, act, |u| u),
         },
         FileTensor {
-            name: "v_cache".into(),
+            name: io::V_CACHE.into(),
             dtype: file_dtype(act),
             shape: kv_shape,
             bytes: random_act(kv_n, seed, (1 << 32) + 3, act, |u| u),
@@ -360,7 +361,7 @@ pub fn plan_json(plan: &Plan) -> String {
         "max_context_len": plan.capture.max_context_len,
         "max_requests": plan.capture.max_requests,
         "hot_vocab_size": plan.capture.hot_vocab_size,
-        "buckets": plan.buckets.iter().map(|b| b.batch).collect::<Vec<u32>>(),
+        "buckets": plan.buckets().iter().map(|b| b.batch).collect::<Vec<u32>>(),
         "weights": plan.weights.iter().map(|w| serde_json::json!({
             "name": w.name,
             "sources": w.sources,

@@ -57,7 +57,7 @@ pub fn cpu_reference(
         table.set_row(s as usize, &c.pages[i]).map_err(|e| e.to_string())?;
     }
     let exec = CpuExecutor::new(plan, weights.to_vec()).map_err(|e| e.to_string())?;
-    let max_b = plan.buckets.last().map_or(1, |x| x.batch as usize);
+    let max_b = plan.buckets().last().map_or(1, |x| x.batch as usize);
     let mut r = BucketOutputs {
         hidden_out: vec![],
         topk_probs: vec![],

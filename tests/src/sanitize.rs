@@ -23,18 +23,18 @@ fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
 pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs: bool) -> Result<(), String> {
     let weights = crate::random::random_weights(plan, rng);
     let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(g)?;
-    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
-    let smallest = plan.buckets.first().map_or(1, |b| b.batch as usize);
+    let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
+    let smallest = plan.buckets().first().map_or(1, |b| b.batch as usize);
     for b in [smallest, max_b] {
         let c = make_case(plan, rng, b, 100);
         for (i, &s) in c.slots.iter().enumerate() {
             rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
         }
         rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
-        let Some(bi) = plan.buckets.iter().position(|x| x.batch as usize == b) else {
+        let Some(bi) = plan.buckets().iter().position(|x| x.batch as usize == b) else {
             return Err(format!("no bucket of batch {b}"));
         };
-        let bk = &plan.buckets[bi];
+        let bk = &plan.buckets()[bi];
         let gemm_out: Vec<u32> = bk
             .launches
             .iter()
@@ -122,10 +122,10 @@ pub fn kernel_steps(plan: &ValidatedPlan, rng: &mut Rng) -> Result<(), String> {
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts).map_err(g)?;
     let act = plan.capture.dtype;
-    let smallest = plan.buckets.first().map_or(1, |b| b.batch);
-    let largest = plan.buckets.last().map_or(1, |b| b.batch);
+    let smallest = plan.buckets().first().map_or(1, |b| b.batch);
+    let largest = plan.buckets().last().map_or(1, |b| b.batch);
     for batch in [smallest, largest] {
-        let Some(bk) = plan.buckets.iter().find(|x| x.batch == batch) else {
+        let Some(bk) = plan.buckets().iter().find(|x| x.batch == batch) else {
             return Err(format!("no bucket of batch {batch}"));
         };
         let c = make_case(plan, rng, batch as usize, 100);

@@ -49,7 +49,7 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
     let t0 = std::time::Instant::now();
     let weights = random_weights(plan, rng);
     let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(g)?;
-    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
+    let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
     let top = (plan.capture.max_requests as usize).min(max_b + max_b / 2 + 3).max(1);
     let n = plan.spec.num_draft_tokens as usize;
     let max_prefix = (plan.capture.max_context_len as usize).saturating_sub(n).min(400);

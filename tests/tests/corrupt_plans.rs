@@ -69,10 +69,10 @@ fn inconsistent_plans_name_the_bad_field() {
         out.push_str(&format!("## {name}\n{}\n", invalid(|p| m(p))));
     };
     case("buffer past the arena", &|p| {
-        p.buckets[1].buffers[0].offset = p.buckets[1].arena_bytes
+        p.phases[0].buckets[1].buffers[0].offset = p.phases[0].buckets[1].arena_bytes
     });
     case("kernel index out of range", &|p| {
-        if let Some(LaunchKind::Kernel { kernel, .. }) = p.buckets[0]
+        if let Some(LaunchKind::Kernel { kernel, .. }) = p.phases[0].buckets[0]
             .launches
             .iter_mut()
             .map(|l| &mut l.kind)
@@ -82,7 +82,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("buffer id out of range", &|p| {
-        for l in &mut p.buckets[0].launches {
+        for l in &mut p.phases[0].buckets[0].launches {
             if let LaunchKind::Kernel { args, .. } = &mut l.kind {
                 if let Some(a) = args.iter_mut().find(|a| matches!(a, ArgValue::Buffer(_))) {
                     *a = ArgValue::Buffer(500);
@@ -92,23 +92,25 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("weight past the region", &|p| p.weights[2].offset = p.weight_bytes);
-    case("qo layout not N rows per request", &|p| p.buckets[2].qo_indptr[1] = 3);
+    case("qo layout not N rows per request", &|p| {
+        p.phases[0].buckets[2].qo_indptr[1] = 3
+    });
     case("aliasing live buffers", &|p| {
-        let b = &mut p.buckets[3];
+        let b = &mut p.phases[0].buckets[3];
         let off = b.buffer("hidden_states").map(|(_, x)| x.offset).unwrap_or(0);
         if let Some(x) = b.buffers.iter_mut().find(|x| x.name == "fc_in") {
             x.offset = off;
         }
     });
     case("spec rule broken", &|p| p.spec.num_draft_tokens = 40);
-    case("buckets out of order", &|p| p.buckets.swap(0, 1));
+    case("buckets out of order", &|p| p.phases[0].buckets.swap(0, 1));
     case("page size", &|p| p.capture.page_size = 3);
     // A theta the table was not computed from (the kernels and the CPU executor read the
     // table: both would rotate by the same wrong angles).
     case("rope_theta without its table", &|p| p.model.rope_theta *= 2.0);
     // One buffer moved past every other: a hole the runtime would allocate for nothing.
     case("arena hole", &|p| {
-        let b = &mut p.buckets[0];
+        let b = &mut p.phases[0].buckets[0];
         let end = b.arena_bytes.div_ceil(256) * 256 + (1 << 30);
         b.buffers[0].offset = end;
         b.arena_bytes = end + b.buffers[0].bytes.div_ceil(256) * 256;
@@ -120,7 +122,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("block too large", &|p| {
-        if let Some(LaunchKind::Kernel { block, .. }) = p.buckets[0]
+        if let Some(LaunchKind::Kernel { block, .. }) = p.phases[0].buckets[0]
             .launches
             .iter_mut()
             .map(|l| &mut l.kind)
@@ -130,7 +132,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("attention shared memory below its formula", &|p| {
-        for l in &mut p.buckets[0].launches {
+        for l in &mut p.phases[0].buckets[0].launches {
             if let LaunchKind::Kernel { smem, .. } = &mut l.kind {
                 if l.op.ends_with(specplan_format::Entry::AttnPartial.name()) || l.op.contains("attention") {
                     *smem = 1024;
@@ -140,7 +142,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("top-K block not its thread count", &|p| {
-        for l in &mut p.buckets[0].launches {
+        for l in &mut p.phases[0].buckets[0].launches {
             if let LaunchKind::Kernel { block, .. } = &mut l.kind {
                 if l.op.contains("topk") {
                     *block = [256, 1, 1];
@@ -150,7 +152,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("gemm shape", &|p| {
-        if let Some(LaunchKind::Gemm(g)) = p.buckets[0]
+        if let Some(LaunchKind::Gemm(g)) = p.phases[0].buckets[0]
             .launches
             .iter_mut()
             .map(|l| &mut l.kind)
@@ -160,7 +162,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("rows argument past the bucket", &|p| {
-        for l in &mut p.buckets[0].launches {
+        for l in &mut p.phases[0].buckets[0].launches {
             if let LaunchKind::Kernel { args, .. } = &mut l.kind {
                 if let Some(a) = args.iter_mut().rev().find(|a| matches!(a, ArgValue::U32(_))) {
                     *a = ArgValue::U32(1_000_000);
@@ -175,7 +177,7 @@ fn inconsistent_plans_name_the_bad_field() {
         }
     });
     case("scratch buffer smaller than the kernel touches", &|p| {
-        let b = &mut p.buckets[1];
+        let b = &mut p.phases[0].buckets[1];
         if let Some(x) = b.buffers.iter_mut().find(|x| x.name == "fc_in") {
             x.shape = vec![1, 512];
             x.bytes = 1024;
@@ -210,15 +212,15 @@ fn sizes_near_the_top_of_u64_are_rejected_without_overflow() {
     let msgs = invalid(|p| p.weights[3].bytes = u64::MAX - 1);
     assert!(msgs.contains("weights[3]"), "{msgs}");
     let msgs = invalid(|p| {
-        let b = &mut p.buckets[0];
+        let b = &mut p.phases[0].buckets[0];
         b.arena_bytes = u64::MAX;
         b.buffers[0].offset = u64::MAX - 255 - b.buffers[0].bytes;
     });
     assert!(msgs.contains("buckets[0] (batch 1).arena_bytes"), "{msgs}");
     // Lists are capped before any rule walks them (the overlap rule is quadratic).
     let msgs = invalid(|p| {
-        let l = p.buckets[0].launches[0].clone();
-        p.buckets[0].launches.resize(5000, l);
+        let l = p.phases[0].buckets[0].launches[0].clone();
+        p.phases[0].buckets[0].launches.resize(5000, l);
     });
     assert!(msgs.contains("buckets[0].launches: 5000 entries exceed 4096"), "{msgs}");
     let msgs = invalid(|p| {
@@ -232,7 +234,7 @@ fn sizes_near_the_top_of_u64_are_rejected_without_overflow() {
 #[test]
 fn lost_results_and_foreign_pools_are_rejected() {
     fn launch(p: &mut specplan_format::Plan, op: &str) -> usize {
-        p.buckets[0]
+        p.phases[0].buckets[0]
             .launches
             .iter()
             .position(|l| l.op == op)
@@ -240,7 +242,7 @@ fn lost_results_and_foreign_pools_are_rejected() {
     }
     fn pools_to(p: &mut specplan_format::Plan, op: &str, layer: u32) {
         let i = launch(p, op);
-        if let LaunchKind::Kernel { args, .. } = &mut p.buckets[0].launches[i].kind {
+        if let LaunchKind::Kernel { args, .. } = &mut p.phases[0].buckets[0].launches[i].kind {
             for a in args {
                 if let ArgValue::KvCache { layer: l, .. } = a {
                     *l = layer;
@@ -258,13 +260,13 @@ fn lost_results_and_foreign_pools_are_rejected() {
     // No append at all: attention over stale keys.
     let msgs = invalid(|p| {
         let i = launch(p, "l0.rope_append");
-        p.buckets[0].launches.remove(i);
+        p.phases[0].buckets[0].launches.remove(i);
     });
     assert!(msgs.contains("layer 0's K pool is appended by 0 launches"), "{msgs}");
     // A lost result: the o_proj GEMM gone, the attention's output never read.
     let msgs = invalid(|p| {
         let i = launch(p, "l1.o_proj");
-        p.buckets[0].launches.remove(i);
+        p.phases[0].buckets[0].launches.remove(i);
     });
     assert!(
         msgs.contains("(l1.attn): launch") && msgs.contains("no later launch reads it"),
@@ -273,8 +275,8 @@ fn lost_results_and_foreign_pools_are_rejected() {
     // A launch repeated: its first result overwritten unread.
     let msgs = invalid(|p| {
         let i = launch(p, "lm_head");
-        let l = p.buckets[0].launches[i].clone();
-        p.buckets[0].launches.insert(i, l);
+        let l = p.phases[0].buckets[0].launches[i].clone();
+        p.phases[0].buckets[0].launches.insert(i, l);
     });
     assert!(msgs.contains("overwrites what launch"), "{msgs}");
     // A kernel relabelled (show and diff print the name).

@@ -12,7 +12,7 @@ fn liveness_reuses_memory_and_inputs_are_one_block() {
     for p in PRESETS {
         let plan = common::compile_preset(p.name, &Overrides::default());
         let mut prev_arena = 0;
-        for b in &plan.buckets {
+        for b in plan.buckets() {
             let total: u64 = b.buffers.iter().map(|x| x.bytes).sum();
             assert!(
                 b.arena_bytes < total,

@@ -221,8 +221,8 @@ fn run_key(p: &ValidatedPlan, bucket: usize) -> u64 {
         k.name.clear();
         k.source_hash.clear();
     });
-    q.buckets = vec![q.buckets.swap_remove(bucket)];
-    q.buckets[0].launches.iter_mut().for_each(|l| l.op.clear());
+    q.phases[0].buckets = vec![q.phases[0].buckets.swap_remove(bucket)];
+    q.phases[0].buckets[0].launches.iter_mut().for_each(|l| l.op.clear());
     let bytes = encode(&q).expect("encode");
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (bucket, bytes).hash(&mut h);
@@ -273,7 +273,7 @@ fn one(s: &Subject, i: usize, seed: u64, seen: &Mutex<HashSet<u64>>, t: &mut Tal
     let bucket = if rng.below(2) == 0 {
         0
     } else {
-        rng.below(v.buckets.len())
+        rng.below(v.phases[0].buckets.len())
     };
     if !seen.lock().expect("seen").insert(run_key(&v, bucket)) {
         t.same_as_run += 1;
@@ -328,7 +328,7 @@ fn mutated_plans_are_rejected_or_run_safely() {
     for s in &subjects {
         let v = validate(s.plan.clone()).unwrap_or_else(|e| panic!("{}: {e}", s.label));
         if let Some(w) = &s.weights {
-            for b in 0..v.buckets.len() {
+            for b in 0..v.phases[0].buckets.len() {
                 match audit_bucket(&v, w, b, &AuditLimits::default()) {
                     Ok(Audit::Ran) => {}
                     other => panic!("{} bucket {b}: the unmutated plan gives {other:?}", s.label),
@@ -444,7 +444,7 @@ fn the_cpu_executor_refuses_prefixes_outside_the_context() {
     let plan = common::compile_preset("tiny", &Overrides::default());
     let weights = synthetic_weights(&plan, &AuditLimits::default()).expect("weights");
     let exec = CpuExecutor::borrowing(&plan, &weights).expect("executor");
-    let b = &plan.buckets[0];
+    let b = &plan.phases[0].buckets[0];
     let (n, h) = (plan.spec.num_draft_tokens as usize, plan.model.hidden as usize);
     let m = &plan.model;
     let per_layer = 2 * plan.capture.page_size as usize * m.kv_heads as usize * m.head_dim as usize;

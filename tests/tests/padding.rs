@@ -11,7 +11,7 @@ fn padding_refuses_what_it_cannot_pad() {
     let plan = common::compile_preset("tiny", &Overrides::default());
     let n = plan.spec.num_draft_tokens as usize;
     let h = plan.model.hidden_in() as usize;
-    let bucket = &plan.buckets[0];
+    let bucket = &plan.buckets()[0];
     let x = StepInputs {
         batch: 1,
         input_ids: vec![1; n],

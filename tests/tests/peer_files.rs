@@ -75,7 +75,7 @@ fn a_seed_reproduces_the_files() {
 #[test]
 fn inputs_outside_the_plan_are_refused() {
     let plan = common::compile_preset("tiny", &Overrides::default());
-    let max_b = plan.buckets.last().map_or(0, |b| b.batch as usize);
+    let max_b = plan.buckets().last().map_or(0, |b| b.batch as usize);
     assert!(input_tensors(&plan, 1, max_b + 1, 10).is_err());
     assert!(input_tensors(&plan, 1, 0, 10).is_err());
     assert!(input_tensors(&plan, 1, 1, plan.capture.max_context_len as usize).is_err());

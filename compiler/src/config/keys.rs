@@ -8,21 +8,7 @@
 
 use super::Errors;
 
-/// `[speculative]` keys.
-pub const SPECULATIVE_KEYS: &[&str] = &["topk", "num_steps", "num_draft_tokens"];
-
-/// `[capture]` keys.
-pub const CAPTURE_KEYS: &[&str] = &[
-    "buckets",
-    "max_bs",
-    "page_size",
-    "max_context_len",
-    "kv_pool_pages",
-    "max_requests",
-    "dtype",
-    "hot_vocab_size",
-    "outputs",
-];
+// The `[speculative]` and `[capture]` keys are the flag table's (`flags::table_keys`).
 
 /// `[model]` keys (Hugging Face names) that the model reader uses.
 pub const MODEL_KEYS: &[&str] = &[
@@ -64,11 +50,14 @@ pub const ROPE_SCALING_KEYS: &[&str] = &[
     "mrope_section",
 ];
 
-const TABLES: &[(&str, &[&str])] = &[
-    ("model", MODEL_KEYS),
-    ("speculative", SPECULATIVE_KEYS),
-    ("capture", CAPTURE_KEYS),
-];
+/// The tables and their known keys: the model reader's, and the flag table's for the rest.
+fn tables() -> [(&'static str, Vec<&'static str>); 3] {
+    [
+        ("model", MODEL_KEYS.to_vec()),
+        ("speculative", super::flags::table_keys("speculative")),
+        ("capture", super::flags::table_keys("capture")),
+    ]
+}
 
 /// Checks a parsed TOML config: known tables and keys, finite numbers. Every problem is
 /// pushed with its path; non-finite numbers are also remembered so that the readers do not
@@ -82,7 +71,8 @@ pub fn check_toml(root: &toml::Table, e: &mut Errors) {
         e.non_finite.push(path);
     }
     for (key, v) in root {
-        match TABLES.iter().find(|(t, _)| t == key) {
+        let tables = tables();
+        match tables.iter().find(|(t, _)| t == key) {
             Some((table, known)) => match v.as_table() {
                 Some(t) => check_table(table, t, known, e),
                 // The model reader reports a [model] that is not a table.
@@ -127,7 +117,10 @@ fn check_table(name: &str, t: &toml::Table, known: &[&str], e: &mut Errors) {
 
 /// The table a key belongs in, when it is a known key of one.
 fn home_of(key: &str) -> Option<&'static str> {
-    TABLES.iter().find(|(_, keys)| keys.contains(&key)).map(|(t, _)| *t)
+    tables()
+        .into_iter()
+        .find(|(_, keys)| keys.contains(&key))
+        .map(|(t, _)| t)
 }
 
 /// " (did you mean `x`?)" for the closest known key within a small edit distance (also
@@ -228,9 +221,15 @@ mod tests {
 
     #[test]
     fn near_misses_get_a_hint() {
-        assert_eq!(did_you_mean("page_sise", CAPTURE_KEYS), " (did you mean `page_size`?)");
-        assert_eq!(did_you_mean("Max_BS", CAPTURE_KEYS), " (did you mean `max_bs`?)");
-        assert_eq!(did_you_mean("colour", CAPTURE_KEYS), "");
+        assert_eq!(
+            did_you_mean("page_sise", &super::super::flags::table_keys("capture")),
+            " (did you mean `page_size`?)"
+        );
+        assert_eq!(
+            did_you_mean("Max_BS", &super::super::flags::table_keys("capture")),
+            " (did you mean `max_bs`?)"
+        );
+        assert_eq!(did_you_mean("colour", &super::super::flags::table_keys("capture")), "");
     }
 
     #[test]

@@ -1,36 +1,14 @@
-//! Upper bounds of every size a config may give, and of the sizes derived from them.
-//!
-//! The bounds equal the plan validator's (`specplan_format`'s `validate` limits, which
-//! the kernels are written for), so a config within them never produces a plan that the
-//! validator rejects for its sizes — the user sees the field and its bound, not a
-//! compiler error. Derived sizes (page-table entries, KV pool bytes, weight bytes, the
-//! largest bucket's activations) are computed with checked arithmetic.
+//! The config reader's bounds are the plan format's (`specplan_format::limits`, re-exported
+//! here: one table, so a config within them never produces a plan that the validator
+//! rejects for its sizes — the user sees the field and its bound, not a compiler error).
+//! What this file adds: derived sizes (weight bytes, the largest bucket's activations)
+//! computed with checked arithmetic before anything is built.
 
 use specplan_format::{ModelDesc, SpecDesc};
 
 use super::{CaptureConfig, Errors};
 
-pub const MAX_HIDDEN: u32 = 1 << 16;
-pub const MAX_INTERMEDIATE: u32 = 1 << 18;
-pub const MAX_HEADS: u32 = 256;
-/// The attention kernel's tensor-core steps: a multiple of 16, at most 256.
-pub const MAX_HEAD_DIM: u32 = 256;
-pub const MAX_LAYERS: u32 = 256;
-/// Column indices travel as exact f32 values between the split top-K kernels.
-pub const MAX_VOCAB: u32 = (1 << 24) - 1;
-pub const MAX_CONTEXT: u32 = 1 << 22;
-pub const MAX_PAGE_SIZE: u32 = 1024;
-pub const MAX_REQUESTS: u32 = 1 << 20;
-/// Largest batch bucket (and `max_bs`).
-pub const MAX_BATCH: u32 = 4096;
-/// Page ids are `i32` in the page table.
-pub const MAX_POOL_PAGES: u32 = i32::MAX as u32;
-/// Largest weight region, KV pool and activation arena: 64 GiB, more than any GPU's memory.
-pub const MAX_REGION_BYTES: u64 = 64 << 30;
-pub use specplan_kernels::facts::MAX_TABLE_ENTRIES;
-
-/// Weight-region alignment of each weight.
-const ALIGN: u64 = 256;
+pub use specplan_format::limits::*;
 
 /// An upper bound of the plan's weight region (every weight in the activation type,
 /// rounded up to its alignment; the FR-Spec id map as i64), or `None` on overflow.

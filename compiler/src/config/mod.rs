@@ -6,6 +6,7 @@
 //! and the speculative rules suggest the flag value that would fix them.
 
 mod eagle3;
+pub mod flags;
 mod keys;
 mod recognize;
 pub use keys::did_you_mean;
@@ -13,8 +14,10 @@ pub mod limits;
 mod model;
 
 use serde_json::Value;
+use specplan_format::limits::SpecField;
 use specplan_format::{DType, HeadOutputs, SpecDesc};
 
+pub use flags::{Overrides, FLAGS};
 pub use keys::levenshtein;
 use limits::*;
 pub use model::ModelConfig;
@@ -71,25 +74,6 @@ pub enum Source {
     Preset(String),
     Toml { name: String, text: String },
     HfConfig { name: String, text: String },
-}
-
-/// Capture flags as given on the command line; `None` = take the file's or the default.
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    pub topk: Option<u32>,
-    pub num_steps: Option<u32>,
-    pub num_draft_tokens: Option<u32>,
-    pub buckets: Option<String>,
-    pub max_bs: Option<u32>,
-    pub page_size: Option<u32>,
-    pub max_context_len: Option<u32>,
-    pub kv_pool_pages: Option<u32>,
-    pub max_requests: Option<u32>,
-    pub dtype: Option<String>,
-    pub sliding_window: Option<u32>,
-    pub hot_vocab_size: Option<u32>,
-    /// `topk`, `logits` or `topk,logits`.
-    pub outputs: Option<String>,
 }
 
 /// Capture settings after defaults and rules.
@@ -297,15 +281,15 @@ fn uint_field(v: &Value, key: &str, field: &str, e: &mut Errors) -> Option<u32> 
 }
 
 fn read_spec(v: &Value, o: &Overrides, e: &mut Errors) -> Option<SpecDesc> {
-    const TOPK: &str = "speculative.topk (--speculative-eagle-topk)";
-    const STEPS: &str = "speculative.num_steps (--speculative-num-steps)";
-    const DRAFT: &str = "speculative.num_draft_tokens (--speculative-num-draft-tokens)";
-    let topk = o.topk.or_else(|| uint_field(v, "topk", TOPK, e));
-    let steps = o.num_steps.or_else(|| uint_field(v, "num_steps", STEPS, e));
+    let topk_label = &flags::label("topk");
+    let steps_label = &flags::label("num_steps");
+    let draft_label = &flags::label("num_draft_tokens");
+    let topk = o.topk.or_else(|| uint_field(v, "topk", topk_label, e));
+    let steps = o.num_steps.or_else(|| uint_field(v, "num_steps", steps_label, e));
     let draft = o
         .num_draft_tokens
-        .or_else(|| uint_field(v, "num_draft_tokens", DRAFT, e));
-    for (val, field) in [(topk, TOPK), (steps, STEPS), (draft, DRAFT)] {
+        .or_else(|| uint_field(v, "num_draft_tokens", draft_label, e));
+    for (val, field) in [(topk, topk_label), (steps, steps_label), (draft, draft_label)] {
         match val {
             None => e.push(field.into(), "missing (required)".into()),
             Some(0) => e.push(field.into(), "must be at least 1".into()),
@@ -316,50 +300,30 @@ fn read_spec(v: &Value, o: &Overrides, e: &mut Errors) -> Option<SpecDesc> {
     if k == 0 || s == 0 || n == 0 {
         return None;
     }
-    let max_topk = specplan_kernels::facts::MAX_TOPK;
-    if k > max_topk {
-        e.push(
-            TOPK.into(),
-            format!("{k} exceeds the {max_topk} candidates the sampling kernel keeps per request"),
-        );
-        return None;
-    }
-    if s > 64 {
-        e.push(STEPS.into(), format!("{s} exceeds 64 draft steps"));
-        return None;
-    }
-    if k == 1 && n != s + 1 {
-        e.push(
-            DRAFT.into(),
-            format!("{n} is invalid with topk = 1: it must equal num_steps + 1 = {}; pass --speculative-num-draft-tokens {}", s + 1, s + 1),
-        );
-        return None;
-    }
-    if k > 1 {
-        let max = 1 + k as u64 + (s as u64 - 1) * (k as u64) * (k as u64);
-        if n < 2 || n as u64 > max {
-            let fix = if n < 2 { 2 } else { max };
-            e.push(
-                DRAFT.into(),
-                format!(
-                    "{n} is invalid with topk = {k}, num_steps = {s}: it must be in [2, 1 + topk + (num_steps - 1)·topk² = {max}]; pass --speculative-num-draft-tokens {fix} or raise --speculative-num-steps"
-                ),
-            );
-            return None;
-        }
-    }
-    if n > 64 {
-        e.push(
-            DRAFT.into(),
-            format!("{n} exceeds the 64 rows per request the attention kernel supports"),
-        );
-        return None;
-    }
-    Some(SpecDesc {
+    let spec = SpecDesc {
         topk: k,
         num_steps: s,
         num_draft_tokens: n,
-    })
+    };
+    // The rule is the format crate's (the validator applies the same one to plans); the
+    // reader names the flag and turns the fix into a suggestion.
+    if let Some(r) = specplan_format::limits::spec_rule(&spec) {
+        let (field, flag) = match r.field {
+            SpecField::Topk => (topk_label, "--speculative-eagle-topk"),
+            SpecField::NumSteps => (steps_label, "--speculative-num-steps"),
+            SpecField::NumDraftTokens => (draft_label, "--speculative-num-draft-tokens"),
+        };
+        let hint = match (r.field, r.fix) {
+            (SpecField::NumDraftTokens, Some(fix)) if k > 1 => {
+                format!("; pass {flag} {fix} or raise --speculative-num-steps")
+            }
+            (_, Some(fix)) => format!("; pass {flag} {fix}"),
+            (_, None) => String::new(),
+        };
+        e.push(field.into(), format!("{}{hint}", r.message));
+        return None;
+    }
+    Some(spec)
 }
 
 fn read_capture(
@@ -369,13 +333,13 @@ fn read_capture(
     spec: Option<&SpecDesc>,
     e: &mut Errors,
 ) -> Option<CaptureConfig> {
-    const MAX_BS: &str = "capture.max_bs (--max-bs)";
-    const CTX: &str = "capture.max_context_len (--max-context-len)";
-    let max_bs_given = o.max_bs.or_else(|| uint_field(v, "max_bs", MAX_BS, e));
+    let max_bs_label = &flags::label("max_bs");
+    let ctx_label = &flags::label("max_context_len");
+    let max_bs_given = o.max_bs.or_else(|| uint_field(v, "max_bs", max_bs_label, e));
     let max_bs = max_bs_given.unwrap_or(DEFAULT_MAX_BS);
     if max_bs == 0 || max_bs > MAX_BATCH {
         // Checked before the bucket list is built from it.
-        e.push(MAX_BS.into(), format!("{max_bs} must be in [1, {MAX_BATCH}]"));
+        e.push(max_bs_label.into(), format!("{max_bs} must be in [1, {MAX_BATCH}]"));
         return None;
     }
     let buckets = read_buckets(v, o, max_bs, e);
@@ -385,23 +349,25 @@ fn read_capture(
     if let (Some(given), Some(largest)) = (max_bs_given, buckets.as_ref().and_then(|b| b.last())) {
         if *largest > given {
             e.push(
-                MAX_BS.into(),
+                max_bs_label.into(),
                 format!("{given} is below the largest bucket {largest} of capture.buckets (give a larger --max-bs or smaller buckets)"),
             );
         }
     }
     let page_size = o
         .page_size
-        .or_else(|| uint_field(v, "page_size", "capture.page_size (--page-size)", e))
+        .or_else(|| uint_field(v, "page_size", &flags::label("page_size"), e))
         .unwrap_or(1);
     if !page_size.is_power_of_two() || page_size > MAX_PAGE_SIZE {
         e.push(
-            "capture.page_size (--page-size)".into(),
+            flags::label("page_size"),
             format!("{page_size} must be a power of two in [1, {MAX_PAGE_SIZE}]"),
         );
     }
     let max_pos = m.desc.max_position_embeddings;
-    let ctx_given = o.max_context_len.or_else(|| uint_field(v, "max_context_len", CTX, e));
+    let ctx_given = o
+        .max_context_len
+        .or_else(|| uint_field(v, "max_context_len", ctx_label, e));
     let ctx = ctx_given.unwrap_or(max_pos);
     let ctx_ok = ctx <= MAX_CONTEXT;
     if ctx > max_pos && ctx <= MAX_CONTEXT {
@@ -417,12 +383,12 @@ fn read_capture(
         } else {
             ""
         };
-        e.push(CTX.into(), format!("{ctx}{from} exceeds {MAX_CONTEXT}"));
+        e.push(ctx_label.into(), format!("{ctx}{from} exceeds {MAX_CONTEXT}"));
     }
     if let Some(s) = spec {
         if ctx <= s.num_draft_tokens {
             e.push(
-                CTX.into(),
+                ctx_label.into(),
                 format!(
                     "{ctx} must exceed num_draft_tokens {} (prefix + N rows must fit)",
                     s.num_draft_tokens
@@ -433,10 +399,10 @@ fn read_capture(
     let dtype = read_dtype(v, o, m, e);
     let hot = o
         .hot_vocab_size
-        .or_else(|| uint_field(v, "hot_vocab_size", "capture.hot_vocab_size (--hot-vocab-size)", e));
+        .or_else(|| uint_field(v, "hot_vocab_size", &flags::label("hot_vocab_size"), e));
     if hot.is_some() && m.desc.head == specplan_format::HeadKind::Eagle3 {
         e.push(
-            "capture.hot_vocab_size (--hot-vocab-size)".into(),
+            flags::label("hot_vocab_size"),
             "does not apply to an EAGLE-3 head: its draft vocabulary already maps to target ids through d2t".into(),
         );
     }
@@ -454,7 +420,7 @@ fn read_capture(
     if let (Some(h), Some(s)) = (hot, spec) {
         if h < s.topk || h > m.desc.vocab {
             e.push(
-                "capture.hot_vocab_size (--hot-vocab-size)".into(),
+                flags::label("hot_vocab_size"),
                 format!("{h} must be in [topk = {}, vocab_size = {}]", s.topk, m.desc.vocab),
             );
         }
@@ -478,7 +444,7 @@ fn read_capture(
 
 /// `capture.outputs`: the fused top-K (the default), the selected row's logits, or both.
 fn read_outputs(v: &Value, o: &Overrides, e: &mut Errors) -> HeadOutputs {
-    const OUTPUTS: &str = "capture.outputs (--outputs)";
+    let outputs_label = &flags::label("outputs");
     let text = match (&o.outputs, v.get("outputs")) {
         (Some(s), _) => s.clone(),
         (None, None | Some(Value::Null)) => return HeadOutputs::TOPK,
@@ -490,7 +456,7 @@ fn read_outputs(v: &Value, o: &Overrides, e: &mut Errors) -> HeadOutputs {
             .join(","),
         (None, Some(x)) => {
             e.push(
-                OUTPUTS.into(),
+                outputs_label.into(),
                 format!("expected \"topk\", \"topk-draft\", \"logits\" or a top-K and \"logits\" joined by a comma, got {x}"),
             );
             return HeadOutputs::TOPK;
@@ -498,7 +464,7 @@ fn read_outputs(v: &Value, o: &Overrides, e: &mut Errors) -> HeadOutputs {
     };
     HeadOutputs::parse(&text).unwrap_or_else(|| {
         e.push(
-            OUTPUTS.into(),
+            outputs_label.into(),
             format!("\"{text}\" is not an output set (expected topk, topk-draft, logits, or a top-K and logits joined by a comma)"),
         );
         HeadOutputs::TOPK
@@ -544,10 +510,12 @@ fn read_pool_and_slots(
     max_b: u32,
     e: &mut Errors,
 ) -> (u32, u32) {
-    const POOL: &str = "capture.kv_pool_pages (--kv-pool-pages)";
-    const REQS: &str = "capture.max_requests (--max-requests)";
+    let pool_label = &flags::label("kv_pool_pages");
+    let reqs_label = &flags::label("max_requests");
     let pages_per_req = ctx.unwrap_or(1).div_ceil(page_size.max(1)) as u64;
-    let pool_given = o.kv_pool_pages.or_else(|| uint_field(v, "kv_pool_pages", POOL, e));
+    let pool_given = o
+        .kv_pool_pages
+        .or_else(|| uint_field(v, "kv_pool_pages", pool_label, e));
     let pool = pool_given
         .map_or(max_b as u64 * pages_per_req + 1, u64::from)
         .min(u32::MAX as u64) as u32;
@@ -558,12 +526,12 @@ fn read_pool_and_slots(
     };
     if pool < 2 {
         e.push(
-            POOL.into(),
+            pool_label.into(),
             format!("{pool} must be at least 2 (one page for requests, one scratch page)"),
         );
     } else if pool > MAX_POOL_PAGES {
         e.push(
-            POOL.into(),
+            pool_label.into(),
             format!("{pool}{from} exceeds {MAX_POOL_PAGES} (page ids are i32)"),
         );
     } else if ctx.is_some() {
@@ -573,7 +541,7 @@ fn read_pool_and_slots(
         let bytes = (pool as u64).checked_mul(page_bytes);
         if bytes.is_none_or(|b| b > MAX_REGION_BYTES) {
             e.push(
-                POOL.into(),
+                pool_label.into(),
                 format!(
                     "{pool}{from} pages of {page_bytes} bytes (K and V of {} layers) exceed the 64 GiB ({MAX_REGION_BYTES} bytes) a KV pool may take",
                     d.layers
@@ -583,14 +551,14 @@ fn read_pool_and_slots(
     }
     let max_requests = o
         .max_requests
-        .or_else(|| uint_field(v, "max_requests", REQS, e))
+        .or_else(|| uint_field(v, "max_requests", reqs_label, e))
         .unwrap_or(max_b);
     let entries = (max_requests as u64 + 1) * pages_per_req;
     if max_requests > MAX_REQUESTS {
-        e.push(REQS.into(), format!("{max_requests} exceeds {MAX_REQUESTS}"));
+        e.push(reqs_label.into(), format!("{max_requests} exceeds {MAX_REQUESTS}"));
     } else if entries > MAX_TABLE_ENTRIES && ctx.is_some() {
         e.push(
-            REQS.into(),
+            reqs_label.into(),
             format!(
                 "{max_requests} request slots + 1 scratch slot × {pages_per_req} pages each = {entries} page-table entries exceed {MAX_TABLE_ENTRIES}"
             ),
@@ -598,7 +566,7 @@ fn read_pool_and_slots(
     }
     if max_requests < max_b {
         e.push(
-            REQS.into(),
+            reqs_label.into(),
             format!("{max_requests} is below the largest bucket {max_b} (every request of a step needs a slot)"),
         );
     }
@@ -606,7 +574,7 @@ fn read_pool_and_slots(
 }
 
 fn read_buckets(v: &Value, o: &Overrides, max_bs: u32, e: &mut Errors) -> Option<Vec<u32>> {
-    const BUCKETS: &str = "capture.buckets (--buckets)";
+    let buckets_label = &flags::label("buckets");
     let text = match (&o.buckets, v.get("buckets")) {
         (Some(s), _) => s.clone(),
         (None, Some(Value::String(s))) => s.clone(),
@@ -614,7 +582,7 @@ fn read_buckets(v: &Value, o: &Overrides, max_bs: u32, e: &mut Errors) -> Option
         (None, None | Some(Value::Null)) => "auto".into(),
         (None, Some(x)) => {
             e.push(
-                BUCKETS.into(),
+                buckets_label.into(),
                 format!("expected \"auto\" or a list of batch sizes, got {x}"),
             );
             return None;
@@ -657,7 +625,7 @@ fn check_bucket_bounds(list: &[u32], spec: Option<&SpecDesc>, e: &mut Errors) {
 /// "auto" or an explicit list, taken as given: every entry in `[1, MAX_BATCH]`, strictly
 /// ascending (an unsorted or repeated list is refused, never sorted or deduplicated).
 fn parse_buckets(text: &str, max_bs: u32, e: &mut Errors) -> Option<Vec<u32>> {
-    const BUCKETS: &str = "capture.buckets (--buckets)";
+    let buckets_label = &flags::label("buckets");
     if text.trim() == "auto" {
         return Some(auto_buckets(max_bs));
     }
@@ -667,7 +635,7 @@ fn parse_buckets(text: &str, max_bs: u32, e: &mut Errors) -> Option<Vec<u32>> {
             Ok(b) if (1..=MAX_BATCH).contains(&b) => b,
             _ => {
                 e.push(
-                    BUCKETS.into(),
+                    buckets_label.into(),
                     format!(
                         "\"{}\" is not a batch size in [1, {MAX_BATCH}] (expected \"auto\" or e.g. 1,2,4,8)",
                         part.trim()
@@ -680,7 +648,7 @@ fn parse_buckets(text: &str, max_bs: u32, e: &mut Errors) -> Option<Vec<u32>> {
             if b <= prev {
                 let what = if b == prev { "repeats" } else { "is below" };
                 e.push(
-                    BUCKETS.into(),
+                    buckets_label.into(),
                     format!(
                         "\"{text}\": {b} {what} the bucket before it ({prev}); give distinct batch sizes in ascending order"
                     ),

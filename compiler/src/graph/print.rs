@@ -1,5 +1,6 @@
 //! Deterministic text and Graphviz printers for the op graph.
 
+use specplan_format::io;
 use std::fmt::Write as _;
 
 use super::{OpGraph, OpKind, Storage};
@@ -42,7 +43,7 @@ pub fn print_graph(g: &OpGraph) -> String {
             Storage::Activation { output: false } => "activation".into(),
             Storage::Weight { sources, .. } => format!("weight <- {}", sources.join(",")),
             Storage::KvCache { layer, kind } => format!("kv_cache layer={layer} {kind:?}"),
-            Storage::PageTable => "page_table".into(),
+            Storage::PageTable => io::PAGE_TABLE.into(),
         };
         let alias = t.alias_of.map_or(String::new(), |a| format!(" (in place over {a})"));
         let _ = writeln!(

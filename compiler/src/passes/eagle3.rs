@@ -9,7 +9,7 @@ use crate::graph::{Op, OpGraph, OpKind};
 
 /// EAGLE-3: `concat(rmsnorm(embed(ids)), rmsnorm(h))` → one kernel (`embed_norm_concat`)
 /// reading the embedding row and the fc output row and writing the layer's 2H-wide input.
-pub(super) fn embed_norm_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+pub(super) fn embed_norm_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for e in nodes_where(g, |k| *k == OpKind::Embed) {
         let emb = g.graph[e].outs[0];
@@ -41,7 +41,7 @@ pub(super) fn embed_norm_concat(g: &mut OpGraph, cfg: &Config) -> Vec<FusionReco
             outs: g.graph[c].outs.clone(),
             rank: g.graph[e].rank,
         };
-        let rows = cfg.spec.num_draft_tokens as u64;
+        let rows = super::rows_per_request(g, emb);
         out.push(FusionRecord {
             rule: EMBED_NORM_CONCAT.into(),
             fused: names(g, &[e, ne, nh, c]),

@@ -49,6 +49,8 @@ pub struct Shared<'a> {
     /// Weight index in the plan for each weight tensor.
     pub weight_ids: &'a BTreeMap<TensorId, u32>,
     pub sm_count: u32,
+    /// The phase's rows per request (`PhaseKind::rows_per_request`).
+    pub rows_per_request: u32,
 }
 
 /// KV splits for a bucket: enough CTAs to fill the GPU twice, at most one split per
@@ -67,7 +69,7 @@ pub fn schedule_bucket(
     batch: u32,
     replay: Replay,
 ) -> Result<BucketPlan, ScheduleError> {
-    let n = sh.cfg.spec.num_draft_tokens;
+    let n = sh.rows_per_request;
     let splits = attn_splits(sh.cfg, batch, sh.sm_count);
     let live = liveness::live_ranges(sh, batch, splits);
     let (buffers, arena_bytes) = pack::pack(&live.items);

@@ -24,7 +24,7 @@ impl StepResult {
                 message,
             };
             if let Some((j, m)) = crate::step::first_non_finite(&o.hidden_out[i * h..(i + 1) * h], act) {
-                return Err(bad("hidden_out", format!("element {j}: {m}")));
+                return Err(bad(io::HIDDEN_OUT, format!("element {j}: {m}")));
             }
             for (name, v) in [(io::TOPK_PROBS, &o.topk_probs), (io::LOGITS, &o.logits)] {
                 if let Some(j) = row(v).iter().position(|x| !x.is_finite()) {

@@ -167,7 +167,7 @@ pub fn audit_bucket(
     index: usize,
     limits: &AuditLimits,
 ) -> Result<Audit, AuditError> {
-    let b = plan.buckets.get(index).ok_or(AuditError::NoBucket(index))?;
+    let b = plan.buckets().get(index).ok_or(AuditError::NoBucket(index))?;
     let arena_limit = limits.max_arena_bytes.min(MAX_CPU_ARENA_BYTES);
     if b.arena_bytes > arena_limit {
         return Err(AuditError::TooLarge(format!(

@@ -1,6 +1,7 @@
 //! The EAGLE-3 entries on the CPU (`embed.cu` `embed_norm_concat`, `select.cu`
 //! `select_norm`), written from their headers with the same guards as the other entries.
 
+use specplan_format::io;
 use specplan_format::KernelDesc;
 use specplan_kernels::entries::embed::{EmbedNormConcatPtrs, EmbedNormConcatScalars};
 use specplan_kernels::entries::select::{SelectNormPtrs, SelectNormScalars};
@@ -55,7 +56,7 @@ impl<K: KvStore> Ctx<'_, K> {
         let (h, n, eps) = (c_pos(k, "HIDDEN")?, c_pos(k, "N")?, c_f32(k, "EPS")? as f64);
         let (x, acc, w, out, normed) = (
             buf(p.x, "x")?,
-            buf(p.accept_lens, "accept_lens")?,
+            buf(p.accept_lens, io::ACCEPT_LENS)?,
             weight(p.weight, "weight")?,
             buf(p.out, "out")?,
             buf(p.normed, "normed")?,

@@ -7,6 +7,7 @@
 //! CPU tensors, so an engine adapter can be tested against the engine's own classes on a
 //! machine without a GPU, and the oracle of the layouts the kernels walk.
 
+use specplan_format::io;
 use specplan_format::{signature, DType, Packing, Plan, ValidatedPlan};
 use specplan_kernels::kv::{DeviceRule, TableMode};
 
@@ -292,15 +293,15 @@ impl CpuEngine {
                 .then_some(())
                 .ok_or_else(|| format!("{name}: {len} values, expected {want}"))
         };
-        shape("input_ids", x.input_ids.len(), b * n)?;
-        shape("hidden_states", x.hidden.len(), b * n * hin)?;
-        shape("prefix_lens", x.prefix.len(), b)?;
-        shape("accept_lens", x.accept.len(), b)?;
+        shape(io::INPUT_IDS, x.input_ids.len(), b * n)?;
+        shape(io::HIDDEN_STATES, x.hidden.len(), b * n * hin)?;
+        shape(io::PREFIX_LENS, x.prefix.len(), b)?;
+        shape(io::ACCEPT_LENS, x.accept.len(), b)?;
         for (name, given, emitted, want) in [
             ("topk_p", out.topk_p.as_ref().map(|v| v.len()), outs.topk, b * k),
             ("topk_index", out.topk_index.as_ref().map(|v| v.len()), outs.topk, b * k),
             ("hidden_states (out)", out.hidden.as_ref().map(|v| v.len()), true, b * h),
-            ("logits", out.logits.as_ref().map(|v| v.len()), outs.logits, b * cols),
+            (io::LOGITS, out.logits.as_ref().map(|v| v.len()), outs.logits, b * cols),
         ] {
             match given {
                 Some(_) if !emitted => {
@@ -313,7 +314,7 @@ impl CpuEngine {
                 None => {}
             }
         }
-        let max_b = p.buckets.last().map_or(1, |x| x.batch as usize);
+        let max_b = p.buckets().last().map_or(1, |x| x.batch as usize);
         let exec = CpuExecutor::borrowing(&self.plan, &self.weights).map_err(|e| e.to_string())?;
         // (request, rule, the other request of an alias)
         let mut refused: Vec<(usize, DeviceRule, Option<usize>)> = Vec::new();

@@ -3,6 +3,7 @@
 //! an accept length is clamped to [1, N], a column outside the row has id -1), f64
 //! accumulation.
 
+use specplan_format::io;
 use specplan_format::{ConstValue, KernelDesc, KvKind};
 use specplan_kernels::entries::attention::{AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars};
 use specplan_kernels::entries::embed::{EmbedConcatPtrs, EmbedConcatScalars};
@@ -147,7 +148,7 @@ impl<K: KvStore> Ctx<'_, K> {
 
     pub(super) fn select_rows(&mut self, k: &KernelDesc, p: &SelectRowsPtrs<Ptr>, s: &SelectRowsScalars) -> R<()> {
         let (h, n) = (c_u32(k, "HIDDEN")?, c_pos(k, "N")?);
-        let (x, acc, out) = (buf(p.x, "x")?, buf(p.accept_lens, "accept_lens")?, buf(p.out, "out")?);
+        let (x, acc, out) = (buf(p.x, "x")?, buf(p.accept_lens, io::ACCEPT_LENS)?, buf(p.out, "out")?);
         for i in 0..s.batch as usize {
             let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
             for c in 0..h {
@@ -201,15 +202,15 @@ impl<K: KvStore> Ctx<'_, K> {
         let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
         let (qkv, prefix, slots) = (
             buf(p.qkv, "qkv")?,
-            buf(p.prefix_lens, "prefix_lens")?,
-            buf(p.req_slots, "req_slots")?,
+            buf(p.prefix_lens, io::PREFIX_LENS)?,
+            buf(p.req_slots, io::REQ_SLOTS)?,
         );
         if !matches!((p.page_table, p.kv_layout), (Ptr::Table, Ptr::Layout)) {
             return Err("page_table and kv_layout must be the page table and its layout".into());
         }
         let (kl, vl) = (
-            kv(p.k_cache, KvKind::K, "k_cache")?,
-            kv(p.v_cache, KvKind::V, "v_cache")?,
+            kv(p.k_cache, KvKind::K, io::K_CACHE)?,
+            kv(p.v_cache, KvKind::V, io::V_CACHE)?,
         );
         let half = d / 2;
         if inv_freq.len() < half {
@@ -273,15 +274,15 @@ impl<K: KvStore> Ctx<'_, K> {
         let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_pos(k, "KV_TILE")?);
         let (q, slots, prefix) = (
             buf(p.q, "q")?,
-            buf(p.req_slots, "req_slots")?,
-            buf(p.prefix_lens, "prefix_lens")?,
+            buf(p.req_slots, io::REQ_SLOTS)?,
+            buf(p.prefix_lens, io::PREFIX_LENS)?,
         );
         if !matches!((p.page_table, p.kv_layout), (Ptr::Table, Ptr::Layout)) {
             return Err("page_table and kv_layout must be the page table and its layout".into());
         }
         let (kl, vl) = (
-            kv(p.k_cache, KvKind::K, "k_cache")?,
-            kv(p.v_cache, KvKind::V, "v_cache")?,
+            kv(p.k_cache, KvKind::K, io::K_CACHE)?,
+            kv(p.v_cache, KvKind::V, io::V_CACHE)?,
         );
         let (batch, splits, q_stride) = (s.batch as usize, s.splits as usize, s.q_stride as usize);
         if grid[2] as usize != splits || splits == 0 {
@@ -414,7 +415,7 @@ impl<K: KvStore> Ctx<'_, K> {
 
     pub(super) fn softmax_topk(&mut self, k: &KernelDesc, p: &SoftmaxTopkPtrs<Ptr>, s: &SoftmaxTopkScalars) -> R<()> {
         let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
-        let (logits, probs, ids) = (buf(p.logits, "logits")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
+        let (logits, probs, ids) = (buf(p.logits, io::LOGITS)?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
         for i in 0..s.batch as usize {
             let row: Vec<f64> = (0..cols).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
             let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -439,7 +440,7 @@ impl<K: KvStore> Ctx<'_, K> {
 
     pub(super) fn topk_partial(&mut self, k: &KernelDesc, p: &TopkPartialPtrs<Ptr>, s: &TopkPartialScalars) -> R<()> {
         let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
-        let (logits, part) = (buf(p.logits, "logits")?, buf(p.part, "part")?);
+        let (logits, part) = (buf(p.logits, io::LOGITS)?, buf(p.part, "part")?);
         let chunks = s.chunks as usize;
         if chunks == 0 {
             return Err("chunks is 0".into());

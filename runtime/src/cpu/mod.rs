@@ -19,6 +19,7 @@ pub mod engine;
 mod entries;
 mod kv;
 
+use specplan_format::io;
 use std::borrow::Cow;
 
 pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
@@ -226,15 +227,15 @@ impl<'p> CpuExecutor<'p> {
             table,
         };
         let setup = |e: String| ExecError::Setup(format!("inputs: {e}"));
-        ctx.store_input("input_ids", inputs.input_ids.iter().map(|&x| x as f64))
+        ctx.store_input(io::INPUT_IDS, inputs.input_ids.iter().map(|&x| x as f64))
             .map_err(setup)?;
-        ctx.store_input("hidden_states", inputs.hidden_states.iter().map(|&x| x as f64))
+        ctx.store_input(io::HIDDEN_STATES, inputs.hidden_states.iter().map(|&x| x as f64))
             .map_err(setup)?;
-        ctx.store_input("prefix_lens", inputs.prefix_lens.iter().map(|&x| x as f64))
+        ctx.store_input(io::PREFIX_LENS, inputs.prefix_lens.iter().map(|&x| x as f64))
             .map_err(setup)?;
-        ctx.store_input("accept_lens", inputs.accept_lens.iter().map(|&x| x as f64))
+        ctx.store_input(io::ACCEPT_LENS, inputs.accept_lens.iter().map(|&x| x as f64))
             .map_err(setup)?;
-        ctx.store_input("req_slots", inputs.req_slots.iter().map(|&x| x as f64))
+        ctx.store_input(io::REQ_SLOTS, inputs.req_slots.iter().map(|&x| x as f64))
             .map_err(setup)?;
         check_prefixes(self.plan, &inputs.prefix_lens).map_err(setup)?;
         observe(&ctx.cells, None, ctx.kv);
@@ -260,19 +261,19 @@ impl<'p> CpuExecutor<'p> {
         let out = |e: String| ExecError::Setup(format!("outputs: {e}"));
         Ok(BucketOutputs {
             hidden_out: ctx
-                .load_named("hidden_out")
+                .load_named(io::HIDDEN_OUT)
                 .map_err(out)?
                 .into_iter()
                 .map(|x| x as f32)
                 .collect(),
             topk_probs: ctx
-                .load_named("topk_probs")
+                .load_named(io::TOPK_PROBS)
                 .map_err(out)?
                 .into_iter()
                 .map(|x| x as f32)
                 .collect(),
             topk_ids: ctx
-                .load_named("topk_ids")
+                .load_named(io::TOPK_IDS)
                 .map_err(out)?
                 .into_iter()
                 .map(|x| x as i64)

@@ -159,7 +159,7 @@ impl EngineState {
     /// `admit`'s packed parameters for bucket `bi` with this step's values (the bucket's
     /// input buffers and the runtime's words filled in).
     pub fn admit_blob(&self, plan: &Plan, bi: usize, a: &StepArgs) -> Vec<u8> {
-        let b = &plan.buckets[bi];
+        let b = &plan.buckets()[bi];
         let f = &self.fixed[bi];
         let ptrs = AdmitPtrs {
             ids: f.ids,
@@ -222,7 +222,7 @@ impl EngineState {
         f: &KernelFacts,
         stream: sys::CUstream,
     ) -> Result<(), GpuError> {
-        let bk = &plan.buckets[bi];
+        let bk = &plan.buckets()[bi];
         // An output the plan does not emit has no buffer: its pointer is null.
         let buf = |name: &str| bk.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
         let ptrs = EmitPtrs {
@@ -249,7 +249,7 @@ impl EngineState {
 /// `admit`'s pointers of bucket `bi` that are fixed for the runtime's life (the per-step
 /// ones are left 0).
 fn admit_fixed(plan: &Plan, mem: &Memory, bi: usize) -> AdmitPtrs<u64> {
-    let b = &plan.buckets[bi];
+    let b = &plan.buckets()[bi];
     let buf = |name: &str| b.buffer(name).map_or(0, |(_, x)| mem.arena.ptr + x.offset);
     AdmitPtrs {
         ids: buf(io::INPUT_IDS),
@@ -327,7 +327,7 @@ impl GpuRuntime {
         // must opt in to it.
         let n = plan.spec.num_draft_tokens;
         let smem = plan
-            .buckets
+            .buckets()
             .iter()
             .map(|b| admit_smem_bytes(b.batch, n))
             .max()
@@ -359,9 +359,11 @@ impl GpuRuntime {
             done: Event::new(false)?,
             epoch: 0,
             polled: 0,
-            armed: vec![false; plan.buckets.len()],
+            armed: vec![false; plan.buckets().len()],
             facts: specplan_format::kernel_facts_of(&plan),
-            fixed: (0..plan.buckets.len()).map(|bi| admit_fixed(&plan, &mem, bi)).collect(),
+            fixed: (0..plan.buckets().len())
+                .map(|bi| admit_fixed(&plan, &mem, bi))
+                .collect(),
         };
         Self::finish(plan, core, mem, Mode::Engine(state), &opts, t0)
     }
@@ -392,7 +394,7 @@ impl GpuRuntime {
         for (name, p, emitted) in [
             ("topk_p", s.outputs.topk_p, outs.topk),
             ("topk_index", s.outputs.topk_index, outs.topk),
-            ("logits", s.outputs.logits, outs.logits),
+            (io::LOGITS, s.outputs.logits, outs.logits),
         ] {
             if p != 0 && !emitted {
                 return Err(GpuError::Step(format!(
@@ -402,11 +404,11 @@ impl GpuRuntime {
             }
         }
         for (name, p) in [
-            ("input_ids", s.input_ids),
-            ("hidden_states", s.hidden_states),
+            (io::INPUT_IDS, s.input_ids),
+            (io::HIDDEN_STATES, s.hidden_states),
             ("req_pool_indices", s.req_pool_indices.ptr),
-            ("prefix_lens", s.prefix_lens.ptr),
-            ("accept_lens", s.accept_lens.ptr),
+            (io::PREFIX_LENS, s.prefix_lens.ptr),
+            (io::ACCEPT_LENS, s.accept_lens.ptr),
         ] {
             if p == 0 {
                 return Err(GpuError::Step(format!("{name} is a null pointer")));
@@ -432,7 +434,7 @@ impl GpuRuntime {
             }
             Mode::Owned(_) => return Err(GpuError::Mode("an engine-memory step")),
         };
-        let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
+        let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
         let flags = s.req_pool_indices.i32 as u32
             | (s.prefix_lens.i32 as u32) << 1
             | (s.accept_lens.i32 as u32) << 2
@@ -483,7 +485,7 @@ impl GpuRuntime {
             let t = if start == 0 { t0 } else { Instant::now() };
             let graph = self.replay_engine(bi, &args, stream, t, &mut info)?;
             info.graph &= graph;
-            info.bucket = self.plan.buckets[bi].batch;
+            info.bucket = self.plan.buckets()[bi].batch;
         }
         // The end-of-step event was recorded by the last replay (its graph's event node, or
         // the eager issue).
@@ -506,7 +508,7 @@ impl GpuRuntime {
             Some(g) => {
                 let node = g.admit.ok_or(GpuError::Mode("an engine-memory step"))?;
                 let f = &e.facts;
-                let b = specplan_format::bucket_facts(&self.plan.buckets[bi]);
+                let b = specplan_format::bucket_facts(&self.plan.buckets()[bi]);
                 let (grid, _) = AdmitParams::launch(&b, f);
                 let mut params = [blob.as_mut_ptr() as *mut c_void];
                 // SAFETY: zeroed plain C struct; every field the call reads is set below.
@@ -533,8 +535,8 @@ impl GpuRuntime {
                 Ok(true)
             }
             None => {
-                if let Replay::Eager(reason) = &self.plan.buckets[bi].replay {
-                    let msg = format!("bucket {} runs eagerly: {reason:?}", self.plan.buckets[bi].batch);
+                if let Replay::Eager(reason) = &self.plan.buckets()[bi].replay {
+                    let msg = format!("bucket {} runs eagerly: {reason:?}", self.plan.buckets()[bi].batch);
                     self.log_once(msg);
                 }
                 self.gemms.set_stream(stream)?;

@@ -110,7 +110,7 @@ pub(crate) struct Launcher<'a> {
 impl Launcher<'_> {
     /// Issues the launches of bucket `bi` whose op name passes `keep`, in order.
     pub fn issue(&self, bi: usize, keep: &dyn Fn(&str) -> bool) -> Result<(), GpuError> {
-        let b = &self.plan.buckets[bi];
+        let b = &self.plan.buckets()[bi];
         for l in b.launches.iter().filter(|l| keep(&l.op)) {
             match &l.kind {
                 LaunchKind::Gemm(g) => {
@@ -176,7 +176,7 @@ pub(crate) fn load_kernels(plan: &Plan) -> Result<(Vec<Module>, Vec<sys::CUfunct
         })?;
         funcs.push(f);
     }
-    for b in &plan.buckets {
+    for b in plan.buckets() {
         for l in &b.launches {
             if let LaunchKind::Kernel { kernel, smem, .. } = &l.kind {
                 if *smem > 48 * 1024 {

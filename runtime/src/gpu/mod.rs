@@ -188,7 +188,7 @@ impl GpuRuntime {
         opts: &GpuOptions,
         t0: Instant,
     ) -> Result<GpuRuntime, GpuError> {
-        let nb = plan.buckets.len();
+        let nb = plan.buckets().len();
         let mut rt = GpuRuntime {
             plan,
             ctx: core.ctx,
@@ -255,7 +255,7 @@ impl GpuRuntime {
             return self.gemms.prepare_heuristic();
         }
         let mut shapes = Vec::new();
-        for b in &self.plan.buckets {
+        for b in self.plan.buckets() {
             for l in &b.launches {
                 if let LaunchKind::Gemm(g) = &l.kind {
                     shapes.push(gemm_call(&self.mem, &self.plan, b, g));
@@ -301,7 +301,7 @@ impl GpuRuntime {
     /// What the GEMM choice picked, per (m, n, k) of each bucket's GEMMs (benchmark reports).
     pub fn gemm_choices(&self) -> Vec<(u64, u64, u64, GemmChoice)> {
         let mut v: Vec<(u64, u64, u64, GemmChoice)> = Vec::new();
-        for b in &self.plan.buckets {
+        for b in self.plan.buckets() {
             for l in &b.launches {
                 if let LaunchKind::Gemm(g) = &l.kind {
                     if let Some(c) = self.gemms.choice(&gemm_call(&self.mem, &self.plan, b, g).0) {
@@ -318,8 +318,8 @@ impl GpuRuntime {
     /// Captures every replayable bucket into a graph, largest first (in engine memory with
     /// the `admit` prologue and `emit` epilogue around the plan's launches).
     fn build_graphs(&mut self) -> Result<(), GpuError> {
-        for bi in (0..self.plan.buckets.len()).rev() {
-            if self.plan.buckets[bi].replay != Replay::Graph {
+        for bi in (0..self.plan.buckets().len()).rev() {
+            if self.plan.buckets()[bi].replay != Replay::Graph {
                 continue;
             }
             let t0 = Instant::now();
@@ -343,7 +343,7 @@ impl GpuRuntime {
         match &self.mode {
             Mode::Owned(_) => l.issue(bi, &|_| true),
             Mode::Engine(e) => {
-                let b = bucket_facts(&self.plan.buckets[bi]);
+                let b = bucket_facts(&self.plan.buckets()[bi]);
                 let f = kernel_facts_of(&self.plan);
                 let mut placeholder;
                 let blob = match admit {
@@ -380,11 +380,11 @@ impl GpuRuntime {
 
     /// Index of the smallest bucket that holds `b` requests.
     fn bucket_for(&self, b: usize) -> Option<usize> {
-        self.plan.buckets.iter().position(|x| x.batch as usize >= b)
+        self.plan.buckets().iter().position(|x| x.batch as usize >= b)
     }
 
     fn bucket_list(&self) -> String {
-        let v: Vec<String> = self.plan.buckets.iter().map(|b| b.batch.to_string()).collect();
+        let v: Vec<String> = self.plan.buckets().iter().map(|b| b.batch.to_string()).collect();
         v.join(",")
     }
 

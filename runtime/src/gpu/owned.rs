@@ -129,7 +129,7 @@ impl GpuRuntime {
             )?,
             _owned: Vec::new(),
         };
-        let max_rows = plan.buckets.last().map_or(1, |b| b.rows as usize);
+        let max_rows = plan.buckets().last().map_or(1, |b| b.rows as usize);
         let state = OwnedState {
             pool_pages,
             staging: Staging::new(&plan)?,
@@ -226,7 +226,7 @@ impl GpuRuntime {
         let max_req = self.plan.capture.max_requests as usize;
         let scratch = self.scratch_page() as usize;
         let (table, stream) = (self.mem.table.ptr, self.stream.cu_stream());
-        let bad = |msg: String| GpuError::Input(crate::step::input_error("page_table", format!("[{slot}]"), msg));
+        let bad = |msg: String| GpuError::Input(crate::step::input_error(io::PAGE_TABLE, format!("[{slot}]"), msg));
         if slot >= max_req {
             return Err(bad(format!("slot {slot} is outside [0, {max_req})")));
         }
@@ -238,7 +238,7 @@ impl GpuRuntime {
                 have + pages.len()
             )));
         }
-        admission::check_page_ids("page_table", slot, pages, scratch)?;
+        admission::check_page_ids(io::PAGE_TABLE, slot, pages, scratch)?;
         if pages.is_empty() {
             return Ok(());
         }
@@ -274,7 +274,7 @@ impl GpuRuntime {
     pub fn step(&mut self, req: &StepRequest, eager: bool) -> Result<StepInfo, GpuError> {
         let t0 = Instant::now(); // host prep is timed from here: the checks are part of it
         let b = req.slots.len();
-        let max_b = self.plan.buckets.last().map_or(0, |x| x.batch as usize);
+        let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
         // Every step is checked whole before anything is staged or launched. For a batch
         // above the largest bucket this also means a bad request in a later chunk cannot
         // leave the earlier chunks' K/V written, and two requests in different chunks
@@ -331,11 +331,11 @@ impl GpuRuntime {
             p.model.hidden_in() as usize,
         );
         admission::check_batch(b, None)?;
-        admission::check_shape("input_ids", req.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
-        admission::check_shape("prefix_lens", req.prefix_lens.len(), b, &format!("[{b}]"))?;
-        admission::check_shape("accept_lens", req.accept_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_shape(io::INPUT_IDS, req.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
+        admission::check_shape(io::PREFIX_LENS, req.prefix_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_shape(io::ACCEPT_LENS, req.accept_lens.len(), b, &format!("[{b}]"))?;
         if let Hidden::Host(v) = req.hidden {
-            admission::check_shape("hidden_states", v.len(), b * n * h, &format!("[{b}, {n}, {h}]"))?;
+            admission::check_shape(io::HIDDEN_STATES, v.len(), b * n * h, &format!("[{b}, {n}, {h}]"))?;
         }
         admission::check_ids(req.input_ids, p.model.vocab, n)?;
         let (ps, cols) = (p.capture.page_size as usize, p.capture.max_pages_per_request as usize);
@@ -383,7 +383,7 @@ impl GpuRuntime {
                     let reads = (lj as usize + n).saturating_sub(col as usize * ps).min(ps);
                     if lo < reads {
                         return Err(GpuError::Input(crate::step::input_error(
-                            "page_table",
+                            io::PAGE_TABLE,
                             format!("[{j}][{col}]"),
                             format!(
                                 "request {j} reads page {pg} slot {lo}, which request {i} writes in this step (their K/V would race; a page two requests share is read-only while both run)"
@@ -432,7 +432,7 @@ impl GpuRuntime {
     pub(crate) fn bucket_output_ptr(&self, name: &str, b: usize) -> Result<u64, GpuError> {
         let bk = self
             .bucket_for(b)
-            .map(|i| &self.plan.buckets[i])
+            .map(|i| &self.plan.buckets()[i])
             .ok_or_else(|| self.no_bucket(b))?;
         bk.buffer(name)
             .map(|(_, x)| self.mem.arena.ptr + x.offset)
@@ -483,15 +483,15 @@ impl GpuRuntime {
             g.graph.launch()?;
         } else {
             if !eager {
-                if let Replay::Eager(reason) = &self.plan.buckets[bi].replay {
-                    let msg = format!("bucket {} runs eagerly: {reason:?}", self.plan.buckets[bi].batch);
+                if let Replay::Eager(reason) = &self.plan.buckets()[bi].replay {
+                    let msg = format!("bucket {} runs eagerly: {reason:?}", self.plan.buckets()[bi].batch);
                     self.log_once(msg);
                 }
             }
             self.launcher(stream).issue(bi, &|_| true)?;
         }
         Ok(StepInfo {
-            bucket: self.plan.buckets[bi].batch,
+            bucket: self.plan.buckets()[bi].batch,
             graph,
             prep_us,
         })

@@ -104,7 +104,7 @@ impl GpuRuntime {
     /// Index of the bucket of exactly `batch` rows.
     fn bucket_index(&self, batch: u32) -> Result<usize, GpuError> {
         self.plan
-            .buckets
+            .buckets()
             .iter()
             .position(|b| b.batch == batch)
             .ok_or_else(|| self.no_bucket(batch as usize))
@@ -132,7 +132,7 @@ impl GpuRuntime {
     /// size). The arena is shared by every bucket and packed by liveness, so after a step
     /// a buffer holds its value only until a later op reuses it.
     pub fn buffer_ptr(&self, batch: u32, name: &str) -> Option<(u64, usize)> {
-        let bk = self.plan.buckets.iter().find(|b| b.batch == batch)?;
+        let bk = self.plan.buckets().iter().find(|b| b.batch == batch)?;
         let (_, x) = bk.buffer(name)?;
         Some((self.mem.arena.ptr + x.offset, x.bytes as usize))
     }

@@ -86,7 +86,7 @@ pub(crate) struct Staging {
 
 impl Staging {
     pub fn new(plan: &Plan) -> Result<Staging, GpuError> {
-        let layouts: Vec<StageLayout> = plan.buckets.iter().map(stage_layout).collect();
+        let layouts: Vec<StageLayout> = plan.buckets().iter().map(stage_layout).collect();
         let bytes = layouts.iter().map(|l| l.hidden + l.hidden_bytes).max().unwrap_or(0);
         Ok(Staging {
             blocks: [Pinned::new(bytes)?, Pinned::new(bytes)?],
@@ -110,7 +110,7 @@ impl Staging {
         arena: u64,
         stream: sys::CUstream,
     ) -> Result<(), GpuError> {
-        let bucket = &plan.buckets[bi];
+        let bucket = &plan.buckets()[bi];
         let (bb, n) = (bucket.batch as usize, plan.spec.num_draft_tokens as usize);
         let b = rows.slots.len();
         let lay = &self.layouts[bi];

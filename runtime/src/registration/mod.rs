@@ -5,6 +5,7 @@
 //! rules a registration must pass and how each plan weight binds to the caller's tensors;
 //! no memory is read.
 
+use specplan_format::io;
 use std::collections::HashMap;
 
 use specplan_format::{DType, Packing, Plan};
@@ -105,7 +106,7 @@ pub fn check_kv(plan: &Plan, kv: &KvRegistration) -> Result<(), RegError> {
             ),
         ));
     }
-    for (name, ptrs) in [("k_cache", &kv.k), ("v_cache", &kv.v)] {
+    for (name, ptrs) in [(io::K_CACHE, &kv.k), (io::V_CACHE, &kv.v)] {
         if let Some((l, p)) = ptrs.iter().enumerate().find(|(_, &p)| p == 0 || !p.is_multiple_of(16)) {
             return Err(bad(
                 &format!("{name}[{l}]"),
@@ -145,7 +146,7 @@ pub fn check_kv(plan: &Plan, kv: &KvRegistration) -> Result<(), RegError> {
     let bytes = span.checked_mul(elem);
     for l in 0..layers {
         let (k, v) = (kv.k[l], kv.v[l]);
-        for (name, p) in [("k_cache", k), ("v_cache", v)] {
+        for (name, p) in [(io::K_CACHE, k), (io::V_CACHE, v)] {
             if bytes.and_then(|b| p.checked_add(b)).is_none() {
                 return Err(bad(
                     &format!("{name}[{l}]"),

@@ -74,7 +74,7 @@ fn plan() -> Plan {
         weight_bytes: 0,
         kernels: vec![],
         fusions: vec![],
-        buckets: vec![],
+        phases: vec![],
     }
 }
 

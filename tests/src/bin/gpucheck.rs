@@ -30,7 +30,7 @@ use specplan_tests::report::{AttentionReport, GraphBuild, Latency, PlanReport};
 use specplan_tests::{json, plan_files, seed, write_atomic, Rng};
 
 fn batches(plan: &ValidatedPlan, quick: bool) -> Vec<usize> {
-    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
+    let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
     let mut bs = vec![1, 3, max_b.min(8), max_b.min(5)];
     if !quick {
         bs.push(max_b);
@@ -89,7 +89,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
     }
     // The attention kernels alone, at long prefixes (splits, several key tiles).
     let attn_prefix = max_prefix.min(3000);
-    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
+    let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
     for b in [1usize, 3, max_b.min(8)] {
         if b > plan.capture.max_requests as usize || plan.bucket_for(b as u32).is_none() {
             continue;
@@ -115,7 +115,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         }
     }
     for b in [1u32, 8, 32, 64] {
-        if plan.buckets.iter().any(|x| x.batch == b) {
+        if plan.buckets().iter().any(|x| x.batch == b) {
             match replay_us(&mut rt, plan, rng, b as usize, max_prefix.min(1024)) {
                 Ok((replay_us, prep_us)) => rep.latency.push(Latency {
                     bucket: b,
@@ -127,7 +127,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         }
     }
     rep.graph_build = plan
-        .buckets
+        .buckets()
         .iter()
         .zip(&rt.graph_build_ms)
         .map(|(b, &ms)| GraphBuild { bucket: b.batch, ms })
@@ -141,7 +141,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         .collect();
     // Memset nodes turned into fill launches across the buckets' graphs (each graph is
     // checked against its eager run, whose GEMMs issue the memsets themselves).
-    let fills: usize = (0..plan.buckets.len())
+    let fills: usize = (0..plan.buckets().len())
         .filter_map(|bi| rt.graph_nodes(bi).ok().flatten())
         .map(|n| n.fills)
         .sum();
@@ -267,7 +267,7 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
             println!(
                 "engine load of {} ({} buckets) onto caller memory: first {first:.1} ms, then {second:.1} ms (setup {:.1}, GEMM choice {:.1} ms: {} cached / {} timed, graphs {:.1} ms)",
                 p.name,
-                p.buckets.len(),
+                p.buckets().len(),
                 t.setup_ms,
                 t.gemm.ms,
                 t.gemm.cached,

@@ -42,7 +42,7 @@ fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
     let (hq, hkv, d, layers) = (m.heads as u64, m.kv_heads as u64, m.head_dim as u64, m.layers as u64);
     let act = plan.capture.dtype.size();
     let (mut wbytes, mut flops) = (0f64, 0f64);
-    if let Some(bk) = plan.buckets.iter().find(|x| x.batch as u64 == b) {
+    if let Some(bk) = plan.buckets().iter().find(|x| x.batch as u64 == b) {
         for l in &bk.launches {
             if let LaunchKind::Gemm(g) = &l.kind {
                 wbytes += (g.n * g.k * act) as f64;
@@ -151,7 +151,7 @@ fn bench_plan(
     println!("{name}: GEMM tuning {:.0} ms; {}", rt.gemm_tune_ms, tuned.join("; "));
     for b in BATCHES
         .into_iter()
-        .filter(|&b| plan.buckets.iter().any(|x| x.batch as usize == b))
+        .filter(|&b| plan.buckets().iter().any(|x| x.batch as usize == b))
     {
         for l in PREFIXES.into_iter().filter(|&l| l <= max_l) {
             let per = (l + n).div_ceil(ps);
@@ -200,7 +200,7 @@ fn bench_plan(
             drop(attn_graph);
             // Where the replay goes: each op's launches alone, at L 1024, smallest and largest B.
             if l == 1024 && (b == 1 || b == 64) {
-                let bk = plan.buckets.iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
+                let bk = plan.buckets().iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
                 let mut ops: Vec<&str> = Vec::new();
                 for launch in &bk.launches {
                     if !ops.contains(&launch.op.as_str()) {
@@ -251,7 +251,7 @@ fn bench_plan(
     bench_engine(name, plan, &flush, bench)?;
     println!(
         "{name}: plan+weights load {load_ms:.0} ms, graphs {builds:.1} ms for {} buckets, arena {} B, kv {} B",
-        plan.buckets.len(),
+        plan.buckets().len(),
         arena,
         kv_bytes
     );
@@ -272,7 +272,7 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
     }
     for b in BATCHES
         .into_iter()
-        .filter(|&b| plan.buckets.iter().any(|x| x.batch as usize == b))
+        .filter(|&b| plan.buckets().iter().any(|x| x.batch as usize == b))
     {
         let t0 = Instant::now();
         let mut f = specplan_tests::engine::bench_fixture(plan, b, l)?;
@@ -305,7 +305,7 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
             timer.wait()?;
         }
         let host_ahead1_p90_us = percentile(ahead1.clone(), 0.9);
-        let bi = plan.buckets.iter().position(|x| x.batch as usize >= b).unwrap_or(0);
+        let bi = plan.buckets().iter().position(|x| x.batch as usize >= b).unwrap_or(0);
         let nodes = f.runtime.graph_nodes(bi).map_err(g)?;
         if let Some(e) = f.runtime.last_error().map_err(g)? {
             return Err(format!("{name} engine b={b}: {e}"));

@@ -521,7 +521,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
         ..GpuOptions::default()
     };
     let mut own = GpuRuntime::new(plan.clone(), &weights, opts()).map_err(err)?;
-    let max_b = plan.buckets.last().map_or(1, |b| b.batch as usize);
+    let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
     let mut reports = Vec::new();
     let case = |b, bad, views| EngineCase {
         b,

@@ -122,7 +122,7 @@ fn top(p: &mut Plan, f: &mut Visit<'_>) {
 }
 
 fn buckets(p: &mut Plan, f: &mut Visit<'_>) {
-    for (bi, b) in p.buckets.iter_mut().enumerate() {
+    for (bi, b) in p.phases[0].buckets.iter_mut().enumerate() {
         f(&|| format!("buckets[{bi}].batch"), Leaf::U32(&mut b.batch));
         f(&|| format!("buckets[{bi}].rows"), Leaf::U32(&mut b.rows));
         f(&|| format!("buckets[{bi}].arena_bytes"), Leaf::U64(&mut b.arena_bytes));
@@ -144,7 +144,7 @@ fn buckets(p: &mut Plan, f: &mut Visit<'_>) {
 }
 
 fn launches(p: &mut Plan, f: &mut Visit<'_>) {
-    for (bi, b) in p.buckets.iter_mut().enumerate() {
+    for (bi, b) in p.phases[0].buckets.iter_mut().enumerate() {
         for (li, l) in b.launches.iter_mut().enumerate() {
             let at = |x: &str| format!("buckets[{bi}].launches[{li}]{x}");
             match &mut l.kind {

@@ -47,13 +47,13 @@ fn leaf(p: &mut Plan, rng: &mut Rng) -> Option<String> {
 
 /// A random bucket index and a launch index in it.
 fn some_launch(p: &Plan, rng: &mut Rng) -> Option<(usize, usize)> {
-    let bi = rng.below(p.buckets.len());
-    let n = p.buckets.get(bi)?.launches.len();
+    let bi = rng.below(p.phases[0].buckets.len());
+    let n = p.phases[0].buckets.get(bi)?.launches.len();
     (n > 0).then(|| (bi, rng.below(n)))
 }
 
 fn other_arg(p: &Plan, bi: usize, rng: &mut Rng) -> ArgValue {
-    let nb = p.buckets[bi].buffers.len().max(1);
+    let nb = p.phases[0].buckets[bi].buffers.len().max(1);
     let kind = if rng.below(2) == 0 { KvKind::K } else { KvKind::V };
     match rng.below(7) {
         0 => ArgValue::Buffer(rng.below(nb + 1) as u32),
@@ -104,7 +104,7 @@ fn blocker(rng: &mut Rng) -> Replay {
 
 /// An enum field set to another variant.
 fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
-    let bi = rng.below(p.buckets.len().max(1));
+    let bi = rng.below(p.phases[0].buckets.len().max(1));
     match rng.below(14) {
         0 => {
             p.capture.dtype = other(rng, &DTYPES, &p.capture.dtype);
@@ -117,7 +117,7 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             Some(format!("weights[{i}].dtype -> {:?}", w.dtype))
         }
         2 | 3 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             let i = rng.below(b.buffers.len());
             let x = b.buffers.get_mut(i)?;
             if rng.below(2) == 0 {
@@ -133,7 +133,7 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             }
         }
         4 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             b.replay = if rng.below(2) == 0 { Replay::Graph } else { blocker(rng) };
             Some(format!("buckets[{bi}].replay -> {:?}", b.replay))
         }
@@ -163,7 +163,7 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         7 | 8 => {
             let (bi, li) = some_launch(p, rng)?;
             let new = other_arg(p, bi, rng);
-            let LaunchKind::Kernel { args, .. } = &mut p.buckets[bi].launches[li].kind else {
+            let LaunchKind::Kernel { args, .. } = &mut p.phases[0].buckets[bi].launches[li].kind else {
                 return None;
             };
             let ai = rng.below(args.len());
@@ -189,7 +189,7 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         12 => {
             // A launch replaced by another launch kind from the same bucket.
             let (bi, li) = some_launch(p, rng)?;
-            let b = &mut p.buckets[bi];
+            let b = &mut p.phases[0].buckets[bi];
             let want_gemm = matches!(b.launches[li].kind, LaunchKind::Kernel { .. });
             let donor = b
                 .launches
@@ -268,22 +268,22 @@ fn edit<T: Clone>(v: &mut Vec<T>, rng: &mut Rng) -> Option<String> {
 }
 
 fn list(p: &mut Plan, rng: &mut Rng) -> Option<String> {
-    let bi = rng.below(p.buckets.len().max(1));
+    let bi = rng.below(p.phases[0].buckets.len().max(1));
     let wi = rng.below(p.weights.len().max(1));
     let ki = rng.below(p.kernels.len().max(1));
     let (what, d) = match rng.below(16) {
-        0 => ("buckets".to_string(), edit(&mut p.buckets, rng)),
+        0 => ("buckets".to_string(), edit(&mut p.phases[0].buckets, rng)),
         1 | 2 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             (format!("buckets[{bi}].buffers"), edit(&mut b.buffers, rng))
         }
         3..=5 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             (format!("buckets[{bi}].launches"), edit(&mut b.launches, rng))
         }
         6 | 7 => {
             let (bi, li) = some_launch(p, rng)?;
-            let LaunchKind::Kernel { args, .. } = &mut p.buckets[bi].launches[li].kind else {
+            let LaunchKind::Kernel { args, .. } = &mut p.phases[0].buckets[bi].launches[li].kind else {
                 return None;
             };
             (format!("buckets[{bi}].launches[{li}].args"), edit(args, rng))
@@ -297,7 +297,7 @@ fn list(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         12 => ("layers".into(), edit(&mut p.layers, rng)),
         13 => ("rope_inv_freq".into(), edit(&mut p.rope_inv_freq, rng)),
         14 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             if rng.below(2) == 0 {
                 (format!("buckets[{bi}].qo_indptr"), edit(&mut b.qo_indptr, rng))
             } else {
@@ -322,20 +322,20 @@ fn list(p: &mut Plan, rng: &mut Rng) -> Option<String> {
 fn repoint(p: &mut Plan, rng: &mut Rng) -> Option<String> {
     let (bi, li) = some_launch(p, rng)?;
     let (nb, nw, nk, nl) = (
-        p.buckets[bi].buffers.len() as u32,
+        p.phases[0].buckets[bi].buffers.len() as u32,
         p.weights.len() as u32,
         p.kernels.len() as u32,
         p.layers.len() as u32,
     );
     let same_dtype: Vec<Vec<u32>> = {
-        let bufs = &p.buckets[bi].buffers;
+        let bufs = &p.phases[0].buckets[bi].buffers;
         bufs.iter()
             .map(|x| (0..nb).filter(|&j| bufs[j as usize].dtype == x.dtype).collect())
             .collect()
     };
     let to = |n: u32, rng: &mut Rng| rng.below(n.max(1) as usize) as u32;
     let at = format!("buckets[{bi}].launches[{li}]");
-    match &mut p.buckets[bi].launches[li].kind {
+    match &mut p.phases[0].buckets[bi].launches[li].kind {
         LaunchKind::Kernel { kernel, args, .. } => {
             if rng.below(5) == 0 {
                 let old = *kernel;
@@ -390,11 +390,11 @@ fn repoint(p: &mut Plan, rng: &mut Rng) -> Option<String> {
 /// Sizes grown consistently (shape and bytes together, the region grown to fit), so the
 /// mutant gets past the bytes-match rules and tests the ones behind them.
 fn inflate(p: &mut Plan, rng: &mut Rng) -> Option<String> {
-    let bi = rng.below(p.buckets.len().max(1));
+    let bi = rng.below(p.phases[0].buckets.len().max(1));
     let factor = pick(rng, &[2u64, 3, 16, 1 << 20, 1 << 40]);
     match rng.below(7) {
         0 | 1 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             let i = rng.below(b.buffers.len());
             let x = b.buffers.get_mut(i)?;
             let d = rng.below(x.shape.len());
@@ -407,7 +407,7 @@ fn inflate(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             ))
         }
         2 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             let i = rng.below(b.buffers.len());
             let x = b.buffers.get_mut(i)?;
             x.offset = if rng.below(2) == 0 {
@@ -456,14 +456,14 @@ fn inflate(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             ))
         }
         5 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             b.arena_bytes = u64_value(b.arena_bytes, rng);
             Some(format!("buckets[{bi}].arena_bytes -> {}", b.arena_bytes))
         }
         _ => {
             // A bucket's batch changed with its rows and qo layout (launch shapes stay).
             let n = p.spec.num_draft_tokens;
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             b.batch = u32_value(b.batch, rng) % 8192;
             b.rows = b.batch.wrapping_mul(n);
             b.qo_indptr = (0..=b.batch.min(8192)).map(|i| i.wrapping_mul(n)).collect();
@@ -486,17 +486,17 @@ fn string(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         "\u{7f}",
     ];
     let s = pick(rng, &values).to_string();
-    let bi = rng.below(p.buckets.len().max(1));
+    let bi = rng.below(p.phases[0].buckets.len().max(1));
     let target: &mut String = match rng.below(12) {
         0 => &mut p.name,
         1 => &mut p.compiler,
         2 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             let i = rng.below(b.buffers.len());
             &mut b.buffers.get_mut(i)?.name
         }
         3 => {
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             let i = rng.below(b.launches.len());
             &mut b.launches.get_mut(i)?.op
         }
@@ -543,7 +543,7 @@ fn string(p: &mut Plan, rng: &mut Rng) -> Option<String> {
         }
         _ => {
             // A name copied from another item of the same list (a duplicate).
-            let b = p.buckets.get_mut(bi)?;
+            let b = p.phases[0].buckets.get_mut(bi)?;
             let (i, j) = (rng.below(b.buffers.len()), rng.below(b.buffers.len()));
             let name = b.buffers.get(j)?.name.clone();
             let x = b.buffers.get_mut(i)?;

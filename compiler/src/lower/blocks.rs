@@ -1,133 +1,19 @@
-//! Stage 2: [`Config`] → unfused [`OpGraph`] of the EAGLE draft-extend v2 forward.
-//!
-//! The graph states the semantics op by op, as `docs/semantics.md` writes them. EAGLE-1/2:
-//! embed(ids) ‖ hidden → fc → layers (identity input norm on layer 0, QKV, RoPE, K/V append,
-//! causal paged attention, O + residual, post norm, SiLU(gate)·up, down + residual) →
-//! row select i·N + A_i − 1 → lm_head (hot rows under FR-Spec) → softmax → top-K → id map.
-//! EAGLE-3: h = fc(hidden [3·H_t]); layer 0 (`midlayer`) reads
-//! rmsnorm(embed(ids)) ‖ rmsnorm(h) (2H wide) with residual h; the selected row (pre-norm,
-//! the head's hidden output) → final norm → its own lm_head over V_d → softmax → top-K →
-//! id + d2t[id].
-//! Every tensor has B·N rows (T) or B rows; nothing here is fused — `passes` does that.
+//! The builders every phase's lowering reuses: the embedding, the head's input (`fc` for
+//! EAGLE-1/2, `fc` + the two norms for EAGLE-3), one decoder layer over the paged KV cache,
+//! and the output head (row select → lm_head → softmax → top-K → id map). Each takes the
+//! phase's row dimension from [`Cx`] (never from `num_draft_tokens`): a phase with other
+//! rows per request reuses them as they are.
 
 use specplan_format::{io, DType, Entry, HeadKind, KvKind, Packing};
 
-use crate::config::Config;
-use crate::graph::{Dim, IdMap, Op, OpGraph, OpKind, Storage, Tensor, TensorId};
-
-struct Builder {
-    g: OpGraph,
-    rank: u32,
-}
-
-impl Builder {
-    fn tensor(&mut self, name: &str, dtype: DType, shape: Vec<Dim>, storage: Storage) -> TensorId {
-        self.g.add_tensor(Tensor {
-            name: name.into(),
-            dtype,
-            shape,
-            storage,
-            alias_of: None,
-        })
-    }
-    fn input(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
-        self.tensor(name, dtype, shape, Storage::Input)
-    }
-    fn act(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
-        self.tensor(name, dtype, shape, Storage::Activation { output: false })
-    }
-    fn output(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
-        self.tensor(name, dtype, shape, Storage::Activation { output: true })
-    }
-    fn weight(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
-        let storage = Storage::Weight {
-            sources: vec![name.to_string()],
-            packing: Packing::Single,
-        };
-        self.tensor(name, dtype, shape, storage)
-    }
-    fn op(&mut self, name: &str, kind: OpKind, ins: Vec<TensorId>, outs: Vec<TensorId>) {
-        self.rank += 1;
-        self.g.add_op(Op {
-            name: name.into(),
-            kind,
-            ins,
-            outs,
-            rank: self.rank,
-        });
-    }
-    fn linear(&mut self, name: &str, a: TensorId, w: TensorId, bias: Option<TensorId>, out: TensorId) {
-        let mut ins = vec![a, w];
-        ins.extend(bias);
-        self.op(
-            name,
-            OpKind::Linear {
-                bias: bias.is_some(),
-                accumulate: false,
-            },
-            ins,
-            vec![out],
-        );
-    }
-}
-
-/// The step's graph inputs and the tensors outside the arena every layer uses.
-struct Inputs {
-    ids: TensorId,
-    hidden: TensorId,
-    prefix: TensorId,
-    accept: TensorId,
-    slots: TensorId,
-    pages: TensorId,
-}
-
-/// Builds the unfused op graph: inputs, the head's input (`fc`), the layers, the output head.
-pub fn lower(cfg: &Config) -> OpGraph {
-    let mut g = Builder {
-        g: OpGraph::default(),
-        rank: 0,
-    };
-    let inp = inputs(&mut g, cfg);
-    let (mut x, mut first_in) = match cfg.model.desc.head {
-        HeadKind::Eagle1 => (fc(&mut g, cfg, &inp), None),
-        HeadKind::Eagle3 => {
-            let (h, a) = fc3(&mut g, cfg, &inp);
-            (h, Some(a))
-        }
-    };
-    for l in 0..cfg.model.desc.layers {
-        x = layer(&mut g, cfg, &inp, l, x, first_in.take());
-    }
-    output_head(&mut g, cfg, &inp, x);
-    g.g.rebuild_edges();
-    g.g
-}
-
-fn inputs(g: &mut Builder, cfg: &Config) -> Inputs {
-    let m = &cfg.model.desc;
-    let (t, b, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::batch(1), Dim::fixed);
-    let act = cfg.capture.dtype;
-    let table_rows = cfg.capture.max_requests as u64 + 1;
-    Inputs {
-        ids: g.input(io::INPUT_IDS, DType::I64, vec![t]),
-        hidden: g.input(io::HIDDEN_STATES, act, vec![t, f(m.hidden_in() as u64)]),
-        prefix: g.input(io::PREFIX_LENS, DType::I32, vec![b]),
-        accept: g.input(io::ACCEPT_LENS, DType::I32, vec![b]),
-        slots: g.input(io::REQ_SLOTS, DType::I32, vec![b]),
-        pages: g.tensor(
-            "page_table",
-            DType::I32,
-            vec![f(table_rows), f(cfg.capture.pages_per_request() as u64)],
-            Storage::PageTable,
-        ),
-    }
-}
+use super::{Builder, Cx, Inputs};
+use crate::graph::{Dim, IdMap, OpKind, Storage, TensorId};
 
 /// `embed_tokens[ids]` (the target's embedding in both heads).
-fn embed(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
+pub(super) fn embed(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
+    let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
-    let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
     let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(m.hidden as u64)]);
     let emb = g.act("embeds", act, vec![t, f(m.hidden as u64)]);
     g.op("embed", OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
@@ -135,12 +21,12 @@ fn embed(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
 }
 
 /// EAGLE-1/2: `x = fc(embed(ids) ‖ hidden) (+ bias)`, the residual stream of layer 0.
-fn fc(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
+pub(super) fn fc(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
+    let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
-    let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
     let h = m.hidden as u64;
-    let emb = embed(g, cfg, inp);
+    let emb = embed(g, cx, inp);
     let fc_in = g.act("fc_in", act, vec![t, f(2 * h)]);
     g.op("concat", OpKind::Concat, vec![emb, inp.hidden], vec![fc_in]);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(2 * h)]);
@@ -153,12 +39,12 @@ fn fc(g: &mut Builder, cfg: &Config, inp: &Inputs) -> TensorId {
 /// EAGLE-3: `h = fc(hidden)` (`fc.weight [H, 3·H_t]`, no bias), the residual of layer 0,
 /// and layer 0's input `rmsnorm(embed(ids), input_layernorm) ‖ rmsnorm(h, hidden_norm)`.
 /// Returns `(h, input)`.
-fn fc3(g: &mut Builder, cfg: &Config, inp: &Inputs) -> (TensorId, TensorId) {
+pub(super) fn fc3(g: &mut Builder, cx: &Cx, inp: &Inputs) -> (TensorId, TensorId) {
+    let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
-    let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
     let h = m.hidden as u64;
-    let emb = embed(g, cfg, inp);
+    let emb = embed(g, cx, inp);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(m.hidden_in() as u64)]);
     let x = g.act("x", act, vec![t, f(h)]);
     g.linear("fc", inp.hidden, fc_w, None, x);
@@ -175,10 +61,10 @@ fn fc3(g: &mut Builder, cfg: &Config, inp: &Inputs) -> (TensorId, TensorId) {
 
 /// One decoder layer over the residual stream `x`; returns the layer's output stream.
 /// `input`: the attention's input when it is not the (normed) stream (EAGLE-3's layer 0).
-fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId, input: Option<TensorId>) -> TensorId {
+pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId, input: Option<TensorId>) -> TensorId {
+    let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
-    let (t, f) = (Dim::batch(cfg.spec.num_draft_tokens as u64), Dim::fixed);
     let (h, inter, d) = (m.hidden as u64, m.intermediate as u64, m.head_dim as u64);
     let (hq, hkv) = (m.heads as u64, m.kv_heads as u64);
     let cache_shape = vec![
@@ -232,10 +118,10 @@ fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId, input
     let cache = |g: &mut Builder, name: String, kind: KvKind| {
         g.tensor(&name, act, cache_shape.clone(), Storage::KvCache { layer: l, kind })
     };
-    let kc = cache(g, format!("k_cache[{l}]"), KvKind::K);
-    let vc = cache(g, format!("v_cache[{l}]"), KvKind::V);
-    let kc2 = cache(g, format!("k_cache[{l}]'"), KvKind::K);
-    let vc2 = cache(g, format!("v_cache[{l}]'"), KvKind::V);
+    let kc = cache(g, format!("{}[{l}]", io::K_CACHE), KvKind::K);
+    let vc = cache(g, format!("{}[{l}]", io::V_CACHE), KvKind::V);
+    let kc2 = cache(g, format!("{}[{l}]'", io::K_CACHE), KvKind::K);
+    let vc2 = cache(g, format!("{}[{l}]'", io::V_CACHE), KvKind::V);
     g.g.tensors[kc2.0 as usize].alias_of = Some(kc);
     g.g.tensors[vc2.0 as usize].alias_of = Some(vc);
     g.op(
@@ -283,12 +169,12 @@ fn layer(g: &mut Builder, cfg: &Config, inp: &Inputs, l: u32, x: TensorId, input
     x_out
 }
 
-/// Row select `i·N + A_i − 1` → lm_head (hot rows under FR-Spec) → softmax → top-K → id map;
+/// Row select `i·R + A_i − 1` (R the phase's rows per request) → lm_head (hot rows under FR-Spec) → softmax → top-K → id map;
 /// the logits are an output instead of (or besides) the top-K when `capture.outputs` says so.
-fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
+pub(super) fn output_head(g: &mut Builder, cx: &Cx, inp: &Inputs, x: TensorId) {
+    let (cfg, b, f) = (cx.cfg, cx.requests, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
-    let (b, f) = (Dim::batch(1), Dim::fixed);
     let h = m.hidden as u64;
     let hidden_out = g.output(io::HIDDEN_OUT, act, vec![b, f(h)]);
     g.op(
@@ -331,7 +217,7 @@ fn output_head(g: &mut Builder, cfg: &Config, inp: &Inputs, x: TensorId) {
     let logits = if outputs.logits {
         g.output(io::LOGITS, DType::F32, vec![b, f(vh)])
     } else {
-        g.act("logits", DType::F32, vec![b, f(vh)])
+        g.act(io::LOGITS, DType::F32, vec![b, f(vh)])
     };
     g.linear("lm_head", lm_in, lm_w, None, logits);
     if !outputs.topk {

@@ -6,10 +6,27 @@ use std::collections::HashSet;
 use specplan_kernels::abi::{Access, FieldKind};
 use specplan_kernels::facts::{KernelFacts, MAX_ATTN_SPLITS};
 
+use super::common::{printable, Errors};
+use super::rules::{kernel_launch, Touched};
+use crate::limits::{ADMIT_MAX_ROWS, ALIGN, MAX_BATCH, MAX_REGION_BYTES};
 use crate::location::Location;
-use crate::rules::{kernel_launch, Touched};
+use crate::signature::{self, IoTensor};
 use crate::types::*;
-use crate::validate::{printable, Errors, ALIGN, MAX_BATCH, MAX_REGION_BYTES};
+
+/// Where a bucket is: its phase, its index in the phase, and the phase's rows per request.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct At {
+    pub phase: PhaseKind,
+    pub index: usize,
+    pub rows_per_request: u32,
+}
+
+impl At {
+    /// `draft_extend.buckets[2] (batch 4)`: how messages name the bucket.
+    pub fn tag(self, batch: u32) -> String {
+        format!("{}.buckets[{}] (batch {batch})", self.phase.name(), self.index)
+    }
+}
 
 /// One use of a buffer by a launch.
 struct Use {
@@ -27,15 +44,15 @@ struct KvUse {
     arg: usize,
 }
 
-pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touched: &mut Touched, e: &mut Errors) {
-    let n = p.spec.num_draft_tokens;
-    let loc = || Location::bucket(bi, b.batch);
-    let tag = format!("buckets[{bi}] (batch {})", b.batch);
+pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched: &mut Touched, e: &mut Errors) {
+    let n = bi.rows_per_request;
+    let loc = || Location::bucket(bi.phase, bi.index, b.batch);
+    let tag = bi.tag(b.batch);
     let at = |what: String| (loc(), format!("{tag}.{what}"));
     e.check(b.batch > 0 && b.batch <= MAX_BATCH, || {
         at(format!("batch: {} is outside [1, {MAX_BATCH}]", b.batch))
     });
-    let max_rows = specplan_kernels::entries::io::ADMIT_MAX_ROWS;
+    let max_rows = ADMIT_MAX_ROWS;
     e.check(b.rows <= max_rows, || {
         at(format!(
             "rows: {} exceed {max_rows}, the rows one replay's device admission checks",
@@ -44,7 +61,7 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
     });
     e.check(b.rows as u64 == b.batch as u64 * n as u64, || {
         at(format!(
-            "rows: {} != batch · num_draft_tokens = {}",
+            "rows: {} != batch · rows_per_request = {}",
             b.rows,
             b.batch as u64 * n as u64
         ))
@@ -55,7 +72,7 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
     for (i, &v) in b.qo_indptr.iter().enumerate() {
         e.check(v as u64 == i as u64 * n as u64, || {
             at(format!(
-                "qo_indptr[{i}]: {v}, expected {i} · N = {}",
+                "qo_indptr[{i}]: {v}, expected {i} · rows_per_request = {}",
                 i as u64 * n as u64
             ))
         });
@@ -80,7 +97,8 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
         let lat = |arg: Option<u32>, what: String| {
             (
                 Location::Bucket {
-                    index: bi as u32,
+                    phase: bi.phase,
+                    index: bi.index as u32,
                     batch: b.batch,
                     buffer: None,
                     launch: Some(li as u32),
@@ -171,14 +189,16 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: usize, b: &BucketPlan, touch
     kv_flow(p, b, &tag, bi, &kv_uses, e);
 }
 
-/// Each layer's K and V pools are appended by exactly one launch of the bucket, and read
+/// Each layer's K and V pools are appended by as many launches of the bucket as the phase
+/// appends per layer (`PhaseKind::kv_appends_per_layer`: draft-extend one), and read
 /// only after it (a launch reading another layer's pools, or a missing or repeated append,
 /// would attend over keys this step did not write).
-fn kv_flow(p: &Plan, b: &BucketPlan, tag: &str, bi: usize, uses: &[KvUse], e: &mut Errors) {
+fn kv_flow(p: &Plan, b: &BucketPlan, tag: &str, bi: At, uses: &[KvUse], e: &mut Errors) {
     let lat = |launch: Option<usize>, arg: Option<usize>, msg: String| {
         (
             Location::Bucket {
-                index: bi as u32,
+                phase: bi.phase,
+                index: bi.index as u32,
                 batch: b.batch,
                 buffer: None,
                 launch: launch.map(|l| l as u32),
@@ -191,14 +211,16 @@ fn kv_flow(p: &Plan, b: &BucketPlan, tag: &str, bi: usize, uses: &[KvUse], e: &m
         for kind in [KvKind::K, KvKind::V] {
             let mine: Vec<&KvUse> = uses.iter().filter(|u| u.layer == layer && u.kind == kind).collect();
             let writers: Vec<&&KvUse> = mine.iter().filter(|u| u.access.writes()).collect();
-            e.check(writers.len() == 1, || {
+            let appends = bi.phase.kv_appends_per_layer() as usize;
+            e.check(writers.len() == appends, || {
                 let at = writers.get(1).map(|w| (w.launch, w.arg));
                 lat(
                     at.map(|x| x.0),
                     at.map(|x| x.1),
                     format!(
-                        "launches: layer {layer}'s {kind:?} pool is appended by {} launches, expected exactly one",
-                        writers.len()
+                        "launches: layer {layer}'s {kind:?} pool is appended by {} launches, expected {appends} ({})",
+                        writers.len(),
+                        bi.phase.name()
                     ),
                 )
             });
@@ -220,13 +242,14 @@ fn kv_flow(p: &Plan, b: &BucketPlan, tag: &str, bi: usize, uses: &[KvUse], e: &m
 }
 
 /// Buffer rules; false when the buffers are too broken to look at launches.
-fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
+fn buffers(p: &Plan, bi: At, b: &BucketPlan, e: &mut Errors) -> bool {
     let before = e.0.len();
-    let tag = format!("buckets[{bi}] (batch {})", b.batch);
+    let tag = bi.tag(b.batch);
     let bat = |i: usize, msg: String| {
         (
             Location::Bucket {
-                index: bi as u32,
+                phase: bi.phase,
+                index: bi.index as u32,
                 batch: b.batch,
                 buffer: Some(i as u32),
                 launch: None,
@@ -235,6 +258,7 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
             format!("{tag}.buffers[{i}] ({}): {msg}", b.buffers[i].name),
         )
     };
+    let sig = signature::phase_io(p, bi.phase, b.batch);
     let mut names = HashSet::new();
     let mut end = 0u64;
     for (i, buf) in b.buffers.iter().enumerate() {
@@ -272,12 +296,15 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
             )
         });
         end = end.max(fits.unwrap_or(0));
-        let named_input = io::INPUTS.contains(&buf.name.as_str());
-        let named_output = crate::signature::is_output(p.capture.outputs, &buf.name);
+        let named_input = sig.iter().any(|t| t.role == BufferRole::Input && t.name == buf.name);
+        let named_output = sig.iter().any(|t| t.role == BufferRole::Output && t.name == buf.name);
         e.check((buf.role == BufferRole::Input) == named_input, || {
             bat(
                 i,
-                "only the named inputs (io::INPUTS) have the input role, and they have it".into(),
+                format!(
+                    "only the staged inputs of the {} signature have the input role, and they have it",
+                    bi.phase.name()
+                ),
             )
         });
         e.check((buf.role == BufferRole::Output) == named_output, || {
@@ -298,7 +325,7 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
     });
     e.check(b.arena_bytes <= unshared, || {
         (
-            Location::bucket(bi, b.batch),
+            Location::bucket(bi.phase, bi.index, b.batch),
             format!(
                 "{tag}.arena_bytes: {}, more than the {unshared} bytes its buffers take even unshared (a hole no buffer needs)",
                 b.arena_bytes
@@ -307,18 +334,17 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
     });
     e.check(b.arena_bytes.div_ceil(ALIGN) <= end.div_ceil(ALIGN), || {
         (
-            Location::bucket(bi, b.batch),
+            Location::bucket(bi.phase, bi.index, b.batch),
             format!(
                 "{tag}.arena_bytes: {}, but the last buffer ends at {end}",
                 b.arena_bytes
             ),
         )
     });
-    let sig = crate::signature::bucket_io(p, b.batch);
     for t in &sig {
         e.check(b.buffer(t.name).is_some(), || {
             (
-                Location::bucket(bi, b.batch),
+                Location::bucket(bi.phase, bi.index, b.batch),
                 format!("{tag}.buffers: {} missing", t.name),
             )
         });
@@ -327,13 +353,14 @@ fn buffers(p: &Plan, bi: usize, b: &BucketPlan, e: &mut Errors) -> bool {
     e.0.len() == before
 }
 
-fn io_shapes(bi: usize, b: &BucketPlan, tag: &str, sig: &[crate::signature::IoTensor], e: &mut Errors) {
+fn io_shapes(bi: At, b: &BucketPlan, tag: &str, sig: &[IoTensor], e: &mut Errors) {
     for t in sig {
         if let Some((id, buf)) = b.buffer(t.name) {
             e.check(buf.dtype == t.dtype && buf.shape == t.shape, || {
                 (
                     Location::Bucket {
-                        index: bi as u32,
+                        phase: bi.phase,
+                        index: bi.index as u32,
                         batch: b.batch,
                         buffer: Some(id),
                         launch: None,
@@ -439,12 +466,13 @@ fn gemm(
 }
 
 /// Rule 8 over a bucket's uses, in launch order.
-fn data_flow(b: &BucketPlan, tag: &str, bi: usize, uses: &[Use], touched: &[u64], e: &mut Errors) {
+fn data_flow(b: &BucketPlan, tag: &str, bi: At, uses: &[Use], touched: &[u64], e: &mut Errors) {
     let nb = b.buffers.len();
     let bat = |i: usize, msg: String| {
         (
             Location::Bucket {
-                index: bi as u32,
+                phase: bi.phase,
+                index: bi.index as u32,
                 batch: b.batch,
                 buffer: Some(i as u32),
                 launch: None,

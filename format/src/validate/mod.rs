@@ -4,15 +4,17 @@
 //! allocation (see ARCHITECTURE.md, "Trust").
 //!
 //! Rules (each violation names the field, kernel, bucket, buffer, launch or argument):
-//! 0. Lengths: buckets, kernels, weights, fusions, and each bucket's buffers and launches
-//!    within caps far above what the compiler emits (`limits`), checked first.
+//! 0. Lengths: phases, each phase's buckets, kernels, weights, fusions, and each bucket's
+//!    buffers and launches within caps far above what the compiler emits (`limits`),
+//!    checked first.
 //! 1. Model: dimensions positive and within the kernels' limits (`limits`), `heads % kv_heads
 //!    == 0`, `head_dim` a multiple of 16 and at most 256, finite positive eps and theta,
 //!    rope scaling factors finite and positive (Llama 3: low below high),
 //!    `rope_inv_freq` has `head_dim / 2` finite positive entries, each within 2 f32 ulps of
 //!    what `rope_theta` and `rope_scaling` give (`facts::rope_inv_freq`), one `LayerDesc`
 //!    per layer, windows positive.
-//! 2. Spec: SGLang's topk / num_steps / num_draft_tokens rules, topk ≤ 32, N ≤ 64.
+//! 2. Spec: SGLang's topk / num_steps / num_draft_tokens rules, topk ≤ 32, N ≤ 64
+//!    (`limits::spec_rule`, the compiler's rule too).
 //! 3. Capture: power-of-two page size ≤ 1024, page-table width = ceil(context / page), the
 //!    page table within `MAX_TABLE_ENTRIES`, at least as many request slots as the largest
 //!    bucket, the scratch page the pool's last, an activation dtype, hot vocabulary in
@@ -26,11 +28,13 @@
 //!    the source hash equals the regenerated source's; binaries for the plan's arch, bound
 //!    to that source hash, ELF images whose header tables lie inside them; every kernel
 //!    launched.
-//! 6. Buckets (`bucket.rs`): strictly ascending batches; `rows = batch · N`;
-//!    `qo_indptr[i] = i · N`; splits in [1, 16]; every buffer sized by its shape, aligned,
-//!    inside the arena, with a printable name unique in the bucket; the named inputs and
-//!    outputs present with their exact dtypes and shapes, and no other input or output;
-//!    the arena no larger than its last buffer (rounded).
+//! 6. Phases (`phase.rs`): ascending kinds, one per kind, the draft-extend phase present;
+//!    `rows_per_request` the kind's (`PhaseKind::rows_per_request`); at least one bucket.
+//!    Buckets (`bucket.rs`): strictly ascending batches; `rows = batch · R` (R the phase's
+//!    rows per request); `qo_indptr[i] = i · R`; splits in [1, 16]; every buffer sized by
+//!    its shape, aligned, inside the arena, with a printable name unique in the bucket; the
+//!    phase signature's staged inputs and outputs present with their exact dtypes and shapes,
+//!    and no other input or output; the arena no larger than its last buffer (rounded).
 //! 7. Launches (`rules.rs`): each kernel launch has the grid, block, shared memory and
 //!    `u32` arguments its entry's declaration gives for the bucket; one argument per field
 //!    of the parameter struct, of an allowed kind (buffer, weight, page table, the K or V
@@ -39,50 +43,26 @@
 //!    touches; GEMM operands of matching shapes and dtypes.
 //! 8. Data flow: inputs are only read; every other buffer is written before it is read;
 //!    every output is written; no write is lost (overwritten before a read, or a scratch
-//!    value never read); each layer's K and V pools are appended by exactly one launch and
-//!    read only after it; every buffer is used and no larger than its uses touch; buffers
+//!    value never read); each layer's K and V pools are appended by the phase's number of
+//!    launches (draft-extend: one) and read only after the first; every buffer is used and no larger than its uses touch; buffers
 //!    sharing arena bytes are never live at the same time.
+
+mod bucket;
+mod common;
+mod phase;
+mod rules;
 
 use std::collections::HashSet;
 
-use specplan_kernels::facts::{KernelFacts, MAX_TOPK};
+use common::{printable, Errors};
 
-use crate::location::{Location, Violation};
+use crate::location::Location;
 use crate::types::*;
 use crate::PlanError;
 
-pub mod limits {
-    pub const MAX_HIDDEN: u32 = 1 << 16;
-    pub const MAX_INTERMEDIATE: u32 = 1 << 18;
-    pub const MAX_HEADS: u32 = 256;
-    pub const MAX_HEAD_DIM: u32 = 256;
-    pub const MAX_LAYERS: u32 = 256;
-    /// Column indices travel as exact floats between the split top-K kernels.
-    pub const MAX_VOCAB: u32 = (1 << 24) - 1;
-    pub const MAX_DRAFT_TOKENS: u32 = 64;
-    pub const MAX_STEPS: u32 = 64;
-    pub const MAX_CONTEXT: u32 = 1 << 22;
-    pub const MAX_PAGE_SIZE: u32 = 1024;
-    pub const MAX_REQUESTS: u32 = 1 << 20;
-    pub const MAX_BATCH: u32 = 4096;
-    /// 64 GiB: more than any GPU's memory.
-    pub const MAX_REGION_BYTES: u64 = 64 << 30;
-    /// List lengths, far above what the compiler emits (256 layers of ~15 launches each),
-    /// so that validation's work is bounded too (its overlap rule is quadratic in a
-    /// bucket's buffers).
-    pub const MAX_BUCKETS: usize = 256;
-    pub const MAX_KERNELS: usize = 1024;
-    pub const MAX_WEIGHTS: usize = 4096;
-    pub const MAX_FUSIONS: usize = 4096;
-    /// Buffers, and launches, of one bucket.
-    pub const MAX_BUCKET_ITEMS: usize = 4096;
-    /// Buffers and launches of all buckets together.
-    pub const MAX_PLAN_ITEMS: usize = 1 << 18;
-}
-pub use limits::*;
-pub use specplan_kernels::facts::MAX_TABLE_ENTRIES;
+pub use rules::kernel_source;
 
-pub(crate) const ALIGN: u64 = 256;
+pub use crate::limits::*;
 
 /// A plan that passed [`validate`]. The only way to build one, so every consumer can
 /// rely on the rules above.
@@ -105,54 +85,26 @@ impl std::ops::Deref for ValidatedPlan {
     }
 }
 
-/// Collected violations (at most 64: a corrupted plan would otherwise print thousands).
-pub(crate) struct Errors(pub Vec<Violation>);
-
-impl Errors {
-    pub fn check(&mut self, ok: bool, at: impl FnOnce() -> (Location, String)) {
-        if !ok && self.0.len() < 64 {
-            let (at, message) = at();
-            self.0.push(Violation { at, message });
-        }
-    }
-    pub fn field(&mut self, ok: bool, path: &str, msg: impl FnOnce() -> String) {
-        self.check(ok, || (Location::Field(path.into()), format!("{path}: {}", msg())));
-    }
-}
-
 pub fn validate(plan: Plan) -> Result<ValidatedPlan, PlanError> {
     let mut e = Errors(Vec::new());
     lengths(&plan, &mut e);
     model(&plan, &mut e);
     spec(&plan.spec, &mut e);
     capture(&plan, &mut e);
+    phase::phases(&plan, &mut e);
     // Everything below sizes work by the facts above: stop here when they are broken.
     if e.0.is_empty() {
         weights(&plan, &mut e);
         let facts = crate::facts::kernel_facts_of(&plan);
-        crate::rules::kernels(&plan, &facts, &mut e);
-        let mut touched = crate::rules::Touched {
+        rules::kernels(&plan, &facts, &mut e);
+        let mut touched = rules::Touched {
             kernels: vec![false; plan.kernels.len()],
             ..Default::default()
         };
-        let mut prev = 0u32;
-        for (bi, b) in plan.buckets.iter().enumerate() {
-            e.check(b.batch > prev, || {
-                (
-                    Location::bucket(bi, b.batch),
-                    format!(
-                        "buckets[{bi}].batch: {} must be greater than the previous bucket {prev}",
-                        b.batch
-                    ),
-                )
-            });
-            prev = b.batch;
-            crate::bucket::bucket(&plan, &facts, bi, b, &mut touched, &mut e);
+        for ph in &plan.phases {
+            phase::buckets(&plan, ph, &facts, &mut touched, &mut e);
         }
-        e.field(!plan.buckets.is_empty(), "buckets", || {
-            "a plan needs at least one bucket".into()
-        });
-        crate::rules::usage(&plan, &touched, &mut e);
+        rules::usage(&plan, &touched, &mut e);
     }
     if e.0.is_empty() {
         Ok(ValidatedPlan(plan))
@@ -296,7 +248,7 @@ fn model(p: &Plan, e: &mut Errors) {
 /// List lengths within the caps (checked first: everything after is linear or worse in them).
 fn lengths(p: &Plan, e: &mut Errors) {
     for (path, n, max) in [
-        ("buckets", p.buckets.len(), MAX_BUCKETS),
+        ("phases", p.phases.len(), MAX_PHASES),
         ("kernels", p.kernels.len(), MAX_KERNELS),
         ("weights", p.weights.len(), MAX_WEIGHTS),
         ("fusions", p.fusions.len(), MAX_FUSIONS),
@@ -304,65 +256,37 @@ fn lengths(p: &Plan, e: &mut Errors) {
         e.field(n <= max, path, || format!("{n} entries exceed {max}"));
     }
     let mut total = 0usize;
-    for (bi, b) in p.buckets.iter().enumerate() {
-        for (what, n) in [("buffers", b.buffers.len()), ("launches", b.launches.len())] {
-            e.check(n <= MAX_BUCKET_ITEMS, || {
-                (
-                    Location::bucket(bi, b.batch),
-                    format!("buckets[{bi}].{what}: {n} entries exceed {MAX_BUCKET_ITEMS}"),
-                )
-            });
-            total = total.saturating_add(n);
+    for ph in p.phases.iter().take(MAX_PHASES) {
+        let name = ph.kind.name();
+        e.field(ph.buckets.len() <= MAX_BUCKETS, &format!("{name}.buckets"), || {
+            format!("{} entries exceed {MAX_BUCKETS}", ph.buckets.len())
+        });
+        for (bi, b) in ph.buckets.iter().enumerate() {
+            for (what, n) in [("buffers", b.buffers.len()), ("launches", b.launches.len())] {
+                e.check(n <= MAX_BUCKET_ITEMS, || {
+                    (
+                        Location::bucket(ph.kind, bi, b.batch),
+                        format!("{name}.buckets[{bi}].{what}: {n} entries exceed {MAX_BUCKET_ITEMS}"),
+                    )
+                });
+                total = total.saturating_add(n);
+            }
         }
     }
-    e.field(total <= MAX_PLAN_ITEMS, "buckets", || {
+    e.field(total <= MAX_PLAN_ITEMS, "phases", || {
         format!("{total} buffers and launches in all exceed {MAX_PLAN_ITEMS}")
     });
 }
 
-/// SGLang's rules for the speculative parameters; shared with the compiler's config check.
-pub fn spec_rule_violation(s: &SpecDesc) -> Option<String> {
-    let (k, st, n) = (s.topk as u64, s.num_steps as u64, s.num_draft_tokens as u64);
-    if k == 0 {
-        return Some("topk must be at least 1".into());
-    }
-    if st == 0 {
-        return Some("num_steps must be at least 1".into());
-    }
-    if k == 1 {
-        if n != st + 1 {
-            return Some(format!(
-                "with topk = 1, num_draft_tokens must equal num_steps + 1 = {} (got {n})",
-                st + 1
-            ));
-        }
-    } else {
-        let max = (st - 1).saturating_mul(k).saturating_mul(k).saturating_add(1 + k);
-        if n < 2 || n > max {
-            return Some(format!(
-                "with topk = {k} and num_steps = {st}, num_draft_tokens must be in [2, 1 + topk + (num_steps - 1)·topk² = {max}] (got {n})"
-            ));
-        }
-    }
-    None
-}
-
 fn spec(s: &SpecDesc, e: &mut Errors) {
-    if let Some(msg) = spec_rule_violation(s) {
-        e.field(false, "spec", || msg);
+    if let Some(r) = spec_rule(s) {
+        let path = match r.field {
+            SpecField::Topk => "spec.topk",
+            SpecField::NumSteps => "spec.num_steps",
+            SpecField::NumDraftTokens => "spec.num_draft_tokens",
+        };
+        e.field(false, path, || r.message);
     }
-    e.field(s.topk <= MAX_TOPK, "spec.topk", || {
-        format!("{} exceeds the {MAX_TOPK} candidates the sampling kernel keeps", s.topk)
-    });
-    e.field(s.num_steps <= MAX_STEPS, "spec.num_steps", || {
-        format!("{} exceeds {MAX_STEPS}", s.num_steps)
-    });
-    e.field(s.num_draft_tokens <= MAX_DRAFT_TOKENS, "spec.num_draft_tokens", || {
-        format!(
-            "{} exceeds the {MAX_DRAFT_TOKENS} rows per request of the attention kernel",
-            s.num_draft_tokens
-        )
-    });
 }
 
 fn capture(p: &Plan, e: &mut Errors) {
@@ -394,7 +318,13 @@ fn capture(p: &Plan, e: &mut Errors) {
             )
         },
     );
-    let largest = p.buckets.last().map_or(0, |b| b.batch);
+    let largest = p
+        .phases
+        .iter()
+        .filter_map(|ph| ph.buckets.last())
+        .map(|b| b.batch)
+        .max()
+        .unwrap_or(0);
     e.field(
         c.max_requests >= largest && c.max_requests <= MAX_REQUESTS,
         "capture.max_requests",
@@ -455,11 +385,6 @@ fn capture(p: &Plan, e: &mut Errors) {
     e.field(printable(&p.name, 256), "name", || {
         "must be 1–256 printable characters".into()
     });
-}
-
-/// A name safe to print on one line: non-empty, at most `max` bytes, no control characters.
-pub(crate) fn printable(s: &str, max: usize) -> bool {
-    !s.is_empty() && s.len() <= max && !s.chars().any(char::is_control)
 }
 
 fn weights(p: &Plan, e: &mut Errors) {
@@ -538,14 +463,4 @@ fn weights(p: &Plan, e: &mut Errors) {
         "weight_bytes",
         || format!("{} bytes, but the weights end at {end}", p.weight_bytes),
     );
-}
-
-/// Kernel facts for an attention instance with window `w` (0 = none): `None` when no layer
-/// has that window.
-pub(crate) fn facts_for_window(p: &Plan, f: &KernelFacts, w: u32) -> Option<KernelFacts> {
-    let window = (w != 0).then_some(w);
-    p.layers
-        .iter()
-        .any(|l| l.window == window)
-        .then(|| f.with_window(window))
 }

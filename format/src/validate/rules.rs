@@ -9,9 +9,9 @@ use specplan_kernels::facts::{BucketFacts, KernelFacts};
 use specplan_kernels::source::{full_source, mangled_name, source_hash};
 use specplan_kernels::ConstValue;
 
+use super::common::{facts_for_window, printable, Errors};
 use crate::location::Location;
 use crate::types::*;
-use crate::validate::{facts_for_window, printable, Errors};
 
 /// The facts a kernel was specialized for: the plan's, with the window its WINDOW constant
 /// names (attention instances) or none. `None` when the WINDOW matches no layer.

@@ -1,0 +1,49 @@
+//! The draft-extend phase: the draft model over the N rows per request that target
+//! verification produced (EAGLE draft-extend v2). EAGLE-1/2: embed(ids) ‖ hidden → fc →
+//! layers (identity input norm on layer 0, QKV, RoPE, K/V append, causal paged attention,
+//! O + residual, post norm, SiLU(gate)·up, down + residual) → row select i·N + A_i − 1 →
+//! lm_head (hot rows under FR-Spec) → softmax → top-K → id map. EAGLE-3: h = fc(hidden
+//! [3·H_t]); layer 0 reads rmsnorm(embed(ids)) ‖ rmsnorm(h) (2H wide) with residual h; the
+//! selected row (pre-norm, the head's hidden output) → final norm → its own lm_head over
+//! V_d → softmax → top-K → id + d2t[id].
+
+use specplan_format::{io, HeadKind, PhaseKind};
+
+use super::{fc, fc3, layer, output_head, staged_inputs, Builder, Cx, Inputs};
+use crate::config::Config;
+use crate::graph::OpGraph;
+use crate::verify::VerifyError;
+
+pub(super) fn lower(cfg: &Config) -> Result<OpGraph, VerifyError> {
+    let cx = Cx::new(cfg, PhaseKind::DraftExtend);
+    let mut g = Builder::new();
+    let staged = staged_inputs(&mut g, &cx);
+    let get = |name: &str| {
+        staged.iter().find(|(n, _)| *n == name).map(|x| x.1).ok_or_else(|| {
+            VerifyError(vec![format!(
+                "the draft_extend signature declares no input {name} (a compiler bug)"
+            )])
+        })
+    };
+    let inp = Inputs {
+        ids: get(io::INPUT_IDS)?,
+        hidden: get(io::HIDDEN_STATES)?,
+        prefix: get(io::PREFIX_LENS)?,
+        accept: get(io::ACCEPT_LENS)?,
+        slots: get(io::REQ_SLOTS)?,
+        pages: get(io::PAGE_TABLE)?,
+    };
+    let (mut x, mut first_in) = match cfg.model.desc.head {
+        HeadKind::Eagle1 => (fc(&mut g, &cx, &inp), None),
+        HeadKind::Eagle3 => {
+            let (h, a) = fc3(&mut g, &cx, &inp);
+            (h, Some(a))
+        }
+    };
+    for l in 0..cfg.model.desc.layers {
+        x = layer(&mut g, &cx, &inp, l, x, first_in.take());
+    }
+    output_head(&mut g, &cx, &inp, x);
+    g.g.rebuild_edges();
+    Ok(g.g)
+}

@@ -1,0 +1,154 @@
+//! Stage 2: [`Config`] → unfused [`OpGraph`] of one phase's forward.
+//!
+//! The graph states the semantics op by op, as `docs/semantics.md` writes them; nothing here
+//! is fused (`passes` does that). One file per phase wires the reusable builders of
+//! `blocks.rs` (embedding, the head's input, decoder layers, output head) to the phase's
+//! signature: `draft_extend.rs` today. Every tensor has `R·B` rows (R the phase's rows per
+//! request, `PhaseKind::rows_per_request`) or `B` rows.
+
+mod blocks;
+mod draft_extend;
+
+use specplan_format::signature::{self, Dim as SigDim, Role};
+use specplan_format::{DType, Packing, PhaseKind};
+
+use blocks::{fc, fc3, layer, output_head};
+
+use crate::config::Config;
+use crate::graph::{Dim, Op, OpGraph, OpKind, Storage, Tensor, TensorId};
+use crate::verify::VerifyError;
+
+/// Builds the unfused op graph of phase `kind`.
+pub fn lower(cfg: &Config, kind: PhaseKind) -> Result<OpGraph, VerifyError> {
+    match kind {
+        PhaseKind::DraftExtend => draft_extend::lower(cfg),
+    }
+}
+
+/// What every builder of one phase shares: the config and the phase's two batch dimensions.
+pub(crate) struct Cx<'a> {
+    pub cfg: &'a Config,
+    pub kind: PhaseKind,
+    /// `R·B`: one row per (request, row of the phase).
+    pub rows: Dim,
+    /// `B`: one row per request.
+    pub requests: Dim,
+}
+
+impl<'a> Cx<'a> {
+    pub fn new(cfg: &'a Config, kind: PhaseKind) -> Cx<'a> {
+        Cx {
+            cfg,
+            kind,
+            rows: Dim::batch(kind.rows_per_request(&cfg.spec) as u64),
+            requests: Dim::batch(1),
+        }
+    }
+
+    /// A signature dimension as a graph dimension (per-batch for requests and rows, else
+    /// fixed at the plan's size).
+    fn dim(&self, d: SigDim, fixed: u64) -> Dim {
+        match d {
+            SigDim::Requests => self.requests,
+            SigDim::Rows => self.rows,
+            _ => Dim::fixed(fixed),
+        }
+    }
+}
+
+/// The step's graph inputs and the tensors outside the arena every layer uses.
+pub(crate) struct Inputs {
+    pub ids: TensorId,
+    pub hidden: TensorId,
+    pub prefix: TensorId,
+    pub accept: TensorId,
+    pub slots: TensorId,
+    pub pages: TensorId,
+}
+
+/// The phase signature's staged inputs as graph inputs, by name (shapes and dtypes are the
+/// signature's, resolved for the config), plus the page table.
+fn staged_inputs(g: &mut Builder, cx: &Cx) -> Vec<(&'static str, TensorId)> {
+    let d = crate::descs(cx.cfg);
+    let facts = signature::Facts {
+        model: &d.model,
+        spec: &d.spec,
+        capture: &d.capture,
+    };
+    let resolved = facts.resolve(cx.kind, 1);
+    // Staged inputs first, then the page table (the order tensors are made in is the order
+    // the scheduler meets them).
+    let staged = resolved.iter().filter(|r| r.decl.role == Role::Staged);
+    let table = resolved
+        .iter()
+        .filter(|r| r.decl.role == Role::Engine && r.decl.name == specplan_format::io::PAGE_TABLE);
+    let mut out = Vec::new();
+    for r in staged.chain(table) {
+        let shape: Vec<Dim> = r.decl.shape.iter().zip(&r.shape).map(|(d, &n)| cx.dim(*d, n)).collect();
+        let storage = match r.decl.role {
+            Role::Staged => Storage::Input,
+            _ => Storage::PageTable,
+        };
+        out.push((r.decl.name, g.tensor(r.decl.name, r.dtype, shape, storage)));
+    }
+    out
+}
+
+pub(crate) struct Builder {
+    pub g: OpGraph,
+    rank: u32,
+}
+
+impl Builder {
+    pub(crate) fn new() -> Builder {
+        Builder {
+            g: OpGraph::default(),
+            rank: 0,
+        }
+    }
+    pub(crate) fn tensor(&mut self, name: &str, dtype: DType, shape: Vec<Dim>, storage: Storage) -> TensorId {
+        self.g.add_tensor(Tensor {
+            name: name.into(),
+            dtype,
+            shape,
+            storage,
+            alias_of: None,
+        })
+    }
+    pub(crate) fn act(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
+        self.tensor(name, dtype, shape, Storage::Activation { output: false })
+    }
+    pub(crate) fn output(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
+        self.tensor(name, dtype, shape, Storage::Activation { output: true })
+    }
+    pub(crate) fn weight(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
+        let storage = Storage::Weight {
+            sources: vec![name.to_string()],
+            packing: Packing::Single,
+        };
+        self.tensor(name, dtype, shape, storage)
+    }
+    pub(crate) fn op(&mut self, name: &str, kind: OpKind, ins: Vec<TensorId>, outs: Vec<TensorId>) {
+        self.rank += 1;
+        self.g.add_op(Op {
+            name: name.into(),
+            kind,
+            ins,
+            outs,
+            rank: self.rank,
+        });
+    }
+    pub(crate) fn linear(&mut self, name: &str, a: TensorId, w: TensorId, bias: Option<TensorId>, out: TensorId) {
+        let mut ins = vec![a, w];
+        ins.extend(bias);
+        self.op(
+            name,
+            OpKind::Linear {
+                bias: bias.is_some(),
+                accumulate: false,
+            },
+            ins,
+            vec![out],
+        );
+    }
+}
