@@ -1,11 +1,12 @@
 //! The `specplan` command line.
 //!
 //! Exit codes: 0 success (for `diff`: equal), 1 `diff` found differences, 2 any error.
-//! Every file it writes follows `specplan_runtime::contract::output` (atomic; never
+//! Every file it writes follows `specplan_contract::output` (atomic; never
 //! replacing a device, FIFO, link, read-only file or one of the command's inputs), checked
 //! before any work; a closed standard output ends the command quietly (see `stdout`).
 
 mod dot;
+mod flags;
 mod stdout;
 
 use std::io::Write as _;
@@ -15,11 +16,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use specplan_compiler::config::{self, Overrides, Source, PRESETS};
+use specplan_compiler::config::{self, Source, PRESETS};
 use specplan_compiler::jit::Jit;
 use specplan_compiler::{compile, graph, Target};
+use specplan_contract::{self as contract, output};
 use specplan_format::{self as format, ValidatedPlan};
-use specplan_runtime::contract::{self, output};
 use stdout::{out, outln};
 
 #[derive(Parser)]
@@ -129,44 +130,8 @@ struct InputArgs {
     /// A Hugging Face config.json of the EAGLE draft head.
     #[arg(long, group = "source")]
     hf_config: Option<PathBuf>,
-    #[arg(long = "speculative-eagle-topk")]
-    topk: Option<u32>,
-    #[arg(long = "speculative-num-steps")]
-    num_steps: Option<u32>,
-    #[arg(long = "speculative-num-draft-tokens")]
-    num_draft_tokens: Option<u32>,
-    /// "auto" (SGLang's speculative capture list up to --max-bs) or e.g. 1,2,4,8.
-    #[arg(long)]
-    buckets: Option<String>,
-    #[arg(long)]
-    max_bs: Option<u32>,
-    /// Tokens per KV page (a power of two).
-    #[arg(long)]
-    page_size: Option<u32>,
-    #[arg(long)]
-    max_context_len: Option<u32>,
-    /// Pages in the KV pool (default: largest bucket × pages per request + 1 scratch page).
-    #[arg(long)]
-    kv_pool_pages: Option<u32>,
-    /// Request slots in the device page table (default: the largest bucket).
-    #[arg(long)]
-    max_requests: Option<u32>,
-    /// Activation dtype: bf16 or fp16.
-    #[arg(long)]
-    dtype: Option<String>,
-    /// Sliding window W for every layer (overrides the model's).
-    #[arg(long)]
-    sliding_window: Option<u32>,
-    /// FR-Spec: keep V_h hot lm_head rows (needs hot_token_ids in the weights).
-    #[arg(long)]
-    hot_vocab_size: Option<u32>,
-    /// What the head emits per request besides its hidden row: topk (the fused top-K,
-    /// target ids), topk-draft (the fused top-K with ids left in the lm_head's vocabulary,
-    /// for an engine that maps them itself), logits (the selected row's logits over the
-    /// lm_head's rows, for an engine that samples itself, as SGLang's draft-extend slot
-    /// does), or a top-K and logits joined by a comma.
-    #[arg(long)]
-    outputs: Option<String>,
+    #[command(flatten)]
+    flags: flags::FlagArgs,
 }
 
 impl InputArgs {
@@ -200,22 +165,7 @@ impl InputArgs {
             },
             _ => bail!("give exactly one of --preset NAME, --config FILE or --hf-config FILE"),
         };
-        let o = Overrides {
-            topk: self.topk,
-            num_steps: self.num_steps,
-            num_draft_tokens: self.num_draft_tokens,
-            buckets: self.buckets.clone(),
-            max_bs: self.max_bs,
-            page_size: self.page_size,
-            max_context_len: self.max_context_len,
-            kv_pool_pages: self.kv_pool_pages,
-            max_requests: self.max_requests,
-            dtype: self.dtype.clone(),
-            sliding_window: self.sliding_window,
-            hot_vocab_size: self.hot_vocab_size,
-            outputs: self.outputs.clone(),
-        };
-        Ok(config::resolve(&source, &o)?)
+        Ok(config::resolve(&source, &self.flags.0)?)
     }
 }
 

@@ -329,7 +329,7 @@ fn endless_and_oversized_files_are_refused_at_their_cap() {
     // A regular file past the cap is refused from its size alone, before any read.
     let big = f.path("big.safetensors");
     let file = std::fs::File::create(&big).expect("create");
-    file.set_len(specplan_runtime::contract::inputs_cap(&specplan_format::load_file(&f.plan).expect("plan")) + 1)
+    file.set_len(specplan_contract::inputs_cap(&specplan_format::load_file(&f.plan).expect("plan")) + 1)
         .expect("sparse file");
     let (o, _) = run(&f.path("w.safetensors"), &big);
     assert_refused(&o, "a step's inputs can need");

@@ -146,7 +146,7 @@ impl HeadOutputs {
         match (self.topk, self.draft_ids, self.logits) {
             (true, false, false) => "topk",
             (true, true, false) => "topk-draft",
-            (false, _, true) => "logits",
+            (false, _, true) => "logits", // tidy: not a tensor name (the flag's spelling)
             (true, false, true) => "topk,logits",
             (true, true, true) => "topk-draft,logits",
             (false, _, false) => "none",
@@ -168,7 +168,7 @@ impl HeadOutputs {
                     o.topk = true;
                     o.draft_ids = true;
                 }
-                "logits" if !o.logits => o.logits = true,
+                "logits" if !o.logits => o.logits = true, // tidy: not a tensor name
                 _ => return None,
             }
         }
@@ -476,6 +476,12 @@ impl Plan {
             .map(|b| b.arena_bytes)
             .max()
             .unwrap_or(0)
+    }
+
+    /// Rows per request of phase `kind` (`PhaseKind::rows_per_request`, which validation
+    /// holds every phase's `rows_per_request` to): what the runtimes size a step's rows by.
+    pub fn rows_per_request(&self, kind: PhaseKind) -> u32 {
+        kind.rows_per_request(&self.spec)
     }
 
     pub fn phase(&self, kind: PhaseKind) -> Option<&Phase> {

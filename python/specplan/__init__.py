@@ -3,7 +3,8 @@ graphs on an engine's own KV cache, page table, weights and stream.
 
     import specplan
     plan = specplan.Plan.compile(preset="tiny")          # or Plan.load("p.plan")
-    runner = specplan.DraftExtendRunner(plan, weights, k_cache, v_cache, req_to_token=table)
+    engine = specplan.Engine(plan, weights, k_cache, v_cache, req_to_token=table)  # once
+    runner = engine.draft_extend()            # or specplan.DraftExtendRunner(plan, weights, ...)
     out = runner.run(input_ids, hidden_states, req_pool_indices, prefix_lens, accept_lens)
     out.topk_p, out.topk_index, out.hidden_states     # out.logits with outputs="logits"
 
@@ -15,10 +16,10 @@ import os
 import sys
 
 from . import _native
-from ._runner import DeviceError, DraftExtendOutput, DraftExtendRunner
+from ._runner import DeviceError, DraftExtendOutput, DraftExtendRunner, Engine
 
 __version__ = _native.__version__
-__all__ = ["Plan", "DraftExtendRunner", "DraftExtendOutput", "DeviceError", "doctor"]
+__all__ = ["Plan", "Engine", "DraftExtendRunner", "DraftExtendOutput", "DeviceError", "doctor"]
 
 
 def _nvidia_dirs():
@@ -79,6 +80,16 @@ class Plan:
         """[(name, dtype, shape, sources)] of every weight the plan reads."""
         return self._p.weights()
 
+    def phases(self):
+        """The forwards the plan compiles: [(kind, rows per request, buckets)]."""
+        return self._p.phases()
+
+    def signature(self, batch=1, phase="draft_extend"):
+        """The tensors `phase` exchanges with its caller at `batch` requests, as the plan
+        declares them: [(name, dtype, shape, role, doc)] with role "engine" (registered
+        once), "staged" (given each step) or "output"."""
+        return self._p.signature(int(batch), phase)
+
     def __repr__(self):
         return repr(self._p)
 
@@ -91,7 +102,7 @@ for _name, _doc in [
     ("name", "the plan's name"),
     ("buckets", "batch buckets, ascending"),
     ("graph_buckets", "buckets replayed as CUDA graphs"),
-    ("num_draft_tokens", "N: rows per request"),
+    ("num_draft_tokens", "N: tokens verified per request (the draft-extend rows per request)"),
     ("topk", "top-K of the next draft"),
     ("hidden_size", "the draft head's hidden size"),
     ("vocab_size", "the draft vocabulary"),

@@ -86,6 +86,10 @@ def _dtype_name(torch, dt):
     return _DTYPE_NAMES.get(dt)
 
 
+def _TORCH_DTYPES(torch):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
+
+
 def _need_tensor(torch, name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -106,8 +110,10 @@ _SEPARATE = ("NHD", "HND")
 _PACKED = ("BHNC", "BNHC")
 
 
-class DraftExtendRunner:
-    """Runs a plan's draft-extend forward on an engine's memory.
+class Engine:
+    """The engine's memory registered once for a plan: its K/V pools, page table and draft
+    weights, used in place. Each phase of the plan runs through a runner made from it
+    (`engine.draft_extend()`), so every phase shares the one registration.
 
     plan          specplan.Plan (with kernels for CUDA tensors)
     weights       dict[str, torch.Tensor] on the pools' device under the plan's weight names
@@ -140,15 +146,6 @@ class DraftExtendRunner:
         self.plan = plan
         self._torch = torch
         self._act = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
-        self._n = plan.num_draft_tokens
-        self._h = plan.hidden_size
-        self._hin = plan.hidden_in_size
-        self._k = plan.topk
-        self._max_b = plan.max_requests
-        self._max_ctx = plan.max_context_len
-        outputs = plan.outputs.split(",")
-        self._emits_topk = any(p in ("topk", "topk-draft") for p in outputs)
-        self._emits_logits = "logits" in outputs
         kp, vp, geom, page, device, kept = self._kv(k_cache, v_cache, kv_cache, kv_layout)
         self._device = device
         self._cuda = device.type == "cuda"
@@ -156,7 +153,7 @@ class DraftExtendRunner:
             if not plan.has_kernels:
                 raise ValueError("plan: it carries no kernel binaries (compiled with no_kernels=True); compile it with NVRTC")
             if not torch.cuda.is_available():
-                raise RuntimeError("DraftExtendRunner on CUDA tensors needs a CUDA GPU: torch.cuda.is_available() is False")
+                raise RuntimeError("specplan.Engine on CUDA tensors needs a CUDA GPU: torch.cuda.is_available() is False")
             self._index = device.index if device.index is not None else torch.cuda.current_device()
         else:
             self._index = -1
@@ -178,21 +175,36 @@ class DraftExtendRunner:
             if gemms not in ("cached", "heuristic", "retune"):
                 raise ValueError(f"gemms {gemms!r}: expected \"cached\", \"heuristic\" or \"retune\"")
             self._engine = _native.CpuEngine(*args)
-        r = self._max_b
-        self._out_p = torch.empty((r, self._k), dtype=torch.float32, device=device) if self._emits_topk else None
-        self._out_i = torch.empty((r, self._k), dtype=torch.int64, device=device) if self._emits_topk else None
-        self._out_h = torch.empty((r, self._h), dtype=self._act, device=device)
-        self._out_l = (
-            torch.empty((r, plan.logits_size), dtype=torch.float32, device=device) if self._emits_logits else None
-        )
-        self._views = {}
-        self._i32, self._i64 = torch.int32, torch.int64
+        self._runners = {}
         if self._cuda:
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             idx = self._index
             self._stream = (lambda: raw(idx)) if raw is not None else (lambda: torch.cuda.current_stream(idx).cuda_stream)
         else:
             self._stream = lambda: 0
+
+    def draft_extend(self, plan=None):
+        """The runner of the plan's draft-extend phase on this registration (one per engine;
+        `plan`, if given, must be the engine's own plan)."""
+        _same_plan(self.plan, plan)
+        r = self._runners.get("draft_extend")
+        if r is None:
+            r = DraftExtendRunner._on(self)
+            self._runners["draft_extend"] = r
+        return r
+
+    @property
+    def device(self):
+        return self._device
+
+    def last_error(self):
+        """None, or the DeviceError of the last step of any phase (waits for it to finish)."""
+        e = self._engine.last_error()
+        return None if e is None else DeviceError(*e)
+
+    def load_times(self):
+        """Load time split (ms): setup, GEMM choice, graph capture, total."""
+        return self._engine.load_times()
 
     # ---- registration checks (once) ----
 
@@ -332,6 +344,88 @@ class DraftExtendRunner:
             out[name] = t
         return out
 
+def _same_plan(mine, given):
+    from . import Plan
+
+    if given is None or given is mine:
+        return
+    if not isinstance(given, Plan):
+        raise TypeError(f"plan: expected a specplan.Plan, got {type(given).__name__}")
+    if given.text() != mine.text():
+        raise ValueError(
+            "plan: an engine runs the phases of the plan it registered; this plan differs "
+            f"({given.name!r} vs the engine's {mine.name!r}): make an Engine for it"
+        )
+
+
+class DraftExtendRunner:
+    """Runs a plan's draft-extend forward on an engine's memory.
+
+    plan          specplan.Plan (with kernels for CUDA tensors)
+    weights       dict[str, torch.Tensor] on the pools' device under the plan's weight names
+                  (Hugging Face / EAGLE names; a leading "model." is accepted, and a tensor
+                  with more rows than the plan's, as a padded lm_head, is used by its first
+                  rows), used in place; or a path to a .safetensors file (loaded once)
+    k_cache, v_cache
+                  one tensor per layer each (see the layouts above; kv_layout "NHD" or "HND"
+                  for 4-D tensors)
+    kv_cache      instead: one tensor per layer with K and V packed in the last dimension
+                  (kv_layout "BHNC", vLLM's, or "BNHC")
+    req_to_token  torch.int32 [rows, max_context] token slots (SGLang), or
+    block_table   torch.int32 [rows, max_pages] page ids; exactly one of the two
+    block_size    tokens per block_table entry (default: the pool's page; vLLM's manager
+                  block when its kernel blocks, the pool's pages, are smaller)
+    gemms         "cached" (default: cuBLASLt algorithms from the on-disk cache, timed once
+                  per shape), "heuristic" or "retune"
+
+    `DraftExtendRunner(plan, weights, ...)` registers its own `Engine`; `engine.draft_extend()`
+    makes one on an existing registration. The registered tensors must stay alive and in place for the runner's life (it keeps
+    references to them).
+    """
+
+    def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
+                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached"):
+        self._attach(Engine(plan, weights, k_cache, v_cache, req_to_token, block_table, kv_cache=kv_cache,
+                            kv_layout=kv_layout, block_size=block_size, gemms=gemms))
+
+    @classmethod
+    def _on(cls, engine):
+        r = cls.__new__(cls)
+        r._attach(engine)
+        return r
+
+    def _attach(self, engine):
+        torch = engine._torch
+        plan = engine.plan
+        self.engine = engine
+        self.plan = plan
+        self._torch = torch
+        self._act = engine._act
+        self._engine = engine._engine
+        self._device, self._index, self._stream = engine._device, engine._index, engine._stream
+        # Sizes and output dtypes from the phase's signature (specplan_format::signature).
+        sig = {name: (dtype, shape, role) for name, dtype, shape, role, _ in plan._p.signature(1, "draft_extend")}
+        self._sig = sig
+        self._n = sig["input_ids"][1][0]
+        self._hin = sig["hidden_states"][1][1]
+        self._h = sig["hidden_out"][1][1]
+        self._max_b = plan.max_requests
+        self._max_ctx = plan.max_context_len
+        self._emits_topk = "topk_ids" in sig
+        self._emits_logits = "logits" in sig
+        self._k = sig["topk_ids"][1][1] if self._emits_topk else plan.topk
+        self._i32, self._i64 = torch.int32, torch.int64
+        device = self._device
+        r = self._max_b
+        dt = lambda name: _TORCH_DTYPES(torch)[sig[name][0]]  # noqa: E731
+        self._out_p = torch.empty((r, self._k), dtype=dt("topk_probs"), device=device) if self._emits_topk else None
+        self._out_i = torch.empty((r, self._k), dtype=dt("topk_ids"), device=device) if self._emits_topk else None
+        self._out_h = torch.empty((r, self._h), dtype=dt("hidden_out"), device=device)
+        self._out_l = (
+            torch.empty((r, sig["logits"][1][1]), dtype=dt("logits"), device=device) if self._emits_logits else None
+        )
+        self._views = {}
+
     # ---- per step ----
 
     def _ints(self, name, t, b):
@@ -445,7 +539,10 @@ class DraftExtendRunner:
             raise TypeError(f"out: expected a dict of output tensors, got {type(out).__name__}")
         torch = self._torch
         names = ("topk_p", "topk_index", "hidden_states", "logits")
-        dtypes = (torch.float32, torch.int64, self._act, torch.float32)
+        dtypes = tuple(
+            _TORCH_DTYPES(torch)[self._sig[s][0]] if s in self._sig else None
+            for s in ("topk_probs", "topk_ids", "hidden_out", "logits")
+        )
         for key in out:
             if key not in names:
                 raise ValueError(f"out: unknown output {key!r} (expected {', '.join(names)})")

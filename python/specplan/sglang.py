@@ -46,7 +46,7 @@ without a wait from host-mapped memory).
 import logging
 import types
 
-from ._runner import DraftExtendRunner
+from ._runner import DraftExtendRunner, Engine
 
 SGLANG_VERSION = "0.5.23"
 
@@ -187,10 +187,13 @@ class SGLangDraftExtendRunner:
         dr = draft_worker.draft_runner
         pools, layout, table = _memory(draft_worker, plan)
         weights = _weights(draft_worker, plan)
-        runner = DraftExtendRunner(
+        # One registration of SGLang's memory; the draft-extend phase runs on it (a later
+        # phase of the same plan would share it: `engine.<phase>()`).
+        engine = Engine(
             plan, weights, [k for k, _ in pools], [v for _, v in pools], req_to_token=table,
             kv_layout=layout, gemms=gemms,
         )
+        runner = engine.draft_extend()
         sa = getattr(draft_worker, "server_args", None)
         return cls(
             runner,

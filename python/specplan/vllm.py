@@ -41,7 +41,7 @@ entry point:
 
 import logging
 
-from ._runner import DraftExtendRunner
+from ._runner import Engine
 
 VLLM_VERSION = "0.33.0"
 
@@ -161,10 +161,11 @@ def make_speculator_class(base):
                 raise ValueError(f"no KV cache group holds {names[0]}")
             table = self.block_tables.block_tables[group].gpu
             block = self.block_tables.block_sizes[group]
-            runner = DraftExtendRunner(
+            engine = Engine(
                 plan, _weights(self.model, plan), kv_cache=kv, kv_layout="BHNC", block_table=table,
                 block_size=block, gemms=_STATE["gemms"],
             )
+            runner = engine.draft_extend()
             self._sp_runner = runner
             self._sp_buckets = set(plan.graph_buckets)
             self._sp_max_bs = max(self._sp_buckets) if self._sp_buckets else 0

@@ -6,6 +6,7 @@
 //! `CpuEngine` takes CPU tensors and runs the CPU executor on them in place.
 
 use specplan_format::io;
+use specplan_format::PhaseKind;
 use std::collections::{BTreeMap, HashMap};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -339,7 +340,7 @@ impl CpuEngine {
         let graph = graph_table(&vp);
         let p = &vp;
         let facts = (
-            p.spec.num_draft_tokens as usize,
+            p.rows_per_request(PhaseKind::DraftExtend) as usize,
             p.model.hidden_in() as usize,
             p.model.hidden as usize,
             p.spec.topk as usize,

@@ -7,9 +7,11 @@ use std::path::PathBuf;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use specplan_compiler::config::flags::{FlagValue, Kind};
 use specplan_compiler::config::{self, Overrides, Source};
 use specplan_compiler::jit::Jit;
-use specplan_format::{Replay, ValidatedPlan};
+use specplan_format::signature::{self, Role};
+use specplan_format::{PhaseKind, Replay, ValidatedPlan};
 
 /// A validated draft-extend plan.
 #[pyclass(module = "specplan._native", frozen)]
@@ -17,26 +19,21 @@ pub struct Plan {
     pub(crate) inner: ValidatedPlan,
 }
 
-/// The compile flags `Plan.compile` accepts (the CLI's, snake_case), with short aliases.
-const FLAGS: &[&str] = &[
-    "speculative_eagle_topk",
-    "speculative_num_steps",
-    "speculative_num_draft_tokens",
-    "topk",
-    "num_steps",
-    "num_draft_tokens",
-    "buckets",
-    "max_bs",
-    "page_size",
-    "max_context_len",
-    "kv_pool_pages",
-    "max_requests",
-    "dtype",
-    "sliding_window",
-    "hot_vocab_size",
-    "outputs",
-    "no_kernels",
-];
+/// One tensor of a signature for Python: `(name, dtype, shape, role, doc)`.
+type SigEntry = (&'static str, &'static str, Vec<u64>, &'static str, &'static str);
+
+/// The keyword `Plan.compile` takes besides the flag table's (`config::FLAGS`): compile
+/// without kernel binaries (for review and the CPU executor).
+const NO_KERNELS: &str = "no_kernels";
+
+/// Every keyword `Plan.compile` accepts: the flag table's Python names, then `no_kernels`.
+fn keywords() -> Vec<&'static str> {
+    config::FLAGS
+        .iter()
+        .flat_map(|f| f.python.iter().copied())
+        .chain([NO_KERNELS])
+        .collect()
+}
 
 fn u32_flag(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
     // A bool is an int to Python: `page_size=True` must not compile as page size 1.
@@ -49,16 +46,6 @@ fn u32_flag(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u32> {
         .map_err(|_| PyTypeError::new_err(format!("{name}: expected a non-negative integer below 2^32, got {v}")))
 }
 
-/// The flag an alias names (`topk` and `speculative_eagle_topk` are one flag).
-fn canonical(name: &str) -> &str {
-    match name {
-        "topk" => "speculative_eagle_topk",
-        "num_steps" => "speculative_num_steps",
-        "num_draft_tokens" => "speculative_num_draft_tokens",
-        other => other,
-    }
-}
-
 fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
     let mut o = Overrides::default();
     let mut no_kernels = false;
@@ -68,67 +55,61 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
     let mut seen: Vec<String> = Vec::new();
     for (k, v) in flags.iter() {
         let name: String = k.extract()?;
-        let flag = canonical(&name).to_string();
-        if let Some(prev) = seen.iter().find(|s| canonical(s) == flag) {
+        // Aliases name one flag (`topk` and `speculative_eagle_topk`).
+        let flag = config::flags::by_python(&name)
+            .map_or(name.as_str(), |f| f.python[0])
+            .to_string();
+        let same = |s: &String| config::flags::by_python(s).map_or(s.as_str(), |f| f.python[0]) == flag;
+        if let Some(prev) = seen.iter().find(|s| same(s)) {
             return Err(PyTypeError::new_err(format!(
                 "{name} and {prev} are the same flag ({flag}); give it once"
             )));
         }
         seen.push(name.clone());
-        match name.as_str() {
-            "speculative_eagle_topk" | "topk" => o.topk = Some(u32_flag(&name, &v)?),
-            "speculative_num_steps" | "num_steps" => o.num_steps = Some(u32_flag(&name, &v)?),
-            "speculative_num_draft_tokens" | "num_draft_tokens" => o.num_draft_tokens = Some(u32_flag(&name, &v)?),
-            "buckets" => {
-                o.buckets = Some(if let Ok(s) = v.extract::<String>() {
-                    s
-                } else if let Ok(list) = v.extract::<Vec<u32>>() {
-                    list.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-                } else {
-                    return Err(PyTypeError::new_err(format!(
-                        "buckets: expected \"auto\", a comma-separated string or a list of integers, got {v}"
-                    )));
-                })
+        if name == NO_KERNELS {
+            if !v.is_instance_of::<pyo3::types::PyBool>() {
+                return Err(PyTypeError::new_err(format!("{NO_KERNELS}: expected a bool, got {v}")));
             }
-            "max_bs" => o.max_bs = Some(u32_flag(&name, &v)?),
-            "page_size" => o.page_size = Some(u32_flag(&name, &v)?),
-            "max_context_len" => o.max_context_len = Some(u32_flag(&name, &v)?),
-            "kv_pool_pages" => o.kv_pool_pages = Some(u32_flag(&name, &v)?),
-            "max_requests" => o.max_requests = Some(u32_flag(&name, &v)?),
-            "dtype" => {
-                o.dtype = Some(
-                    v.extract::<String>()
-                        .map_err(|_| PyTypeError::new_err(format!("dtype: expected \"bf16\" or \"fp16\", got {v}")))?,
-                )
-            }
-            "sliding_window" => o.sliding_window = Some(u32_flag(&name, &v)?),
-            "hot_vocab_size" => o.hot_vocab_size = Some(u32_flag(&name, &v)?),
-            "outputs" => {
-                o.outputs = Some(if let Ok(s) = v.extract::<String>() {
-                    s
-                } else if let Ok(list) = v.extract::<Vec<String>>() {
-                    list.join(",")
-                } else {
-                    return Err(PyTypeError::new_err(format!(
-                        "outputs: expected \"topk\", \"logits\", \"topk,logits\" or a list of those, got {v}"
-                    )));
-                })
-            }
-            "no_kernels" => {
-                if !v.is_instance_of::<pyo3::types::PyBool>() {
-                    return Err(PyTypeError::new_err(format!("no_kernels: expected a bool, got {v}")));
-                }
-                no_kernels = v
-                    .extract::<bool>()
-                    .map_err(|_| PyTypeError::new_err(format!("no_kernels: expected a bool, got {v}")))?
-            }
-            other => {
-                let hint = config::did_you_mean(other, FLAGS);
-                return Err(PyTypeError::new_err(format!(
-                    "Plan.compile() got an unexpected keyword argument {other:?}{hint}"
-                )));
-            }
+            no_kernels = v
+                .extract::<bool>()
+                .map_err(|_| PyTypeError::new_err(format!("{NO_KERNELS}: expected a bool, got {v}")))?;
+            continue;
         }
+        let Some(f) = config::flags::by_python(&name) else {
+            let hint = config::did_you_mean(&name, &keywords());
+            return Err(PyTypeError::new_err(format!(
+                "Plan.compile() got an unexpected keyword argument {name:?}{hint}"
+            )));
+        };
+        let value = match f.kind {
+            Kind::U32 => FlagValue::U32(u32_flag(&name, &v)?),
+            Kind::Text => FlagValue::Text(
+                v.extract::<String>()
+                    .map_err(|_| PyTypeError::new_err(format!("{name}: expected a string ({}), got {v}", f.help)))?,
+            ),
+            Kind::IntList => FlagValue::Text(if let Ok(s) = v.extract::<String>() {
+                s
+            } else if let Ok(list) = v.extract::<Vec<u32>>() {
+                list.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            } else {
+                return Err(PyTypeError::new_err(format!(
+                    "{name}: expected a string or a list of integers ({}), got {v}",
+                    f.help
+                )));
+            }),
+            Kind::TextList => FlagValue::Text(if let Ok(s) = v.extract::<String>() {
+                s
+            } else if let Ok(list) = v.extract::<Vec<String>>() {
+                list.join(",")
+            } else {
+                return Err(PyTypeError::new_err(format!(
+                    "{name}: expected a string or a list of strings ({}), got {v}",
+                    f.help
+                )));
+            }),
+        };
+        f.set(&mut o, value)
+            .map_err(|m| PyTypeError::new_err(format!("{name}: {m}")))?;
     }
     Ok((o, no_kernels))
 }
@@ -211,14 +192,14 @@ impl Plan {
         })
     }
 
-    /// Writes the plan by the CLI's output rules (`specplan_runtime::contract::output`): a
+    /// Writes the plan by the CLI's output rules (`specplan_contract::output`): a
     /// new path or a regular file atomically (a temporary file renamed into place); a FIFO
     /// or a character device written through, never replaced; a symbolic link followed; a
     /// read-only file, a directory, a block device or a socket refused, nothing written.
     fn save(&self, path: PathBuf) -> PyResult<()> {
         let bytes = specplan_format::encode(&self.inner)
             .map_err(|e| PyValueError::new_err(format!("cannot encode the plan: {e}")))?;
-        specplan_runtime::contract::output::write_file(&path, &bytes).map_err(|e| PyValueError::new_err(e.to_string()))
+        specplan_contract::output::write_file(&path, &bytes).map_err(|e| PyValueError::new_err(e.to_string()))
     }
 
     /// The canonical text (one fact per line), as `specplan show` prints it.
@@ -252,6 +233,46 @@ impl Plan {
     fn topk(&self) -> u32 {
         self.inner.spec.topk
     }
+    /// The phases the plan compiles: `(kind, rows per request, buckets)`.
+    fn phases(&self) -> Vec<(&'static str, u32, Vec<u32>)> {
+        self.inner
+            .phases
+            .iter()
+            .map(|ph| {
+                (
+                    ph.kind.name(),
+                    ph.rows_per_request,
+                    ph.buckets.iter().map(|b| b.batch).collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// The signature of `phase` resolved at `batch` requests (`specplan_format::signature`):
+    /// `(name, dtype, shape, role, doc)` per tensor the plan has, in declaration order — what
+    /// the Python runner checks its arguments and sizes its outputs by.
+    #[pyo3(signature = (batch=1, phase="draft_extend"))]
+    fn signature(&self, batch: u32, phase: &str) -> PyResult<Vec<SigEntry>> {
+        let kind = PhaseKind::ALL
+            .into_iter()
+            .find(|k| k.name() == phase && self.inner.phase(*k).is_some())
+            .ok_or_else(|| {
+                let have: Vec<&str> = self.inner.phases.iter().map(|p| p.kind.name()).collect();
+                PyValueError::new_err(format!("phase {phase:?}: the plan has {}", have.join(", ")))
+            })?;
+        Ok(signature::resolve(&self.inner, kind, batch)
+            .into_iter()
+            .map(|r| {
+                let role = match r.decl.role {
+                    Role::Engine => "engine",
+                    Role::Staged => "staged",
+                    Role::Output => "output",
+                };
+                (r.decl.name, r.dtype.name(), r.shape, role, r.decl.doc)
+            })
+            .collect())
+    }
+
     #[getter]
     fn hidden_size(&self) -> u64 {
         self.inner.model.hidden as u64

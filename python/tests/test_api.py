@@ -203,26 +203,43 @@ class _RecordingEngine:
         self.calls.append(args)
 
 
+def _bare_engine(torch, plan):
+    """An Engine whose native engine records its calls (the host checks are what is tested)."""
+    e = object.__new__(specplan.Engine)
+    e.plan, e._torch, e._act = plan, torch, torch.bfloat16
+    e._device, e._index, e._cuda = _Device("cuda", 0), 0, True
+    e._engine = _RecordingEngine()
+    e._stream = lambda: 0x5EED
+    e._runners = {}
+    return e
+
+
 def _bare_runner(torch, plan):
-    """A runner whose native engine records its calls (the host checks are what is tested)."""
-    r = object.__new__(specplan.DraftExtendRunner)
-    r.plan, r._torch = plan, torch
-    r._act = torch.bfloat16
-    r._n, r._h, r._k = plan.num_draft_tokens, plan.hidden_size, plan.topk
-    r._hin = plan.hidden_in_size
-    r._max_b, r._max_ctx = plan.max_requests, plan.max_context_len
-    r._device, r._index = _Device("cuda", 0), 0
-    r._engine = _RecordingEngine()
-    r._out_p = torch.Tensor((r._max_b, r._k), torch.float32)
-    r._out_i = torch.Tensor((r._max_b, r._k), torch.int64)
-    r._out_h = torch.Tensor((r._max_b, r._h), torch.bfloat16)
-    r._out_l = torch.Tensor((r._max_b, plan.logits_size), torch.float32) if "logits" in plan.outputs else None
-    r._emits_logits = "logits" in plan.outputs
-    r._cuda = True
-    r._views = {}
-    r._i32, r._i64 = torch.int32, torch.int64
-    r._stream = lambda: 0x5EED
-    return r
+    """A draft-extend runner on a recording engine, built as `engine.draft_extend()` builds it."""
+    return _bare_engine(torch, plan).draft_extend()
+
+
+def test_engine_runners_share_one_registration_and_read_the_signature(fake):
+    torch, _ = fake
+    plan = specplan.Plan.compile(preset="tiny", outputs="topk,logits")
+    assert [p[0] for p in plan.phases()] == ["draft_extend"]
+    kind, rows, buckets = plan.phases()[0]
+    assert rows == plan.num_draft_tokens and buckets == plan.buckets
+    sig = {name: (dt, shape, role) for name, dt, shape, role, _ in plan.signature(3)}
+    assert sig["input_ids"] == ("i64", [3 * rows], "staged")
+    assert sig["hidden_states"] == ("bf16", [3 * rows, plan.hidden_in_size], "staged")
+    assert sig["logits"] == ("f32", [3, plan.logits_size], "output")
+    assert sig["k_cache"][2] == "engine" and sig["page_table"][0] == "i32"
+    with pytest.raises(ValueError, match='phase "draft_decode": the plan has draft_extend'):
+        plan.signature(1, "draft_decode")
+    e = _bare_engine(torch, plan)
+    r = e.draft_extend()
+    assert e.draft_extend() is r and e.draft_extend(plan) is r, "one runner per phase and engine"
+    assert r.engine is e and r._engine is e._engine, "the runner uses the engine's registration"
+    assert tuple(r._out_l.shape) == (plan.max_requests, plan.logits_size)
+    other = specplan.Plan.compile(preset="tiny", page_size=8)
+    with pytest.raises(ValueError, match="the plan it registered"):
+        e.draft_extend(other)
 
 
 def test_run_checks_every_input_before_launching(fake):
@@ -392,4 +409,4 @@ def test_run_refuses_layouts_and_values_it_would_misread(fake):
     with pytest.raises(TypeError, match="accept_is_select_index: expected a bool"):
         r.run(ids, hid, req, pre, acc, accept_is_select_index=1)
     with pytest.raises(TypeError, match="weights: keys must be tensor names"):
-        r._load_weights({3: torch.Tensor((4,), torch.bfloat16)})
+        r.engine._load_weights({3: torch.Tensor((4,), torch.bfloat16)})

@@ -14,9 +14,56 @@
 //!    race); checked with a stamped set sized by the step's rows, never by the pool.
 //!    A batch above the largest bucket is checked whole before its first chunk runs.
 
-use crate::step::{input_error, InputError};
-use specplan_format::io;
-use specplan_format::Plan;
+use specplan_format::signature::{self, Dim};
+use specplan_format::{io, PhaseKind, Plan};
+
+/// A contract violation: the tensor, the index and the bound.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{tensor}{index}: {message}")]
+pub struct InputError {
+    pub tensor: String,
+    /// `[i]` or `[i][j]`, or empty for the whole tensor.
+    pub index: String,
+    pub message: String,
+}
+
+pub fn input_error(tensor: &str, index: String, message: String) -> InputError {
+    InputError {
+        tensor: tensor.into(),
+        index,
+        message,
+    }
+}
+
+/// Rule 2 from the phase's signature: the staged tensor `name` of a step of `b` requests
+/// holds the elements its declared shape gives at `b` (rows shown as `[b, R]`, the view the
+/// caller passes), or the error names it with that shape.
+pub fn check_staged(plan: &Plan, kind: PhaseKind, name: &str, len: usize, b: usize) -> Result<(), InputError> {
+    let rows = kind.rows_per_request(&plan.spec) as u64;
+    let Some(r) = signature::resolve(plan, kind, b as u32)
+        .into_iter()
+        .find(|r| r.decl.name == name)
+    else {
+        return Err(input_error(
+            name,
+            String::new(),
+            format!("is not an input of the {} phase", kind.name()),
+        ));
+    };
+    let mut dims = Vec::new();
+    for (d, &n) in r.decl.shape.iter().zip(&r.shape) {
+        match d {
+            Dim::Rows => {
+                dims.push(b as u64);
+                dims.push(rows);
+            }
+            _ => dims.push(n),
+        }
+    }
+    let want = r.shape.iter().product::<u64>() as usize;
+    let text: Vec<String> = dims.iter().map(u64::to_string).collect();
+    check_shape(name, len, want, &format!("[{}]", text.join(", ")))
+}
 
 /// Rule 1.
 pub fn check_batch(b: usize, max_b: Option<usize>) -> Result<(), InputError> {
@@ -62,7 +109,7 @@ pub fn check_ids(ids: &[i64], vocab: u32, n: usize) -> Result<(), InputError> {
 
 /// Rule 4 for request `i`.
 pub fn check_lengths(plan: &Plan, i: usize, prefix: i32, accept: i32) -> Result<(), InputError> {
-    let n = plan.spec.num_draft_tokens as i64;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as i64;
     let ctx = plan.capture.max_context_len as i64;
     let l = prefix as i64;
     if l < 0 || l + n > ctx {

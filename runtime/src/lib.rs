@@ -1,5 +1,6 @@
 //! specplan runtime: executes validated plans — on the CPU (the reference executor) and on
-//! the GPU (CUDA graphs with host-only prep) — plus the `run` contract over files.
+//! the GPU (CUDA graphs with host-only prep): the step API alone. The `run` contract over
+//! files and the output-file rules are the `specplan-contract` crate, at the edge.
 //!
 //! Architecture invariant: the runtime depends on the plan format and the kernels crate's
 //! declarations, never on the compiler, petgraph or NVRTC (Cargo enforces it: none is a
@@ -8,7 +9,6 @@
 pub mod admission;
 pub mod aliasing;
 pub mod bits;
-pub mod contract;
 pub mod cpu;
 pub mod gpu;
 pub mod registration;

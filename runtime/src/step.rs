@@ -22,6 +22,7 @@
 //!   engine memory; the outputs' check of [`crate::contract`] for files).
 
 use specplan_format::io;
+use specplan_format::PhaseKind;
 use specplan_format::{BucketPlan, DType, Plan};
 pub use specplan_kernels::kv::TableMode;
 
@@ -44,23 +45,7 @@ pub struct StepInputs {
     pub page_cols: usize,
 }
 
-/// A contract violation: the tensor, the index and the bound.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{tensor}{index}: {message}")]
-pub struct InputError {
-    pub tensor: String,
-    /// `[i]` or `[i][j]`, or empty for the whole tensor.
-    pub index: String,
-    pub message: String,
-}
-
-pub fn input_error(tensor: &str, index: String, message: String) -> InputError {
-    InputError {
-        tensor: tensor.into(),
-        index,
-        message,
-    }
-}
+pub use crate::admission::{input_error, InputError};
 
 /// The first value of `v` that is not finite once rounded to the activation type `act`
 /// (what the device holds), with the reason; `None` when all are finite.
@@ -92,20 +77,21 @@ impl StepInputs {
     /// module docs for what the file contract checks beyond this).
     pub fn check(&self, plan: &Plan, pool_pages: usize) -> Result<(), InputError> {
         let b = self.batch;
-        let n = plan.spec.num_draft_tokens as usize;
+        let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
         // The input rows' width (3·H_t for an EAGLE-3 head).
         let h = plan.model.hidden_in() as usize;
         let max_b = plan.buckets().last().map_or(0, |x| x.batch as usize);
         admission::check_batch(b, Some(max_b))?;
-        admission::check_shape(io::INPUT_IDS, self.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
-        admission::check_shape(
+        admission::check_staged(plan, PhaseKind::DraftExtend, io::INPUT_IDS, self.input_ids.len(), b)?;
+        admission::check_staged(
+            plan,
+            PhaseKind::DraftExtend,
             io::HIDDEN_STATES,
             self.hidden_states.len(),
-            b * n * h,
-            &format!("[{b}, {n}, {h}]"),
+            b,
         )?;
-        admission::check_shape(io::PREFIX_LENS, self.prefix_lens.len(), b, &format!("[{b}]"))?;
-        admission::check_shape(io::ACCEPT_LENS, self.accept_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_staged(plan, PhaseKind::DraftExtend, io::PREFIX_LENS, self.prefix_lens.len(), b)?;
+        admission::check_staged(plan, PhaseKind::DraftExtend, io::ACCEPT_LENS, self.accept_lens.len(), b)?;
         if self.page_cols == 0 {
             return Err(input_error(io::PAGE_TABLE, String::new(), "has no columns".into()));
         }
@@ -236,19 +222,20 @@ pub fn pad_to_bucket(
     scratch_slot: i32,
 ) -> Result<BucketInputs, InputError> {
     let (bb, b) = (bucket.batch as usize, x.batch);
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let h = plan.model.hidden_in() as usize;
     admission::check_batch(b, Some(bb))
         .map_err(|e| input_error(&e.tensor, e.index, e.message.replace("largest bucket", "bucket")))?;
-    admission::check_shape(io::INPUT_IDS, x.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
-    admission::check_shape(
+    admission::check_staged(plan, PhaseKind::DraftExtend, io::INPUT_IDS, x.input_ids.len(), b)?;
+    admission::check_staged(
+        plan,
+        PhaseKind::DraftExtend,
         io::HIDDEN_STATES,
         x.hidden_states.len(),
-        b * n * h,
-        &format!("[{b}, {n}, {h}]"),
+        b,
     )?;
-    admission::check_shape(io::PREFIX_LENS, x.prefix_lens.len(), b, &format!("[{b}]"))?;
-    admission::check_shape(io::ACCEPT_LENS, x.accept_lens.len(), b, &format!("[{b}]"))?;
+    admission::check_staged(plan, PhaseKind::DraftExtend, io::PREFIX_LENS, x.prefix_lens.len(), b)?;
+    admission::check_staged(plan, PhaseKind::DraftExtend, io::ACCEPT_LENS, x.accept_lens.len(), b)?;
     if slots.len() < b {
         return Err(input_error(
             "slots",

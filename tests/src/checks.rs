@@ -14,6 +14,7 @@
 //! - every cache element no request writes keeps its bits;
 //! - attention alone: relative RMS ≤ 1e-2 and max |error| ≤ 5e-2 of the output's RMS.
 
+use specplan_format::PhaseKind;
 use specplan_format::{io, Replay, ValidatedPlan};
 use specplan_runtime::bits::{from_act_bits, to_act_bits};
 use specplan_runtime::cpu::WeightData;
@@ -203,7 +204,10 @@ pub fn attention_check(
 ) -> Result<(f64, f64), String> {
     let act = plan.capture.dtype;
     let bucket = plan.bucket_for(b as u32).ok_or("no bucket")?.batch;
-    let (n, ps) = (plan.spec.num_draft_tokens as usize, plan.capture.page_size as usize);
+    let (n, ps) = (
+        plan.rows_per_request(PhaseKind::DraftExtend) as usize,
+        plan.capture.page_size as usize,
+    );
     let (hq, hkv, d) = (
         plan.model.heads as usize,
         plan.model.kv_heads as usize,

@@ -14,6 +14,7 @@
 //! the seed and the chunk's index, so a seed gives the same files on any machine.
 
 use specplan_format::io;
+use specplan_format::PhaseKind;
 use std::collections::HashSet;
 use std::path::Path;
 
@@ -206,7 +207,7 @@ pub fn weight_tensors(plan: &Plan, seed: u64) -> Result<Vec<FileTensor>, String>
 pub fn input_tensors(plan: &Plan, seed: u64, b: usize, max_prefix: usize) -> Result<Vec<FileTensor>, String> {
     let m = &plan.model;
     let act = plan.capture.dtype;
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     // Input rows are 3·H_t wide for an EAGLE-3 head.
     let ps = plan.capture.page_size as usize;
     let h = m.hidden_in() as usize;
@@ -356,7 +357,7 @@ pub fn plan_json(plan: &Plan) -> String {
         "windows": plan.layers.iter().map(|l| l.window).collect::<Vec<Option<u32>>>(),
         "topk": plan.spec.topk,
         "num_steps": plan.spec.num_steps,
-        "num_draft_tokens": plan.spec.num_draft_tokens,
+        "num_draft_tokens": plan.rows_per_request(PhaseKind::DraftExtend),
         "page_size": plan.capture.page_size,
         "max_context_len": plan.capture.max_context_len,
         "max_requests": plan.capture.max_requests,

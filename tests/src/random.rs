@@ -1,5 +1,6 @@
 //! Random (and fixed-pattern) weights and step cases for the checks and benchmarks.
 
+use specplan_format::PhaseKind;
 use specplan_format::{DType, ValidatedPlan};
 use specplan_runtime::bits::{round_act, to_act_bits};
 use specplan_runtime::cpu::WeightData;
@@ -95,7 +96,7 @@ pub struct Case {
 }
 
 pub fn make_case(plan: &ValidatedPlan, rng: &mut Rng, b: usize, max_prefix: usize) -> Case {
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     // Input rows: 3·H_t wide for an EAGLE-3 head.
     let h = plan.model.hidden_in() as usize;
     let ps = plan.capture.page_size as usize;

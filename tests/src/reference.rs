@@ -1,6 +1,7 @@
 //! The CPU references the GPU checks compare with: the plan's own launches on the CPU
 //! executor (chunked like the GPU above the largest bucket), and a naive f64 attention.
 
+use specplan_format::PhaseKind;
 use specplan_format::ValidatedPlan;
 use specplan_runtime::bits::from_act_bits;
 use specplan_runtime::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
@@ -37,7 +38,7 @@ pub fn cpu_reference(
     weights: &[WeightData],
     c: &Case,
 ) -> Result<(BucketOutputs, KvPool), String> {
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let h = plan.model.hidden as usize;
     let k = if plan.capture.outputs.topk {
         plan.spec.topk as usize
@@ -93,7 +94,7 @@ pub fn cpu_reference(
 /// Which elements of a layer's pool (the case's pages, layer-major bits) the real requests
 /// write: the N new positions of each.
 pub fn written_mask(plan: &ValidatedPlan, c: &Case) -> Vec<bool> {
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let ps = plan.capture.page_size as usize;
     let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
     let mut w = vec![false; c.used_pages * plan.kv_page_bytes() as usize / 2];

@@ -7,6 +7,7 @@
 //! chunk buffers) and again at the end.
 
 use cudarc::driver::result;
+use specplan_format::PhaseKind;
 use specplan_format::ValidatedPlan;
 use specplan_runtime::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
 
@@ -51,7 +52,7 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
     let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(g)?;
     let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
     let top = (plan.capture.max_requests as usize).min(max_b + max_b / 2 + 3).max(1);
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let max_prefix = (plan.capture.max_context_len as usize).saturating_sub(n).min(400);
     // Request pages of the pool (the last one is the scratch page).
     let (pool_pages, ps) = (

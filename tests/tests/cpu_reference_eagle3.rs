@@ -10,8 +10,8 @@ use std::path::Path;
 
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
+use specplan_contract::{load_inputs, load_weights, run_cpu, write_outputs};
 use specplan_format::{HeadKind, ValidatedPlan};
-use specplan_runtime::contract::{load_inputs, load_weights, run_cpu, write_outputs};
 use specplan_tests::{seed, Rng};
 
 mod naive;

@@ -5,7 +5,7 @@
 mod common;
 
 use specplan_compiler::config::Overrides;
-use specplan_runtime::contract::{load_inputs, load_weights, run_cpu};
+use specplan_contract::{load_inputs, load_weights, run_cpu};
 use specplan_tests::contract_files::{input_tensors, plan_json, weight_tensors, write_safetensors};
 
 fn roundtrip(o: Overrides, b: usize, max_prefix: usize) {

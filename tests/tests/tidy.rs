@@ -4,7 +4,12 @@
 //! - no function there over 200 lines;
 //! - every kernel entry name written as a string literal at most once in all Rust sources
 //!   (its declaration in the kernels crate);
-//! - every `unsafe` block, function or impl has a `// SAFETY:` comment just above it.
+//! - every `unsafe` block, function or impl has a `// SAFETY:` comment just above it;
+//! - no tensor name a phase signature declares written as a string literal in the crates'
+//!   sources (`src/` of the library and binary crates, the Python extension and the test
+//!   support crate): they are spelled once, in `kernels/src/io.rs`, and declared once, in
+//!   `format/src/signature.rs`. A line that means the same word as something else (the
+//!   `outputs` flag's spelling "logits") says so with `tidy: not a tensor name`.
 
 use std::path::{Path, PathBuf};
 
@@ -140,4 +145,37 @@ fn every_unsafe_has_a_safety_comment() {
         }
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+#[test]
+fn tensor_names_are_spelled_only_in_the_signature() {
+    let names: Vec<String> = specplan_format::signature::all_names()
+        .map(|n| format!("\"{n}\""))
+        .collect();
+    assert!(names.len() >= 12, "the signature declares its tensors: {names:?}");
+    let in_scope = |p: &Path| {
+        let rel = p.strip_prefix(root()).unwrap_or(p).to_string_lossy().replace('\\', "/");
+        let src = LIB_DIRS.iter().any(|d| rel.starts_with(&format!("{d}/")))
+            || rel.starts_with("python/src/")
+            || rel.starts_with("tests/src/");
+        src && !rel.contains("/tests/") && !rel.starts_with("kernels/derive/") && rel != "kernels/src/io.rs"
+    };
+    let mut bad = Vec::new();
+    for f in all_files().into_iter().filter(|f| in_scope(f)) {
+        let text = std::fs::read_to_string(&f).unwrap_or_default();
+        for (i, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") || line.contains("tidy: not a tensor name") {
+                continue;
+            }
+            if let Some(n) = names.iter().find(|n| line.contains(n.as_str())) {
+                bad.push(format!("{}:{}: {n} (use specplan_format::io)", f.display(), i + 1));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "tensor names outside the signature:\n{}",
+        bad.join("\n")
+    );
 }

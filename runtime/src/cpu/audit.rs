@@ -6,6 +6,7 @@
 //! changed only arena bytes of the buffers it names with write access (the entry's
 //! declaration says which fields write) and only the K/V pools it names for writing.
 
+use specplan_format::PhaseKind;
 use specplan_format::{ArgValue, BucketPlan, DType, KvKind, LaunchKind, Plan, ValidatedPlan};
 use specplan_kernels::abi::FieldKind;
 
@@ -221,7 +222,7 @@ fn synthetic_inputs(
 ) -> Result<(BucketInputs, PageTable, KvPool), AuditError> {
     let (bb, n, h) = (
         b.batch as usize,
-        plan.spec.num_draft_tokens as usize,
+        plan.rows_per_request(PhaseKind::DraftExtend) as usize,
         plan.model.hidden as usize,
     );
     let ps = plan.capture.page_size.max(1) as usize;

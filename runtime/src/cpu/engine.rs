@@ -8,6 +8,7 @@
 //! machine without a GPU, and the oracle of the layouts the kernels walk.
 
 use specplan_format::io;
+use specplan_format::PhaseKind;
 use specplan_format::{signature, DType, Packing, Plan, ValidatedPlan};
 use specplan_kernels::kv::{DeviceRule, TableMode};
 
@@ -212,7 +213,7 @@ impl CpuEngine {
 
     /// Request `i`'s accept length (`A`, however the caller gave it).
     fn accept(&self, x: &HostStep, i: usize) -> i64 {
-        let n = self.plan.spec.num_draft_tokens as i64;
+        let n = self.plan.rows_per_request(PhaseKind::DraftExtend) as i64;
         match x.accept_form {
             crate::gpu::AcceptForm::Lengths => x.accept.get(i),
             crate::gpu::AcceptForm::SelectRows => x.accept.get(i) - i as i64 * n + 1,
@@ -222,7 +223,7 @@ impl CpuEngine {
     /// Request `i`'s table row, or the first rule it breaks in `admit`'s order.
     fn admit(&self, x: &HostStep, i: usize) -> Result<Vec<i32>, DeviceRule> {
         let p = &self.plan;
-        let n = p.spec.num_draft_tokens as i64;
+        let n = p.rows_per_request(PhaseKind::DraftExtend) as i64;
         let ps = p.capture.page_size as i64;
         let r = x.req.get(i);
         let l = x.prefix.get(i) + x.prefix_bias as i64;
@@ -276,7 +277,7 @@ impl CpuEngine {
     /// written, zero outputs) and reported by [`CpuEngine::last_error`].
     pub fn step(&mut self, x: &HostStep, out: &mut HostOutputs) -> Result<(), String> {
         let p = self.plan.plan().clone();
-        let n = p.spec.num_draft_tokens as usize;
+        let n = p.rows_per_request(PhaseKind::DraftExtend) as usize;
         let (h, hin, k) = (
             p.model.hidden as usize,
             p.model.hidden_in() as usize,

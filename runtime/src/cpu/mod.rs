@@ -20,6 +20,7 @@ mod entries;
 mod kv;
 
 use specplan_format::io;
+use specplan_format::PhaseKind;
 use std::borrow::Cow;
 
 pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
@@ -117,7 +118,7 @@ struct Ctx<'a, K: KvStore> {
 type R<T> = Result<T, String>;
 
 impl<'p> CpuExecutor<'p> {
-    /// `weights[i]` is the plan's weight `i`, already packed (see `contract::load_weights`).
+    /// `weights[i]` is the plan's weight `i`, already packed (see `specplan_contract::load_weights`).
     pub fn new(plan: &'p ValidatedPlan, weights: Vec<WeightData>) -> Result<Self, ExecError> {
         Self::with_weights(plan, Cow::Owned(weights))
     }
@@ -292,7 +293,7 @@ impl<'p> CpuExecutor<'p> {
 /// `[0, max_context_len - N]`. The attention's work grows with the prefix, so an executor
 /// given an unchecked one could loop for as long as an i32 allows.
 fn check_prefixes(plan: &Plan, prefix_lens: &[i32]) -> R<()> {
-    let max = plan.capture.max_context_len as i64 - plan.spec.num_draft_tokens as i64;
+    let max = plan.capture.max_context_len as i64 - plan.rows_per_request(PhaseKind::DraftExtend) as i64;
     match prefix_lens.iter().position(|&l| l < 0 || l as i64 > max) {
         Some(i) => Err(format!(
             "prefix_lens[{i}] = {} is outside [0, max_context_len - num_draft_tokens = {max}]",

@@ -17,6 +17,7 @@ use std::ffi::c_void;
 use std::time::Instant;
 
 use cudarc::driver::{result, sys};
+use specplan_format::PhaseKind;
 use specplan_format::{io, BucketFacts, KernelFacts, Plan, Replay, ValidatedPlan};
 use specplan_kernels::abi::{Kernel, KernelParams};
 use specplan_kernels::entries::io::{admit_smem_bytes, AdmitParams, AdmitPtrs, EmitParams, EmitPtrs};
@@ -325,7 +326,7 @@ impl GpuRuntime {
         let core = Self::core(&plan, &opts)?;
         // admit's write set grows with the bucket: above 48 KiB of shared memory a kernel
         // must opt in to it.
-        let n = plan.spec.num_draft_tokens;
+        let n = plan.rows_per_request(PhaseKind::DraftExtend);
         let smem = plan
             .buckets()
             .iter()
@@ -382,7 +383,7 @@ impl GpuRuntime {
     /// Batches above the largest bucket run as consecutive replays of the largest bucket.
     pub fn step_device(&mut self, s: &DeviceStep) -> Result<StepInfo, GpuError> {
         let t0 = Instant::now();
-        let n = self.plan.spec.num_draft_tokens as u64;
+        let n = self.plan.rows_per_request(PhaseKind::DraftExtend) as u64;
         let (h, k) = (self.plan.model.hidden as u64, self.plan.spec.topk as u64);
         let cols = specplan_format::signature::logits_cols(&self.plan) as u64;
         let hin = self.plan.model.hidden_in() as u64;

@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use cudarc::driver::{result, sys};
+use specplan_format::PhaseKind;
 use specplan_format::{io, DType, Replay, ValidatedPlan};
 use specplan_kernels::kv::TableMode;
 
@@ -289,7 +290,7 @@ impl GpuRuntime {
         ));
         // Input rows are hidden_in wide (3·H_t for an EAGLE-3 head).
         let (n, h) = (
-            self.plan.spec.num_draft_tokens as usize,
+            self.plan.rows_per_request(PhaseKind::DraftExtend) as usize,
             self.plan.model.hidden_in() as usize,
         );
         let act = self.plan.capture.dtype.size() as usize;
@@ -325,17 +326,13 @@ impl GpuRuntime {
     /// The admission rules (`crate::admission`) over a whole step.
     fn check(&mut self, req: &StepRequest) -> Result<(), GpuError> {
         let p = &self.plan;
-        let (b, n, h) = (
-            req.slots.len(),
-            p.spec.num_draft_tokens as usize,
-            p.model.hidden_in() as usize,
-        );
+        let (b, n) = (req.slots.len(), p.rows_per_request(PhaseKind::DraftExtend) as usize);
         admission::check_batch(b, None)?;
-        admission::check_shape(io::INPUT_IDS, req.input_ids.len(), b * n, &format!("[{b}, {n}]"))?;
-        admission::check_shape(io::PREFIX_LENS, req.prefix_lens.len(), b, &format!("[{b}]"))?;
-        admission::check_shape(io::ACCEPT_LENS, req.accept_lens.len(), b, &format!("[{b}]"))?;
+        admission::check_staged(p, PhaseKind::DraftExtend, io::INPUT_IDS, req.input_ids.len(), b)?;
+        admission::check_staged(p, PhaseKind::DraftExtend, io::PREFIX_LENS, req.prefix_lens.len(), b)?;
+        admission::check_staged(p, PhaseKind::DraftExtend, io::ACCEPT_LENS, req.accept_lens.len(), b)?;
         if let Hidden::Host(v) = req.hidden {
-            admission::check_shape(io::HIDDEN_STATES, v.len(), b * n * h, &format!("[{b}, {n}, {h}]"))?;
+            admission::check_staged(p, PhaseKind::DraftExtend, io::HIDDEN_STATES, v.len(), b)?;
         }
         admission::check_ids(req.input_ids, p.model.vocab, n)?;
         let (ps, cols) = (p.capture.page_size as usize, p.capture.max_pages_per_request as usize);
@@ -448,7 +445,7 @@ impl GpuRuntime {
         let b = req.slots.len();
         let bi = self.bucket_for(b).ok_or_else(|| self.no_bucket(b))?;
         let (n, h) = (
-            self.plan.spec.num_draft_tokens as usize,
+            self.plan.rows_per_request(PhaseKind::DraftExtend) as usize,
             self.plan.model.hidden_in() as usize,
         );
         let act = self.plan.capture.dtype.size() as usize;

@@ -5,6 +5,7 @@
 //! (so host prep never waits on the GPU's compute).
 
 use cudarc::driver::{result, sys};
+use specplan_format::PhaseKind;
 use specplan_format::{io, BucketPlan, BufferRole, Plan};
 
 use super::device::{cuda, Event, GpuError, Pinned};
@@ -111,7 +112,10 @@ impl Staging {
         stream: sys::CUstream,
     ) -> Result<(), GpuError> {
         let bucket = &plan.buckets()[bi];
-        let (bb, n) = (bucket.batch as usize, plan.spec.num_draft_tokens as usize);
+        let (bb, n) = (
+            bucket.batch as usize,
+            plan.rows_per_request(PhaseKind::DraftExtend) as usize,
+        );
         let b = rows.slots.len();
         let lay = &self.layouts[bi];
         let k = self.next;

@@ -6,6 +6,7 @@
 //! no memory is read.
 
 use specplan_format::io;
+use specplan_format::PhaseKind;
 use std::collections::HashMap;
 
 use specplan_format::{DType, Packing, Plan};
@@ -229,7 +230,7 @@ pub fn check_table(plan: &Plan, t: &TableRegistration) -> Result<(), RegError> {
             format!("row stride {} is below the {} columns", t.stride, t.cols),
         ));
     }
-    let n = plan.spec.num_draft_tokens as u64;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
     let positions = match t.mode {
         TableMode::TokenSlots => t.cols,
         TableMode::PageIds => t.cols.saturating_mul(plan.capture.page_size as u64),

@@ -22,6 +22,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use specplan_format::PhaseKind;
 use specplan_format::{load_file, ValidatedPlan};
 use specplan_runtime::gpu::{GpuOptions, GpuRuntime};
 use specplan_tests::checks::{attention_check, check_case, contract_check, replay_us, ATTN_MAX_BOUND, REL_BOUND};
@@ -59,7 +60,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         }
     };
     rep.load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let max_prefix = (plan.capture.max_context_len - plan.spec.num_draft_tokens) as usize;
+    let max_prefix = (plan.capture.max_context_len - plan.rows_per_request(PhaseKind::DraftExtend)) as usize;
     for b in batches(plan, quick) {
         let c = make_case(plan, rng, b, max_prefix.min(700));
         match check_case(plan, &mut rt, &weights, &c) {

@@ -18,6 +18,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use specplan_format::PhaseKind;
 use specplan_format::{load_file, ValidatedPlan};
 use specplan_tests::contract_files::{input_tensors, plan_json, weight_tensors, write_safetensors};
 use specplan_tests::seed;
@@ -80,7 +81,8 @@ fn write_weights(plan: &ValidatedPlan, out: &Path, seed: u64) -> Result<(), Stri
 
 fn write_inputs(plan: &ValidatedPlan, out: &Path, seed: u64, o: &Opts) -> Result<(), String> {
     let t0 = Instant::now();
-    let room = (plan.capture.max_context_len as usize).saturating_sub(plan.spec.num_draft_tokens as usize);
+    let room =
+        (plan.capture.max_context_len as usize).saturating_sub(plan.rows_per_request(PhaseKind::DraftExtend) as usize);
     let max_prefix = o.max_prefix.unwrap_or(room.min(1000));
     let t = input_tensors(plan, seed, o.batch, max_prefix)?;
     write_safetensors(out, &t)?;

@@ -20,6 +20,7 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use specplan_format::PhaseKind;
 use specplan_format::{load_file, LaunchKind, ValidatedPlan};
 use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, StepRequest};
 use specplan_tests::gpu::{ceilings, median, percentile, DeviceBuf, Timer, RUNS, WARMUP};
@@ -38,7 +39,7 @@ fn g(e: GpuError) -> String {
 /// and the bytes the attention must move.
 fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
     let m = &plan.model;
-    let n = plan.spec.num_draft_tokens as u64;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
     let (hq, hkv, d, layers) = (m.heads as u64, m.kv_heads as u64, m.head_dim as u64, m.layers as u64);
     let act = plan.capture.dtype.size();
     let (mut wbytes, mut flops) = (0f64, 0f64);
@@ -122,7 +123,7 @@ fn bench_plan(
     let flush = DeviceBuf::new(256 << 20)?;
     // Input rows: hidden_in wide (3·H_t for an EAGLE-3 head).
     let (n, h, ps) = (
-        plan.spec.num_draft_tokens as usize,
+        plan.rows_per_request(PhaseKind::DraftExtend) as usize,
         plan.model.hidden_in() as usize,
         plan.capture.page_size as usize,
     );
@@ -265,7 +266,7 @@ const HOST_BURST_LEN: usize = 8;
 /// The same steps in engine memory (caller's pool, table, weights, inputs and stream), at
 /// L 1024: host time of the call and the step's time on the stream, beside the owned replay.
 fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut Bench) -> Result<(), String> {
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let l = 1024usize;
     if l + n > plan.capture.max_context_len as usize {
         return Ok(());

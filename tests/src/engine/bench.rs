@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use cudarc::driver::result;
+use specplan_format::PhaseKind;
 use specplan_format::ValidatedPlan;
 use specplan_runtime::gpu::{
     DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GpuOptions, GpuRuntime, KvRegistration,
@@ -91,7 +92,7 @@ pub struct BenchFixture {
 pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFixture, String> {
     let m = &plan.model;
     let act = plan.capture.dtype;
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let mut bufs: Vec<DeviceBuf> = Vec::new();
     let fill = |bufs: &mut Vec<DeviceBuf>, bytes: usize| -> Result<u64, String> {
         let d = DeviceBuf::new(bytes)?;

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use cudarc::driver::result;
+use specplan_format::PhaseKind;
 use specplan_format::{DType, Packing, ValidatedPlan};
 use specplan_runtime::bits::to_act_bits;
 use specplan_runtime::cpu::WeightData;
@@ -237,7 +238,7 @@ pub(crate) fn fixture(
         v0.push(v.to_vec());
     }
     // Table rows in scattered order; unused entries -1. Token slots (SGLang) or blocks.
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let blocks = layout.blocks();
     let rows_n = 2 * c.b + 3;
     let perm = rng.permutation(rows_n);

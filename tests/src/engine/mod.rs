@@ -15,6 +15,7 @@
 use std::time::Instant;
 
 use cudarc::driver::result;
+use specplan_format::PhaseKind;
 use specplan_format::ValidatedPlan;
 use specplan_runtime::gpu::{
     AcceptForm, DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime,
@@ -68,7 +69,7 @@ pub(crate) fn engine_step(
 ) -> Result<(Outputs, f64, bool), String> {
     let plan = rt.plan().clone();
     let (n, k, h) = (
-        plan.spec.num_draft_tokens as i64,
+        plan.rows_per_request(PhaseKind::DraftExtend) as i64,
         plan.spec.topk as usize,
         plan.model.hidden as usize,
     );
@@ -219,7 +220,7 @@ pub struct EngineReport {
 /// The pool's elements (per layer, slot-major) the real requests' new positions own.
 fn written_slots(plan: &ValidatedPlan, c: &Case, skip: Option<usize>) -> Vec<bool> {
     let ps = plan.capture.page_size as usize;
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let slot = (plan.model.kv_heads * plan.model.head_dim) as usize;
     let mut w = vec![false; c.used_pages * ps * slot];
     for i in (0..c.b).filter(|&i| Some(i) != skip) {
@@ -621,7 +622,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                 specplan_format::DType::F16 => 0.9 * half::f16::MAX.to_f32(),
                 _ => 0.9 * half::bf16::MAX.to_f32(),
             };
-            let per = plan.spec.num_draft_tokens as usize * plan.model.hidden_in() as usize;
+            let per = plan.rows_per_request(PhaseKind::DraftExtend) as usize * plan.model.hidden_in() as usize;
             let bits = specplan_runtime::bits::to_act_bits(&[big], act)[0];
             engine_hidden[at * per..(at + 1) * per]
                 .iter_mut()

@@ -22,9 +22,10 @@ use half::{bf16, f16};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use crate::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
-use crate::step::{first_non_finite, input_error, pad_to_bucket, InputError, PageTable, StepInputs};
+use specplan_format::PhaseKind;
 use specplan_format::{io, DType, Packing, ValidatedPlan};
+use specplan_runtime::cpu::{BucketOutputs, CpuExecutor, KvPool, WeightData};
+use specplan_runtime::step::{first_non_finite, input_error, pad_to_bucket, InputError, PageTable, StepInputs};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ContractError {
@@ -37,9 +38,9 @@ pub enum ContractError {
     #[error("{file}: {error}")]
     Input { file: String, error: InputError },
     #[error(transparent)]
-    Exec(#[from] crate::cpu::ExecError),
+    Exec(#[from] specplan_runtime::cpu::ExecError),
     #[error(transparent)]
-    Gpu(#[from] crate::gpu::GpuError),
+    Gpu(#[from] specplan_runtime::gpu::GpuError),
     #[error("cannot write {path}: {message}")]
     Write { path: String, message: String },
     /// The step ran, but a request's outputs are not finite: nothing is written.
@@ -98,7 +99,7 @@ pub fn weights_cap(plan: &ValidatedPlan) -> u64 {
 /// plus the header.
 pub fn inputs_cap(plan: &ValidatedPlan) -> u64 {
     let b = plan.buckets().last().map_or(0, |x| x.batch) as u64;
-    let n = plan.spec.num_draft_tokens as u64;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
     let step =
         b * n * (8 + plan.model.hidden_in() as u64 * 4) + b * (16 + plan.capture.max_pages_per_request as u64 * 4);
     let kv = 2 * plan.kv_pool_bytes() * 2;
@@ -348,7 +349,7 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
     let st = parse(&bytes, &file)?;
     let fail = |e: InputError| ContractError::input(&file, e);
     let m = &plan.model;
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let (ids, shape) = ints(&st, io::INPUT_IDS, Dtype::I64, None).map_err(fail)?;
     if shape.len() != 2 || shape[1] != n {
         return Err(fail(input_error(
@@ -515,7 +516,7 @@ pub fn run_gpu(
     inputs: &mut InputsFile,
     eager: bool,
 ) -> Result<StepResult, ContractError> {
-    use crate::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
+    use specplan_runtime::gpu::{GpuOptions, GpuRuntime, Hidden, StepRequest};
     let x = &inputs.step;
     let b = x.batch;
     let file_pages = inputs.kv.pages - 1;
@@ -524,7 +525,7 @@ pub fn run_gpu(
         build_graphs: !eager,
         // One step: timing every bucket's GEMM candidates (0.1–0.6 s) would cost more than
         // it could save; cublasGemmEx's default choice serves this run.
-        gemms: crate::gpu::GemmPolicy::Heuristic,
+        gemms: specplan_runtime::gpu::GemmPolicy::Heuristic,
         ..GpuOptions::default()
     };
     let mut rt = GpuRuntime::new(plan.clone(), &weights, opts)?;
@@ -533,17 +534,17 @@ pub fn run_gpu(
         let per = file_pages * plan.kv_page_bytes() as usize / 2;
         layers
             .iter()
-            .flat_map(|l| crate::bits::to_act_bits(&l[..per], act))
+            .flat_map(|l| specplan_runtime::bits::to_act_bits(&l[..per], act))
             .collect()
     };
     rt.write_kv(&bits(&inputs.kv.k), &bits(&inputs.kv.v), file_pages)?;
-    let n = plan.spec.num_draft_tokens as usize;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let ps = plan.capture.page_size as usize;
     for i in 0..b {
         let used = (x.prefix_lens[i] as usize + n).div_ceil(ps);
         rt.set_pages(i, &x.page_table[i * x.page_cols..i * x.page_cols + used])?;
     }
-    let hidden = crate::bits::to_act_bits(&x.hidden_states, act);
+    let hidden = specplan_runtime::bits::to_act_bits(&x.hidden_states, act);
     let slots: Vec<i32> = (0..b as i32).collect();
     let req = StepRequest {
         slots: &slots,
@@ -555,7 +556,7 @@ pub fn run_gpu(
     let info = rt.step(&req, eager)?;
     let out = rt.read_outputs()?;
     let (k, v) = rt.read_kv(file_pages)?;
-    let to_f = |u: u16| crate::bits::from_act_bits(u, act);
+    let to_f = |u: u16| specplan_runtime::bits::from_act_bits(u, act);
     let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
     let per = file_pages * ps * row;
     for layer in 0..plan.model.layers as usize {

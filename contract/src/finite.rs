@@ -23,7 +23,7 @@ impl StepResult {
                 request: i,
                 message,
             };
-            if let Some((j, m)) = crate::step::first_non_finite(&o.hidden_out[i * h..(i + 1) * h], act) {
+            if let Some((j, m)) = specplan_runtime::step::first_non_finite(&o.hidden_out[i * h..(i + 1) * h], act) {
                 return Err(bad(io::HIDDEN_OUT, format!("element {j}: {m}")));
             }
             for (name, v) in [(io::TOPK_PROBS, &o.topk_probs), (io::LOGITS, &o.logits)] {
