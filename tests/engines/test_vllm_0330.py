@@ -130,7 +130,7 @@ def test_vllm_builds_specplans_speculator_with_its_real_draft_model(cmp):
     assert (s.model.lm_head is c.target.lm_head) == (not c.eagle3)
     runner = s._sp_runner
     assert runner is not None and runner.plan is c.plan
-    kept_kv, table = runner._pools_kept
+    kept_kv, table = runner.engine._pools_kept
     assert len(kept_kv) == 1 and kept_kv[0] is c.kv
     assert table is c.bt.block_tables[0].gpu and table.dtype == torch.int32
     params = dict(s.model.named_parameters())
@@ -147,8 +147,8 @@ def test_vllm_builds_specplans_speculator_with_its_real_draft_model(cmp):
         own["d2t"] = "draft_id_to_target_id"
         own["norm.weight"] = "model.norm.weight"
     for plan_name, vllm_name in own.items():
-        assert runner._weights[plan_name].data_ptr() == params[vllm_name].data_ptr(), plan_name
-    assert {w[0] for w in c.plan.weights()} <= set(runner._weights)
+        assert runner.engine._weights[plan_name].data_ptr() == params[vllm_name].data_ptr(), plan_name
+    assert {w[0] for w in c.plan.weights()} <= set(runner.engine._weights)
 
 
 def _same_drafts(sp, vl):
@@ -251,7 +251,7 @@ def test_eagle3_drafts_are_target_ids_mapped_once():
     cmp = built("eagle3-LBNHC")
     s = cmp.case.s
     d2t = s.model.draft_id_to_target_id
-    assert cmp.case.s._sp_runner._weights["d2t"].data_ptr() == d2t.data_ptr()
+    assert cmp.case.s._sp_runner.engine._weights["d2t"].data_ptr() == d2t.data_ptr()
     targets = torch.arange(env.VD) + d2t
     assert bool((d2t != 0).any())
     assert bool(torch.isin(cmp.sp.drafts, targets).all())
