@@ -24,6 +24,7 @@ use specplan_format::{DType, Packing, Plan};
 use crate::Rng;
 
 /// One safetensors tensor, little-endian bytes.
+#[derive(Clone, Debug)]
 pub struct FileTensor {
     pub name: String,
     pub dtype: Dtype,

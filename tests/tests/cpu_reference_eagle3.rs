@@ -391,3 +391,90 @@ fn eagle3_weight_files_that_do_not_fit_are_refused() {
         println!("refused: {err}");
     }
 }
+
+/// A tied EAGLE-3 head (`tie_word_embeddings`, draft vocabulary = vocabulary) reads its
+/// lm_head from `embed_tokens.weight`: its plan names that source, a weights file without
+/// `lm_head.weight` loads, and its outputs equal, bit for bit, those of the same head untied
+/// whose `lm_head.weight` is a copy of the embedding (the untied path is the one checked
+/// against the naive forward above).
+#[test]
+fn a_tied_eagle3_head_reads_its_lm_head_from_the_embedding() {
+    use specplan_tests::contract_files::{input_tensors, weight_tensors, write_safetensors};
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/valid/tiny-eagle3.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("tiny-eagle3.json")).expect("json");
+    cfg["draft_vocab_size"] = cfg["vocab_size"].clone();
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2,4".into()),
+        page_size: Some(4),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    };
+    let plan_of = |tied: bool| {
+        let mut c = cfg.clone();
+        c["tie_word_embeddings"] = serde_json::Value::Bool(tied);
+        let src = Source::HfConfig {
+            name: format!("tiny-eagle3-tied-{tied}"),
+            text: c.to_string(),
+        };
+        compile(
+            &resolve(&src, &o).expect("config"),
+            &Target::default(),
+            None,
+            &|_, _| {},
+        )
+        .expect("compile")
+        .plan
+    };
+    let (tied, untied) = (plan_of(true), plan_of(false));
+    let lm = |p: &ValidatedPlan| {
+        p.weights
+            .iter()
+            .find(|w| w.name == "lm_head.weight")
+            .cloned()
+            .expect("lm_head")
+    };
+    assert_eq!(lm(&tied).sources, vec!["embed_tokens.weight".to_string()]);
+    assert_eq!(lm(&untied).sources, vec!["lm_head.weight".to_string()]);
+    assert_eq!(lm(&tied).shape, lm(&untied).shape);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let seed = seed();
+    let mut files = weight_tensors(&tied, seed).expect("weights");
+    assert!(
+        files.iter().all(|t| t.name != "lm_head.weight"),
+        "the tied file has no lm_head"
+    );
+    write_safetensors(&dir.path().join("tied.safetensors"), &files).expect("write");
+    let embed = files
+        .iter()
+        .find(|t| t.name == "embed_tokens.weight")
+        .expect("embed")
+        .bytes
+        .clone();
+    let mut copy = files
+        .iter()
+        .find(|t| t.name == "embed_tokens.weight")
+        .expect("embed")
+        .clone();
+    copy.name = "lm_head.weight".into();
+    assert_eq!(copy.bytes, embed);
+    files.push(copy);
+    write_safetensors(&dir.path().join("untied.safetensors"), &files).expect("write");
+    for b in [1usize, 3] {
+        let inputs = input_tensors(&tied, seed ^ b as u64, b, 100).expect("inputs");
+        let ip = dir.path().join(format!("in{b}.safetensors"));
+        write_safetensors(&ip, &inputs).expect("write");
+        let run = |p: &ValidatedPlan, w: &str| {
+            let w = load_weights(p, &dir.path().join(w)).expect("weights load");
+            let mut x = load_inputs(p, &ip).expect("inputs load");
+            run_cpu(p, w, &mut x).expect("cpu run").outputs
+        };
+        let (a, u) = (run(&tied, "tied.safetensors"), run(&untied, "untied.safetensors"));
+        assert_eq!(a.topk_ids, u.topk_ids, "b={b}");
+        assert_eq!(a.topk_probs, u.topk_probs, "b={b}");
+        assert_eq!(a.hidden_out, u.hidden_out, "b={b}");
+    }
+}

@@ -51,6 +51,13 @@ const CASES: &[(&str, Verdict)] = &[
         },
     ),
     (
+        "eagle3-tied-full-vocab",
+        Accept {
+            head: HeadKind::Eagle3,
+            layers: 1,
+        },
+    ),
+    (
         "eagle3-safeailab-training",
         Accept {
             head: HeadKind::Eagle3,

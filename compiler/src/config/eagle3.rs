@@ -6,7 +6,8 @@
 //! `config.json`, e.g. `LlamaForCausalLMEagle3`) or a TOML `[model]` table says
 //! `head = "eagle3"`. Forms the engines disagree on or that specplan does not compute yet
 //! are refused with the key that asks for them: more than one layer, `norm_before_residual`,
-//! `use_aux_hidden_state = false`, an fc bias, tied embeddings, and a target whose three
+//! `use_aux_hidden_state = false`, an fc bias, tied embeddings over a smaller draft
+//! vocabulary, and a target whose three
 //! layers are exactly H wide (where EAGLE-3 skips its fc).
 
 use serde_json::Value;
@@ -21,6 +22,9 @@ pub struct Head {
     pub target_hidden: u32,
     pub draft_vocab: Option<u32>,
     pub fc_bias: bool,
+    /// `tie_word_embeddings`: the head's lm_head is its embedding (SGLang 0.5.23 sets
+    /// `lm_head = model.embed_tokens`, `srt/models/llama_eagle3.py:303-304`).
+    pub tied: bool,
 }
 
 fn path(prefix: &str, key: &str) -> String {
@@ -87,6 +91,7 @@ pub fn read_head(
             target_hidden: hidden.unwrap_or(0),
             draft_vocab: None,
             fc_bias,
+            tied: false,
         };
     }
     let target_hidden = uint(obj, prefix, "target_hidden_size", MAX_HIDDEN, e)
@@ -113,11 +118,17 @@ pub fn read_head(
             "true is not supported: layer 0's residual is h, not hidden_norm(h)".into(),
         );
     }
-    if obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true) {
-        e.push(
-            path(prefix, "tie_word_embeddings"),
-            "true is not supported for EAGLE-3 heads (give lm_head.weight)".into(),
-        );
+    // Tied: the lm_head is the [V, H] embedding, so its rows are the target vocabulary. A
+    // draft vocabulary below V cannot be tied faithfully: SGLang would put the V-row
+    // embedding under a V_d-wide logits processor, vLLM builds a V_d-row head.
+    let tied = obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
+    if let (true, Some(vd), Some(v)) = (tied, draft_vocab, vocab) {
+        if vd < v {
+            e.push(
+                path(prefix, "tie_word_embeddings"),
+                format!("true with draft_vocab_size {vd} below vocab_size {v} is not supported: the embedding has {v} rows, a draft-vocabulary head {vd} (give lm_head.weight and tie_word_embeddings false, or draft_vocab_size = vocab_size)"),
+            );
+        }
     }
     let aux = obj
         .get("eagle_config")
@@ -150,5 +161,6 @@ pub fn read_head(
         target_hidden,
         draft_vocab,
         fc_bias: false,
+        tied,
     }
 }

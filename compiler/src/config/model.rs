@@ -18,6 +18,8 @@ pub struct ModelConfig {
     pub windows: Vec<Option<u32>>,
     /// `torch_dtype`, when it names an activation type.
     pub torch_dtype: Option<DType>,
+    /// EAGLE-3 with `tie_word_embeddings`: lm_head's rows are `embed_tokens.weight`.
+    pub tied_lm_head: bool,
 }
 
 struct Reader<'a> {
@@ -225,6 +227,7 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
         },
         windows,
         torch_dtype,
+        tied_lm_head: head.tied,
     })
 }
 

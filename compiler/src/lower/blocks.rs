@@ -196,6 +196,17 @@ pub(super) fn output_head(g: &mut Builder, cx: &Cx, inp: &Inputs, x: TensorId) {
     };
     let k = cfg.spec.topk as u64;
     let (lm_w, vh) = match cfg.capture.hot_vocab_size {
+        // A tied EAGLE-3 head reads its lm_head rows from the embedding (one source, bound
+        // twice: in place in engine memory, packed twice when the runtime owns the weights).
+        None if cfg.model.tied_lm_head => (
+            g.weight_from(
+                "lm_head.weight",
+                "embed_tokens.weight",
+                act,
+                vec![f(m.lm_vocab() as u64), f(h)],
+            ),
+            m.lm_vocab() as u64,
+        ),
         None => (
             g.weight("lm_head.weight", act, vec![f(m.lm_vocab() as u64), f(h)]),
             m.lm_vocab() as u64,

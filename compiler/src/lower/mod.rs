@@ -121,6 +121,14 @@ impl Builder {
     pub(crate) fn output(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
         self.tensor(name, dtype, shape, Storage::Activation { output: true })
     }
+    /// A weight named `name` in the plan, read from the file tensor `source`.
+    pub(crate) fn weight_from(&mut self, name: &str, source: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
+        let storage = Storage::Weight {
+            sources: vec![source.to_string()],
+            packing: Packing::Single,
+        };
+        self.tensor(name, dtype, shape, storage)
+    }
     pub(crate) fn weight(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
         let storage = Storage::Weight {
             sources: vec![name.to_string()],
