@@ -14,12 +14,13 @@ needs both (it takes the caller's tensors by address and never links libtorch).
 
 import os
 import sys
+import warnings
 
 from . import _native
 from ._runner import DeviceError, DraftExtendOutput, DraftExtendRunner, Engine
 
 __version__ = _native.__version__
-__all__ = ["Plan", "Engine", "DraftExtendRunner", "DraftExtendOutput", "DeviceError", "doctor"]
+__all__ = ["Plan", "CompileNote", "Engine", "DraftExtendRunner", "DraftExtendOutput", "DeviceError", "doctor"]
 
 
 def _nvidia_dirs():
@@ -31,6 +32,10 @@ def _nvidia_dirs():
         if os.path.isdir(d) and d not in out:
             out.append(d)
     return out
+
+
+class CompileNote(UserWarning):
+    """A note of `Plan.compile` on how the config was read (the CLI prints it as `note:`)."""
 
 
 class Plan:
@@ -67,7 +72,13 @@ class Plan:
         the .ci/with-nvrtc cache, CUDA_HOME, /usr/local/cuda)."""
         cfg = os.fspath(config) if config is not None else None
         hf = os.fspath(hf_config) if hf_config is not None else None
-        return cls(_native.Plan.compile(preset, cfg, hf, flags, _nvidia_dirs()))
+        plan = cls(_native.Plan.compile(preset, cfg, hf, flags, _nvidia_dirs()))
+        # The CLI's `note:` lines: how the config was read where it may surprise (a serving
+        # context above the head's training length, mrope read as plain RoPE). Filter them
+        # with warnings.simplefilter("ignore", specplan.CompileNote); `plan.notes` keeps them.
+        for note in plan.notes:
+            warnings.warn(note, CompileNote, stacklevel=2)
+        return plan
 
     def save(self, path):
         self._p.save(os.fspath(path))
@@ -79,6 +90,11 @@ class Plan:
     def weights(self):
         """[(name, dtype, shape, sources)] of every weight the plan reads."""
         return self._p.weights()
+
+    @property
+    def notes(self):
+        """The config reader's notes of this compile (empty for a loaded plan)."""
+        return self._p.notes
 
     def phases(self):
         """The forwards the plan compiles: [(kind, rows per request, buckets)]."""

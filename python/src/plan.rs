@@ -17,6 +17,10 @@ use specplan_format::{PhaseKind, Replay, ValidatedPlan};
 #[pyclass(module = "specplan._native", frozen)]
 pub struct Plan {
     pub(crate) inner: ValidatedPlan,
+    /// What the config reader noted while compiling this plan (a serving context above the
+    /// head's training length, mrope read as plain RoPE, ...): the CLI's `note:` lines.
+    /// Empty for a plan loaded from a file.
+    pub(crate) notes: Vec<String>,
 }
 
 /// One tensor of a signature for Python: `(name, dtype, shape, role, doc)`.
@@ -124,7 +128,10 @@ impl Plan {
     #[staticmethod]
     fn load(path: PathBuf) -> PyResult<Plan> {
         specplan_format::load_file(&path)
-            .map(|inner| Plan { inner })
+            .map(|inner| Plan {
+                inner,
+                notes: Vec::new(),
+            })
             .map_err(|e| PyValueError::new_err(format!("cannot load plan {}: {e}", path.display())))
     }
 
@@ -132,7 +139,10 @@ impl Plan {
     #[staticmethod]
     fn from_bytes(data: &[u8]) -> PyResult<Plan> {
         specplan_format::decode(data)
-            .map(|inner| Plan { inner })
+            .map(|inner| Plan {
+                inner,
+                notes: Vec::new(),
+            })
             .map_err(|e| PyValueError::new_err(format!("cannot decode plan: {e}")))
     }
 
@@ -166,6 +176,7 @@ impl Plan {
         };
         let (o, no_kernels) = overrides(flags)?;
         let cfg = config::resolve(&source, &o).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let notes = cfg.notes.clone();
         py.detach(|| {
             let jit = if no_kernels {
                 None
@@ -174,7 +185,7 @@ impl Plan {
             };
             let target = specplan_compiler::Target::default();
             specplan_compiler::compile(&cfg, &target, jit.as_ref(), &|_, _| {})
-                .map(|c| Plan { inner: c.plan })
+                .map(|c| Plan { inner: c.plan, notes })
                 .map_err(|e| PyValueError::new_err(e.to_string()))
         })
     }
@@ -187,7 +198,10 @@ impl Plan {
         py.detach(|| {
             let jit = Jit::discover(&nvidia_dirs).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
             specplan_compiler::rebuild_kernels(&plan, &jit)
-                .map(|inner| Plan { inner })
+                .map(|inner| Plan {
+                    inner,
+                    notes: Vec::new(),
+                })
                 .map_err(|e| PyValueError::new_err(e.to_string()))
         })
     }
@@ -233,6 +247,12 @@ impl Plan {
     fn topk(&self) -> u32 {
         self.inner.spec.topk
     }
+    /// The config reader's notes of this compile (empty for a loaded plan).
+    #[getter]
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
     /// The phases the plan compiles: `(kind, rows per request, buckets)`.
     fn phases(&self) -> Vec<(&'static str, u32, Vec<u32>)> {
         self.inner

@@ -1,6 +1,7 @@
 """Tests that need no GPU and no PyTorch: plans (load, compile, facts, errors) and the
 runner's argument checks, with a light stand-in for torch (what CI runs)."""
 
+import json
 import os
 import sys
 import types
@@ -410,3 +411,18 @@ def test_run_refuses_layouts_and_values_it_would_misread(fake):
         r.run(ids, hid, req, pre, acc, accept_is_select_index=1)
     with pytest.raises(TypeError, match="weights: keys must be tensor names"):
         r.engine._load_weights({3: torch.Tensor((4,), torch.bfloat16)})
+
+
+def test_compile_notes_are_warnings_and_kept(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle"], "hidden_size": 256, "intermediate_size": 688,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 1000,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "torch_dtype": "bfloat16",
+    }))
+    with pytest.warns(specplan.CompileNote, match="max_position_embeddings 2048"):
+        plan = specplan.Plan.compile(hf_config=cfg, topk=1, num_steps=3, num_draft_tokens=4,
+                                     max_context_len=4096, no_kernels=True)
+    assert len(plan.notes) == 1 and "4096" in plan.notes[0]
+    plan.save(tmp_path / "p.plan")
+    assert specplan.Plan.load(tmp_path / "p.plan").notes == []
