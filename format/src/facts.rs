@@ -26,6 +26,7 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         max_context: c.max_context_len,
         eps: m.rms_norm_eps,
         inv_freq: inv_freq.to_vec(),
+        rope_scale: rope_attention_scale(m),
         window: 0,
         has_bias: m.fc_bias,
         hot_map: c.hot_vocab_size.is_some() && c.outputs.maps_ids(),
@@ -46,6 +47,23 @@ pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
             let scaled = match &m.rope_scaling {
                 RopeScaling::None => base,
                 RopeScaling::Linear { factor } => base / *factor as f64,
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings,
+                    beta_fast,
+                    beta_slow,
+                    truncate,
+                    ..
+                } => yarn_inv_freq(
+                    theta,
+                    d,
+                    i,
+                    *factor as f64,
+                    *original_max_position_embeddings as f64,
+                    *beta_fast as f64,
+                    *beta_slow as f64,
+                    *truncate,
+                ),
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -70,6 +88,52 @@ pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
             scaled as f32
         })
         .collect()
+}
+
+/// YaRN's frequency `i` of `d`: the blend of interpolated and extrapolated frequencies
+/// (SGLang's `_compute_inv_freq`, in f64).
+fn yarn_inv_freq(theta: f64, d: f64, i: u32, factor: f64, orig: f64, fast: f64, slow: f64, truncate: bool) -> f64 {
+    let pos_freq = theta.powf(2.0 * i as f64 / d);
+    let (extra, inter) = (1.0 / pos_freq, 1.0 / (factor * pos_freq));
+    // The dimension whose wavelength fits `rot` rotations into `orig` positions.
+    let dim_of = |rot: f64| d * (orig / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+    let (mut low, mut high) = (dim_of(fast), dim_of(slow));
+    if truncate {
+        low = low.floor();
+        high = high.ceil();
+    }
+    let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+    let keep = 1.0 - ramp;
+    inter * (1.0 - keep) + extra * keep
+}
+
+/// `0.1·m·ln(scale) + 1` (1 for scale ≤ 1): YaRN's magnitude correction.
+fn yarn_mscale(scale: f64, m: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
+    }
+}
+
+/// The factor the rotated q and k are multiplied by (1 except under YaRN): SGLang 0.5.23's
+/// `YaRNScalingRotaryEmbedding.mscale` (`srt/layers/rotary_embedding/yarn.py:122-130`),
+/// rounded once to f32.
+pub fn rope_attention_scale(m: &ModelDesc) -> f32 {
+    match &m.rope_scaling {
+        RopeScaling::Yarn {
+            factor,
+            mscale: Some(a),
+            mscale_all_dim: Some(b),
+            ..
+        } => (yarn_mscale(*factor as f64, *a as f64) / yarn_mscale(*factor as f64, *b as f64)) as f32,
+        RopeScaling::Yarn { factor, .. } => yarn_mscale(*factor as f64, 1.0) as f32,
+        _ => 1.0,
+    }
 }
 
 pub fn kernel_facts_of(p: &Plan) -> KernelFacts {

@@ -62,6 +62,19 @@ fn rope(r: &RopeScaling) -> String {
         } => format!(
             "llama3(factor={factor},low_freq_factor={low_freq_factor},high_freq_factor={high_freq_factor},original_max_position_embeddings={original_max_position_embeddings})"
         ),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            truncate,
+        } => format!(
+            "yarn(factor={factor},original_max_position_embeddings={original_max_position_embeddings},beta_fast={beta_fast},beta_slow={beta_slow},mscale={},mscale_all_dim={},truncate={truncate})",
+            opt(mscale),
+            opt(mscale_all_dim)
+        ),
     }
 }
 

@@ -23,6 +23,22 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: u32,
     },
+    /// YaRN (`rope_type = "yarn"`), as SGLang 0.5.23's `YaRNScalingRotaryEmbedding` and
+    /// Hugging Face compute it: each frequency blends interpolation (`1/(factor·base^(2i/d))`)
+    /// and extrapolation over the dimensions between the correction bounds of `beta_fast`
+    /// and `beta_slow` rotations in `original_max_position_embeddings` positions (rounded
+    /// outwards with `truncate`), and the rotated q and k are scaled by the attention factor
+    /// `facts::rope_attention_scale` (`mscale`/`mscale_all_dim` when both are given, else
+    /// `0.1·ln(factor) + 1`), which scales every logit by its square and the cached K by it.
+    Yarn {
+        factor: f32,
+        original_max_position_embeddings: u32,
+        beta_fast: f32,
+        beta_slow: f32,
+        mscale: Option<f32>,
+        mscale_all_dim: Option<f32>,
+        truncate: bool,
+    },
 }
 
 /// Which EAGLE draft head a plan computes (`docs/semantics.md`).

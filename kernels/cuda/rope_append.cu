@@ -21,7 +21,9 @@
 // the pool) the cache write is skipped: bad input never faults. q is rotated in every case.
 //
 // Entry:     rope_append
-// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, INV_FREQ[HEAD_DIM/2]
+// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, INV_FREQ[HEAD_DIM/2], ROPE_SCALE
+//            (YaRN's attention factor, 1 otherwise: cos and sin are scaled by it, so the
+//            rotated q and the cached k are, as SGLang's YaRN cos/sin cache has it)
 // Launch:    grid (rows, 1, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
 //            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).
 // Params (by value, natural C alignment, fields in this order):
@@ -109,8 +111,8 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
     // the same angles serve every head).
     for (int d = threadIdx.x; d < rope::kHalf; d += blockDim.x) {
         const float angle = (float)pos * INV_FREQ[d];
-        cs[d] = cosf(angle);
-        sn[d] = sinf(angle);
+        cs[d] = cosf(angle) * ROPE_SCALE;
+        sn[d] = sinf(angle) * ROPE_SCALE;
     }
 
     // Cache element of this position's token slot (or -1: skip the write).

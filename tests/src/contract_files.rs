@@ -332,6 +332,24 @@ pub fn plan_json(plan: &Plan) -> String {
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": original_max_position_embeddings,
         }),
+        specplan_format::RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            truncate,
+        } => serde_json::json!({
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim,
+            "truncate": truncate,
+        }),
     };
     let v = serde_json::json!({
         "name": plan.name,

@@ -11,7 +11,7 @@ use std::path::Path;
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
 use specplan_contract::{load_inputs, load_weights, run_cpu, write_outputs};
-use specplan_format::ValidatedPlan;
+use specplan_format::{RopeScaling, ValidatedPlan};
 use specplan_tests::{seed, Rng};
 
 mod naive;
@@ -27,7 +27,10 @@ struct Model {
     layers: usize,
     vocab: usize,
     eps: f64,
-    theta: f64,
+    /// RoPE frequencies and the cos/sin scale, computed here from the config (not the plan's
+    /// table): plain `θ^(−2t/d)`, or YaRN's blend and attention factor.
+    inv_freq: Vec<f32>,
+    rope_scale: f64,
     embed: Vec<f32>,
     fc_w: Vec<f32>,
     fc_b: Vec<f32>,
@@ -42,6 +45,50 @@ struct Model {
     n_post: Vec<Vec<f32>>,
     lm: Vec<f32>,
     hot: Option<Vec<i64>>,
+}
+
+/// The RoPE table and cos/sin scale of a model, written from the definitions (YaRN: Peng et
+/// al., as SGLang's `YaRNScalingRotaryEmbedding` applies it), independently of the format
+/// crate's `rope_inv_freq`.
+fn reference_rope(m: &specplan_format::ModelDesc) -> (Vec<f32>, f64) {
+    let (d, theta) = (m.head_dim as f64, m.rope_theta as f64);
+    let plain = |t: usize| theta.powf(-2.0 * t as f64 / d);
+    match &m.rope_scaling {
+        RopeScaling::None => ((0..m.head_dim as usize / 2).map(|t| plain(t) as f32).collect(), 1.0),
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: orig,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            truncate,
+        } => {
+            let f = *factor as f64;
+            // The dimension index at which `rot` full turns fit the training length.
+            let at = |rot: f32| d * (*orig as f64 / (rot as f64 * std::f64::consts::TAU)).ln() / (2.0 * theta.ln());
+            let (mut lo, mut hi) = (at(*beta_fast), at(*beta_slow));
+            if *truncate {
+                (lo, hi) = (lo.floor(), hi.ceil());
+            }
+            let (lo, hi) = (lo.max(0.0), hi.min(d - 1.0));
+            let hi = if hi == lo { hi + 0.001 } else { hi };
+            let inv = (0..m.head_dim as usize / 2)
+                .map(|t| {
+                    // 0 below `lo` (keep the trained frequency), 1 above `hi` (interpolate).
+                    let gamma = ((t as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    (plain(t) * (1.0 - gamma) + plain(t) / f * gamma) as f32
+                })
+                .collect();
+            let ms = |m: f64| if f <= 1.0 { 1.0 } else { 0.1 * m * f.ln() + 1.0 };
+            let scale = match (mscale, mscale_all_dim) {
+                (Some(a), Some(b)) => ms(*a as f64) / ms(*b as f64),
+                _ => ms(1.0),
+            };
+            (inv, scale as f32 as f64)
+        }
+        other => panic!("the naive forward has no reference for {other:?}"),
+    }
 }
 
 fn make_model(plan: &ValidatedPlan, rng: &mut Rng, dir: &Path) -> Model {
@@ -83,7 +130,8 @@ fn make_model(plan: &ValidatedPlan, rng: &mut Rng, dir: &Path) -> Model {
         layers,
         vocab,
         eps: m.rms_norm_eps as f64,
-        theta: m.rope_theta as f64,
+        inv_freq: reference_rope(m).0,
+        rope_scale: reference_rope(m).1,
         embed: rand_vec(rng, vocab * h, 1.0),
         fc_w: rand_vec(rng, h * 2 * h, s(2 * h)),
         fc_b: rand_vec(rng, h, 0.1),
@@ -211,8 +259,8 @@ fn naive(md: &Model, st: &Step, n: usize, ps: usize, window: Option<usize>, k_to
             for (j, row) in hn.iter().enumerate() {
                 let mut k = matvec(&md.wk[l], row, md.hkv * d);
                 let v = matvec(&md.wv[l], row, md.hkv * d);
-                rope(&mut q[j], l0 + j, d, md.theta);
-                rope(&mut k, l0 + j, d, md.theta);
+                rope_with(&mut q[j], l0 + j, d, &md.inv_freq, md.rope_scale);
+                rope_with(&mut k, l0 + j, d, &md.inv_freq, md.rope_scale);
                 let (page, slot) = slot_of(i, l0 + j);
                 let base = l * st.pages * per_page + page * per_page + slot * md.hkv * d;
                 for t in 0..md.hkv * d {
@@ -411,4 +459,62 @@ fn specplan_tests_common_compile(src: Source) -> specplan_format::ValidatedPlan 
     compile(&cfg, &Target::default(), None, &|_, _| {})
         .expect("compile")
         .plan
+}
+
+/// A YaRN head (factor 4 over a 64-position training length, so the blend and the 1.14
+/// attention factor both act on the test's positions) against the naive forward with the
+/// reference's own table; its plan's table and scale constant are checked against it too.
+#[test]
+fn yarn_head_matches_naive_forward() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/hf/rope-yarn.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("rope-yarn")).expect("json");
+    cfg["rope_scaling"]["original_max_position_embeddings"] = 64.into();
+    let src = Source::HfConfig {
+        name: "yarn".into(),
+        text: cfg.to_string(),
+    };
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2,4".into()),
+        page_size: Some(4),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    };
+    let plan = compile(
+        &resolve(&src, &o).expect("config"),
+        &Target::default(),
+        None,
+        &|_, _| {},
+    )
+    .expect("compile")
+    .plan;
+    let (inv, scale) = reference_rope(&plan.model);
+    assert!(
+        (scale - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6,
+        "attention factor {scale}"
+    );
+    for (t, (a, b)) in plan.rope_inv_freq.iter().zip(&inv).enumerate() {
+        assert!(
+            (a - b).abs() <= 2.0 * f32::EPSILON * b.abs(),
+            "inv_freq[{t}]: plan {a}, reference {b}"
+        );
+    }
+    let plain = |t: usize| 500000f64.powf(-2.0 * t as f64 / 64.0) as f32;
+    assert!(
+        inv.iter()
+            .enumerate()
+            .any(|(t, &x)| (x - plain(t)).abs() > 1e-3 * plain(t)),
+        "YaRN changes the table"
+    );
+    let k = plan
+        .kernels
+        .iter()
+        .find(|k| k.entry == specplan_format::Entry::RopeAppend)
+        .expect("rope kernel");
+    let c = k.constants.iter().find(|(n, _)| n == "ROPE_SCALE").map(|x| x.1.clone());
+    assert_eq!(c, Some(specplan_format::ConstValue::F32(scale as f32)));
+    check_source(src, o, &[1, 3]);
 }

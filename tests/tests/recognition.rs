@@ -109,8 +109,9 @@ const CASES: &[(&str, Verdict)] = &[
     ),
     (
         "rope-yarn",
-        Refuse {
-            key: "rope_scaling.rope_type",
+        Accept {
+            head: HeadKind::Eagle1,
+            layers: 1,
         },
     ),
     (

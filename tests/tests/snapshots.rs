@@ -45,6 +45,36 @@ fn tiny_with_logits_output() {
     settings().bind(|| insta::assert_snapshot!("tiny-logits", common::snapshot_text(&plan)));
 }
 
+/// Whole plans of two released config formats: a YaRN EAGLE-3 head (Qwen3 style) and the
+/// Speculators format vLLM's EAGLE-3 checkpoints ship.
+#[test]
+fn hf_heads_whole_plans() {
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(8),
+        buckets: Some("1,8".into()),
+        max_context_len: Some(4096),
+        ..Overrides::default()
+    };
+    for name in ["yarn-eagle3", "speculators-eagle3"] {
+        let path = format!("{}/corpus/valid/{name}.json", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("corpus file");
+        let cfg = resolve(
+            &Source::HfConfig {
+                name: name.into(),
+                text,
+            },
+            &o,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .plan;
+        settings().bind(|| insta::assert_snapshot!(name, common::snapshot_text(&plan)));
+    }
+}
+
 #[test]
 fn tiny_graph_before_and_after_fusion() {
     let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("tiny resolves");

@@ -48,6 +48,15 @@ pub const ROPE_SCALING_KEYS: &[&str] = &[
     "high_freq_factor",
     "original_max_position_embeddings",
     "mrope_section",
+    // YaRN (`model.rs::read_yarn`).
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "attention_factor",
+    "attn_factor",
+    "extrapolation_factor",
 ];
 
 /// The tables and their known keys: the model reader's, and the flag table's for the rest.

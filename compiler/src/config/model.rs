@@ -148,7 +148,7 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             None
         }
     };
-    let rope_scaling = read_rope_scaling(&r, e);
+    let rope_scaling = read_rope_scaling(&r, max_pos, e);
     let window = read_window(&r, e);
 
     if let (Some(h), Some(kv)) = (heads, kv_heads) {
@@ -248,7 +248,7 @@ fn read_window(r: &Reader, e: &mut Errors) -> Option<u32> {
     }
 }
 
-fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
+fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
     let Some(v) = r.present("rope_scaling") else {
         return Some(RopeScaling::None);
     };
@@ -297,12 +297,77 @@ fn read_rope_scaling(r: &Reader, e: &mut Errors) -> Option<RopeScaling> {
                 original_max_position_embeddings: orig?,
             })
         }
+        Some("yarn") => read_yarn(&s, max_pos, e),
         Some(other) => {
             e.push(
                 s.path("rope_type"),
-                format!("\"{other}\" is not supported (expected default, linear, llama3 or mrope)"),
+                format!("\"{other}\" is not supported (expected default, linear, llama3, yarn or mrope)"),
             );
             None
         }
     }
+}
+
+/// YaRN as SGLang 0.5.23 reads it (`srt/layers/rotary_embedding/factory.py:311-330`):
+/// `factor`, `original_max_position_embeddings` (default: the model's
+/// `max_position_embeddings`), `beta_fast` 32 and `beta_slow` 1 by default, `mscale` and
+/// `mscale_all_dim` (their ratio is the attention factor when both are given), `truncate`
+/// (default true). Keys whose meaning the engines do not share are refused: Hugging Face's
+/// `attention_factor` replaces the factor where SGLang ignores it, SGLang's `attn_factor` and
+/// `extrapolation_factor` are unknown to Hugging Face; YaRN over mrope sections is another
+/// rotation.
+fn read_yarn(s: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
+    let mut ok = true;
+    for key in ["attention_factor", "attn_factor", "extrapolation_factor"] {
+        if let Some(v) = s.present(key) {
+            if v.as_f64() != Some(1.0) {
+                e.push(
+                    s.path(key),
+                    format!("{v} is not supported: SGLang and Hugging Face do not read this key the same way (leave it out or 1.0)"),
+                );
+                ok = false;
+            }
+        }
+    }
+    if s.present("mrope_section").is_some() {
+        e.push(
+            s.path("mrope_section"),
+            "YaRN over multimodal RoPE sections is not supported".into(),
+        );
+        ok = false;
+    }
+    let factor = s.float("factor", true, e);
+    let orig = s
+        .uint("original_max_position_embeddings", false, u32::MAX, e)
+        .or(max_pos);
+    let beta_fast = s.float("beta_fast", false, e).unwrap_or(32.0);
+    let beta_slow = s.float("beta_slow", false, e).unwrap_or(1.0);
+    if beta_slow >= beta_fast {
+        e.push(
+            s.path("beta_slow"),
+            format!("{beta_slow} must be below beta_fast {beta_fast}"),
+        );
+        ok = false;
+    }
+    let mscale = s.float("mscale", false, e).map(|x| x as f32);
+    let mscale_all_dim = s.float("mscale_all_dim", false, e).map(|x| x as f32);
+    let truncate = match s.present("truncate") {
+        None => true,
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(v) => {
+            e.push(s.path("truncate"), format!("expected true or false, got {v}"));
+            ok = false;
+            true
+        }
+    };
+    let (factor, orig) = (factor?, orig?);
+    ok.then_some(RopeScaling::Yarn {
+        factor: factor as f32,
+        original_max_position_embeddings: orig,
+        beta_fast: beta_fast as f32,
+        beta_slow: beta_slow as f32,
+        mscale,
+        mscale_all_dim,
+        truncate,
+    })
 }

@@ -191,10 +191,27 @@ fn model(p: &Plan, e: &mut Errors) {
             high_freq_factor: hi,
             original_max_position_embeddings: orig,
         } => pos(factor) && pos(lo) && pos(hi) && lo < hi && orig > 0,
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: orig,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            ..
+        } => {
+            pos(factor)
+                && orig > 0
+                && pos(beta_fast)
+                && pos(beta_slow)
+                && beta_slow < beta_fast
+                && mscale.is_none_or(pos)
+                && mscale_all_dim.is_none_or(pos)
+        }
     };
     e.field(scaling_ok, "model.rope_scaling", || {
         format!(
-            "{:?}: factors must be finite and positive, low_freq_factor below high_freq_factor, original_max_position_embeddings positive",
+            "{:?}: factors must be finite and positive, low_freq_factor below high_freq_factor (YaRN: beta_slow below beta_fast), original_max_position_embeddings positive",
             m.rope_scaling
         )
     });

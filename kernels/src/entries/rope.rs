@@ -74,5 +74,6 @@ pub fn constants(f: &KernelFacts) -> Constants {
     let mut c = vec![act(f)];
     c.extend(paged_kv(f));
     c.push(("INV_FREQ".into(), ConstValue::F32Array(f.inv_freq.clone())));
+    c.push(("ROPE_SCALE".into(), ConstValue::F32(f.rope_scale)));
     c
 }

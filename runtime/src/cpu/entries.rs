@@ -200,6 +200,8 @@ impl<K: KvStore> Ctx<'_, K> {
             c_pos(k, "N")?,
         );
         let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
+        // YaRN's attention factor scales cos and sin (f32, as the kernel's tables).
+        let scale = c_f32(k, "ROPE_SCALE")? as f64;
         let (qkv, prefix, slots) = (
             buf(p.qkv, "qkv")?,
             buf(p.prefix_lens, io::PREFIX_LENS)?,
@@ -226,6 +228,7 @@ impl<K: KvStore> Ctx<'_, K> {
                     // f32 angle, as Hugging Face computes freqs in fp32.
                     let angle = (pos as f32 * inv_freq[t]) as f64;
                     let (sn, cs) = angle.sin_cos();
+                    let (sn, cs) = (sn * scale, cs * scale);
                     y[t] = x[t] * cs - x[t + half] * sn;
                     y[t + half] = x[t + half] * cs + x[t] * sn;
                 }

@@ -99,6 +99,30 @@ fn top(p: &mut Plan, f: &mut Visit<'_>) {
                 Leaf::U32(original_max_position_embeddings),
             );
         }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+            truncate,
+        } => {
+            f(&|| "model.rope_scaling.factor".into(), Leaf::F32(factor));
+            f(
+                &|| "model.rope_scaling.original_max".into(),
+                Leaf::U32(original_max_position_embeddings),
+            );
+            f(&|| "model.rope_scaling.beta_fast".into(), Leaf::F32(beta_fast));
+            f(&|| "model.rope_scaling.beta_slow".into(), Leaf::F32(beta_slow));
+            if let Some(x) = mscale.as_mut() {
+                f(&|| "model.rope_scaling.mscale".into(), Leaf::F32(x));
+            }
+            if let Some(x) = mscale_all_dim.as_mut() {
+                f(&|| "model.rope_scaling.mscale_all_dim".into(), Leaf::F32(x));
+            }
+            f(&|| "model.rope_scaling.truncate".into(), Leaf::Bool(truncate));
+        }
     }
     f(&|| "weight_bytes".into(), Leaf::U64(&mut p.weight_bytes));
     for (i, x) in p.rope_inv_freq.iter_mut().enumerate() {

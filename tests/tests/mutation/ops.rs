@@ -148,9 +148,18 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             Some(format!("weights[{i}].packing -> {:?}", w.packing))
         }
         6 => {
-            p.model.rope_scaling = match rng.below(3) {
+            p.model.rope_scaling = match rng.below(4) {
                 0 => RopeScaling::None,
                 1 => RopeScaling::Linear { factor: 0.0 },
+                2 => RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max_position_embeddings: 64,
+                    beta_fast: 1.0,
+                    beta_slow: 32.0,
+                    mscale: None,
+                    mscale_all_dim: Some(f32::INFINITY),
+                    truncate: true,
+                },
                 _ => RopeScaling::Llama3 {
                     factor: f32::NAN,
                     low_freq_factor: 1.0,

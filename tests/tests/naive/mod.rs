@@ -76,6 +76,20 @@ pub fn rms(x: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
         .collect()
 }
 
+/// RoPE with a given frequency table and a scale on cos and sin (YaRN's attention factor).
+pub fn rope_with(x: &mut [f64], pos: usize, d: usize, inv: &[f32], scale: f64) {
+    for head in x.chunks_mut(d) {
+        for t in 0..d / 2 {
+            let angle = (pos as f32 * inv[t]) as f64;
+            let (s, c) = angle.sin_cos();
+            let (s, c) = (s * scale, c * scale);
+            let (a, b) = (head[t], head[t + d / 2]);
+            head[t] = a * c - b * s;
+            head[t + d / 2] = b * c + a * s;
+        }
+    }
+}
+
 pub fn rope(x: &mut [f64], pos: usize, d: usize, theta: f64) {
     for head in x.chunks_mut(d) {
         for t in 0..d / 2 {
