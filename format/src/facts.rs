@@ -47,23 +47,7 @@ pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
             let scaled = match &m.rope_scaling {
                 RopeScaling::None => base,
                 RopeScaling::Linear { factor } => base / *factor as f64,
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position_embeddings,
-                    beta_fast,
-                    beta_slow,
-                    truncate,
-                    ..
-                } => yarn_inv_freq(
-                    theta,
-                    d,
-                    i,
-                    *factor as f64,
-                    *original_max_position_embeddings as f64,
-                    *beta_fast as f64,
-                    *beta_slow as f64,
-                    *truncate,
-                ),
+                y @ RopeScaling::Yarn { .. } => yarn_inv_freq(theta, d, i, y),
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -92,7 +76,19 @@ pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
 
 /// YaRN's frequency `i` of `d`: the blend of interpolated and extrapolated frequencies
 /// (SGLang's `_compute_inv_freq`, in f64).
-fn yarn_inv_freq(theta: f64, d: f64, i: u32, factor: f64, orig: f64, fast: f64, slow: f64, truncate: bool) -> f64 {
+fn yarn_inv_freq(theta: f64, d: f64, i: u32, y: &RopeScaling) -> f64 {
+    let RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: orig,
+        beta_fast,
+        beta_slow,
+        truncate,
+        ..
+    } = *y
+    else {
+        return 1.0 / theta.powf(2.0 * i as f64 / d);
+    };
+    let (factor, orig, fast, slow) = (factor as f64, orig as f64, beta_fast as f64, beta_slow as f64);
     let pos_freq = theta.powf(2.0 * i as f64 / d);
     let (extra, inter) = (1.0 / pos_freq, 1.0 / (factor * pos_freq));
     // The dimension whose wavelength fits `rot` rotations into `orig` positions.
