@@ -48,6 +48,9 @@ pub fn rope_inv_freq(m: &ModelDesc) -> Vec<f32> {
                 RopeScaling::None => base,
                 RopeScaling::Linear { factor } => base / *factor as f64,
                 y @ RopeScaling::Yarn { .. } => yarn_inv_freq(theta, d, i, y),
+                RopeScaling::LongRope { short_factor, .. } => {
+                    base / short_factor.get(i as usize).copied().unwrap_or(1.0) as f64
+                }
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -116,9 +119,10 @@ fn yarn_mscale(scale: f64, m: f64) -> f64 {
     }
 }
 
-/// The factor the rotated q and k are multiplied by (1 except under YaRN): SGLang 0.5.23's
-/// `YaRNScalingRotaryEmbedding.mscale` (`srt/layers/rotary_embedding/yarn.py:122-130`),
-/// rounded once to f32.
+/// The factor the rotated q and k are multiplied by (1 except under YaRN and LongRoPE):
+/// SGLang 0.5.23's `YaRNScalingRotaryEmbedding.mscale`
+/// (`srt/layers/rotary_embedding/yarn.py:122-130`) and `Phi3LongRoPEScaledRotaryEmbedding.
+/// short_mscale` (`rope_variant.py:66-78`), rounded once to f32.
 pub fn rope_attention_scale(m: &ModelDesc) -> f32 {
     match &m.rope_scaling {
         RopeScaling::Yarn {
@@ -128,6 +132,20 @@ pub fn rope_attention_scale(m: &ModelDesc) -> f32 {
             ..
         } => (yarn_mscale(*factor as f64, *a as f64) / yarn_mscale(*factor as f64, *b as f64)) as f32,
         RopeScaling::Yarn { factor, .. } => yarn_mscale(*factor as f64, 1.0) as f32,
+        RopeScaling::LongRope {
+            short_mscale: Some(x), ..
+        } => *x,
+        RopeScaling::LongRope {
+            original_max_position_embeddings: orig,
+            ..
+        } => {
+            let scale = m.max_position_embeddings as f64 / *orig as f64;
+            if scale <= 1.0 || *orig <= 1 {
+                1.0
+            } else {
+                (1.0 + scale.ln() / (*orig as f64).ln()).sqrt() as f32
+            }
+        }
         _ => 1.0,
     }
 }

@@ -75,6 +75,15 @@ fn rope(r: &RopeScaling) -> String {
             opt(mscale),
             opt(mscale_all_dim)
         ),
+        RopeScaling::LongRope {
+            short_factor,
+            original_max_position_embeddings,
+            short_mscale,
+        } => format!(
+            "longrope(short_factor={},original_max_position_embeddings={original_max_position_embeddings},short_mscale={})",
+            const_value(&ConstValue::F32Array(short_factor.clone())),
+            opt(short_mscale)
+        ),
     }
 }
 

@@ -39,6 +39,18 @@ pub enum RopeScaling {
         mscale_all_dim: Option<f32>,
         truncate: bool,
     },
+    /// LongRoPE (`rope_type = "longrope"`, Phi-3 / MiniCPM) with its short factors: frequency
+    /// i is `1/(short_factor[i]·θ^(2i/d))`, cos and sin scaled by `short_mscale` (default
+    /// `√(1 + ln(max_position_embeddings/original)/ln(original))`, 1 when that ratio is ≤ 1).
+    /// SGLang 0.5.23 switches a whole batch to the long factors once any position passes
+    /// `original_max_position_embeddings` (`srt/layers/rotary_embedding/rope_variant.py`):
+    /// a plan is exact only below that, so validation holds `max_context_len` to
+    /// `original_max_position_embeddings + 1`.
+    LongRope {
+        short_factor: Vec<f32>,
+        original_max_position_embeddings: u32,
+        short_mscale: Option<f32>,
+    },
 }
 
 /// Which EAGLE draft head a plan computes (`docs/semantics.md`).

@@ -350,6 +350,17 @@ pub fn plan_json(plan: &Plan) -> String {
             "mscale_all_dim": mscale_all_dim,
             "truncate": truncate,
         }),
+        specplan_format::RopeScaling::LongRope {
+            short_factor,
+            original_max_position_embeddings,
+            short_mscale,
+        } => serde_json::json!({
+            "rope_type": "longrope",
+            "short_factor": short_factor,
+            "long_factor": short_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "short_mscale": short_mscale,
+        }),
     };
     let v = serde_json::json!({
         "name": plan.name,

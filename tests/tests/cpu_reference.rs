@@ -87,6 +87,27 @@ fn reference_rope(m: &specplan_format::ModelDesc) -> (Vec<f32>, f64) {
             };
             (inv, scale as f32 as f64)
         }
+        RopeScaling::LongRope {
+            short_factor,
+            original_max_position_embeddings: orig,
+            short_mscale,
+        } => {
+            let inv = (0..m.head_dim as usize / 2)
+                .map(|t| (plain(t) / short_factor[t] as f64) as f32)
+                .collect();
+            let ratio = m.max_position_embeddings as f64 / *orig as f64;
+            let scale = short_mscale.map_or_else(
+                || {
+                    if ratio > 1.0 {
+                        (1.0 + ratio.ln() / (*orig as f64).ln()).sqrt()
+                    } else {
+                        1.0
+                    }
+                },
+                |x| x as f64,
+            );
+            (inv, scale as f32 as f64)
+        }
         other => panic!("the naive forward has no reference for {other:?}"),
     }
 }
@@ -517,4 +538,52 @@ fn yarn_head_matches_naive_forward() {
     let c = k.constants.iter().find(|(n, _)| n == "ROPE_SCALE").map(|x| x.1.clone());
     assert_eq!(c, Some(specplan_format::ConstValue::F32(scale as f32)));
     check_source(src, o, &[1, 3]);
+}
+
+/// A LongRoPE head (Phi-3 / MiniCPM style short factors and the √(1 + ln s / ln L) factor)
+/// against the naive forward, at a context within its training length; above it the config
+/// is refused naming max_context_len.
+#[test]
+fn longrope_head_matches_naive_forward() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/hf/rope-longrope.json");
+    let text = std::fs::read_to_string(&path).expect("rope-longrope");
+    let src = Source::HfConfig {
+        name: "longrope".into(),
+        text,
+    };
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2,4".into()),
+        page_size: Some(4),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    };
+    let plan = compile(
+        &resolve(&src, &o).expect("config"),
+        &Target::default(),
+        None,
+        &|_, _| {},
+    )
+    .expect("compile")
+    .plan;
+    let (inv, scale) = reference_rope(&plan.model);
+    assert!(scale > 1.05, "the long-context factor applies: {scale}");
+    for (t, (a, b)) in plan.rope_inv_freq.iter().zip(&inv).enumerate() {
+        assert!(
+            (a - b).abs() <= 2.0 * f32::EPSILON * b.abs(),
+            "inv_freq[{t}]: plan {a}, reference {b}"
+        );
+    }
+    check_source(src.clone(), o.clone(), &[1, 3]);
+    let above = Overrides {
+        max_context_len: Some(8192),
+        ..o
+    };
+    let e = resolve(&src, &above).expect_err("a context past the training length");
+    assert!(
+        e.0.iter().any(|f| f.field.starts_with("capture.max_context_len")),
+        "{e}"
+    );
 }

@@ -108,6 +108,13 @@ const CASES: &[(&str, Verdict)] = &[
         },
     ),
     (
+        "rope-longrope",
+        Accept {
+            head: HeadKind::Eagle1,
+            layers: 1,
+        },
+    ),
+    (
         "rope-yarn",
         Accept {
             head: HeadKind::Eagle1,

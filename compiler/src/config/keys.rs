@@ -57,6 +57,11 @@ pub const ROPE_SCALING_KEYS: &[&str] = &[
     "attention_factor",
     "attn_factor",
     "extrapolation_factor",
+    // LongRoPE (`model.rs::read_longrope`).
+    "short_factor",
+    "long_factor",
+    "short_mscale",
+    "long_mscale",
 ];
 
 /// The tables and their known keys: the model reader's, and the flag table's for the rest.

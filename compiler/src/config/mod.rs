@@ -377,6 +377,18 @@ fn read_capture(
             "max_context_len {ctx} is above the head's max_position_embeddings {max_pos} (its training length): positions past {max_pos} are served as the engines serve them; the plan records both"
         ));
     }
+    if let specplan_format::RopeScaling::LongRope {
+        original_max_position_embeddings: orig,
+        ..
+    } = m.desc.rope_scaling
+    {
+        if ctx as u64 > orig as u64 + 1 && ctx <= MAX_CONTEXT {
+            e.push(
+                ctx_label.into(),
+                format!("{ctx} is above LongRoPE's original_max_position_embeddings {orig} + 1: the engines switch a whole batch to the long factors once any position passes it, which a plan cannot follow; give --max-context-len {}", orig as u64 + 1),
+            );
+        }
+    }
     if ctx > MAX_CONTEXT {
         let from = if ctx_given.is_none() {
             " (the default: max_position_embeddings; give a smaller --max-context-len)"

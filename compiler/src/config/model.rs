@@ -148,7 +148,7 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             None
         }
     };
-    let rope_scaling = read_rope_scaling(&r, max_pos, e);
+    let rope_scaling = read_rope_scaling(&r, max_pos, head_dim, e);
     let window = read_window(&r, e);
 
     if let (Some(h), Some(kv)) = (heads, kv_heads) {
@@ -248,7 +248,7 @@ fn read_window(r: &Reader, e: &mut Errors) -> Option<u32> {
     }
 }
 
-fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
+fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
     let Some(v) = r.present("rope_scaling") else {
         return Some(RopeScaling::None);
     };
@@ -298,10 +298,11 @@ fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option
             })
         }
         Some("yarn") => read_yarn(&s, max_pos, e),
+        Some("longrope") => read_longrope(&s, max_pos, head_dim, e),
         Some(other) => {
             e.push(
                 s.path("rope_type"),
-                format!("\"{other}\" is not supported (expected default, linear, llama3, yarn or mrope)"),
+                format!("\"{other}\" is not supported (expected default, linear, llama3, yarn, longrope or mrope)"),
             );
             None
         }
@@ -369,5 +370,75 @@ fn read_yarn(s: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeSca
         mscale,
         mscale_all_dim,
         truncate,
+    })
+}
+
+/// LongRoPE as SGLang 0.5.23 reads it (`srt/layers/rotary_embedding/factory.py:402-425`):
+/// `short_factor` and `long_factor` (head_dim/2 each), `original_max_position_embeddings`
+/// (default: the model's `max_position_embeddings`), `short_mscale`. The plan computes the
+/// short factors, which the engines use while no position passes the training length (the
+/// capture reader holds `max_context_len` to it). `factor` and `attention_factor`, which
+/// Hugging Face reads and SGLang does not, are refused unless they agree with SGLang.
+fn read_longrope(s: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
+    let half = head_dim.map(|d| d as usize / 2);
+    let list = |key: &str, e: &mut Errors| -> Option<Vec<f32>> {
+        let Some(v) = s.present(key) else {
+            e.push(s.path(key), "missing (required key)".into());
+            return None;
+        };
+        let xs: Option<Vec<f32>> = v.as_array().and_then(|a| {
+            a.iter()
+                .map(|x| {
+                    x.as_f64()
+                        .filter(|f| f.is_finite() && *f > 0.0 && (*f as f32) > 0.0)
+                        .map(|f| f as f32)
+                })
+                .collect()
+        });
+        match (xs, half) {
+            (Some(xs), Some(h)) if xs.len() == h => Some(xs),
+            (Some(xs), Some(h)) => {
+                e.push(
+                    s.path(key),
+                    format!("{} factors, expected head_dim / 2 = {h}", xs.len()),
+                );
+                None
+            }
+            (Some(xs), None) => Some(xs),
+            (None, _) => {
+                e.push(s.path(key), format!("expected a list of positive numbers, got {v}"));
+                None
+            }
+        }
+    };
+    let short = list("short_factor", e);
+    let _long = list("long_factor", e);
+    let orig = s
+        .uint("original_max_position_embeddings", false, u32::MAX, e)
+        .or(max_pos);
+    let mut ok = true;
+    if let Some(v) = s.present("attention_factor") {
+        e.push(
+            s.path("attention_factor"),
+            format!("{v} is not supported: Hugging Face scales cos and sin by it, SGLang does not read it (use short_mscale)"),
+        );
+        ok = false;
+    }
+    if let (Some(f), Some(mp), Some(o)) = (s.present("factor").and_then(|v| v.as_f64()), max_pos, orig) {
+        let sglang = mp as f64 / o as f64;
+        if (f - sglang).abs() > 1e-6 * sglang.max(1.0) {
+            e.push(
+                s.path("factor"),
+                format!("{f} differs from max_position_embeddings / original_max_position_embeddings = {sglang}, which SGLang uses for the attention factor"),
+            );
+            ok = false;
+        }
+    }
+    let short_mscale = s.float("short_mscale", false, e).map(|x| x as f32);
+    let (short, orig) = (short?, orig?);
+    ok.then_some(RopeScaling::LongRope {
+        short_factor: short,
+        original_max_position_embeddings: orig,
+        short_mscale,
     })
 }

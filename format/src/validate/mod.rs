@@ -208,13 +208,39 @@ fn model(p: &Plan, e: &mut Errors) {
                 && mscale.is_none_or(pos)
                 && mscale_all_dim.is_none_or(pos)
         }
+        RopeScaling::LongRope {
+            ref short_factor,
+            original_max_position_embeddings: orig,
+            short_mscale,
+        } => {
+            short_factor.len() as u64 == m.head_dim as u64 / 2
+                && short_factor.iter().all(|&x| pos(x))
+                && orig > 0
+                && short_mscale.is_none_or(pos)
+        }
     };
     e.field(scaling_ok, "model.rope_scaling", || {
         format!(
-            "{:?}: factors must be finite and positive, low_freq_factor below high_freq_factor (YaRN: beta_slow below beta_fast), original_max_position_embeddings positive",
+            "{:?}: factors must be finite and positive, low_freq_factor below high_freq_factor (YaRN: beta_slow below beta_fast; LongRoPE: head_dim/2 short factors), original_max_position_embeddings positive",
             m.rope_scaling
         )
     });
+    if let RopeScaling::LongRope {
+        original_max_position_embeddings: orig,
+        ..
+    } = m.rope_scaling
+    {
+        e.field(
+            p.capture.max_context_len as u64 <= orig as u64 + 1,
+            "capture.max_context_len",
+            || {
+                format!(
+                    "{} is above LongRoPE's original_max_position_embeddings {orig} + 1: past it the engines switch the whole batch to the long factors",
+                    p.capture.max_context_len
+                )
+            },
+        );
+    }
     e.field(
         p.rope_inv_freq.len() as u64 == m.head_dim as u64 / 2,
         "rope_inv_freq",

@@ -123,6 +123,22 @@ fn top(p: &mut Plan, f: &mut Visit<'_>) {
             }
             f(&|| "model.rope_scaling.truncate".into(), Leaf::Bool(truncate));
         }
+        RopeScaling::LongRope {
+            short_factor,
+            original_max_position_embeddings,
+            short_mscale,
+        } => {
+            for (i, x) in short_factor.iter_mut().enumerate() {
+                f(&|| format!("model.rope_scaling.short_factor[{i}]"), Leaf::F32(x));
+            }
+            f(
+                &|| "model.rope_scaling.original_max".into(),
+                Leaf::U32(original_max_position_embeddings),
+            );
+            if let Some(x) = short_mscale.as_mut() {
+                f(&|| "model.rope_scaling.short_mscale".into(), Leaf::F32(x));
+            }
+        }
     }
     f(&|| "weight_bytes".into(), Leaf::U64(&mut p.weight_bytes));
     for (i, x) in p.rope_inv_freq.iter_mut().enumerate() {
