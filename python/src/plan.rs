@@ -89,7 +89,7 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
             Kind::U32 => FlagValue::U32(u32_flag(&name, &v)?),
             Kind::Text => FlagValue::Text(
                 v.extract::<String>()
-                    .map_err(|_| PyTypeError::new_err(format!("{name}: expected a string ({}), got {v}", f.help)))?,
+                    .map_err(|_| PyTypeError::new_err(format!("{name}: expected a string ({}), got {v}", f.help_text())))?,
             ),
             Kind::IntList => FlagValue::Text(if let Ok(s) = v.extract::<String>() {
                 s
@@ -98,7 +98,7 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
             } else {
                 return Err(PyTypeError::new_err(format!(
                     "{name}: expected a string or a list of integers ({}), got {v}",
-                    f.help
+                    f.help_text()
                 )));
             }),
             Kind::TextList => FlagValue::Text(if let Ok(s) = v.extract::<String>() {
@@ -108,7 +108,7 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
             } else {
                 return Err(PyTypeError::new_err(format!(
                     "{name}: expected a string or a list of strings ({}), got {v}",
-                    f.help
+                    f.help_text()
                 )));
             }),
         };

@@ -58,9 +58,10 @@ impl Flag {
         (self.set)(o, v)
     }
 
-    /// The help line with bounds and default.
+    /// The help line with bounds and default (the doc comment's lines joined, one space
+    /// between words).
     pub fn help_text(&self) -> String {
-        let mut s = self.help.to_string();
+        let mut s = self.help.split_whitespace().collect::<Vec<_>>().join(" ");
         if let Some((lo, hi)) = self.bounds {
             s.push_str(&format!(" [{lo}, {hi}]"));
         }
