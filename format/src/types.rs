@@ -45,7 +45,7 @@ pub enum RopeScaling {
     /// SGLang 0.5.23 switches a whole batch to the long factors once any position passes
     /// `original_max_position_embeddings` (`srt/layers/rotary_embedding/rope_variant.py`):
     /// a plan is exact only below that, so validation holds `max_context_len` to
-    /// `original_max_position_embeddings + 1`.
+    /// `original_max_position_embeddings`.
     LongRope {
         short_factor: Vec<f32>,
         original_max_position_embeddings: u32,

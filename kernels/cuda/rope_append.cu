@@ -22,7 +22,7 @@
 //
 // Entry:     rope_append
 // Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, INV_FREQ[HEAD_DIM/2], ROPE_SCALE
-//            (YaRN's attention factor, 1 otherwise: cos and sin are scaled by it, so the
+//            (YaRN's and LongRoPE's attention factor, 1 otherwise: cos and sin are scaled by it, so the
 //            rotated q and the cached k are, as SGLang's YaRN cos/sin cache has it)
 // Launch:    grid (rows, 1, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
 //            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).

@@ -49,7 +49,8 @@ pub struct KernelFacts {
     pub eps: f32,
     /// RoPE inverse frequencies, `[head_dim / 2]`.
     pub inv_freq: Vec<f32>,
-    /// What the rotated q and k are multiplied by (YaRN's attention factor; else 1).
+    /// What the rotated q and k are multiplied by (YaRN's and LongRoPE's attention factor;
+    /// else 1).
     pub rope_scale: f32,
     /// The sliding window of the layer an attention instance serves (0 = none).
     pub window: u32,

@@ -87,7 +87,8 @@ def _dtype_name(torch, dt):
 
 
 def _TORCH_DTYPES(torch):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "f32": torch.float32, "i64": torch.int64, "i32": torch.int32}
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16, "f32": torch.float32,
+            "i64": torch.int64, "i32": torch.int32}
 
 
 def _need_tensor(torch, name, t):
@@ -145,7 +146,7 @@ class Engine:
             raise TypeError(f"plan: expected a specplan.Plan, got {type(plan).__name__}")
         self.plan = plan
         self._torch = torch
-        self._act = {"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
+        self._act = _TORCH_DTYPES(torch)[plan.dtype]
         kp, vp, geom, page, device, kept = self._kv(k_cache, v_cache, kv_cache, kv_layout)
         self._device = device
         self._cuda = device.type == "cuda"

@@ -23,6 +23,15 @@ pub struct Plan {
     pub(crate) notes: Vec<String>,
 }
 
+/// A dtype as the Python package spells it (the `dtype=` flag's spelling: "fp16", not the
+/// format's "f16").
+fn py_dtype(d: specplan_format::DType) -> &'static str {
+    match d {
+        specplan_format::DType::F16 => "fp16",
+        other => other.name(),
+    }
+}
+
 /// One tensor of a signature for Python: `(name, dtype, shape, role, doc)`.
 type SigEntry = (&'static str, &'static str, Vec<u64>, &'static str, &'static str);
 
@@ -87,10 +96,9 @@ fn overrides(flags: Option<&Bound<'_, PyDict>>) -> PyResult<(Overrides, bool)> {
         };
         let value = match f.kind {
             Kind::U32 => FlagValue::U32(u32_flag(&name, &v)?),
-            Kind::Text => FlagValue::Text(
-                v.extract::<String>()
-                    .map_err(|_| PyTypeError::new_err(format!("{name}: expected a string ({}), got {v}", f.help_text())))?,
-            ),
+            Kind::Text => FlagValue::Text(v.extract::<String>().map_err(|_| {
+                PyTypeError::new_err(format!("{name}: expected a string ({}), got {v}", f.help_text()))
+            })?),
             Kind::IntList => FlagValue::Text(if let Ok(s) = v.extract::<String>() {
                 s
             } else if let Ok(list) = v.extract::<Vec<u32>>() {
@@ -288,7 +296,7 @@ impl Plan {
                     Role::Staged => "staged",
                     Role::Output => "output",
                 };
-                (r.decl.name, r.dtype.name(), r.shape, role, r.decl.doc)
+                (r.decl.name, py_dtype(r.dtype), r.shape, role, r.decl.doc)
             })
             .collect())
     }
@@ -332,7 +340,7 @@ impl Plan {
     /// "bf16" or "fp16": the activations, K/V and weights.
     #[getter]
     fn dtype(&self) -> &'static str {
-        self.inner.capture.dtype.name()
+        py_dtype(self.inner.capture.dtype)
     }
     /// Width of a row of the input hidden states (3 × the target's hidden size for EAGLE-3).
     #[getter]

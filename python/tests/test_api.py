@@ -426,3 +426,14 @@ def test_compile_notes_are_warnings_and_kept(tmp_path):
     assert len(plan.notes) == 1 and "4096" in plan.notes[0]
     plan.save(tmp_path / "p.plan")
     assert specplan.Plan.load(tmp_path / "p.plan").notes == []
+
+
+def test_an_fp16_plan_makes_fp16_buffers(fake):
+    torch, _ = fake
+    plan = specplan.Plan.compile(preset="tiny", dtype="fp16", no_kernels=True)
+    assert plan.dtype == "fp16"
+    assert {dt for _, dt, _, _, _ in plan.signature(2)} == {"fp16", "i64", "i32", "f32"}
+    e = _bare_engine(torch, plan)
+    e._act = torch.float16
+    r = e.draft_extend()
+    assert r._out_h.dtype is torch.float16 and r._out_p.dtype is torch.float32

@@ -108,6 +108,8 @@ def load_plan(path):
     with open(path) as f:
         p = json.load(f)
     p["inv_freq"] = f32_from_bits(p["rope_inv_freq_bits"])
+    # YaRN's / LongRoPE's attention factor on cos and sin (plans from before it: 1).
+    p["rope_scale"] = f32_from_bits([p.get("rope_scale_bits", 0x3F800000)])[0]
     p["eps"] = f32_from_bits([p["rms_norm_eps_bits"]])[0]
     p["act"] = DTYPES[p["dtype"]]
     if len(p["inv_freq"]) * 2 != p["head_dim"]:
@@ -444,7 +446,7 @@ class Step:
         hq, hkv, D, T = P["heads"], P["kv_heads"], P["head_dim"], self.T
         half = D // 2
         ang = self.pos.float()[:, None] * m.inv_freq[None, :]
-        cos, sin = ang.cos(), ang.sin()
+        cos, sin = ang.cos() * P["rope_scale"], ang.sin() * P["rope_scale"]
         c = torch.cat([cos, cos], -1)[:, None, :]
         s = torch.cat([-sin, sin], -1)[:, None, :]
 
@@ -529,7 +531,8 @@ def reference_f32(m, P, ids, hidden, prefix, accept, table, kc0, vc0, dev):
         page = torch.gather(table.to(dev), 1, (pos // ps).view(b, n)).reshape(-1)
         loc = page * ps + pos % ps
         ang = pos.float()[:, None] * m.inv_freq[None, :]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        rs = P["rope_scale"]
+        cos, sin = (ang.cos() * rs)[:, None, :], (ang.sin() * rs)[:, None, :]
 
         def rope(t):
             t1, t2 = t[..., :half], t[..., half:]

@@ -383,6 +383,8 @@ pub fn plan_json(plan: &Plan) -> String {
         "rope_theta": m.rope_theta,
         "rope_scaling": rope_scaling,
         "rope_inv_freq_bits": plan.rope_inv_freq.iter().map(|f| f.to_bits()).collect::<Vec<u32>>(),
+        // YaRN's / LongRoPE's attention factor on cos and sin (1 otherwise), as rope_append.
+        "rope_scale_bits": specplan_format::rope_attention_scale(&plan.model).to_bits(),
         "attn_scale": 1.0 / (m.head_dim as f64).sqrt(),
         "windows": plan.layers.iter().map(|l| l.window).collect::<Vec<Option<u32>>>(),
         "topk": plan.spec.topk,

@@ -104,6 +104,14 @@ fn inconsistent_plans_name_the_bad_field() {
     });
     case("spec rule broken", &|p| p.spec.num_draft_tokens = 40);
     case("buckets out of order", &|p| p.phases[0].buckets.swap(0, 1));
+    case("rows per request not the phase's", &|p| {
+        p.phases[0].rows_per_request = 3
+    });
+    case("no draft-extend phase", &|p| p.phases.clear());
+    case("a phase twice", &|p| {
+        let ph = p.phases[0].clone();
+        p.phases.push(ph);
+    });
     case("page size", &|p| p.capture.page_size = 3);
     // A theta the table was not computed from (the kernels and the CPU executor read the
     // table: both would rotate by the same wrong angles).

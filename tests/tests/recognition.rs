@@ -228,3 +228,47 @@ fn interchange_formats_read_as_the_flat_config() {
     assert_eq!(nested.model.desc, plain.model.desc);
     assert!(flat.ignored.contains(&"_comment".to_string()), "{:?}", flat.ignored);
 }
+
+/// A top-level `original_max_position_embeddings` wins over `rope_scaling`'s, as SGLang's
+/// Llama layers copy it in (`srt/models/llama.py:329-334`): YaRN's training length, and
+/// LongRoPE's limit on the serving context, come from it.
+#[test]
+fn a_top_level_training_length_wins_over_rope_scalings() {
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{}/corpus/hf/rope-yarn.json", env!("CARGO_MANIFEST_DIR"))).expect("yarn"),
+    )
+    .expect("json");
+    cfg["original_max_position_embeddings"] = 2048.into();
+    let src = Source::HfConfig {
+        name: "yarn-top-level".into(),
+        text: cfg.to_string(),
+    };
+    let c = resolve(&src, &readme_flags()).expect("accepted");
+    assert!(
+        c.ignored.iter().all(|k| k != "original_max_position_embeddings"),
+        "{:?}",
+        c.ignored
+    );
+    match c.model.desc.rope_scaling {
+        specplan_format::RopeScaling::Yarn {
+            original_max_position_embeddings,
+            ..
+        } => assert_eq!(original_max_position_embeddings, 2048),
+        other => panic!("{other:?}"),
+    }
+    let mut lr: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{}/corpus/hf/rope-longrope.json", env!("CARGO_MANIFEST_DIR")))
+            .expect("longrope"),
+    )
+    .expect("json");
+    lr["original_max_position_embeddings"] = 2048.into();
+    let e = resolve(
+        &Source::HfConfig {
+            name: "longrope-top-level".into(),
+            text: lr.to_string(),
+        },
+        &readme_flags(),
+    )
+    .expect_err("4096 is above the top-level training length 2048");
+    assert!(e.to_string().contains("original_max_position_embeddings 2048"), "{e}");
+}

@@ -166,11 +166,11 @@ flags! {
         bounds: None, default: "auto" }
     /// Largest batch bucket of "auto".
     max_bs: u32 { table: "capture", cli: "max-bs", python: ["max_bs"], kind: U32,
-        bounds: b(1, MAX_BATCH), default: "the largest bucket, or 64" }
+        bounds: b(1, MAX_BATCH), default: "256" }
     /// Tokens per KV page (a power of two).
     page_size: u32 { table: "capture", cli: "page-size", python: ["page_size"], kind: U32,
         bounds: b(1, MAX_PAGE_SIZE), default: "1" }
-    /// Longest prefix + draft rows of a request.
+    /// Longest prefix + draft rows of a request (above num_draft_tokens).
     max_context_len: u32 { table: "capture", cli: "max-context-len", python: ["max_context_len"],
         kind: U32, bounds: b(2, MAX_CONTEXT), default: "the model's max_position_embeddings" }
     /// Pages in the KV pool.

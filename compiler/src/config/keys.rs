@@ -23,6 +23,8 @@ pub const MODEL_KEYS: &[&str] = &[
     "rope_theta",
     "rope_scaling",
     "max_position_embeddings",
+    // Read into YaRN's and LongRoPE's training length, as SGLang's Llama layers do.
+    "original_max_position_embeddings",
     "bias",
     "torch_dtype",
     "dtype",

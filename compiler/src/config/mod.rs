@@ -158,6 +158,7 @@ pub fn auto_buckets(max_bs: u32) -> Vec<u32> {
     v
 }
 
+/// The `max_bs` default (the flag table's `default` says the same).
 const DEFAULT_MAX_BS: u32 = 256;
 
 /// Resolves a source plus overrides into a [`Config`].
@@ -211,7 +212,14 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
         if rope_inv_freq(&m.desc).iter().any(|f| !f.is_finite() || *f <= 0.0) {
             e.push(
                 "model.rope_scaling".into(),
-                "gives non-finite or zero RoPE frequencies (check factor, low_freq_factor, high_freq_factor)".into(),
+                "gives non-finite or zero RoPE frequencies (check its factors)".into(),
+            );
+        }
+        let scale = specplan_format::rope_attention_scale(&m.desc);
+        if !(scale.is_finite() && scale > 0.0) {
+            e.push(
+                "model.rope_scaling".into(),
+                format!("gives the attention factor {scale} (check mscale, mscale_all_dim, short_mscale)"),
             );
         }
     }
@@ -382,10 +390,12 @@ fn read_capture(
         ..
     } = m.desc.rope_scaling
     {
-        if ctx as u64 > orig as u64 + 1 && ctx <= MAX_CONTEXT {
+        // Positions run to ctx − 1; SGLang's short table has L₀ rows (positions 0..L₀−1)
+        // and a position of L₀ already reads the long table.
+        if ctx > orig && ctx <= MAX_CONTEXT {
             e.push(
                 ctx_label.into(),
-                format!("{ctx} is above LongRoPE's original_max_position_embeddings {orig} + 1: the engines switch a whole batch to the long factors once any position passes it, which a plan cannot follow; give --max-context-len {}", orig as u64 + 1),
+                format!("{ctx} is above LongRoPE's original_max_position_embeddings {orig}: the engines switch to the long factors at position {orig} and switch a whole batch once any position passes it, which a plan cannot follow; give --max-context-len {orig}"),
             );
         }
     }

@@ -148,7 +148,14 @@ pub fn read_model(v: &Value, prefix: &str, e: &mut Errors) -> Option<ModelConfig
             None
         }
     };
-    let rope_scaling = read_rope_scaling(&r, max_pos, head_dim, e);
+    // SGLang's Llama layers copy a top-level `original_max_position_embeddings` into
+    // `rope_scaling` before building the rotary embedding (`srt/models/llama.py:329-334`).
+    let outer = RopeOuter {
+        max_pos,
+        head_dim,
+        original: r.uint("original_max_position_embeddings", false, u32::MAX, e),
+    };
+    let rope_scaling = read_rope_scaling(&r, &outer, e);
     let window = read_window(&r, e);
 
     if let (Some(h), Some(kv)) = (heads, kv_heads) {
@@ -248,7 +255,15 @@ fn read_window(r: &Reader, e: &mut Errors) -> Option<u32> {
     }
 }
 
-fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
+/// What the RoPE readers need from the model config around `rope_scaling`.
+struct RopeOuter {
+    max_pos: Option<u32>,
+    head_dim: Option<u32>,
+    /// A top-level `original_max_position_embeddings`: it wins over `rope_scaling`'s.
+    original: Option<u32>,
+}
+
+fn read_rope_scaling(r: &Reader, outer: &RopeOuter, e: &mut Errors) -> Option<RopeScaling> {
     let Some(v) = r.present("rope_scaling") else {
         return Some(RopeScaling::None);
     };
@@ -297,8 +312,8 @@ fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e:
                 original_max_position_embeddings: orig?,
             })
         }
-        Some("yarn") => read_yarn(&s, max_pos, e),
-        Some("longrope") => read_longrope(&s, max_pos, head_dim, e),
+        Some("yarn") => read_yarn(&s, outer, e),
+        Some("longrope") => read_longrope(&s, outer, e),
         Some(other) => {
             e.push(
                 s.path("rope_type"),
@@ -310,14 +325,14 @@ fn read_rope_scaling(r: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e:
 }
 
 /// YaRN as SGLang 0.5.23 reads it (`srt/layers/rotary_embedding/factory.py:311-330`):
-/// `factor`, `original_max_position_embeddings` (default: the model's
+/// `factor`, `original_max_position_embeddings` (a top-level one wins; default: the model's
 /// `max_position_embeddings`), `beta_fast` 32 and `beta_slow` 1 by default, `mscale` and
 /// `mscale_all_dim` (their ratio is the attention factor when both are given), `truncate`
 /// (default true). Keys whose meaning the engines do not share are refused: Hugging Face's
 /// `attention_factor` replaces the factor where SGLang ignores it, SGLang's `attn_factor` and
 /// `extrapolation_factor` are unknown to Hugging Face; YaRN over mrope sections is another
 /// rotation.
-fn read_yarn(s: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
+fn read_yarn(s: &Reader, outer: &RopeOuter, e: &mut Errors) -> Option<RopeScaling> {
     let mut ok = true;
     for key in ["attention_factor", "attn_factor", "extrapolation_factor"] {
         if let Some(v) = s.present(key) {
@@ -340,7 +355,8 @@ fn read_yarn(s: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeSca
     let factor = s.float("factor", true, e);
     let orig = s
         .uint("original_max_position_embeddings", false, u32::MAX, e)
-        .or(max_pos);
+        .or(outer.max_pos);
+    let orig = outer.original.or(orig);
     let beta_fast = s.float("beta_fast", false, e).unwrap_or(32.0);
     let beta_slow = s.float("beta_slow", false, e).unwrap_or(1.0);
     if beta_slow >= beta_fast {
@@ -379,8 +395,8 @@ fn read_yarn(s: &Reader, max_pos: Option<u32>, e: &mut Errors) -> Option<RopeSca
 /// short factors, which the engines use while no position passes the training length (the
 /// capture reader holds `max_context_len` to it). `factor` and `attention_factor`, which
 /// Hugging Face reads and SGLang does not, are refused unless they agree with SGLang.
-fn read_longrope(s: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e: &mut Errors) -> Option<RopeScaling> {
-    let half = head_dim.map(|d| d as usize / 2);
+fn read_longrope(s: &Reader, outer: &RopeOuter, e: &mut Errors) -> Option<RopeScaling> {
+    let (max_pos, half) = (outer.max_pos, outer.head_dim.map(|d| d as usize / 2));
     let list = |key: &str, e: &mut Errors| -> Option<Vec<f32>> {
         let Some(v) = s.present(key) else {
             e.push(s.path(key), "missing (required key)".into());
@@ -416,6 +432,7 @@ fn read_longrope(s: &Reader, max_pos: Option<u32>, head_dim: Option<u32>, e: &mu
     let orig = s
         .uint("original_max_position_embeddings", false, u32::MAX, e)
         .or(max_pos);
+    let orig = outer.original.or(orig);
     let mut ok = true;
     if let Some(v) = s.present("attention_factor") {
         e.push(

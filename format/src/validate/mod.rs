@@ -225,17 +225,23 @@ fn model(p: &Plan, e: &mut Errors) {
             m.rope_scaling
         )
     });
+    let scale = crate::facts::rope_attention_scale(m);
+    e.field(
+        scaling_ok && scale.is_finite() && scale > 0.0,
+        "model.rope_scaling",
+        || format!("gives the attention factor {scale}, not a finite positive f32"),
+    );
     if let RopeScaling::LongRope {
         original_max_position_embeddings: orig,
         ..
     } = m.rope_scaling
     {
         e.field(
-            p.capture.max_context_len as u64 <= orig as u64 + 1,
+            p.capture.max_context_len <= orig,
             "capture.max_context_len",
             || {
                 format!(
-                    "{} is above LongRoPE's original_max_position_embeddings {orig} + 1: past it the engines switch the whole batch to the long factors",
+                    "{} is above LongRoPE's original_max_position_embeddings {orig}: from position {orig} on the engines use the long factors",
                     p.capture.max_context_len
                 )
             },
