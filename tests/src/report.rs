@@ -93,6 +93,34 @@ pub struct OpTime {
     pub us: f64,
 }
 
+/// One op's span in a bucket's in-graph timeline (`GpuRuntime::timeline`): its kernels plus
+/// the gap since the previous node, µs (median over replays).
+#[derive(Clone, Debug, Serialize)]
+pub struct SpanTime {
+    pub plan: String,
+    pub batch: usize,
+    pub prefix: usize,
+    pub op: String,
+    /// `gemm`, `attention` or `kernel`.
+    pub class: &'static str,
+    pub us: f64,
+}
+
+/// A bucket's timeline summed by class, beside the plain replay of the same shape.
+#[derive(Clone, Debug, Serialize)]
+pub struct Breakdown {
+    pub plan: String,
+    pub batch: usize,
+    pub prefix: usize,
+    pub gemm_us: f64,
+    pub attention_us: f64,
+    pub kernel_us: f64,
+    /// First event to last of the instrumented graph.
+    pub timeline_us: f64,
+    /// The plain graph's replay, µs: `timeline_us − replay_us` is what the event nodes add.
+    pub replay_us: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct GemmRecord {
     pub plan: String,
@@ -140,5 +168,7 @@ pub struct Bench {
     pub rows: Vec<BenchRow>,
     pub engine: Vec<EngineRow>,
     pub ops: Vec<OpTime>,
+    pub spans: Vec<SpanTime>,
+    pub breakdown: Vec<Breakdown>,
     pub gemms: Vec<GemmRecord>,
 }

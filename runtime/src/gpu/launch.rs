@@ -110,8 +110,20 @@ pub(crate) struct Launcher<'a> {
 impl Launcher<'_> {
     /// Issues the launches of bucket `bi` whose op name passes `keep`, in order.
     pub fn issue(&self, bi: usize, keep: &dyn Fn(&str) -> bool) -> Result<(), GpuError> {
+        let n = self.plan.buckets()[bi].launches.len();
+        self.issue_range(bi, 0..n, keep)
+    }
+
+    /// Issues launches `range` of bucket `bi` whose op name passes `keep`, in order.
+    pub fn issue_range(
+        &self,
+        bi: usize,
+        range: std::ops::Range<usize>,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<(), GpuError> {
         let b = &self.plan.buckets()[bi];
-        for l in b.launches.iter().filter(|l| keep(&l.op)) {
+        let launches = b.launches.get(range).unwrap_or(&[]);
+        for l in launches.iter().filter(|l| keep(&l.op)) {
             match &l.kind {
                 LaunchKind::Gemm(g) => {
                     let (shape, ptrs) = gemm_call(self.mem, self.plan, b, g);

@@ -31,7 +31,9 @@ mod probes;
 mod refusals;
 pub use graph::Exec;
 pub use probes::GraphNodes;
+pub use timeline::{OpSpan, Timeline};
 mod staging;
+mod timeline;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -102,7 +102,7 @@ impl GpuRuntime {
     }
 
     /// Index of the bucket of exactly `batch` rows.
-    fn bucket_index(&self, batch: u32) -> Result<usize, GpuError> {
+    pub(super) fn bucket_index(&self, batch: u32) -> Result<usize, GpuError> {
         self.plan
             .buckets()
             .iter()

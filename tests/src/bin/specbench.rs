@@ -25,7 +25,7 @@ use specplan_format::{load_file, LaunchKind, ValidatedPlan};
 use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, StepRequest};
 use specplan_tests::gpu::{ceilings, median, percentile, DeviceBuf, Timer, RUNS, WARMUP};
 use specplan_tests::random::pattern_weights;
-use specplan_tests::report::{Bench, BenchRow, Ceilings, EngineRow, GemmRecord, OpTime};
+use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmRecord, OpTime, SpanTime};
 use specplan_tests::{json, plan_files, write_atomic, Rng};
 
 const BATCHES: [usize; 4] = [1, 8, 32, 64];
@@ -222,6 +222,47 @@ fn bench_plan(
                     });
                 }
                 println!("  ops ({name}, B {b}, L {l}, µs): {}", parts.join(", "));
+                // The same ops as the whole graph runs them: spans between event nodes.
+                let t = rt.timeline(b as u32, 50).map_err(g)?;
+                let mut sum = [0.0f64; 3];
+                let mut line = Vec::new();
+                for s in &t.ops {
+                    let (class, i) = if s.gemm {
+                        ("gemm", 0)
+                    } else if s.op.contains("attention") {
+                        ("attention", 1)
+                    } else {
+                        ("kernel", 2)
+                    };
+                    sum[i] += s.us;
+                    line.push(format!("{} {:.1}", s.op, s.us));
+                    bench.spans.push(SpanTime {
+                        plan: name.into(),
+                        batch: b,
+                        prefix: l,
+                        op: s.op.clone(),
+                        class,
+                        us: s.us,
+                    });
+                }
+                println!(
+                    "  timeline ({name}, B {b}, L {l}, µs): gemm {:.1}, attention {:.1}, small kernels {:.1}; instrumented {:.1} vs replay {replay:.1} (L2 flushed); {}",
+                    sum[0],
+                    sum[1],
+                    sum[2],
+                    t.total_us,
+                    line.join(", ")
+                );
+                bench.breakdown.push(Breakdown {
+                    plan: name.into(),
+                    batch: b,
+                    prefix: l,
+                    gemm_us: sum[0],
+                    attention_us: sum[1],
+                    kernel_us: sum[2],
+                    timeline_us: t.total_us,
+                    replay_us: replay,
+                });
             }
             rt.synchronize().map_err(g)?;
             let (wbytes, flops, attn_bytes) = work(plan, b as u64, l as u64);
