@@ -282,6 +282,23 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
                 let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
                 WeightData::F32(floats(&st, &w.sources[0], &shape, act).map_err(fail)?)
             }
+            Packing::LeadingRows => {
+                let s = &w.sources[0];
+                let (rows, need) = (
+                    st.tensor(s).map_or(0, |t| t.shape().first().copied().unwrap_or(0)),
+                    w.shape[0] as usize,
+                );
+                if rows < need {
+                    return Err(fail(input_error(
+                        s,
+                        String::new(),
+                        format!("has {rows} rows, {} takes its first {need}", w.name),
+                    )));
+                }
+                let mut all = floats(&st, s, &[rows, cols], act).map_err(fail)?;
+                all.truncate(need * cols);
+                WeightData::F32(all)
+            }
             Packing::ConcatRows => {
                 let mut all = Vec::with_capacity(w.shape.iter().product::<u64>() as usize);
                 for s in &w.sources {

@@ -224,6 +224,7 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
             Packing::Single => "",
             Packing::ConcatRows => " concat_rows",
             Packing::GatherRows => " gather_rows",
+            Packing::LeadingRows => " leading_rows",
         };
         let sources: Vec<String> = w.sources.iter().map(|s| escape(s)).collect();
         fact(

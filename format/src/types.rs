@@ -234,6 +234,10 @@ pub enum Packing {
     ConcatRows,
     /// Rows of `sources[0]` gathered by the i64 ids of `sources[1]` (FR-Spec hot lm_head).
     GatherRows,
+    /// The first `shape[0]` rows of `sources[0]`, a `[R ≥ shape[0], cols]` tensor (a tied
+    /// EAGLE-3 head over a draft vocabulary: SGLang 0.5.23 uses the embedding as lm_head and
+    /// keeps the logits' first V_d columns, `srt/layers/logits_processor.py:1346-1347`).
+    LeadingRows,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -189,6 +189,12 @@ pub fn weight_tensors(plan: &Plan, seed: u64) -> Result<Vec<FileTensor>, String>
                     }
                 }
             }
+            Packing::LeadingRows => {
+                // The whole tensor whose first rows the weight is (the embedding).
+                if seen.insert(w.sources[0].clone()) {
+                    float(&mut out, &w.sources[0], vec![vocab, h]);
+                }
+            }
             Packing::GatherRows => {
                 // The full table the hot rows are gathered from; the ids are their own weight.
                 if seen.insert(w.sources[0].clone()) {

@@ -129,8 +129,9 @@ const CASES: &[(&str, Verdict)] = &[
     ),
     (
         "eagle3-tied",
-        Refuse {
-            key: "tie_word_embeddings",
+        Accept {
+            head: HeadKind::Eagle3,
+            layers: 1,
         },
     ),
 ];

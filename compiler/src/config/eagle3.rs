@@ -6,8 +6,7 @@
 //! `config.json`, e.g. `LlamaForCausalLMEagle3`) or a TOML `[model]` table says
 //! `head = "eagle3"`. Forms the engines disagree on or that specplan does not compute yet
 //! are refused with the key that asks for them: more than one layer, `norm_before_residual`,
-//! `use_aux_hidden_state = false`, an fc bias, tied embeddings over a smaller draft
-//! vocabulary, and a target whose three
+//! `use_aux_hidden_state = false`, an fc bias, and a target whose three
 //! layers are exactly H wide (where EAGLE-3 skips its fc).
 
 use serde_json::Value;
@@ -118,16 +117,17 @@ pub fn read_head(
             "true is not supported: layer 0's residual is h, not hidden_norm(h)".into(),
         );
     }
-    // Tied: the lm_head is the [V, H] embedding, so its rows are the target vocabulary. A
-    // draft vocabulary below V cannot be tied faithfully: SGLang would put the V-row
-    // embedding under a V_d-wide logits processor, vLLM builds a V_d-row head.
+    // Tied: the lm_head is the [V, H] embedding. Under a draft vocabulary SGLang 0.5.23
+    // multiplies by the whole embedding and keeps the logits' first V_d columns
+    // (logits_processor.py:1346-1347): lm_head is the embedding's first V_d rows. vLLM
+    // 0.33.0 ignores the key for EAGLE-3 (its head loads lm_head.weight): say so.
     let tied = obj.get("tie_word_embeddings").and_then(Value::as_bool) == Some(true);
     if let (true, Some(vd), Some(v)) = (tied, draft_vocab, vocab) {
         if vd < v {
-            e.push(
-                path(prefix, "tie_word_embeddings"),
-                format!("true with draft_vocab_size {vd} below vocab_size {v} is not supported: the embedding has {v} rows, a draft-vocabulary head {vd} (give lm_head.weight and tie_word_embeddings false, or draft_vocab_size = vocab_size)"),
-            );
+            e.note(format!(
+                "{}: lm_head is embed_tokens' first {vd} rows (draft_vocab_size {vd} of vocab_size {v}), as SGLang 0.5.23 computes a tied EAGLE-3 head; vLLM 0.33.0 ignores the key and loads lm_head.weight",
+                path(prefix, "tie_word_embeddings")
+            ));
         }
     }
     let aux = obj

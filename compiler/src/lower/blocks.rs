@@ -197,16 +197,20 @@ pub(super) fn output_head(g: &mut Builder, cx: &Cx, inp: &Inputs, x: TensorId) {
     let k = cfg.spec.topk as u64;
     let (lm_w, vh) = match cfg.capture.hot_vocab_size {
         // A tied EAGLE-3 head reads its lm_head rows from the embedding (one source, bound
-        // twice: in place in engine memory, packed twice when the runtime owns the weights).
-        None if cfg.model.tied_lm_head => (
-            g.weight_from(
-                "lm_head.weight",
-                "embed_tokens.weight",
-                act,
-                vec![f(m.lm_vocab() as u64), f(h)],
-            ),
-            m.lm_vocab() as u64,
-        ),
+        // twice: in place in engine memory, packed twice when the runtime owns the weights):
+        // all of it, or its first V_d rows under a draft vocabulary, as SGLang computes it.
+        None if cfg.model.tied_lm_head => {
+            let packing = if m.lm_vocab() < m.vocab {
+                Packing::LeadingRows
+            } else {
+                Packing::Single
+            };
+            let shape = vec![f(m.lm_vocab() as u64), f(h)];
+            (
+                g.weight_from("lm_head.weight", "embed_tokens.weight", packing, act, shape),
+                m.lm_vocab() as u64,
+            )
+        }
         None => (
             g.weight("lm_head.weight", act, vec![f(m.lm_vocab() as u64), f(h)]),
             m.lm_vocab() as u64,

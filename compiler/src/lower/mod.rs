@@ -121,11 +121,19 @@ impl Builder {
     pub(crate) fn output(&mut self, name: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
         self.tensor(name, dtype, shape, Storage::Activation { output: true })
     }
-    /// A weight named `name` in the plan, read from the file tensor `source`.
-    pub(crate) fn weight_from(&mut self, name: &str, source: &str, dtype: DType, shape: Vec<Dim>) -> TensorId {
+    /// A weight named `name` in the plan, read from the file tensor `source` (whole, or
+    /// its first rows with `Packing::LeadingRows`).
+    pub(crate) fn weight_from(
+        &mut self,
+        name: &str,
+        source: &str,
+        packing: Packing,
+        dtype: DType,
+        shape: Vec<Dim>,
+    ) -> TensorId {
         let storage = Storage::Weight {
             sources: vec![source.to_string()],
-            packing: Packing::Single,
+            packing,
         };
         self.tensor(name, dtype, shape, storage)
     }

@@ -473,6 +473,7 @@ fn weights(p: &Plan, e: &mut Errors) {
             Packing::Single => w.sources.len() == 1,
             Packing::ConcatRows => !w.sources.is_empty() && w.sources.len() <= 8,
             Packing::GatherRows => w.sources.len() == 2,
+            Packing::LeadingRows => w.sources.len() == 1 && w.shape.len() == 2,
         };
         e.check(arity_ok, || {
             at(format!(

@@ -339,6 +339,20 @@ pub fn bind_weights(
                 check(s, t, w.dtype, &w.shape)?;
                 out.push(WeightBinding::InPlace(t.ptr));
             }
+            Packing::LeadingRows => {
+                // In place: the first rows of a row-major tensor are its own prefix.
+                let s = &w.sources[0];
+                let t = tensors.get(s).ok_or_else(|| missing(s))?;
+                let r = t.shape.first().copied().unwrap_or(0);
+                if r < w.shape[0] {
+                    return Err(RegError::Weights(format!(
+                        "{s}: {r} rows, {} takes its first {}",
+                        w.name, w.shape[0]
+                    )));
+                }
+                check(s, t, w.dtype, &[r, cols])?;
+                out.push(WeightBinding::InPlace(t.ptr));
+            }
             Packing::ConcatRows => {
                 let mut parts = Vec::new();
                 let mut rows = 0u64;

@@ -320,3 +320,41 @@ fn weights_bind_in_place_or_packed() {
     let e = bind_weights(&p, &tensors, &|_| None).unwrap_err().to_string();
     assert!(e.contains("16-byte"), "{e}");
 }
+
+/// `LeadingRows` (a tied EAGLE-3 head's lm_head): the source in place when it has at least
+/// the weight's rows and its columns; fewer rows are refused naming the source.
+#[test]
+fn leading_rows_bind_in_place() {
+    let mut p = plan();
+    p.weights.push(WeightDesc {
+        name: "lm_head.weight".into(),
+        dtype: DType::Bf16,
+        shape: vec![600, 256],
+        bytes: 600 * 256 * 2,
+        sources: vec!["embed_tokens.weight".into()],
+        packing: Packing::LeadingRows,
+        offset: 0,
+    });
+    let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {
+        ptr,
+        dtype: DType::Bf16,
+        shape,
+    };
+    let mut tensors = HashMap::new();
+    tensors.insert("embed_tokens.weight".to_string(), t(0x10_0000, vec![1000, 256]));
+    for (name, rows) in [("q", 256), ("k", 128), ("v", 128)] {
+        tensors.insert(
+            format!("layers.0.self_attn.{name}_proj.weight"),
+            t(0x20_0000 + rows * 0x1000, vec![rows, 256]),
+        );
+    }
+    let b = bind_weights(&p, &tensors, &|_| None).expect("binds");
+    assert_eq!(b.last(), Some(&WeightBinding::InPlace(0x10_0000)));
+    let mut small = p.clone();
+    small.weights.last_mut().expect("lm_head").shape[0] = 1001;
+    let e = bind_weights(&small, &tensors, &|_| None).unwrap_err().to_string();
+    assert!(
+        e.contains("embed_tokens.weight: 1000 rows") && e.contains("first 1001"),
+        "{e}"
+    );
+}

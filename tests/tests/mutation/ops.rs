@@ -142,7 +142,12 @@ fn variant(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             let w = p.weights.get_mut(i)?;
             w.packing = other(
                 rng,
-                &[Packing::Single, Packing::ConcatRows, Packing::GatherRows],
+                &[
+                    Packing::Single,
+                    Packing::ConcatRows,
+                    Packing::GatherRows,
+                    Packing::LeadingRows,
+                ],
                 &w.packing,
             );
             Some(format!("weights[{i}].packing -> {:?}", w.packing))
