@@ -25,7 +25,7 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// status words (`admit`'s alias rule and write set, `emit`'s non-finite flag, 4-word mirror
 /// slots): the runtime and a plan's `admit`/`emit` must agree on them. 7: phases (`Plan.phases`,
 /// each with its kind, rows per request and buckets) instead of one bucket list. 8: YaRN and
-/// LongRoPE (`RopeScaling`), `rope_append`'s `ROPE_SCALE` constant.
+/// LongRoPE (`RopeScaling`), `rope_append`'s `ROPE_SCALE` constant, `Packing::LeadingRows`.
 pub const FORMAT_VERSION: u32 = 8;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
