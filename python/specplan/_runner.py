@@ -360,28 +360,11 @@ def _same_plan(mine, given):
 
 
 class DraftExtendRunner:
-    """Runs a plan's draft-extend forward on an engine's memory.
-
-    plan          specplan.Plan (with kernels for CUDA tensors)
-    weights       dict[str, torch.Tensor] on the pools' device under the plan's weight names
-                  (Hugging Face / EAGLE names; a leading "model." is accepted, and a tensor
-                  with more rows than the plan's, as a padded lm_head, is used by its first
-                  rows), used in place; or a path to a .safetensors file (loaded once)
-    k_cache, v_cache
-                  one tensor per layer each (see the layouts above; kv_layout "NHD" or "HND"
-                  for 4-D tensors)
-    kv_cache      instead: one tensor per layer with K and V packed in the last dimension
-                  (kv_layout "BHNC", vLLM's, or "BNHC")
-    req_to_token  torch.int32 [rows, max_context] token slots (SGLang), or
-    block_table   torch.int32 [rows, max_pages] page ids; exactly one of the two
-    block_size    tokens per block_table entry (default: the pool's page; vLLM's manager
-                  block when its kernel blocks, the pool's pages, are smaller)
-    gemms         "cached" (default: cuBLASLt algorithms from the on-disk cache, timed once
-                  per shape), "heuristic" or "retune"
-
-    `DraftExtendRunner(plan, weights, ...)` registers its own `Engine`; `engine.draft_extend()`
-    makes one on an existing registration. The registered tensors must stay alive and in place for the runner's life (it keeps
-    references to them).
+    """Runs a plan's draft-extend forward on an engine's memory: its arguments are `Engine`'s
+    (the plan, its weights, the K/V pools, the table). `DraftExtendRunner(plan, weights, ...)`
+    registers its own `Engine`; `engine.draft_extend()` makes one on an existing
+    registration. The registered tensors must stay alive and in place for the runner's life
+    (the engine keeps references to them).
     """
 
     def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,

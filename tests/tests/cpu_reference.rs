@@ -495,15 +495,7 @@ fn yarn_head_matches_naive_forward() {
         name: "yarn".into(),
         text: cfg.to_string(),
     };
-    let o = Overrides {
-        topk: Some(4),
-        num_steps: Some(3),
-        num_draft_tokens: Some(4),
-        buckets: Some("1,2,4".into()),
-        page_size: Some(4),
-        max_context_len: Some(512),
-        ..Overrides::default()
-    };
+    let o = rope_head_flags();
     let plan = compile(
         &resolve(&src, &o).expect("config"),
         &Target::default(),
@@ -551,15 +543,7 @@ fn longrope_head_matches_naive_forward() {
         name: "longrope".into(),
         text,
     };
-    let o = Overrides {
-        topk: Some(4),
-        num_steps: Some(3),
-        num_draft_tokens: Some(4),
-        buckets: Some("1,2,4".into()),
-        page_size: Some(4),
-        max_context_len: Some(512),
-        ..Overrides::default()
-    };
+    let o = rope_head_flags();
     let plan = compile(
         &resolve(&src, &o).expect("config"),
         &Target::default(),
@@ -586,4 +570,17 @@ fn longrope_head_matches_naive_forward() {
         e.0.iter().any(|f| f.field.starts_with("capture.max_context_len")),
         "{e}"
     );
+}
+
+/// The flags of the RoPE-scaling heads' tests: small buckets, page 4, context 512.
+fn rope_head_flags() -> Overrides {
+    Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2,4".into()),
+        page_size: Some(4),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    }
 }
