@@ -496,25 +496,11 @@ fn yarn_head_matches_naive_forward() {
         text: cfg.to_string(),
     };
     let o = rope_head_flags();
-    let plan = compile(
-        &resolve(&src, &o).expect("config"),
-        &Target::default(),
-        None,
-        &|_, _| {},
-    )
-    .expect("compile")
-    .plan;
-    let (inv, scale) = reference_rope(&plan.model);
+    let (plan, inv, scale) = rope_head(&src, &o);
     assert!(
         (scale - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-6,
         "attention factor {scale}"
     );
-    for (t, (a, b)) in plan.rope_inv_freq.iter().zip(&inv).enumerate() {
-        assert!(
-            (a - b).abs() <= 2.0 * f32::EPSILON * b.abs(),
-            "inv_freq[{t}]: plan {a}, reference {b}"
-        );
-    }
     let plain = |t: usize| 500000f64.powf(-2.0 * t as f64 / 64.0) as f32;
     assert!(
         inv.iter()
@@ -544,22 +530,8 @@ fn longrope_head_matches_naive_forward() {
         text,
     };
     let o = rope_head_flags();
-    let plan = compile(
-        &resolve(&src, &o).expect("config"),
-        &Target::default(),
-        None,
-        &|_, _| {},
-    )
-    .expect("compile")
-    .plan;
-    let (inv, scale) = reference_rope(&plan.model);
+    let (_, _, scale) = rope_head(&src, &o);
     assert!(scale > 1.05, "the long-context factor applies: {scale}");
-    for (t, (a, b)) in plan.rope_inv_freq.iter().zip(&inv).enumerate() {
-        assert!(
-            (a - b).abs() <= 2.0 * f32::EPSILON * b.abs(),
-            "inv_freq[{t}]: plan {a}, reference {b}"
-        );
-    }
     check_source(src.clone(), o.clone(), &[1, 3]);
     let above = Overrides {
         max_context_len: Some(8192),
@@ -583,4 +555,20 @@ fn rope_head_flags() -> Overrides {
         max_context_len: Some(512),
         ..Overrides::default()
     }
+}
+
+/// A RoPE-scaling head compiled with `o`, its table checked against the reference's (within
+/// 2 f32 ulps): the plan, the reference table and the reference cos/sin scale.
+fn rope_head(src: &Source, o: &Overrides) -> (ValidatedPlan, Vec<f32>, f64) {
+    let plan = compile(&resolve(src, o).expect("config"), &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan;
+    let (inv, scale) = reference_rope(&plan.model);
+    for (t, (a, b)) in plan.rope_inv_freq.iter().zip(&inv).enumerate() {
+        assert!(
+            (a - b).abs() <= 2.0 * f32::EPSILON * b.abs(),
+            "inv_freq[{t}]: plan {a}, reference {b}"
+        );
+    }
+    (plan, inv, scale)
 }
