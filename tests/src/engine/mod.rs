@@ -17,6 +17,7 @@ use std::time::Instant;
 use cudarc::driver::result;
 use specplan_format::PhaseKind;
 use specplan_format::ValidatedPlan;
+use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::{
     AcceptForm, DeviceInts, DeviceOutputs, DeviceRule, DeviceStep, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime,
     Hidden, StepRequest,
@@ -622,11 +623,27 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                 specplan_format::DType::F16 => 0.9 * half::f16::MAX.to_f32(),
                 _ => 0.9 * half::bf16::MAX.to_f32(),
             };
-            let per = plan.rows_per_request(PhaseKind::DraftExtend) as usize * plan.model.hidden_in() as usize;
-            let bits = specplan_runtime::bits::to_act_bits(&[big], act)[0];
-            engine_hidden[at * per..(at + 1) * per]
-                .iter_mut()
-                .for_each(|x| *x = bits);
+            // Each value signed as fc's row 0 weighs it, so fc's first output is at least
+            // `big · Σ|w|` (several times the type's maximum: inf) whatever the random
+            // weights: the request's outputs are then certainly not finite.
+            let hin = plan.model.hidden_in() as usize;
+            let (fc, fc_w) = plan
+                .weights
+                .iter()
+                .zip(&weights)
+                .find(|(d, _)| d.name == "fc.weight")
+                .ok_or("the plan has no fc.weight")?;
+            let WeightData::F32(fc_w) = fc_w else {
+                return Err("fc.weight is not a float weight".into());
+            };
+            let cols = fc.shape[1] as usize;
+            let off = cols - hin; // EAGLE-1: [embed ‖ hidden]; EAGLE-3: hidden alone
+            let signed: Vec<f32> = (0..hin).map(|i| if fc_w[off + i] < 0.0 { -big } else { big }).collect();
+            let bits = specplan_runtime::bits::to_act_bits(&signed, act);
+            let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
+            for row in engine_hidden[at * n * hin..(at + 1) * n * hin].chunks_mut(hin) {
+                row.copy_from_slice(&bits);
+            }
         }
         let mut rep = EngineReport {
             layout: layout.name(),
