@@ -6,12 +6,12 @@
 //! that padded rows write to, and every index the kernels keep in 32 bits fits. Otherwise
 //! the verdict carries the typed reason and the runtime runs that bucket eagerly.
 
-use specplan_format::{Replay, ReplayBlocker};
+use specplan_format::{PhaseKind, Replay, ReplayBlocker};
 
 use crate::config::Config;
 use crate::graph::OpGraph;
 
-pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32, rows_per_request: u64) -> Replay {
+pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32, kind: PhaseKind) -> Replay {
     if let Some(op) = g.graph.node_weights().find(|op| op.kind.needs_host_sync()) {
         return Replay::Eager(ReplayBlocker::HostSync { op: op.name.clone() });
     }
@@ -25,10 +25,16 @@ pub fn replay_verdict(g: &OpGraph, cfg: &Config, batch: u32, rows_per_request: u
             limit: i32::MAX as u64,
         });
     }
-    // R new positions (the phase's rows per request) can straddle one more page boundary
-    // than R / page_size suggests.
+    // R new positions (draft-extend's rows per request; draft decode's reach, its lanes'
+    // runs) can straddle one more page boundary than R / page_size suggests.
     let ps = c.page_size as u64;
-    let pages_per_req = (rows_per_request + ps - 1).div_ceil(ps);
+    let positions = match kind {
+        PhaseKind::DraftExtend => kind.rows_per_request(&cfg.spec) as u64,
+        PhaseKind::DraftDecode { steps } => {
+            specplan_kernels::facts::decode_reach(ps - 1, steps, cfg.spec.topk, c.page_size)
+        }
+    };
+    let pages_per_req = (positions + ps - 1).div_ceil(ps);
     let need = batch as u64 * pages_per_req + 1;
     if need > pool {
         return Replay::Eager(ReplayBlocker::PoolTooSmall {

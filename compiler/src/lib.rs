@@ -28,8 +28,8 @@ pub mod verify;
 use std::collections::BTreeMap;
 
 use specplan_format::{
-    kernel_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Phase, PhaseKind, Plan, SpecDesc, TargetDesc,
-    ValidatedPlan, WeightDesc,
+    kernel_facts, phase_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Phase, PhaseKind, Plan, SpecDesc,
+    TargetDesc, ValidatedPlan, WeightDesc,
 };
 
 pub use config::{Config, Overrides, Source};
@@ -74,8 +74,11 @@ impl Default for Target {
 /// Everything a compile produced, for printing any stage.
 pub struct Compiled {
     pub plan: ValidatedPlan,
+    /// The draft-extend phase's graphs before and after fusion.
     pub unfused: OpGraph,
     pub fused: OpGraph,
+    /// Every other phase's fused graph, in the plan's phase order.
+    pub phase_graphs: Vec<(PhaseKind, OpGraph)>,
     pub jit: Option<jit::JitStats>,
 }
 
@@ -108,16 +111,23 @@ pub(crate) fn descs(cfg: &Config) -> Descs {
     }
 }
 
-/// Runs every stage. Kernels are compiled when `jit` is given (plans without binaries are
-/// still complete for the CPU executor and for review). `progress(done, total)` is called
-/// after each bucket.
-pub fn compile(
-    cfg: &Config,
-    target: &Target,
-    jit: Option<&jit::Jit>,
-    progress: &dyn Fn(usize, usize),
-) -> Result<Compiled, CompileError> {
-    let kind = PhaseKind::DraftExtend;
+/// The phases a config compiles, in plan order: draft-extend, then each draft-decode tier.
+pub fn phase_kinds(cfg: &Config) -> Vec<PhaseKind> {
+    let mut kinds = vec![PhaseKind::DraftExtend];
+    kinds.extend(cfg.capture.decode_steps.iter().map(|&steps| PhaseKind::DraftDecode { steps }));
+    kinds
+}
+
+/// One phase after lowering and fusion.
+struct Lowered {
+    kind: PhaseKind,
+    unfused: OpGraph,
+    fused: OpGraph,
+    order: Vec<petgraph::stable_graph::NodeIndex>,
+    fusions: Vec<specplan_format::FusionRecord>,
+}
+
+fn lower_phase(cfg: &Config, kind: PhaseKind) -> Result<Lowered, CompileError> {
     let n = kind.rows_per_request(&cfg.spec) as u64;
     let unfused = lower::lower(cfg, kind)?;
     verify::graph(&unfused, n)?;
@@ -127,28 +137,66 @@ pub fn compile(
     let order = fused
         .topo_order()
         .map_err(|node| verify::VerifyError(vec![format!("n{} is part of a cycle", node.index())]))?;
+    Ok(Lowered {
+        kind,
+        unfused,
+        fused,
+        order,
+        fusions,
+    })
+}
 
+/// Runs every stage. Kernels are compiled when `jit` is given (plans without binaries are
+/// still complete for the CPU executor and for review). `progress(done, total)` is called
+/// after each bucket.
+pub fn compile(
+    cfg: &Config,
+    target: &Target,
+    jit: Option<&jit::Jit>,
+    progress: &dyn Fn(usize, usize),
+) -> Result<Compiled, CompileError> {
+    let lowered = phase_kinds(cfg)
+        .into_iter()
+        .map(|kind| lower_phase(cfg, kind))
+        .collect::<Result<Vec<_>, _>>()?;
     let d = descs(cfg);
-    let facts = kernel_facts(&d.model, &d.spec, &d.capture, &d.inv_freq);
-    let (weights, weight_ids, weight_bytes) = layout_weights(&fused, &order);
-    let shared = schedule::Shared {
-        g: &fused,
-        order: &order,
-        cfg,
-        facts: &facts,
-        weight_ids: &weight_ids,
-        sm_count: target.sm_count,
-        rows_per_request: n as u32,
-    };
+    // Weights are the plan's: laid out once, in first-use order over the phases.
+    let graphs: Vec<(&OpGraph, &[petgraph::stable_graph::NodeIndex])> =
+        lowered.iter().map(|l| (&l.fused, &l.order[..])).collect();
+    let (weights, weight_bytes) = layout_weights(&graphs);
     let mut kernels = codegen::KernelTable::default();
-    let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());
-    for (i, &b) in cfg.capture.buckets.iter().enumerate() {
-        let replay = analysis::replay_verdict(&fused, cfg, b, n);
-        buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
-        progress(i + 1, cfg.capture.buckets.len());
+    let total = lowered.len() * cfg.capture.buckets.len();
+    let mut phases = Vec::with_capacity(lowered.len());
+    let mut fusions = Vec::new();
+    for l in &lowered {
+        let n = l.kind.rows_per_request(&cfg.spec);
+        let facts = phase_facts(&d.model, &d.spec, &d.capture, &d.inv_freq, l.kind);
+        let weight_ids = weight_ids(&l.fused, &weights);
+        let shared = schedule::Shared {
+            g: &l.fused,
+            order: &l.order,
+            cfg,
+            facts: &facts,
+            weight_ids: &weight_ids,
+            sm_count: target.sm_count,
+            rows_per_request: n,
+        };
+        let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());
+        for &b in &cfg.capture.buckets {
+            let replay = analysis::replay_verdict(&l.fused, cfg, b, l.kind);
+            buckets.push(schedule::schedule_bucket(&shared, &mut kernels, b, replay)?);
+            progress(phases.len() * cfg.capture.buckets.len() + buckets.len(), total);
+        }
+        fusions.extend(l.fusions.iter().cloned());
+        phases.push(Phase {
+            kind: l.kind,
+            rows_per_request: n,
+            buckets,
+        });
     }
     // The engine-memory prologue and epilogue, and the fill that stands in for a GEMM
     // library's memset nodes: launched by the runtime, carried by every plan.
+    let facts = kernel_facts(&d.model, &d.spec, &d.capture, &d.inv_freq);
     kernels.intern(specplan_kernels::Entry::Admit, &facts);
     kernels.intern(specplan_kernels::Entry::Emit, &facts);
     kernels.intern(specplan_kernels::Entry::Fill, &facts);
@@ -172,50 +220,63 @@ pub fn compile(
         weight_bytes,
         kernels: kernels.kernels,
         fusions,
-        phases: vec![Phase {
-            kind,
-            rows_per_request: n as u32,
-            buckets,
-        }],
+        phases,
     };
+    let mut lowered = lowered.into_iter();
+    let first = lowered
+        .next()
+        .ok_or_else(|| verify::VerifyError(vec!["no phase to compile (a compiler bug)".into()]))?;
     Ok(Compiled {
         plan: validate(plan)?,
-        unfused,
-        fused,
+        unfused: first.unfused,
+        fused: first.fused,
+        phase_graphs: lowered.map(|l| (l.kind, l.fused)).collect(),
         jit: stats,
     })
 }
 
-/// Weights in first-use order, 256-byte aligned in one region.
-fn layout_weights(
-    g: &OpGraph,
-    order: &[petgraph::stable_graph::NodeIndex],
-) -> (Vec<WeightDesc>, BTreeMap<TensorId, u32>, u64) {
-    let mut descs = Vec::new();
-    let mut ids = BTreeMap::new();
+/// Each weight tensor of `g` as its index in the plan's weights (by name: one weight however
+/// many phases and forwards read it).
+fn weight_ids(g: &OpGraph, weights: &[WeightDesc]) -> BTreeMap<TensorId, u32> {
+    g.tensors
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| matches!(t.storage, Storage::Weight { .. }))
+        .filter_map(|(i, t)| {
+            let id = weights.iter().position(|w| w.name == t.name)?;
+            Some((TensorId(i as u32), id as u32))
+        })
+        .collect()
+}
+
+/// Weights in first-use order over the phases' graphs, 256-byte aligned in one region; a
+/// name is laid out once.
+fn layout_weights(graphs: &[(&OpGraph, &[petgraph::stable_graph::NodeIndex])]) -> (Vec<WeightDesc>, u64) {
+    let mut descs: Vec<WeightDesc> = Vec::new();
     let mut offset = 0u64;
-    for &node in order {
-        for &t in &g.graph[node].ins {
-            let tensor = g.tensor(t);
-            let Storage::Weight { sources, packing } = &tensor.storage else {
-                continue;
-            };
-            if ids.contains_key(&t) {
-                continue;
+    for &(g, order) in graphs {
+        for &node in order {
+            for &t in &g.graph[node].ins {
+                let tensor = g.tensor(t);
+                let Storage::Weight { sources, packing } = &tensor.storage else {
+                    continue;
+                };
+                if descs.iter().any(|w| w.name == tensor.name) {
+                    continue;
+                }
+                let bytes = tensor.bytes_at(0);
+                descs.push(WeightDesc {
+                    name: tensor.name.clone(),
+                    dtype: tensor.dtype,
+                    shape: tensor.shape.iter().map(|d| d.fixed).collect(),
+                    sources: sources.clone(),
+                    packing: packing.clone(),
+                    offset,
+                    bytes,
+                });
+                offset += bytes.div_ceil(256) * 256;
             }
-            let bytes = tensor.bytes_at(0);
-            ids.insert(t, descs.len() as u32);
-            descs.push(WeightDesc {
-                name: tensor.name.clone(),
-                dtype: tensor.dtype,
-                shape: tensor.shape.iter().map(|d| d.fixed).collect(),
-                sources: sources.clone(),
-                packing: packing.clone(),
-                offset,
-                bytes,
-            });
-            offset += bytes.div_ceil(256) * 256;
         }
     }
-    (descs, ids, offset)
+    (descs, offset)
 }

@@ -88,6 +88,14 @@ fn weight_sources(g: &OpGraph, t: TensorId) -> Vec<String> {
 
 /// A weight stacking `parts` along dim 0.
 fn packed_weight(g: &mut OpGraph, name: String, parts: &[TensorId]) -> TensorId {
+    // One tensor per weight: a multi-step phase packs each layer's weights once.
+    if let Some(i) = g
+        .tensors
+        .iter()
+        .position(|t| t.name == name && matches!(t.storage, Storage::Weight { .. }))
+    {
+        return TensorId(i as u32);
+    }
     let first = g.tensor(parts[0]).clone();
     let rows: u64 = parts.iter().map(|&p| g.tensor(p).shape[0].fixed).sum();
     let sources = parts.iter().flat_map(|&p| weight_sources(g, p)).collect();
@@ -103,6 +111,13 @@ fn packed_weight(g: &mut OpGraph, name: String, parts: &[TensorId]) -> TensorId 
         },
         alias_of: None,
     })
+}
+
+/// The name of a fused op that replaces `n`, whose name ends in `suffix`: `into` with `n`'s
+/// step prefix (`s1.` in a multi-step phase, none otherwise).
+pub(crate) fn step_name(g: &OpGraph, n: NodeIndex, suffix: &str, into: &str) -> String {
+    let name = &g.graph[n].name;
+    format!("{}{into}", name.strip_suffix(suffix).unwrap_or(""))
 }
 
 fn names(g: &OpGraph, ns: &[NodeIndex]) -> Vec<String> {
@@ -126,7 +141,7 @@ fn embed_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         };
         let (ids, table) = (g.graph[e].ins[0], g.graph[e].ins[1]);
         let op = Op {
-            name: EMBED_CONCAT.into(),
+            name: step_name(g, e, "embed", EMBED_CONCAT),
             kind: OpKind::EmbedConcat { bias: false },
             ins: vec![ids, table, g.graph[c].ins[1]],
             outs: g.graph[c].outs.clone(),
@@ -198,7 +213,7 @@ fn fc_bias_into_embed(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
 fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for a in nodes_where(g, |k| matches!(k, OpKind::KvAppend { .. })) {
-        let OpKind::KvAppend { layer } = g.graph[a].kind else {
+        let OpKind::KvAppend { layer, step } = g.graph[a].kind else {
             continue;
         };
         let ins = g.graph[a].ins.clone();
@@ -244,14 +259,16 @@ fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         let w = packed_weight(g, wname, &[wq, wk, wv]);
         let qt = g.tensor(q).clone();
         let cols = g.tensor(w).shape[0];
+        // `l0.` (or a multi-step phase's `s1.l0.`), from the op the fusion replaces.
+        let pfx = g.graph[a].name.trim_end_matches("kv_append").to_string();
         let qkv = g.add_tensor(Tensor {
-            name: format!("l{layer}.qkv"),
+            name: format!("{pfx}qkv"),
             shape: vec![qt.shape[0], cols],
             alias_of: None,
             ..qt.clone()
         });
         let qkv_rot = g.add_tensor(Tensor {
-            name: format!("l{layer}.qkv_rot"),
+            name: format!("{pfx}qkv_rot"),
             shape: vec![qt.shape[0], cols],
             alias_of: Some(qkv),
             ..qt
@@ -259,7 +276,7 @@ fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         let fused = names(g, &[lq, lk, lv, rq, rk, a]);
         let saved = (row_bytes(g, q_rot) + row_bytes(g, k_rot)) * 2 * rows_per_request(g, q_rot);
         let gemm = Op {
-            name: format!("l{layer}.qkv_proj"),
+            name: format!("{pfx}qkv_proj"),
             kind: OpKind::Linear {
                 bias: false,
                 accumulate: false,
@@ -269,8 +286,8 @@ fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             rank: g.graph[lq].rank,
         };
         let ra = Op {
-            name: format!("l{layer}.rope_append"),
-            kind: OpKind::RopeAppend { layer },
+            name: format!("{pfx}rope_append"),
+            kind: OpKind::RopeAppend { layer, step },
             ins: vec![qkv, prefix, slots, pages, kc, vc],
             outs: vec![qkv_rot, cache_k2, g.graph[a].outs[1]],
             rank: g.graph[rq].rank,
@@ -422,7 +439,7 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             None => outs.push(idx),
         }
         let op = Op {
-            name: SOFTMAX_TOPK.into(),
+            name: step_name(g, s, "softmax", SOFTMAX_TOPK),
             kind: OpKind::SoftmaxTopK { k, map: id_map },
             ins,
             outs,
@@ -563,7 +580,7 @@ mod tests {
             .outs[0];
         extra_reader(&mut g, k_rot);
         assert_eq!(run_one(&mut g, &cfg, "qkv_rope_append").len(), 1);
-        assert_eq!(count(&g, |k| matches!(k, OpKind::KvAppend { layer: 0 })), 1);
+        assert_eq!(count(&g, |k| matches!(k, OpKind::KvAppend { layer: 0, .. })), 1);
     }
 
     #[test]

@@ -314,6 +314,69 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
                 "output must be [T, 2H]".into()
             })
         }
+        OpKind::TreeInit => {
+            want(ins.len() == 2 && (outs.len() == 5 || outs.len() == 6), || {
+                format!("expected 2 inputs and 5 or 6 outputs, got {} and {}", ins.len(), outs.len())
+            })?;
+            let (b, k) = c.rank2(false, 0)?;
+            want(c.shape(false, 1) == [b, k], || format!("topk_ids must be [{b}, {k}]"))?;
+            c.dtype(false, 0, &[DType::F32])?;
+            c.dtype(false, 1, &[DType::I64])?;
+            want(c.shape(true, 0) == [b, k], || format!("scores must be [{b}, {k}]"))?;
+            want(c.shape(true, 1) == [rows], || format!("ids must be [{rows}]"))?;
+            for (i, t) in [(0, DType::F32), (1, DType::I64), (2, DType::F32), (3, DType::I64), (4, DType::I64)] {
+                c.dtype(true, i, &[t])?;
+            }
+            if outs.len() == 6 {
+                c.dtype(true, 5, &[DType::I32])?;
+                want(c.shape(true, 5) == [rows], || format!("src must be [{rows}]"))?;
+            }
+            Ok(())
+        }
+        OpKind::TreeSelect { .. } => {
+            want(ins.len() == 6 && [2, 5, 6].contains(&outs.len()), || {
+                format!("expected 6 inputs and 2, 5 or 6 outputs, got {} and {}", ins.len(), outs.len())
+            })?;
+            let (b, k) = c.rank2(false, 0)?;
+            want(c.shape(false, 1) == [rows, k] && c.shape(false, 2) == [rows, k], || {
+                format!("probs and ids must be [{rows}, {k}]")
+            })?;
+            c.dtype(false, 1, &[DType::F32])?;
+            c.dtype(false, 2, &[DType::I64])?;
+            for (o, i) in [(0, 3), (1, 4)] {
+                want(g.tensor(outs[o]).alias_of == Some(ins[i]), || {
+                    "the lists are written in place".into()
+                })?;
+            }
+            if outs.len() >= 5 {
+                want(g.tensor(outs[2]).alias_of == Some(ins[5]), || {
+                    "parent_list is written in place".into()
+                })?;
+                want(c.shape(true, 3) == [b, k] && c.shape(true, 4) == [rows], || {
+                    format!("scores must be [{b}, {k}] and ids [{rows}]")
+                })?;
+            }
+            Ok(())
+        }
+        OpKind::TreeFinish => {
+            c.arity(2, 2)?;
+            let (b, cands) = c.rank2(false, 0)?;
+            want(c.shape(false, 1) == [b, cands], || "the lists must have one shape".into())?;
+            let (bo, nodes) = c.rank2(true, 0)?;
+            want(bo == b && nodes.fixed <= cands.fixed && c.shape(true, 1) == [b, nodes], || {
+                format!("outputs must be [{b}, at most {}]", cands.fixed)
+            })?;
+            c.dtype(true, 0, &[DType::I64])?;
+            c.dtype(true, 1, &[DType::I64])
+        }
+        OpKind::GatherRows { .. } => {
+            c.arity(2, 1)?;
+            let (_, h) = c.rank2(false, 0)?;
+            c.dtype(false, 1, &[DType::I32])?;
+            want(c.shape(false, 1) == [rows] && c.shape(true, 0) == [rows, h], || {
+                format!("src must be [{rows}] and the output [{rows}, {h}]")
+            })
+        }
         OpKind::SelectNorm => {
             c.arity(3, 2)?;
             let (r, h) = c.rank2(false, 0)?;

@@ -57,7 +57,7 @@ impl DiffEntry {
 impl std::fmt::Display for DiffEntry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Facts of a phase are named by it: `~ draft_extend: bucket 4 launch ...`.
-        let ph = self.phase().map_or(String::new(), |p| format!("{}: ", p.name()));
+        let ph = self.phase().map_or(String::new(), |p| format!("{}: ", p.label()));
         match self {
             DiffEntry::Added(x) => write!(f, "+ {ph}{x}"),
             DiffEntry::Removed(x) => write!(f, "- {ph}{x}"),

@@ -10,6 +10,14 @@ use crate::types::{BucketPlan, CaptureDesc, ModelDesc, PhaseKind, Plan, RopeScal
 /// the kernels of the draft-extend phase (`n`: its rows per request, the one definition in
 /// `PhaseKind::rows_per_request`).
 pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32]) -> KernelFacts {
+    phase_facts(m, s, c, inv_freq, PhaseKind::DraftExtend)
+}
+
+/// Facts of the kernels of phase `kind` (step 0: see [`KernelFacts::at_step`]). Draft decode
+/// always maps its ids (its tokens are target ids whatever the draft-extend outputs are).
+pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32], kind: PhaseKind) -> KernelFacts {
+    let decode = matches!(kind, PhaseKind::DraftDecode { .. });
+    let maps = decode || c.outputs.maps_ids();
     KernelFacts {
         act: c.dtype,
         hidden: m.hidden,
@@ -20,7 +28,7 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         head_dim: m.head_dim,
         vocab: m.vocab,
         cols: c.hot_vocab_size.unwrap_or(m.lm_vocab()),
-        n: PhaseKind::DraftExtend.rows_per_request(s),
+        n: kind.rows_per_request(s),
         topk: s.topk,
         page_size: c.page_size,
         max_context: c.max_context_len,
@@ -28,11 +36,14 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
         inv_freq: inv_freq.to_vec(),
         rope_scale: rope_attention_scale(m),
         window: 0,
+        lanes: kind.steps(),
+        step: 0,
+        draft_tokens: kind.draft_tokens(s),
         has_bias: m.fc_bias,
-        hot_map: c.hot_vocab_size.is_some() && c.outputs.maps_ids(),
-        id_offset: m.draft_vocab.is_some() && c.outputs.maps_ids(),
-        out_topk: c.outputs.topk,
-        out_logits: c.outputs.logits,
+        hot_map: c.hot_vocab_size.is_some() && maps,
+        id_offset: m.draft_vocab.is_some() && maps,
+        out_topk: c.outputs.topk || decode,
+        out_logits: c.outputs.logits && !decode,
     }
 }
 
@@ -152,6 +163,11 @@ pub fn rope_attention_scale(m: &ModelDesc) -> f32 {
 
 pub fn kernel_facts_of(p: &Plan) -> KernelFacts {
     kernel_facts(&p.model, &p.spec, &p.capture, &p.rope_inv_freq)
+}
+
+/// [`phase_facts`] of a plan's phase.
+pub fn phase_facts_of(p: &Plan, kind: PhaseKind) -> KernelFacts {
+    phase_facts(&p.model, &p.spec, &p.capture, &p.rope_inv_freq, kind)
 }
 
 pub fn bucket_facts(b: &BucketPlan) -> BucketFacts {

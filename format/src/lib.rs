@@ -21,7 +21,9 @@ pub use codec::{
     MAX_PLAN_BYTES,
 };
 pub use diff::{diff, DiffEntry, PlanDiff};
-pub use facts::{bucket_facts, kernel_facts, kernel_facts_of, rope_attention_scale, rope_inv_freq};
+pub use facts::{
+    bucket_facts, kernel_facts, kernel_facts_of, phase_facts, phase_facts_of, rope_attention_scale, rope_inv_freq,
+};
 pub use location::{Location, Violation};
 pub use specplan_kernels::facts::{BucketFacts, KernelFacts, MAX_SMEM_BYTES};
 pub use text::{escape, facts, to_text, Fact};

@@ -30,6 +30,9 @@ pub const MAX_REGION_BYTES: u64 = 64 << 30;
 /// bucket's buffers). `MAX_BUCKETS` bounds each phase's buckets.
 pub const MAX_BUCKETS: usize = 256;
 pub const MAX_PHASES: usize = 16;
+/// Entries of a draft-decode tree's score list per request (`K + (S−1)·K²`): the tree
+/// kernels rank them in one CTA.
+pub const MAX_TREE_CANDIDATES: u32 = 4096;
 pub const MAX_KERNELS: usize = 1024;
 pub const MAX_WEIGHTS: usize = 4096;
 pub const MAX_FUSIONS: usize = 4096;
@@ -119,6 +122,39 @@ pub fn spec_rule(s: &SpecDesc) -> Option<SpecRule> {
             format!("{n} exceeds the {MAX_DRAFT_TOKENS} rows per request the attention kernel supports"),
             None,
         );
+    }
+    None
+}
+
+/// Why a draft-decode tier cannot be compiled: `None` when it can. Tiers hold at least two
+/// steps (SGLang 0.5.23 runs no draft-decode forward at one step and has no slot there,
+/// `srt/speculative/eagle_worker_v2.py:496-509`), at most `MAX_STEPS`; a tier other than the
+/// configured `num_steps` needs topk = 1 (its N is steps + 1, as SGLang's adaptive tiers);
+/// the tree's candidates within `MAX_TREE_CANDIDATES` and at least its N − 1 nodes.
+pub fn decode_tier_rule(s: &SpecDesc, steps: u32) -> Option<String> {
+    let kind = crate::types::PhaseKind::DraftDecode { steps };
+    if !(2..=MAX_STEPS).contains(&steps) {
+        return Some(format!(
+            "{steps} steps is outside [2, {MAX_STEPS}] (at one step SGLang runs no draft-decode forward)"
+        ));
+    }
+    if steps != s.num_steps && s.topk != 1 {
+        return Some(format!(
+            "a tier of {steps} steps beside num_steps = {} needs topk = 1 (SGLang's adaptive tiers are chains), topk is {}",
+            s.num_steps, s.topk
+        ));
+    }
+    let (k, n) = (s.topk as u64, kind.draft_tokens(s) as u64);
+    let cands = k + (steps as u64 - 1) * k * k;
+    if cands > MAX_TREE_CANDIDATES as u64 {
+        return Some(format!(
+            "the tree of topk {k} over {steps} steps has {cands} candidates, above {MAX_TREE_CANDIDATES}"
+        ));
+    }
+    if n < 2 || n - 1 > cands || n > MAX_DRAFT_TOKENS as u64 {
+        return Some(format!(
+            "num_draft_tokens {n} must keep 1 to {cands} of the tree's candidates (at most {MAX_DRAFT_TOKENS} tokens)"
+        ));
     }
     None
 }

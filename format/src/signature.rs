@@ -36,6 +36,10 @@ pub enum Dim {
     TableRows,
     /// Columns of the page table.
     TableCols,
+    /// Draft decode: width of `parent_list`, `(S−1)·K + 1`.
+    ParentWidth,
+    /// Draft decode: the tree's drafted nodes, N − 1.
+    TreeNodes,
 }
 
 /// A tensor's element type.
@@ -215,18 +219,89 @@ pub const DRAFT_EXTEND: &[TensorDecl] = &[
     ),
 ];
 
+/// The draft-decode forwards (SGLang 0.5.23's draft-decode slot): the draft-extend step's
+/// top-K and hidden row in, the tree out.
+pub const DRAFT_DECODE: &[TensorDecl] = &[
+    DRAFT_EXTEND[0],
+    DRAFT_EXTEND[1],
+    DRAFT_EXTEND[2],
+    decl(
+        io::TOPK_PROBS,
+        F32,
+        &[Requests, TopK],
+        Role::Staged,
+        When::Always,
+        "draft-extend's top-K probabilities, descending (the root's children's scores)",
+    ),
+    decl(
+        io::TOPK_IDS,
+        I64,
+        &[Requests, TopK],
+        Role::Staged,
+        When::Always,
+        "their ids in the target vocabulary (mapped once, before this phase)",
+    ),
+    decl(
+        io::HIDDEN_STATES,
+        ACT,
+        &[Requests, Hidden],
+        Role::Staged,
+        When::Always,
+        "draft-extend's hidden row (EAGLE-3: before the final norm)",
+    ),
+    decl(
+        io::PREFIX_LENS,
+        I32,
+        &[Requests],
+        Role::Staged,
+        When::Always,
+        "L: committed tokens; forward i runs at position L + i",
+    ),
+    decl(
+        io::REQ_SLOTS,
+        I32,
+        &[Requests],
+        Role::Staged,
+        When::Always,
+        "the request's row of the page table",
+    ),
+    decl(
+        io::PARENT_LIST,
+        I64,
+        &[Requests, ParentWidth],
+        Role::Output,
+        When::Always,
+        "score index of each node block's parent (-1: the root), as SGLang's",
+    ),
+    decl(
+        io::TOP_SCORES_INDEX,
+        I64,
+        &[Requests, TreeNodes],
+        Role::Output,
+        When::Always,
+        "the N-1 best path scores' indices, ascending",
+    ),
+    decl(
+        io::DRAFT_TOKENS,
+        I64,
+        &[Requests, TreeNodes],
+        Role::Output,
+        When::Always,
+        "their tokens, target ids",
+    ),
+];
+
 /// The declaration of a phase kind.
 pub fn declared(kind: PhaseKind) -> &'static [TensorDecl] {
     match kind {
         PhaseKind::DraftExtend => DRAFT_EXTEND,
+        PhaseKind::DraftDecode { .. } => DRAFT_DECODE,
     }
 }
 
 /// Every tensor name any phase declares.
 pub fn all_names() -> impl Iterator<Item = &'static str> {
-    PhaseKind::ALL
-        .into_iter()
-        .flat_map(|k| declared(k).iter().map(|d| d.name))
+    [DRAFT_EXTEND, DRAFT_DECODE].into_iter().flat_map(|d| d.iter().map(|d| d.name))
 }
 
 /// One tensor of the signature resolved for a plan and a batch.
@@ -263,12 +338,15 @@ impl<'a> Facts<'a> {
         }
     }
 
-    /// The size `d` stands for at `batch` requests of a phase with `rows_per_request`.
-    pub fn dim(&self, rows_per_request: u32, batch: u32, d: Dim) -> u64 {
+    /// The size `d` stands for at `batch` requests of phase `kind`.
+    pub fn dim(&self, kind: PhaseKind, batch: u32, d: Dim) -> u64 {
         let (m, c) = (self.model, self.capture);
+        let k = self.spec.topk as u64;
         match d {
             Requests => batch as u64,
-            Rows => batch as u64 * rows_per_request as u64,
+            Rows => batch as u64 * kind.rows_per_request(self.spec) as u64,
+            ParentWidth => kind.steps().saturating_sub(1) as u64 * k + 1,
+            TreeNodes => kind.draft_tokens(self.spec).saturating_sub(1) as u64,
             HiddenIn => m.hidden_in() as u64,
             Hidden => m.hidden as u64,
             TopK => self.spec.topk as u64,
@@ -286,7 +364,6 @@ impl<'a> Facts<'a> {
     /// The tensors of phase `kind` that exist under these facts (by `capture.outputs`),
     /// resolved at `batch` requests, in declaration order.
     pub fn resolve(&self, kind: PhaseKind, batch: u32) -> Vec<Resolved> {
-        let rows = kind.rows_per_request(self.spec);
         declared(kind)
             .iter()
             .filter(|d| d.when.holds(self.capture.outputs))
@@ -296,7 +373,7 @@ impl<'a> Facts<'a> {
                     DTypeRule::Exact(t) => t,
                     DTypeRule::Activation => self.capture.dtype,
                 },
-                shape: d.shape.iter().map(|&x| self.dim(rows, batch, x)).collect(),
+                shape: d.shape.iter().map(|&x| self.dim(kind, batch, x)).collect(),
             })
             .collect()
     }
@@ -393,5 +470,7 @@ pub fn dim_name(d: Dim) -> &'static str {
         HeadDim => "head_dim",
         TableRows => "table_rows",
         TableCols => "table_cols",
+        ParentWidth => "parents",
+        TreeNodes => "nodes",
     }
 }

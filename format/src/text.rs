@@ -284,7 +284,7 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
         let mut fact = |key: String, value: String| out.push(Fact { phase, key, value });
         let batches: Vec<String> = ph.buckets.iter().map(|b| b.batch.to_string()).collect();
         fact(
-            format!("phase {}", ph.kind.name()),
+            format!("phase {}", ph.kind.label()),
             format!(
                 "rows_per_request={} buckets={} signature={}",
                 ph.rows_per_request,

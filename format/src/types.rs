@@ -390,21 +390,37 @@ pub enum Replay {
 
 /// Which forward of the draft model a phase is. Each kind has one signature
 /// (`signature.rs`), one lowering (`compiler/src/lower/<kind>.rs`) and one runner; a plan
-/// holds at most one phase of each kind (per-tier variants of one kind would add a tier to
-/// this key). ARCHITECTURE.md, "How to add a phase", lists what a new kind touches.
+/// holds at most one phase of each kind (draft decode: one per step-count tier).
+/// ARCHITECTURE.md, "How to add a phase", lists what a new kind touches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum PhaseKind {
     /// The draft model over the N rows per request that target verification produced:
     /// K/V appended at positions L .. L+N−1, the accepted row's outputs emitted.
     DraftExtend,
+    /// SGLang 0.5.23's multi-step draft decode at `steps` = S (a tier): S − 1 forwards of
+    /// K lanes per request (`topk`), each at position L + step with its K/V in the lane's
+    /// own slots, the top-K tree grown between them, the N − 1 best nodes emitted
+    /// (`docs/semantics.md`, "Draft decode").
+    DraftDecode { steps: u32 },
 }
 
 impl PhaseKind {
-    pub const ALL: [PhaseKind; 1] = [PhaseKind::DraftExtend];
+    /// The kinds' names (a draft-decode phase of any tier is `draft_decode`).
+    pub const NAMES: [&'static str; 2] = ["draft_extend", "draft_decode"];
 
     pub fn name(self) -> &'static str {
         match self {
-            PhaseKind::DraftExtend => "draft_extend",
+            PhaseKind::DraftExtend => Self::NAMES[0],
+            PhaseKind::DraftDecode { .. } => Self::NAMES[1],
+        }
+    }
+
+    /// The name with its tier: `draft_extend`, `draft_decode:3` (what `show`, `diff` and
+    /// errors print, and what `Plan.signature` accepts).
+    pub fn label(self) -> String {
+        match self {
+            PhaseKind::DraftExtend => self.name().to_string(),
+            PhaseKind::DraftDecode { steps } => format!("{}:{steps}", self.name()),
         }
     }
 
@@ -413,14 +429,49 @@ impl PhaseKind {
     pub fn rows_per_request(self, spec: &SpecDesc) -> u32 {
         match self {
             PhaseKind::DraftExtend => spec.num_draft_tokens,
+            PhaseKind::DraftDecode { .. } => spec.topk,
         }
     }
 
-    /// Launches of one forward that append to each layer's K and V pools (draft-extend
-    /// appends its N rows once; a multi-step phase appends once per step).
-    pub fn kv_appends_per_layer(self) -> u32 {
+    /// Forwards of the draft model one replay runs.
+    pub fn forwards(self) -> u32 {
         match self {
             PhaseKind::DraftExtend => 1,
+            PhaseKind::DraftDecode { steps } => steps.saturating_sub(1),
+        }
+    }
+
+    /// Launches of one replay that append to each layer's K and V pools (one per forward).
+    pub fn kv_appends_per_layer(self) -> u32 {
+        self.forwards()
+    }
+
+    /// Draft decode: N, the tree's tokens, root included (its outputs keep N − 1 nodes):
+    /// the configured `num_draft_tokens` at the configured step count, `steps + 1` on the
+    /// other tiers (which need topk = 1, where SGLang forces N = S + 1). Draft-extend: its N.
+    pub fn draft_tokens(self, spec: &SpecDesc) -> u32 {
+        match self {
+            PhaseKind::DraftDecode { steps } if steps != spec.num_steps => steps + 1,
+            _ => spec.num_draft_tokens,
+        }
+    }
+
+    /// Draft decode: S (0 for draft-extend, whose rows are causal).
+    pub fn steps(self) -> u32 {
+        match self {
+            PhaseKind::DraftExtend => 0,
+            PhaseKind::DraftDecode { steps } => steps,
+        }
+    }
+
+    /// Parses a label (`draft_extend`, `draft_decode:3`); `draft_decode` alone is the tier
+    /// `default_steps`.
+    pub fn parse(s: &str, default_steps: Option<u32>) -> Option<PhaseKind> {
+        match s.split_once(':') {
+            None if s == Self::NAMES[0] => Some(PhaseKind::DraftExtend),
+            None if s == Self::NAMES[1] => default_steps.map(|steps| PhaseKind::DraftDecode { steps }),
+            Some((n, t)) if n == Self::NAMES[1] => t.parse().ok().map(|steps| PhaseKind::DraftDecode { steps }),
+            _ => None,
         }
     }
 }

@@ -6,7 +6,7 @@
 //
 // ----------------------------------------------------------------------------------------
 // Entry attn_partial
-//   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM (multiple of 16, <= 256), N, PAGE_SIZE,
+//   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM (multiple of 16, <= 256), N, PAGE_SIZE, LANE_STEPS, STEP,
 //              WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
 //              KV_TILE (keys per pipeline stage: 64, 32 or 16), STAGES (2..4: tiles in
 //              shared memory, STAGES - 1 of them in flight while one is computed)
@@ -52,6 +52,12 @@
 //   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
 //                   rows = batch*N.
+//   Draft decode (LANE_STEPS = S > 0, N = topk, row j = lane j, STEP = the forward):
+//   kv_len = L + N*(STEP+1); key index t < L is position t, t >= L is lane
+//   u = (t-L)/(STEP+1)'s slot position L + lane_offset(L, u) + (t-L)%(STEP+1) (common.cuh);
+//   row j sees every t < L and the keys of lane j; with a window, a key at sequence position
+//   q (t < L: t; a lane key: L + (t-L)%(STEP+1)) is seen when q > L + STEP - WINDOW, and
+//   kv_start = min(L, max(0, L + STEP - WINDOW + 1)).
 //   Positions without a token slot (t = -1: a request row outside the table, a position
 //   outside the row, a negative page, a slot outside the pool) read as zero K/V: bad input
 //   never faults.
@@ -85,6 +91,12 @@ constexpr int kN = (int)N;
 constexpr long long kPage = (long long)PAGE_SIZE;
 constexpr int kWindow = (int)WINDOW;
 constexpr int kTile = (int)KV_TILE;
+// Draft decode (LANE_STEPS = S > 0): the N rows of a request are its lanes; forward STEP's
+// keys are the prefix [0, L) followed by each lane's STEP + 1 slots, lane after lane (key
+// index t >= L: lane (t - L) / kLaneKeys, its (t - L) % kLaneKeys-th slot); a row sees the
+// prefix and its own lane's keys. Draft-extend: key index = position, causal rows.
+constexpr bool kLanes = (int)LANE_STEPS > 0;
+constexpr int kLaneKeys = (int)STEP + 1;
 
 static_assert(kKvHeads > 0 && kHeads % kKvHeads == 0, "HEADS must be a multiple of KV_HEADS");
 static_assert(kD % 16 == 0 && kD <= 256, "HEAD_DIM must be a multiple of 16, at most 256 (MMA k-steps)");
@@ -213,26 +225,34 @@ struct TileEntries {
     bool has[kKeyIters];
 };
 
-__device__ __forceinline__ void tile_entries(TileEntries& e, int tile0, int hi, const KvLayout& lay, const int* row) {
+// The cache position of key index t of a request with prefix L (see kLanes).
+__device__ __forceinline__ long long key_pos(int t, int L) {
+    if (!kLanes || t < L) return t;
+    const int u = t - L;
+    return (long long)L + lane_offset(L, u / kLaneKeys, (int)LANE_STEPS, kN, kPage) + u % kLaneKeys;
+}
+
+__device__ __forceinline__ void tile_entries(TileEntries& e, int tile0, int hi, int L, const KvLayout& lay,
+                                             const int* row) {
 #pragma unroll
     for (int it = 0; it < kKeyIters; ++it) {
         const int k = (int)threadIdx.x + it * kThreads;
         const int p = tile0 + k;
         e.entry[it] = 0;  // defined even when kv_entry is not reached
-        e.has[it] = k < kTile && p < hi && kv_entry(lay, row, p, kPage, e.entry[it]);
+        e.has[it] = k < kTile && p < hi && kv_entry(lay, row, key_pos(p, L), kPage, e.entry[it]);
     }
 }
 
 // The element offset (head `head_off` included) of each key of the tile in the pool, or -1
 // when the key is outside the split (p >= hi) or has no slot (common.cuh kv_token): such
 // keys are zero-filled.
-__device__ __forceinline__ void tile_slots(long long* dst, const TileEntries& e, int tile0, const KvLayout& lay,
+__device__ __forceinline__ void tile_slots(long long* dst, const TileEntries& e, int tile0, int L, const KvLayout& lay,
                                            long long head_off) {
 #pragma unroll
     for (int it = 0; it < kKeyIters; ++it) {
         const int k = (int)threadIdx.x + it * kThreads;
         if (k < kTile) {
-            const long long t = kv_resolve(lay, e.has[it], e.entry[it], tile0 + k, kPage);
+            const long long t = kv_resolve(lay, e.has[it], e.entry[it], key_pos(tile0 + k, L), kPage);
             dst[k] = t < 0 ? -1 : kv_at(lay, t) + head_off;
         }
     }
@@ -300,11 +320,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 
     // ---- This split's key range ----------------------------------------------------------
     const int L = p.prefix_lens[i];
-    const long long kv_len = (long long)L + kN;
+    // Draft decode: the prefix and every lane's STEP + 1 slots (kLanes); the window counts
+    // from the rows' position L + STEP and never drops a lane key's index range.
+    const long long kv_len = kLanes ? (long long)L + (long long)kN * kLaneKeys : (long long)L + kN;
     long long kv_start = 0;
     if (kWindow > 0) {
-        kv_start = (long long)L - kWindow + 1;
+        kv_start = (long long)L - kWindow + 1 + (kLanes ? (long long)STEP : 0);
         if (kv_start < 0) kv_start = 0;
+        if (kLanes && kv_start > L) kv_start = L;
     }
     long long total = kv_len - kv_start;
     if (total < 0) total = 0;
@@ -316,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     const int hi = hi_ll > lo_ll ? (int)hi_ll : lo;
     const int num_tiles = (int)ceil_div(hi - lo, kTile);
     // Keys every row of this request sees without a mask test: [lo, L] minus the window.
-    const int no_mask_end = kWindow > 0 ? lo : L + 1;  // with a window every tile is tested
+    const int no_mask_end = kWindow > 0 ? lo : (kLanes ? L : L + 1);  // with a window every tile is tested
 
     const long long rows = (long long)p.batch * kN;
     const bool single = gridDim.z == 1u;
@@ -333,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 #pragma unroll
         for (int st = 0; st < kStages - 1; ++st) {
             if (st < num_tiles) {
-                tile_entries(ent, lo + st * kTile, hi, lay, pt_row);
-                tile_slots(sSlot + st * kTile, ent, lo + st * kTile, lay, head_off);
+                tile_entries(ent, lo + st * kTile, hi, L, lay, pt_row);
+                tile_slots(sSlot + st * kTile, ent, lo + st * kTile, L, lay, head_off);
             }
         }
         __syncthreads();  // the slot rows are written
@@ -346,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             }
             cp_async_commit();  // (possibly empty: keeps the group count uniform)
         }
-        if (kStages - 1 < num_tiles) tile_entries(ent, lo + (kStages - 1) * kTile, hi, lay, pt_row);
+        if (kStages - 1 < num_tiles) tile_entries(ent, lo + (kStages - 1) * kTile, hi, L, lay, pt_row);
 
         // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
         {
@@ -373,7 +396,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 
         // Packed rows of this thread's accumulator halves: rows rA (c0, c1) and rA + 8 (c2, c3).
         const int rA = prow0 + wq * 16 + (lane >> 2);
-        const int qposA = L + rA / kG, qposB = L + (rA + 8) / kG;  // causal limits
+        // Causal limits (draft-extend), or the lanes of the rows and their position (decode).
+        const int qposA = kLanes ? L + (int)STEP : L + rA / kG, qposB = kLanes ? L + (int)STEP : L + (rA + 8) / kG;
+        const int laneA = rA / kG, laneB = (rA + 8) / kG;
         const bool realA = rA < kRows, realB = rA + 8 < kRows;
 
         unsigned qf[kQRegs ? kKS : 1][4];
@@ -396,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             // Tile nxt's entries were read during the last tile's compute: its slots go to
             // row nxt % kStages, last read when tile nxt - kStages was issued (before an
             // earlier barrier), and the barrier below publishes them.
-            if (nxt < num_tiles) tile_slots(sSlot + (nxt % kStages) * kTile, ent, lo + nxt * kTile, lay, head_off);
+            if (nxt < num_tiles) tile_slots(sSlot + (nxt % kStages) * kTile, ent, lo + nxt * kTile, L, lay, head_off);
             cp_async_wait<kStages - 2>();  // this thread's copies of tile `tile` have landed ...
             __syncthreads();               // ... and everyone's; stage (tile-1) is free again
             if (nxt < num_tiles) {
@@ -404,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                            p.v_cache, sSlot + (nxt % kStages) * kTile);
             }
             cp_async_commit();
-            if (nxt + 1 < num_tiles) tile_entries(ent, lo + (nxt + 1) * kTile, hi, lay, pt_row);
+            if (nxt + 1 < num_tiles) tile_entries(ent, lo + (nxt + 1) * kTile, hi, L, lay, pt_row);
             if (!active) continue;  // warp uniform; such warps only help with the copies
 
             const act_t* K = stage_k(stage_base, tile % kStages);
@@ -447,8 +472,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                     float va = sc[nt][e] * scale2, vb = sc[nt][2 + e] * scale2;
                     if (!full) {
                         const bool in = kp < hi;
-                        const bool visA = realA && in && kp <= qposA && (kWindow == 0 || kp + kWindow > qposA);
-                        const bool visB = realB && in && kp <= qposB && (kWindow == 0 || kp + kWindow > qposB);
+                        bool visA, visB;
+                        if constexpr (kLanes) {
+                            // The prefix, and the row's own lane; the window by sequence
+                            // position (a lane's j-th slot sits at L + j).
+                            const bool pre = kp < L;
+                            const int u = kp - L;
+                            const int seq = pre ? kp : L + u % kLaneKeys;
+                            const bool win = kWindow == 0 || seq + kWindow > qposA;
+                            visA = realA && in && (pre || u / kLaneKeys == laneA) && win;
+                            visB = realB && in && (pre || u / kLaneKeys == laneB) && win;
+                        } else {
+                            visA = realA && in && kp <= qposA && (kWindow == 0 || kp + kWindow > qposA);
+                            visB = realB && in && kp <= qposB && (kWindow == 0 || kp + kWindow > qposB);
+                        }
                         va = visA ? va : neg_inf();
                         vb = visB ? vb : neg_inf();
                     }

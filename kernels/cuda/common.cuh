@@ -310,4 +310,15 @@ __device__ __forceinline__ long long kv_token(const KvLayout& l, const int* row,
     return (t >= 0 && t < l.slots) ? t : -1;
 }
 
+// Draft decode's lanes (specplan_kernels::facts::lane_offset is the host's copy): lane k of
+// a request with prefix L writes forward s's K/V at position L + lane_offset(L, k) + s, as
+// SGLang 0.5.23 allocates them (srt/speculative/eagle_worker_common.py:275-333): lanes
+// `steps` positions apart when a page holds one token or there is one lane; otherwise each
+// lane's run starts a whole number of pages on, ceil((L % P + steps) / P) pages per lane.
+__device__ __forceinline__ long long lane_offset(long long L, int lane, int steps, int lanes, long long page) {
+    if (page == 1 || lanes == 1) return (long long)lane * steps;
+    const long long run = (L % page + steps + page - 1) / page * page;
+    return (long long)lane * run;
+}
+
 #endif  // SPECPLAN_COMMON_CUH

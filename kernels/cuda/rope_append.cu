@@ -3,7 +3,9 @@
 //
 // Row r of qkv (request i = r / N, draft slot j = r % N) holds, in act_t,
 //   [ q heads (HEADS*HEAD_DIM) | k heads (KV_HEADS*HEAD_DIM) | v heads (KV_HEADS*HEAD_DIM) ].
-// Its position is pos = prefix_lens[i] + j. Rotate-half RoPE (Hugging Face Llama), with
+// Its position is pos = prefix_lens[i] + j, and its K/V go to position pos. Draft decode
+// (LANE_STEPS = S > 0; N = topk, j the lane): every row of forward STEP is at
+// pos = prefix_lens[i] + STEP and writes position L + lane_offset(L, j) + STEP (common.cuh). Rotate-half RoPE (Hugging Face Llama), with
 // D = HEAD_DIM, for d in [0, D/2):
 //   angle = float(pos) * INV_FREQ[d]     (one fp32 multiply)
 //   c = cosf(angle), s = sinf(angle)     (accurate library versions, not __cosf/__sinf)
@@ -21,7 +23,7 @@
 // the pool) the cache write is skipped: bad input never faults. q is rotated in every case.
 //
 // Entry:     rope_append
-// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, INV_FREQ[HEAD_DIM/2], ROPE_SCALE
+// Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, LANE_STEPS, STEP, INV_FREQ[HEAD_DIM/2], ROPE_SCALE
 //            (YaRN's and LongRoPE's attention factor, 1 otherwise: cos and sin are scaled by it, so the
 //            rotated q and the cached k are, as SGLang's YaRN cos/sin cache has it)
 // Launch:    grid (rows, 1, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
@@ -105,7 +107,12 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
     if (r >= p.rows) return;  // uniform per CTA
     const int i = (int)(r / N);
     const int j = (int)(r % N);
-    const int pos = p.prefix_lens[i] + j;
+    const int L = p.prefix_lens[i];
+    // Draft-extend: row j at L + j. Draft decode: every lane at L + STEP, its K/V in the
+    // lane's own slot (common.cuh lane_offset).
+    const int pos = LANE_STEPS > 0 ? L + (int)STEP : L + j;
+    const long long wpos =
+        LANE_STEPS > 0 ? (long long)L + lane_offset(L, j, (int)LANE_STEPS, (int)N, (long long)PAGE_SIZE) + STEP : pos;
 
     // cos/sin of this row's position, once per CTA (the accurate cosf/sinf are costly and
     // the same angles serve every head).
@@ -117,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
 
     // Cache element of this position's token slot (or -1: skip the write).
     const KvLayout lay = kv_layout(p.kv_layout);
-    const long long tok = kv_token(lay, kv_row(lay, p.page_table, p.req_slots[i]), pos, (long long)PAGE_SIZE);
+    const long long tok = kv_token(lay, kv_row(lay, p.page_table, p.req_slots[i]), wpos, (long long)PAGE_SIZE);
     const long long kbase = tok < 0 ? -1 : kv_at(lay, tok);
     __syncthreads();
 

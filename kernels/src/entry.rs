@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::abi::{shape_of, Abi, Kernel, LaunchShape};
-use crate::entries::{attention, embed, io, mlp, norm, rope, sample, select};
+use crate::entries::{attention, embed, io, mlp, norm, rope, sample, select, tree};
 use crate::facts::{BucketFacts, KernelFacts};
 use crate::source::Constants;
 
@@ -21,6 +21,7 @@ pub enum Template {
     Mlp,
     Select,
     Sample,
+    Tree,
     Io,
 }
 
@@ -33,6 +34,7 @@ impl Template {
         Template::Mlp,
         Template::Select,
         Template::Sample,
+        Template::Tree,
         Template::Io,
     ];
 
@@ -46,6 +48,7 @@ impl Template {
             Template::Mlp => "mlp.cu",
             Template::Select => "select.cu",
             Template::Sample => "sample.cu",
+            Template::Tree => "tree.cu",
             Template::Io => "io.cu",
         }
     }
@@ -59,6 +62,7 @@ impl Template {
             Template::Mlp => include_str!("../cuda/mlp.cu"),
             Template::Select => include_str!("../cuda/select.cu"),
             Template::Sample => include_str!("../cuda/sample.cu"),
+            Template::Tree => include_str!("../cuda/tree.cu"),
             Template::Io => include_str!("../cuda/io.cu"),
         }
     }
@@ -73,6 +77,7 @@ impl Template {
             Template::Mlp => &[Entry::SiluMul],
             Template::Select => &[Entry::SelectRows, Entry::SelectNorm],
             Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
+            Template::Tree => &[Entry::TreeInit, Entry::TreeSelect, Entry::TreeFinish, Entry::GatherRows],
             Template::Io => &[Entry::Admit, Entry::Emit, Entry::Fill],
         }
     }
@@ -88,6 +93,7 @@ impl Template {
             Template::Mlp => mlp::constants(f),
             Template::Select => select::constants(f),
             Template::Sample => sample::constants(f),
+            Template::Tree => tree::constants(f),
             Template::Io => io::constants(f),
         }
     }
@@ -147,6 +153,10 @@ entries! {
     SoftmaxTopk => sample::SoftmaxTopkParams, "softmax_topk", Sample;
     TopkPartial => sample::TopkPartialParams, "topk_partial", Sample;
     TopkMerge => sample::TopkMergeParams, "topk_merge", Sample;
+    TreeInit => tree::TreeInitParams, "tree_init", Tree;
+    TreeSelect => tree::TreeSelectParams, "tree_select", Tree;
+    TreeFinish => tree::TreeFinishParams, "tree_finish", Tree;
+    GatherRows => tree::GatherRowsParams, "gather_rows", Tree;
     Admit => io::AdmitParams, "admit", Io;
     Emit => io::EmitParams, "emit", Io;
     Fill => io::FillParams, "fill", Io;

@@ -54,6 +54,15 @@ pub struct KernelFacts {
     pub rope_scale: f32,
     /// The sliding window of the layer an attention instance serves (0 = none).
     pub window: u32,
+    /// Draft decode: S, the phase's step count. Its rows are lanes (K per request, `n` =
+    /// topk), every row of forward `step` sits at position `L + step`, writes its K/V at
+    /// the lane's slot `L + lane_offset(L, lane) + step` and attends the prefix plus its own
+    /// lane's slots (kernels/cuda/common.cuh, `lane_offset`). 0: draft-extend's causal rows.
+    pub lanes: u32,
+    /// The forward (0-based) of a multi-step phase an instance serves (0 otherwise).
+    pub step: u32,
+    /// Draft decode: N, the tree's tokens (its outputs keep the N − 1 drafted nodes).
+    pub draft_tokens: u32,
     /// The fc bias exists (folded into `embed_concat`).
     pub has_bias: bool,
     /// Top-K ids go through the FR-Spec hot map.
@@ -73,6 +82,31 @@ impl KernelFacts {
             window: w.unwrap_or(0),
             ..self.clone()
         }
+    }
+
+    /// The same facts for forward `step` of a multi-step phase.
+    pub fn at_step(&self, step: u32) -> KernelFacts {
+        KernelFacts { step, ..self.clone() }
+    }
+
+    /// Rows of a bucket the output head runs on: the selected row per request
+    /// (draft-extend), or every lane (draft decode).
+    pub fn head_rows(&self, b: &BucketFacts) -> u32 {
+        if self.lanes > 0 {
+            b.rows
+        } else {
+            b.batch
+        }
+    }
+
+    /// Draft decode: entries of the score and token lists per request, `K + (S−1)·K²`.
+    pub fn tree_candidates(&self) -> u32 {
+        self.topk + self.lanes.saturating_sub(1) * self.topk * self.topk
+    }
+
+    /// Draft decode: width of `parent_list`, `(S−1)·K + 1`.
+    pub fn parent_width(&self) -> u32 {
+        self.lanes.saturating_sub(1) * self.topk + 1
     }
 
     /// GQA group: query heads per kv head.
@@ -139,4 +173,21 @@ pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u
     // Each key's element offset (i64) per stage.
     let slots = st * t * 8;
     rows_per_pass * d * a + tiles.max(merge) + slots
+}
+
+/// Draft decode's lane offset (kernels/cuda/common.cuh `lane_offset`, the device's copy):
+/// lane `lane` of a request with prefix `l` writes forward s's K/V at position
+/// `l + lane_offset(..) + s`.
+pub fn lane_offset(l: u64, lane: u32, steps: u32, lanes: u32, page: u32) -> u64 {
+    let (steps, page) = (steps as u64, page.max(1) as u64);
+    if page == 1 || lanes == 1 {
+        return lane as u64 * steps;
+    }
+    lane as u64 * (l % page + steps).div_ceil(page) * page
+}
+
+/// Draft decode: positions past the prefix `l` a request's lanes touch (the last lane's
+/// run up to its forward S − 2): a request needs `l + decode_reach(..) ≤ max_context_len`.
+pub fn decode_reach(l: u64, steps: u32, lanes: u32, page: u32) -> u64 {
+    lane_offset(l, lanes.saturating_sub(1), steps, lanes, page) + steps.saturating_sub(1) as u64
 }

@@ -13,6 +13,12 @@ pub const TOPK_IDS: &str = "topk_ids";
 /// The selected row's logits over the lm_head's rows (a plan compiled with `outputs`
 /// including `logits`).
 pub const LOGITS: &str = "logits";
+/// Draft decode's outputs, as SGLang 0.5.23's draft-decode slot returns them: each node's
+/// parent block (`[b, (S−1)·K + 1]`), the N − 1 chosen score indices ascending, and their
+/// target-vocabulary tokens.
+pub const PARENT_LIST: &str = "parent_list";
+pub const TOP_SCORES_INDEX: &str = "top_scores_index";
+pub const DRAFT_TOKENS: &str = "draft_tokens";
 /// The engine-owned tensors: every layer's K and V pools, and the page table.
 pub const K_CACHE: &str = "k_cache";
 pub const V_CACHE: &str = "v_cache";

@@ -48,7 +48,7 @@ pub fn check_staged(plan: &Plan, kind: PhaseKind, name: &str, len: usize, b: usi
     };
     // The common case allocates nothing: the element count alone.
     let (facts, rows) = (signature::Facts::of(plan), kind.rows_per_request(&plan.spec));
-    let dim = |x: Dim| facts.dim(rows, b as u32, x);
+    let dim = |x: Dim| facts.dim(kind, b as u32, x);
     let want = d.shape.iter().map(|&x| dim(x)).product::<u64>() as usize;
     if len == want {
         return Ok(());
@@ -126,6 +126,34 @@ pub fn check_lengths(plan: &Plan, i: usize, prefix: i32, accept: i32) -> Result<
             io::ACCEPT_LENS,
             format!("[{i}]"),
             format!("{accept} is outside [1, {n}]"),
+        ));
+    }
+    Ok(())
+}
+
+/// Rule 4's prefix part for request `i` of phase `kind`: draft-extend's N rows after the
+/// prefix, or draft decode's lanes (their runs past the prefix up to forward S − 2,
+/// `facts::decode_reach`), within `max_context_len`.
+pub fn check_prefix(plan: &Plan, kind: PhaseKind, i: usize, prefix: i32) -> Result<(), InputError> {
+    let ctx = plan.capture.max_context_len as i64;
+    let l = prefix as i64;
+    let (reach, what) = match kind {
+        PhaseKind::DraftExtend => (plan.spec.num_draft_tokens as i64, "num_draft_tokens".to_string()),
+        PhaseKind::DraftDecode { steps } => {
+            let r = specplan_kernels::facts::decode_reach(
+                l.max(0) as u64,
+                steps,
+                plan.spec.topk,
+                plan.capture.page_size,
+            );
+            (r as i64, format!("the {} lanes' reach", plan.spec.topk))
+        }
+    };
+    if l < 0 || l + reach > ctx {
+        return Err(input_error(
+            io::PREFIX_LENS,
+            format!("[{i}]"),
+            format!("{l} + {what} {reach} must be in [{reach}, max_context_len {ctx}]"),
         ));
     }
     Ok(())

@@ -29,6 +29,14 @@ fn every_preset_kernel_compiles_to_sm90_and_ptx_9_0() {
             Overrides {
                 sliding_window: Some(256),
                 hot_vocab_size: Some(512),
+                draft_decode_steps: Some("auto".into()),
+                ..Overrides::default()
+            },
+        ),
+        (
+            "draft-decode",
+            Overrides {
+                draft_decode_steps: Some("auto".into()),
                 ..Overrides::default()
             },
         ),

@@ -196,6 +196,11 @@ flags! {
     /// does), or a top-K and logits joined by a comma.
     outputs: String { table: "capture", cli: "outputs", python: ["outputs"], kind: TextList,
         bounds: None, default: "topk" }
+    /// The draft-decode phase's step-count tiers, e.g. 3, or 2,3,5 for SGLang's adaptive
+    /// speculation (one graph per tier and bucket; tiers other than num_steps need topk 1);
+    /// "auto" is num_steps; "none" compiles draft-extend only.
+    draft_decode_steps: String { table: "capture", cli: "draft-decode-steps",
+        python: ["draft_decode_steps"], kind: IntList, bounds: None, default: "none" }
 }
 
 /// The flag a Python keyword or a TOML/field key names.

@@ -112,12 +112,15 @@ pub enum OpKind {
     RmsNorm,
     /// ins: a, b (same shape) → out.
     Add,
-    /// ins: x [T, heads·D], prefix_lens [B] → out. Position of row r = prefix_lens[r/N] + r%N.
-    Rope { heads: u32 },
+    /// ins: x [T, heads·D], prefix_lens [B] → out. Position of row r = prefix_lens[r/N] + r%N
+    /// (draft decode: prefix_lens[r/K] + step, every lane).
+    Rope { heads: u32, step: u32 },
     /// ins: k [T,Hkv·D], v [T,Hkv·D], prefix_lens, req_slots, page_table, k_cache, v_cache → out: k_cache', v_cache'.
-    KvAppend { layer: u32 },
+    /// Draft decode: row r writes the slot of its lane (docs/semantics.md).
+    KvAppend { layer: u32, step: u32 },
     /// ins: q [T,Hq·D] (row stride q_stride), k_cache, v_cache, req_slots, page_table, prefix_lens → out [T,Hq·D].
-    Attention { layer: u32, window: Option<u32> },
+    /// Draft decode: the prefix and the row's own lane's slots of steps 0..=step.
+    Attention { layer: u32, window: Option<u32>, step: u32 },
     /// ins: x → out: x·sigmoid(x).
     Silu,
     /// ins: a, b → out: a·b.
@@ -131,13 +134,27 @@ pub enum OpKind {
     /// ins: ids [B,K] i64, map [C] i64 → out [B,K] i64: FR-Spec's hot → full vocabulary
     /// (`map[id]`) or EAGLE-3's draft → target (`id + map[id]`, the d2t offsets).
     MapIds { map: IdMap },
+    /// Draft decode's root: ins topk_probs [B,K] f32, topk_ids [B,K] i64 → out scores [B,K]
+    /// f32, ids [T] i64, (src [T] i32 with K > 1,) score_list [B,C] f32, token_list [B,C]
+    /// i64, parent_list [B,PW] i64 (`tree_init`).
+    TreeInit,
+    /// Draft decode's selection after forward `step − 1`: ins scores [B,K], probs [T,K],
+    /// ids [T,K], score_list, token_list, parent_list → out score_list', token_list'
+    /// (, parent_list', scores' [B,K], next ids [T] (, src [T] with K > 1) below the last
+    /// step) (`tree_select`).
+    TreeSelect { step: u32 },
+    /// Draft decode's result: ins score_list, token_list → out top_scores_index [B,N−1],
+    /// draft_tokens [B,N−1] (`tree_finish`).
+    TreeFinish,
+    /// ins x [M,H], src [T] i32 → out [T,H] = x[src] (`gather_rows`; step 0: M = B).
+    GatherRows { step: u32 },
     // --- Fused (passes) ---
     /// Embed ‖ hidden: ins ids, table, hidden [T,H] (, fc bias [H]) → out [T,2H]
     /// (, the fc output [T,H] initialized to the bias, which the fc GEMM accumulates onto).
     EmbedConcat { bias: bool },
     /// RoPE on q and k inside qkv (in place) + K/V append. ins: qkv, prefix_lens,
     /// req_slots, page_table, k_cache, v_cache → out: qkv', k_cache', v_cache'.
-    RopeAppend { layer: u32 },
+    RopeAppend { layer: u32, step: u32 },
     /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up.
     SiluMul,
     /// Softmax + top-K (+ id map). ins: logits (, map) → out: probs [B,K], ids [B,K].
@@ -192,6 +209,10 @@ impl OpKind {
             OpKind::SoftmaxTopK { .. } => Entry::SoftmaxTopk.name(),
             OpKind::EmbedNormConcat => Entry::EmbedNormConcat.name(),
             OpKind::SelectNorm => Entry::SelectNorm.name(),
+            OpKind::TreeInit => Entry::TreeInit.name(),
+            OpKind::TreeSelect { .. } => Entry::TreeSelect.name(),
+            OpKind::TreeFinish => Entry::TreeFinish.name(),
+            OpKind::GatherRows { .. } => Entry::GatherRows.name(),
         }
     }
 
@@ -219,7 +240,11 @@ impl OpKind {
             | OpKind::EmbedConcat { .. }
             | OpKind::RopeAppend { .. }
             | OpKind::SiluMul
-            | OpKind::SoftmaxTopK { .. } => false,
+            | OpKind::SoftmaxTopK { .. }
+            | OpKind::TreeInit
+            | OpKind::TreeSelect { .. }
+            | OpKind::TreeFinish
+            | OpKind::GatherRows { .. } => false,
         }
     }
 }

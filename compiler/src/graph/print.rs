@@ -8,14 +8,20 @@ use super::{OpGraph, OpKind, Storage};
 fn kind_args(k: &OpKind) -> String {
     match k {
         OpKind::Linear { bias, accumulate } => format!("(bias={bias}, accumulate={accumulate})"),
-        OpKind::Rope { heads } => format!("(heads={heads})"),
-        OpKind::KvAppend { layer } | OpKind::RopeAppend { layer } => format!("(layer={layer})"),
-        OpKind::Attention { layer, window } => {
+        OpKind::Rope { heads, step: 0 } => format!("(heads={heads})"),
+        OpKind::Rope { heads, step } => format!("(heads={heads}, step={step})"),
+        OpKind::KvAppend { layer, step: 0 } | OpKind::RopeAppend { layer, step: 0 } => format!("(layer={layer})"),
+        OpKind::KvAppend { layer, step } | OpKind::RopeAppend { layer, step } => {
+            format!("(layer={layer}, step={step})")
+        }
+        OpKind::Attention { layer, window, step } => {
+            let step = if *step > 0 { format!(", step={step}") } else { String::new() };
             format!(
-                "(layer={layer}, window={})",
+                "(layer={layer}, window={}{step})",
                 window.map_or("none".to_string(), |w| w.to_string())
             )
         }
+        OpKind::TreeSelect { step } | OpKind::GatherRows { step } => format!("(step={step})"),
         OpKind::TopK { k } => format!("(k={k})"),
         OpKind::EmbedConcat { bias } => format!("(bias={bias})"),
         OpKind::SoftmaxTopK { k, map } => format!("(k={k}, map={})", map.map_or("none", |m| m.name())),

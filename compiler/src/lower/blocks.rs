@@ -15,8 +15,8 @@ pub(super) fn embed(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
     let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(m.hidden as u64)]);
-    let emb = g.act("embeds", act, vec![t, f(m.hidden as u64)]);
-    g.op("embed", OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
+    let emb = g.act(&cx.n("embeds"), act, vec![t, f(m.hidden as u64)]);
+    g.op(&cx.n("embed"), OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
     emb
 }
 
@@ -27,18 +27,17 @@ pub(super) fn fc(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
     let act = cfg.capture.dtype;
     let h = m.hidden as u64;
     let emb = embed(g, cx, inp);
-    let fc_in = g.act("fc_in", act, vec![t, f(2 * h)]);
-    g.op("concat", OpKind::Concat, vec![emb, inp.hidden], vec![fc_in]);
+    let fc_in = g.act(&cx.n("fc_in"), act, vec![t, f(2 * h)]);
+    g.op(&cx.n("concat"), OpKind::Concat, vec![emb, inp.hidden], vec![fc_in]);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(2 * h)]);
     let fc_b = m.fc_bias.then(|| g.weight("fc.bias", act, vec![f(h)]));
-    let x = g.act("x", act, vec![t, f(h)]);
-    g.linear("fc", fc_in, fc_w, fc_b, x);
+    let x = g.act(&cx.n("x"), act, vec![t, f(h)]);
+    g.linear(&cx.n("fc"), fc_in, fc_w, fc_b, x);
     x
 }
 
 /// EAGLE-3: `h = fc(hidden)` (`fc.weight [H, 3·H_t]`, no bias), the residual of layer 0,
-/// and layer 0's input `rmsnorm(embed(ids), input_layernorm) ‖ rmsnorm(h, hidden_norm)`.
-/// Returns `(h, input)`.
+/// and layer 0's input (`eagle3_input`). Returns `(h, input)`.
 pub(super) fn fc3(g: &mut Builder, cx: &Cx, inp: &Inputs) -> (TensorId, TensorId) {
     let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
@@ -46,17 +45,28 @@ pub(super) fn fc3(g: &mut Builder, cx: &Cx, inp: &Inputs) -> (TensorId, TensorId
     let h = m.hidden as u64;
     let emb = embed(g, cx, inp);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(m.hidden_in() as u64)]);
-    let x = g.act("x", act, vec![t, f(h)]);
-    g.linear("fc", inp.hidden, fc_w, None, x);
+    let x = g.act(&cx.n("x"), act, vec![t, f(h)]);
+    g.linear(&cx.n("fc"), inp.hidden, fc_w, None, x);
+    (x, eagle3_input(g, cx, emb, x))
+}
+
+/// EAGLE-3's layer-0 input over the stream `x`: `rmsnorm(emb, input_layernorm) ‖
+/// rmsnorm(x, hidden_norm)` (draft decode feeds the head's own H-wide hidden here, without
+/// fc: SGLang 0.5.23 applies fc only to a wider input, `srt/models/llama_eagle3.py:238-247`).
+pub(super) fn eagle3_input(g: &mut Builder, cx: &Cx, emb: TensorId, x: TensorId) -> TensorId {
+    let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
+    let m = &cfg.model.desc;
+    let act = cfg.capture.dtype;
+    let h = m.hidden as u64;
     let w_in = g.weight("midlayer.input_layernorm.weight", act, vec![f(h)]);
-    let en = g.act("embeds_norm", act, vec![t, f(h)]);
-    g.op("embed_norm", OpKind::RmsNorm, vec![emb, w_in], vec![en]);
+    let en = g.act(&cx.n("embeds_norm"), act, vec![t, f(h)]);
+    g.op(&cx.n("embed_norm"), OpKind::RmsNorm, vec![emb, w_in], vec![en]);
     let w_hn = g.weight("midlayer.hidden_norm.weight", act, vec![f(h)]);
-    let hn = g.act("x_norm", act, vec![t, f(h)]);
-    g.op("hidden_norm", OpKind::RmsNorm, vec![x, w_hn], vec![hn]);
-    let a = g.act("l0.in", act, vec![t, f(2 * h)]);
-    g.op("concat", OpKind::Concat, vec![en, hn], vec![a]);
-    (x, a)
+    let hn = g.act(&cx.n("x_norm"), act, vec![t, f(h)]);
+    g.op(&cx.n("hidden_norm"), OpKind::RmsNorm, vec![x, w_hn], vec![hn]);
+    let a = g.act(&cx.n("l0.in"), act, vec![t, f(2 * h)]);
+    g.op(&cx.n("concat"), OpKind::Concat, vec![en, hn], vec![a]);
+    a
 }
 
 /// One decoder layer over the residual stream `x`; returns the layer's output stream.
@@ -87,81 +97,90 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
         x
     } else {
         let nw = w(g, "input_layernorm", vec![f(h)]);
-        let hn = g.act(&format!("l{l}.h"), act, vec![t, f(h)]);
-        g.op(&format!("l{l}.input_norm"), OpKind::RmsNorm, vec![x, nw], vec![hn]);
+        let hn = g.act(&format!("{}l{l}.h", cx.pfx()), act, vec![t, f(h)]);
+        g.op(&format!("{}l{l}.input_norm", cx.pfx()), OpKind::RmsNorm, vec![x, nw], vec![hn]);
         hn
     };
     let kin = g.g.tensor(hn).shape[1].fixed;
     let wq = w(g, "self_attn.q_proj", vec![f(hq * d), f(kin)]);
     let wk = w(g, "self_attn.k_proj", vec![f(hkv * d), f(kin)]);
     let wv = w(g, "self_attn.v_proj", vec![f(hkv * d), f(kin)]);
-    let q = g.act(&format!("l{l}.q"), act, vec![t, f(hq * d)]);
-    let k = g.act(&format!("l{l}.k"), act, vec![t, f(hkv * d)]);
-    let v = g.act(&format!("l{l}.v"), act, vec![t, f(hkv * d)]);
-    g.linear(&format!("l{l}.q_proj"), hn, wq, None, q);
-    g.linear(&format!("l{l}.k_proj"), hn, wk, None, k);
-    g.linear(&format!("l{l}.v_proj"), hn, wv, None, v);
-    let q_rot = g.act(&format!("l{l}.q_rot"), act, vec![t, f(hq * d)]);
-    let k_rot = g.act(&format!("l{l}.k_rot"), act, vec![t, f(hkv * d)]);
+    let q = g.act(&format!("{}l{l}.q", cx.pfx()), act, vec![t, f(hq * d)]);
+    let k = g.act(&format!("{}l{l}.k", cx.pfx()), act, vec![t, f(hkv * d)]);
+    let v = g.act(&format!("{}l{l}.v", cx.pfx()), act, vec![t, f(hkv * d)]);
+    g.linear(&format!("{}l{l}.q_proj", cx.pfx()), hn, wq, None, q);
+    g.linear(&format!("{}l{l}.k_proj", cx.pfx()), hn, wk, None, k);
+    g.linear(&format!("{}l{l}.v_proj", cx.pfx()), hn, wv, None, v);
+    let q_rot = g.act(&format!("{}l{l}.q_rot", cx.pfx()), act, vec![t, f(hq * d)]);
+    let k_rot = g.act(&format!("{}l{l}.k_rot", cx.pfx()), act, vec![t, f(hkv * d)]);
     g.op(
-        &format!("l{l}.rope_q"),
-        OpKind::Rope { heads: m.heads },
+        &format!("{}l{l}.rope_q", cx.pfx()),
+        OpKind::Rope { heads: m.heads, step: cx.step },
         vec![q, inp.prefix],
         vec![q_rot],
     );
     g.op(
-        &format!("l{l}.rope_k"),
-        OpKind::Rope { heads: m.kv_heads },
+        &format!("{}l{l}.rope_k", cx.pfx()),
+        OpKind::Rope { heads: m.kv_heads, step: cx.step },
         vec![k, inp.prefix],
         vec![k_rot],
     );
     let cache = |g: &mut Builder, name: String, kind: KvKind| {
         g.tensor(&name, act, cache_shape.clone(), Storage::KvCache { layer: l, kind })
     };
-    let kc = cache(g, format!("{}[{l}]", io::K_CACHE), KvKind::K);
-    let vc = cache(g, format!("{}[{l}]", io::V_CACHE), KvKind::V);
-    let kc2 = cache(g, format!("{}[{l}]'", io::K_CACHE), KvKind::K);
-    let vc2 = cache(g, format!("{}[{l}]'", io::V_CACHE), KvKind::V);
+    // The pools as the previous forward of the phase left them (each append is in place
+    // over the last, so the forwards' order is in the graph), or as the step found them.
+    let (kc, vc) = match g.kv.get(&l) {
+        Some(&pair) => pair,
+        None => (
+            cache(g, format!("{}[{l}]", io::K_CACHE), KvKind::K),
+            cache(g, format!("{}[{l}]", io::V_CACHE), KvKind::V),
+        ),
+    };
+    let pfx = cx.pfx();
+    let kc2 = cache(g, format!("{pfx}{}[{l}]'", io::K_CACHE), KvKind::K);
+    let vc2 = cache(g, format!("{pfx}{}[{l}]'", io::V_CACHE), KvKind::V);
     g.g.tensors[kc2.0 as usize].alias_of = Some(kc);
     g.g.tensors[vc2.0 as usize].alias_of = Some(vc);
+    g.kv.insert(l, (kc2, vc2));
     g.op(
-        &format!("l{l}.kv_append"),
-        OpKind::KvAppend { layer: l },
+        &format!("{}l{l}.kv_append", cx.pfx()),
+        OpKind::KvAppend { layer: l, step: cx.step },
         vec![k_rot, v, inp.prefix, inp.slots, inp.pages, kc, vc],
         vec![kc2, vc2],
     );
-    let attn = g.act(&format!("l{l}.attn"), act, vec![t, f(hq * d)]);
+    let attn = g.act(&format!("{}l{l}.attn", cx.pfx()), act, vec![t, f(hq * d)]);
     let window = cfg.model.windows.get(l as usize).copied().flatten();
     g.op(
-        &format!("l{l}.attention"),
-        OpKind::Attention { layer: l, window },
+        &format!("{}l{l}.attention", cx.pfx()),
+        OpKind::Attention { layer: l, window, step: cx.step },
         vec![q_rot, kc2, vc2, inp.slots, inp.pages, inp.prefix],
         vec![attn],
     );
     let wo = w(g, "self_attn.o_proj", vec![f(h), f(hq * d)]);
-    let o = g.act(&format!("l{l}.o"), act, vec![t, f(h)]);
-    g.linear(&format!("l{l}.o_proj"), attn, wo, None, o);
-    let x_attn = g.act(&format!("l{l}.x_attn"), act, vec![t, f(h)]);
-    g.op(&format!("l{l}.residual_attn"), OpKind::Add, vec![x, o], vec![x_attn]);
+    let o = g.act(&format!("{}l{l}.o", cx.pfx()), act, vec![t, f(h)]);
+    g.linear(&format!("{}l{l}.o_proj", cx.pfx()), attn, wo, None, o);
+    let x_attn = g.act(&format!("{}l{l}.x_attn", cx.pfx()), act, vec![t, f(h)]);
+    g.op(&format!("{}l{l}.residual_attn", cx.pfx()), OpKind::Add, vec![x, o], vec![x_attn]);
     let pw = w(g, "post_attention_layernorm", vec![f(h)]);
-    let h2 = g.act(&format!("l{l}.h_mlp"), act, vec![t, f(h)]);
-    g.op(&format!("l{l}.post_norm"), OpKind::RmsNorm, vec![x_attn, pw], vec![h2]);
+    let h2 = g.act(&format!("{}l{l}.h_mlp", cx.pfx()), act, vec![t, f(h)]);
+    g.op(&format!("{}l{l}.post_norm", cx.pfx()), OpKind::RmsNorm, vec![x_attn, pw], vec![h2]);
     let wg = w(g, "mlp.gate_proj", vec![f(inter), f(h)]);
     let wu = w(g, "mlp.up_proj", vec![f(inter), f(h)]);
-    let gate = g.act(&format!("l{l}.gate"), act, vec![t, f(inter)]);
-    let up = g.act(&format!("l{l}.up"), act, vec![t, f(inter)]);
-    g.linear(&format!("l{l}.gate_proj"), h2, wg, None, gate);
-    g.linear(&format!("l{l}.up_proj"), h2, wu, None, up);
-    let ga = g.act(&format!("l{l}.gate_act"), act, vec![t, f(inter)]);
-    g.op(&format!("l{l}.silu"), OpKind::Silu, vec![gate], vec![ga]);
-    let mid = g.act(&format!("l{l}.mlp_mid"), act, vec![t, f(inter)]);
-    g.op(&format!("l{l}.mul"), OpKind::Mul, vec![ga, up], vec![mid]);
+    let gate = g.act(&format!("{}l{l}.gate", cx.pfx()), act, vec![t, f(inter)]);
+    let up = g.act(&format!("{}l{l}.up", cx.pfx()), act, vec![t, f(inter)]);
+    g.linear(&format!("{}l{l}.gate_proj", cx.pfx()), h2, wg, None, gate);
+    g.linear(&format!("{}l{l}.up_proj", cx.pfx()), h2, wu, None, up);
+    let ga = g.act(&format!("{}l{l}.gate_act", cx.pfx()), act, vec![t, f(inter)]);
+    g.op(&format!("{}l{l}.silu", cx.pfx()), OpKind::Silu, vec![gate], vec![ga]);
+    let mid = g.act(&format!("{}l{l}.mlp_mid", cx.pfx()), act, vec![t, f(inter)]);
+    g.op(&format!("{}l{l}.mul", cx.pfx()), OpKind::Mul, vec![ga, up], vec![mid]);
     let wd = w(g, "mlp.down_proj", vec![f(h), f(inter)]);
-    let down = g.act(&format!("l{l}.down"), act, vec![t, f(h)]);
-    g.linear(&format!("l{l}.down_proj"), mid, wd, None, down);
-    let x_out = g.act(&format!("l{l}.x_out"), act, vec![t, f(h)]);
+    let down = g.act(&format!("{}l{l}.down", cx.pfx()), act, vec![t, f(h)]);
+    g.linear(&format!("{}l{l}.down_proj", cx.pfx()), mid, wd, None, down);
+    let x_out = g.act(&format!("{}l{l}.x_out", cx.pfx()), act, vec![t, f(h)]);
     g.op(
-        &format!("l{l}.residual_mlp"),
+        &format!("{}l{l}.residual_mlp", cx.pfx()),
         OpKind::Add,
         vec![x_attn, down],
         vec![x_out],
@@ -171,7 +190,7 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
 
 /// Row select `i·R + A_i − 1` (R the phase's rows per request) → lm_head (hot rows under FR-Spec) → softmax → top-K → id map;
 /// the logits are an output instead of (or besides) the top-K when `capture.outputs` says so.
-pub(super) fn output_head(g: &mut Builder, cx: &Cx, inp: &Inputs, x: TensorId) {
+pub(super) fn output_head(g: &mut Builder, cx: &Cx, x: TensorId, accept: TensorId) {
     let (cfg, b, f) = (cx.cfg, cx.requests, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
@@ -180,22 +199,73 @@ pub(super) fn output_head(g: &mut Builder, cx: &Cx, inp: &Inputs, x: TensorId) {
     g.op(
         Entry::SelectRows.name(),
         OpKind::SelectRows,
-        vec![x, inp.accept],
+        vec![x, accept],
         vec![hidden_out],
     );
     // EAGLE-3: the final norm of the selected rows feeds lm_head; the rows themselves
     // (pre-norm) leave the head.
-    let lm_in = match m.head {
-        HeadKind::Eagle1 => hidden_out,
+    let lm_in = final_norm(g, cx, hidden_out, b);
+    let (lm_w, vh) = lm_head_weight(g, cx);
+    // The logits leave the head when the plan emits them (`capture.outputs`); the fused
+    // top-K reads the same buffer.
+    let outputs = cfg.capture.outputs;
+    let logits = if outputs.logits {
+        g.output(io::LOGITS, DType::F32, vec![b, f(vh)])
+    } else {
+        g.act(io::LOGITS, DType::F32, vec![b, f(vh)])
+    };
+    g.linear(&cx.n("lm_head"), lm_in, lm_w, None, logits);
+    if !outputs.topk {
+        return;
+    }
+    let k = cfg.spec.topk as u64;
+    let top_p = g.output(io::TOPK_PROBS, DType::F32, vec![b, f(k)]);
+    let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
+    // Ids left unmapped (`topk-draft`): the lm_head's row indices, for an engine that maps
+    // them itself.
+    topk(g, cx, logits, b, !outputs.draft_ids, top_p, top_i);
+}
+
+/// Draft decode's head over every lane: (EAGLE-3's final norm →) lm_head → softmax →
+/// top-K → target ids (always mapped: the tree holds target ids). Returns `(probs, ids)`,
+/// `[T, K]` each.
+pub(super) fn lane_head(g: &mut Builder, cx: &Cx, x: TensorId) -> (TensorId, TensorId) {
+    let (t, f) = (cx.rows, Dim::fixed);
+    let lm_in = final_norm(g, cx, x, t);
+    let (lm_w, vh) = lm_head_weight(g, cx);
+    let logits = g.act(&cx.n(io::LOGITS), DType::F32, vec![t, f(vh)]);
+    g.linear(&cx.n("lm_head"), lm_in, lm_w, None, logits);
+    let k = cx.cfg.spec.topk as u64;
+    let top_p = g.act(&cx.n("topk_p"), DType::F32, vec![t, f(k)]);
+    let top_i = g.act(&cx.n("topk_index"), DType::I64, vec![t, f(k)]);
+    topk(g, cx, logits, t, true, top_p, top_i);
+    (top_p, top_i)
+}
+
+/// EAGLE-3's final norm of `x` (`rows` rows) before lm_head; EAGLE-1 reads `x` itself.
+fn final_norm(g: &mut Builder, cx: &Cx, x: TensorId, rows: Dim) -> TensorId {
+    let m = &cx.cfg.model.desc;
+    match m.head {
+        HeadKind::Eagle1 => x,
         HeadKind::Eagle3 => {
-            let nw = g.weight("norm.weight", act, vec![f(h)]);
-            let normed = g.act("hidden_normed", act, vec![b, f(h)]);
-            g.op("final_norm", OpKind::RmsNorm, vec![hidden_out, nw], vec![normed]);
+            let act = cx.cfg.capture.dtype;
+            let h = Dim::fixed(m.hidden as u64);
+            let nw = g.weight("norm.weight", act, vec![h]);
+            let normed = g.act(&cx.n("hidden_normed"), act, vec![rows, h]);
+            g.op(&cx.n("final_norm"), OpKind::RmsNorm, vec![x, nw], vec![normed]);
             normed
         }
-    };
-    let k = cfg.spec.topk as u64;
-    let (lm_w, vh) = match cfg.capture.hot_vocab_size {
+    }
+}
+
+/// The lm_head weight and its rows (the hot rows under FR-Spec, the draft vocabulary of an
+/// EAGLE-3 head, or the vocabulary).
+fn lm_head_weight(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
+    let (cfg, f) = (cx.cfg, Dim::fixed);
+    let m = &cfg.model.desc;
+    let act = cfg.capture.dtype;
+    let h = m.hidden as u64;
+    match cfg.capture.hot_vocab_size {
         // A tied EAGLE-3 head reads its lm_head rows from the embedding (one source, bound
         // twice: in place in engine memory, packed twice when the runtime owns the weights):
         // all of it, or its first V_d rows under a draft vocabulary, as SGLang computes it.
@@ -225,58 +295,49 @@ pub(super) fn output_head(g: &mut Builder, cx: &Cx, inp: &Inputs, x: TensorId) {
                 vh as u64,
             )
         }
-    };
-    // The logits leave the head when the plan emits them (`capture.outputs`); the fused
-    // top-K reads the same buffer.
-    let outputs = cfg.capture.outputs;
-    let logits = if outputs.logits {
-        g.output(io::LOGITS, DType::F32, vec![b, f(vh)])
-    } else {
-        g.act(io::LOGITS, DType::F32, vec![b, f(vh)])
-    };
-    g.linear("lm_head", lm_in, lm_w, None, logits);
-    if !outputs.topk {
-        return;
     }
-    let probs = g.act("probs", DType::F32, vec![b, f(vh)]);
-    g.op("softmax", OpKind::Softmax, vec![logits], vec![probs]);
-    let top_p = g.output(io::TOPK_PROBS, DType::F32, vec![b, f(k)]);
-    // Ids left unmapped (`topk-draft`): the lm_head's row indices, for an engine that maps
-    // them itself.
-    let map = if outputs.draft_ids {
-        (None, None)
-    } else {
+}
+
+/// softmax → top-K of `logits` (`rows` rows) into `top_p`, `top_i`, the ids mapped to target
+/// ids (d2t or the FR-Spec hot map) when `map`.
+fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p: TensorId, top_i: TensorId) {
+    let (cfg, f) = (cx.cfg, Dim::fixed);
+    let m = &cfg.model.desc;
+    let k = cfg.spec.topk as u64;
+    let vh = g.g.tensor(logits).shape[1].fixed;
+    let probs = g.act(&cx.n("probs"), DType::F32, vec![rows, f(vh)]);
+    g.op(&cx.n("softmax"), OpKind::Softmax, vec![logits], vec![probs]);
+    let map = if map {
         (cfg.capture.hot_vocab_size, m.draft_vocab)
+    } else {
+        (None, None)
     };
     match map {
         (None, Some(vd)) => {
-            let draft_idx = g.act("topk_draft_ids", DType::I64, vec![b, f(k)]);
+            let draft_idx = g.act(&cx.n("topk_draft_ids"), DType::I64, vec![rows, f(k)]);
             g.op(
-                "topk",
+                &cx.n("topk"),
                 OpKind::TopK { k: k as u32 },
                 vec![probs],
                 vec![top_p, draft_idx],
             );
             let d2t = g.weight("d2t", DType::I64, vec![f(vd as u64)]);
-            let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
             g.op(
-                "map_ids",
+                &cx.n("map_ids"),
                 OpKind::MapIds { map: IdMap::Offset },
                 vec![draft_idx, d2t],
                 vec![top_i],
             );
         }
         (None, None) => {
-            let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
-            g.op("topk", OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, top_i]);
+            g.op(&cx.n("topk"), OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, top_i]);
         }
         (Some(vh), _) => {
-            let hot_idx = g.act("topk_hot_ids", DType::I64, vec![b, f(k)]);
-            g.op("topk", OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, hot_idx]);
+            let hot_idx = g.act(&cx.n("topk_hot_ids"), DType::I64, vec![rows, f(k)]);
+            g.op(&cx.n("topk"), OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, hot_idx]);
             let map = g.weight("hot_token_ids", DType::I64, vec![f(vh as u64)]);
-            let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
             g.op(
-                "map_ids",
+                &cx.n("map_ids"),
                 OpKind::MapIds { map: IdMap::Hot },
                 vec![hot_idx, map],
                 vec![top_i],

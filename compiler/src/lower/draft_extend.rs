@@ -9,7 +9,7 @@
 
 use specplan_format::{io, HeadKind, PhaseKind};
 
-use super::{fc, fc3, layer, output_head, staged_inputs, Builder, Cx, Inputs};
+use super::{fc, fc3, layer, output_head, staged, staged_inputs, Builder, Cx, Inputs};
 use crate::config::Config;
 use crate::graph::OpGraph;
 use crate::verify::VerifyError;
@@ -17,22 +17,17 @@ use crate::verify::VerifyError;
 pub(super) fn lower(cfg: &Config) -> Result<OpGraph, VerifyError> {
     let cx = Cx::new(cfg, PhaseKind::DraftExtend);
     let mut g = Builder::new();
-    let staged = staged_inputs(&mut g, &cx);
-    let get = |name: &str| {
-        staged.iter().find(|(n, _)| *n == name).map(|x| x.1).ok_or_else(|| {
-            VerifyError(vec![format!(
-                "the draft_extend signature declares no input {name} (a compiler bug)"
-            )])
-        })
-    };
+    let staged_list = staged_inputs(&mut g, &cx);
+    let kind = PhaseKind::DraftExtend;
+    let get = |name: &str| staged(&staged_list, kind, name);
     let inp = Inputs {
         ids: get(io::INPUT_IDS)?,
         hidden: get(io::HIDDEN_STATES)?,
         prefix: get(io::PREFIX_LENS)?,
-        accept: get(io::ACCEPT_LENS)?,
         slots: get(io::REQ_SLOTS)?,
         pages: get(io::PAGE_TABLE)?,
     };
+    let accept = get(io::ACCEPT_LENS)?;
     let (mut x, mut first_in) = match cfg.model.desc.head {
         HeadKind::Eagle1 => (fc(&mut g, &cx, &inp), None),
         HeadKind::Eagle3 => {
@@ -43,7 +38,7 @@ pub(super) fn lower(cfg: &Config) -> Result<OpGraph, VerifyError> {
     for l in 0..cfg.model.desc.layers {
         x = layer(&mut g, &cx, &inp, l, x, first_in.take());
     }
-    output_head(&mut g, &cx, &inp, x);
+    output_head(&mut g, &cx, x, accept);
     g.g.rebuild_edges();
     Ok(g.g)
 }

@@ -7,12 +7,13 @@
 //! request, `PhaseKind::rows_per_request`) or `B` rows.
 
 mod blocks;
+mod draft_decode;
 mod draft_extend;
 
 use specplan_format::signature::{self, Dim as SigDim, Role};
 use specplan_format::{DType, Packing, PhaseKind};
 
-use blocks::{fc, fc3, layer, output_head};
+use blocks::{eagle3_input, embed, fc, fc3, lane_head, layer, output_head};
 
 use crate::config::Config;
 use crate::graph::{Dim, Op, OpGraph, OpKind, Storage, Tensor, TensorId};
@@ -22,6 +23,7 @@ use crate::verify::VerifyError;
 pub fn lower(cfg: &Config, kind: PhaseKind) -> Result<OpGraph, VerifyError> {
     match kind {
         PhaseKind::DraftExtend => draft_extend::lower(cfg),
+        PhaseKind::DraftDecode { steps } => draft_decode::lower(cfg, steps),
     }
 }
 
@@ -33,6 +35,8 @@ pub(crate) struct Cx<'a> {
     pub rows: Dim,
     /// `B`: one row per request.
     pub requests: Dim,
+    /// The forward of a multi-step phase being built (0 otherwise).
+    pub step: u32,
 }
 
 impl<'a> Cx<'a> {
@@ -42,7 +46,23 @@ impl<'a> Cx<'a> {
             kind,
             rows: Dim::batch(kind.rows_per_request(&cfg.spec) as u64),
             requests: Dim::batch(1),
+            step: 0,
         }
+    }
+
+    /// The prefix of the names of forward `step`'s ops and tensors: none for a one-forward
+    /// phase, `s1.` for a multi-step phase's second forward.
+    pub fn pfx(&self) -> String {
+        if self.kind.forwards() > 1 || matches!(self.kind, PhaseKind::DraftDecode { .. }) {
+            format!("s{}.", self.step)
+        } else {
+            String::new()
+        }
+    }
+
+    /// `name` with [`Cx::pfx`].
+    pub fn n(&self, name: &str) -> String {
+        format!("{}{name}", self.pfx())
     }
 
     /// A signature dimension as a graph dimension (per-batch for requests and rows, else
@@ -56,14 +76,24 @@ impl<'a> Cx<'a> {
     }
 }
 
-/// The step's graph inputs and the tensors outside the arena every layer uses.
+/// One forward's token ids and hidden rows, and the tensors outside the arena every layer
+/// uses.
 pub(crate) struct Inputs {
     pub ids: TensorId,
     pub hidden: TensorId,
     pub prefix: TensorId,
-    pub accept: TensorId,
     pub slots: TensorId,
     pub pages: TensorId,
+}
+
+/// The staged input `name` of a phase's graph inputs.
+fn staged(staged: &[(&'static str, TensorId)], kind: PhaseKind, name: &str) -> Result<TensorId, VerifyError> {
+    staged.iter().find(|(n, _)| *n == name).map(|x| x.1).ok_or_else(|| {
+        VerifyError(vec![format!(
+            "the {} signature declares no input {name} (a compiler bug)",
+            kind.name()
+        )])
+    })
 }
 
 /// The phase signature's staged inputs as graph inputs, by name (shapes and dtypes are the
@@ -97,6 +127,8 @@ fn staged_inputs(g: &mut Builder, cx: &Cx) -> Vec<(&'static str, TensorId)> {
 pub(crate) struct Builder {
     pub g: OpGraph,
     rank: u32,
+    /// Each layer's K and V pools as the last append left them.
+    pub kv: std::collections::BTreeMap<u32, (TensorId, TensorId)>,
 }
 
 impl Builder {
@@ -104,9 +136,16 @@ impl Builder {
         Builder {
             g: OpGraph::default(),
             rank: 0,
+            kv: Default::default(),
         }
     }
     pub(crate) fn tensor(&mut self, name: &str, dtype: DType, shape: Vec<Dim>, storage: Storage) -> TensorId {
+        // A weight is one tensor however many forwards of the phase read it.
+        if matches!(storage, Storage::Weight { .. }) {
+            if let Some(i) = self.g.tensors.iter().position(|t| t.name == name && t.storage == storage) {
+                return TensorId(i as u32);
+            }
+        }
         self.g.add_tensor(Tensor {
             name: name.into(),
             dtype,

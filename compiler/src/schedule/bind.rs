@@ -16,6 +16,10 @@ use specplan_kernels::entries::sample::{
     SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs, TopkPartialParams, TopkPartialPtrs,
 };
 use specplan_kernels::entries::select::{SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs};
+use specplan_kernels::entries::tree::{
+    GatherRowsParams, GatherRowsPtrs, TreeFinishParams, TreeFinishPtrs, TreeInitParams, TreeInitPtrs, TreeSelectParams,
+    TreeSelectPtrs,
+};
 
 use super::liveness::{root, Live, Workspace};
 use super::{ScheduleError, Shared};
@@ -111,12 +115,60 @@ pub(super) fn launches(
                 bias: false,
                 accumulate,
             } => gemm(&mut b, op, *accumulate),
-            OpKind::Attention { window, .. } => {
+            OpKind::Attention { window, step, .. } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::Attention(o, l)) => Some((*o, *l)),
                     _ => None,
                 };
-                attention(&mut b, op, *window, ws)?
+                attention(&mut b, op, *window, *step, ws)?
+            }
+            OpKind::TreeInit => {
+                let (ins, outs) = (&op.ins, &op.outs);
+                let p = TreeInitPtrs {
+                    topk_probs: b.arg(ins[0]),
+                    topk_ids: b.arg(ins[1]),
+                    scores: b.arg(outs[0]),
+                    ids: b.arg(outs[1]),
+                    score_list: b.arg(outs[2]),
+                    token_list: b.arg(outs[3]),
+                    parent_list: b.arg(outs[4]),
+                    src: b.arg_if(true, outs.get(5)),
+                };
+                b.kernel::<TreeInitParams>(op, false, sh.facts, p)
+            }
+            OpKind::TreeSelect { step } => {
+                let (ins, outs) = (&op.ins, &op.outs);
+                let more = outs.len() >= 5;
+                let p = TreeSelectPtrs {
+                    scores: b.arg(ins[0]),
+                    probs: b.arg(ins[1]),
+                    ids: b.arg(ins[2]),
+                    score_list: b.arg(outs[0]),
+                    token_list: b.arg(outs[1]),
+                    parent_list: b.arg_if(more, outs.get(2)),
+                    scores_out: b.arg_if(more, outs.get(3)),
+                    next_ids: b.arg_if(more, outs.get(4)),
+                    src: b.arg_if(more, outs.get(5)),
+                };
+                b.kernel::<TreeSelectParams>(op, false, &sh.facts.at_step(*step), p)
+            }
+            OpKind::TreeFinish => {
+                let p = TreeFinishPtrs {
+                    score_list: b.arg(op.ins[0]),
+                    token_list: b.arg(op.ins[1]),
+                    top_scores_index: b.arg(op.outs[0]),
+                    draft_tokens: b.arg(op.outs[1]),
+                };
+                b.kernel::<TreeFinishParams>(op, false, sh.facts, p)
+            }
+            OpKind::GatherRows { step } => {
+                let p = GatherRowsPtrs {
+                    x: b.arg(op.ins[0]),
+                    src: b.arg(op.ins[1]),
+                    out: b.arg(op.outs[0]),
+                };
+                // One instance reads the request rows (step 0), one the lanes (after).
+                b.kernel::<GatherRowsParams>(op, false, &sh.facts.at_step((*step).min(1)), p)
             }
             OpKind::SoftmaxTopK { map, .. } => {
                 let ws = match live.workspace.get(&node) {
@@ -175,7 +227,7 @@ pub(super) fn launches(
                 };
                 b.kernel::<RmsNormParams>(op, false, sh.facts, p)
             }
-            OpKind::RopeAppend { .. } => {
+            OpKind::RopeAppend { step, .. } => {
                 let ins = &op.ins;
                 let p = RopeAppendPtrs {
                     qkv: b.arg(ins[0]),
@@ -186,7 +238,7 @@ pub(super) fn launches(
                     k_cache: b.arg(ins[4]),
                     v_cache: b.arg(ins[5]),
                 };
-                b.kernel::<RopeAppendParams>(op, false, sh.facts, p)
+                b.kernel::<RopeAppendParams>(op, false, &sh.facts.at_step(*step), p)
             }
             OpKind::SiluMul => {
                 let p = SiluMulPtrs {
@@ -233,8 +285,14 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
 }
 
 /// `attn_partial`, plus `attn_merge` when the bucket splits the keys.
-fn attention(b: &mut Binder, op: &Op, window: Option<u32>, ws: Option<(u32, u32)>) -> Result<(), ScheduleError> {
-    let f = b.sh.facts.with_window(window);
+fn attention(
+    b: &mut Binder,
+    op: &Op,
+    window: Option<u32>,
+    step: u32,
+    ws: Option<(u32, u32)>,
+) -> Result<(), ScheduleError> {
+    let f = b.sh.facts.with_window(window).at_step(step);
     if f.attn_tiling().is_none() {
         return Err(ScheduleError::AttentionSmem {
             rows: f.n * f.group(),

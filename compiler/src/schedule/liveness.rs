@@ -119,13 +119,17 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
         items.len() as u32 - 1
     };
     for (s, &node) in sh.order.iter().enumerate() {
-        match sh.g.graph[node].kind {
-            OpKind::Attention { layer, .. } if splits > 1 => {
+        let op = &sh.g.graph[node];
+        // Named after the op (`l0.`, or a multi-step phase's `s1.l0.`).
+        let pfx = |suffix: &str| op.name.strip_suffix(suffix).unwrap_or("").to_string();
+        match op.kind {
+            OpKind::Attention { .. } if splits > 1 => {
                 let hd = (f.heads * f.head_dim) as u64;
-                let o = scratch(items, format!("l{layer}.attn_part_o"), vec![splits as u64, rows, hd], s);
+                let at = pfx("attention");
+                let o = scratch(items, format!("{at}attn_part_o"), vec![splits as u64, rows, hd], s);
                 let l = scratch(
                     items,
-                    format!("l{layer}.attn_part_lse"),
+                    format!("{at}attn_part_lse"),
                     vec![splits as u64, rows, f.heads as u64],
                     s,
                 );
@@ -133,7 +137,10 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
             }
             OpKind::SoftmaxTopK { .. } if chunks > 1 => {
                 let rec = specplan_kernels::facts::topk_record_floats(f.topk) as u64;
-                let p = scratch(items, "topk_part".into(), vec![bb, chunks as u64, rec], s);
+                // The head's rows: one per request, or every lane of a draft-decode forward.
+                let head_rows = if f.lanes > 0 { rows } else { bb };
+                let name = format!("{}topk_part", pfx("softmax_topk"));
+                let p = scratch(items, name, vec![head_rows, chunks as u64, rec], s);
                 ws.insert(node, Workspace::TopK(p));
             }
             _ => {}

@@ -24,7 +24,7 @@ pub(crate) struct At {
 impl At {
     /// `draft_extend.buckets[2] (batch 4)`: how messages name the bucket.
     pub fn tag(self, batch: u32) -> String {
-        format!("{}.buckets[{}] (batch {batch})", self.phase.name(), self.index)
+        format!("{}.buckets[{}] (batch {batch})", self.phase.label(), self.index)
     }
 }
 
@@ -90,6 +90,7 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
         return;
     }
     let bf = crate::facts::bucket_facts(b);
+    let cands = super::rules::candidates(p, bi.phase);
     let mut buf_touched = vec![0u64; b.buffers.len()];
     let mut uses: Vec<Use> = Vec::new();
     let mut kv_uses: Vec<KvUse> = Vec::new();
@@ -120,6 +121,7 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
                 let bufs = kernel_launch(
                     p,
                     f,
+                    &cands,
                     b,
                     &bf,
                     *kernel,
@@ -220,7 +222,7 @@ fn kv_flow(p: &Plan, b: &BucketPlan, tag: &str, bi: At, uses: &[KvUse], e: &mut 
                     format!(
                         "launches: layer {layer}'s {kind:?} pool is appended by {} launches, expected {appends} ({})",
                         writers.len(),
-                        bi.phase.name()
+                        bi.phase.label()
                     ),
                 )
             });
@@ -303,7 +305,7 @@ fn buffers(p: &Plan, bi: At, b: &BucketPlan, e: &mut Errors) -> bool {
                 i,
                 format!(
                     "only the staged inputs of the {} signature have the input role, and they have it",
-                    bi.phase.name()
+                    bi.phase.label()
                 ),
             )
         });

@@ -95,13 +95,13 @@ pub fn validate(plan: Plan) -> Result<ValidatedPlan, PlanError> {
     // Everything below sizes work by the facts above: stop here when they are broken.
     if e.0.is_empty() {
         weights(&plan, &mut e);
-        let facts = crate::facts::kernel_facts_of(&plan);
-        rules::kernels(&plan, &facts, &mut e);
+        rules::kernels(&plan, &mut e);
         let mut touched = rules::Touched {
             kernels: vec![false; plan.kernels.len()],
             ..Default::default()
         };
         for ph in &plan.phases {
+            let facts = crate::facts::phase_facts_of(&plan, ph.kind);
             phase::buckets(&plan, ph, &facts, &mut touched, &mut e);
         }
         rules::usage(&plan, &touched, &mut e);
@@ -306,7 +306,7 @@ fn lengths(p: &Plan, e: &mut Errors) {
     }
     let mut total = 0usize;
     for ph in p.phases.iter().take(MAX_PHASES) {
-        let name = ph.kind.name();
+        let name = ph.kind.label();
         e.field(ph.buckets.len() <= MAX_BUCKETS, &format!("{name}.buckets"), || {
             format!("{} entries exceed {MAX_BUCKETS}", ph.buckets.len())
         });

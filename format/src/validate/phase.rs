@@ -15,8 +15,8 @@ pub(crate) fn phases(p: &Plan, e: &mut Errors) {
         e.field(pair[0].kind < pair[1].kind, &format!("phases[{}]", i + 1), || {
             format!(
                 "{} follows {}: phases are ascending by kind, one per kind",
-                pair[1].kind.name(),
-                pair[0].kind.name()
+                pair[1].kind.label(),
+                pair[0].kind.label()
             )
         });
     }
@@ -25,12 +25,21 @@ pub(crate) fn phases(p: &Plan, e: &mut Errors) {
     });
     for ph in &p.phases {
         let want = ph.kind.rows_per_request(&p.spec);
+        let what = match ph.kind {
+            PhaseKind::DraftExtend => "num_draft_tokens",
+            PhaseKind::DraftDecode { .. } => "topk",
+        };
         e.field(
             ph.rows_per_request == want,
-            &format!("{}.rows_per_request", ph.kind.name()),
-            || format!("{}, expected {want} (num_draft_tokens)", ph.rows_per_request),
+            &format!("{}.rows_per_request", ph.kind.label()),
+            || format!("{}, expected {want} ({what})", ph.rows_per_request),
         );
-        e.field(!ph.buckets.is_empty(), &format!("{}.buckets", ph.kind.name()), || {
+        if let PhaseKind::DraftDecode { steps } = ph.kind {
+            if let Some(why) = crate::limits::decode_tier_rule(&p.spec, steps) {
+                e.field(false, &format!("{}.kind", ph.kind.label()), || why);
+            }
+        }
+        e.field(!ph.buckets.is_empty(), &format!("{}.buckets", ph.kind.label()), || {
             "a phase needs at least one bucket".into()
         });
     }

@@ -13,29 +13,58 @@ use super::common::{facts_for_window, printable, Errors};
 use crate::location::Location;
 use crate::types::*;
 
-/// The facts a kernel was specialized for: the plan's, with the window its WINDOW constant
-/// names (attention instances) or none. `None` when the WINDOW matches no layer.
-pub(crate) fn instance_facts(p: &Plan, f: &KernelFacts, k: &KernelDesc) -> Option<KernelFacts> {
-    let window = k.constants.iter().find_map(|(n, v)| match (n.as_str(), v) {
+/// The facts a kernel of phase `kind` may be specialized for: the phase's, at each of its
+/// steps (multi-step phases specialize some instances per forward).
+pub(crate) fn candidates(p: &Plan, kind: PhaseKind) -> Vec<KernelFacts> {
+    let f = crate::facts::phase_facts_of(p, kind);
+    (0..kind.steps().max(1)).map(|s| f.at_step(s)).collect()
+}
+
+/// Every phase's candidates.
+fn all_candidates(p: &Plan) -> Vec<KernelFacts> {
+    p.phases.iter().flat_map(|ph| candidates(p, ph.kind)).collect()
+}
+
+/// The window a kernel's WINDOW constant names (attention instances).
+fn window_of(k: &KernelDesc) -> Option<u32> {
+    k.constants.iter().find_map(|(n, v)| match (n.as_str(), v) {
         ("WINDOW", ConstValue::U32(w)) => Some(*w),
         _ => None,
-    });
-    match window {
-        Some(w) => facts_for_window(p, f, w),
-        None => Some(f.clone()),
-    }
+    })
+}
+
+/// The candidate facts (with the window its WINDOW constant names, when that is a layer's)
+/// whose template constants are exactly the kernel's: what it was specialized for. `None`
+/// when no candidate gives its constants.
+pub(crate) fn instance_facts(p: &Plan, cands: &[KernelFacts], k: &KernelDesc) -> Option<KernelFacts> {
+    let template = k.entry.template();
+    cands.iter().find_map(|f| {
+        let kf = match window_of(k) {
+            Some(w) => facts_for_window(p, f, w)?,
+            None => f.clone(),
+        };
+        same_constants(&template.constants(&kf), &k.constants).then_some(kf)
+    })
+}
+
+fn same_constants(want: &[(String, ConstValue)], got: &[(String, ConstValue)]) -> bool {
+    want.len() == got.len()
+        && want
+            .iter()
+            .zip(got)
+            .all(|((wn, wv), (n, v))| wn == n && wv.same_bits(v))
 }
 
 /// The full NVRTC source of a validated plan's kernel: the template with the prelude its
 /// constants give (what its `source_hash` names). For rebuilding kernels locally instead of
 /// running the binaries a plan file carries.
 pub fn kernel_source(p: &crate::ValidatedPlan, k: &KernelDesc) -> Option<String> {
-    let f = crate::kernel_facts_of(p);
-    let kf = instance_facts(p, &f, k)?;
+    let kf = instance_facts(p, &all_candidates(p), k)?;
     Some(full_source(k.entry.template(), &k.constants, &kf))
 }
 
-pub(crate) fn kernels(p: &Plan, f: &KernelFacts, e: &mut Errors) {
+pub(crate) fn kernels(p: &Plan, e: &mut Errors) {
+    let cands = all_candidates(p);
     let mut names = std::collections::HashSet::new();
     for (i, k) in p.kernels.iter().enumerate() {
         let at = |msg: String| (Location::Kernel(i as u32), format!("kernels[{i}] ({}): {msg}", k.name));
@@ -44,17 +73,19 @@ pub(crate) fn kernels(p: &Plan, f: &KernelFacts, e: &mut Errors) {
             || at("the name must be 1–256 characters of [A-Za-z0-9_]".into()),
         );
         e.check(names.insert(k.name.as_str()), || at("duplicate name".into()));
-        let Some(kf) = instance_facts(p, f, k) else {
+        let template = k.entry.template();
+        let found = instance_facts(p, &cands, k);
+        let same = found.is_some();
+        // The message compares with the first phase's facts (the window's, when a layer has it).
+        let Some(first) = cands.first() else { continue };
+        let Some(kf) = found.or_else(|| match window_of(k) {
+            Some(w) => facts_for_window(p, first, w),
+            None => Some(first.clone()),
+        }) else {
             e.check(false, || at("constant WINDOW matches no layer's window".into()));
             continue;
         };
-        let template = k.entry.template();
         let want = template.constants(&kf);
-        let same = want.len() == k.constants.len()
-            && want
-                .iter()
-                .zip(&k.constants)
-                .all(|((wn, wv), (n, v))| wn == n && wv.same_bits(v));
         e.check(same, || {
             let diff = want
                 .iter()
@@ -161,6 +192,7 @@ pub(crate) struct Touched {
 pub(crate) fn kernel_launch(
     p: &Plan,
     f: &KernelFacts,
+    cands: &[KernelFacts],
     b: &BucketPlan,
     bf: &BucketFacts,
     kernel: u32,
@@ -195,7 +227,28 @@ pub(crate) fn kernel_launch(
         });
         return bufs;
     }
-    let Some(kf) = instance_facts(p, f, k) else { return bufs };
+    let kf = match instance_facts(p, cands, k) {
+        Some(kf) => kf,
+        // Another phase's kernel: its launch shape here would be meaningless.
+        None if instance_facts(p, &all_candidates(p), k).is_some() => {
+            e.check(false, || {
+                at(
+                    None,
+                    format!(".kernel: {} serves another phase (its constants are no step's facts of this one)", k.name),
+                )
+            });
+            return bufs;
+        }
+        // Constants no phase gives (the kernel rule names them): the launch is still checked
+        // against this phase's facts.
+        None => match window_of(k) {
+            Some(w) => match facts_for_window(p, f, w) {
+                Some(kf) => kf,
+                None => return bufs,
+            },
+            None => f.clone(),
+        },
+    };
     let shape = k.entry.shape(bf, &kf);
     let name = k.entry.name();
     e.check(grid == shape.grid, || {

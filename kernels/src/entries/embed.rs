@@ -2,7 +2,6 @@
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
 use crate::facts::{BucketFacts, KernelFacts};
-use crate::io;
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
@@ -14,11 +13,13 @@ use super::{act, u};
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct EmbedConcatParams {
-    #[arg(input = io::INPUT_IDS)]
+    /// The staged `input_ids` (draft-extend) or a forward's lane ids (draft decode).
+    #[arg(buffer)]
     pub ids: DevPtr<i64>,
     #[arg(weight)]
     pub table: DevPtr<Act>,
-    #[arg(input = io::HIDDEN_STATES)]
+    /// The staged `hidden_states`, or a forward's lane rows.
+    #[arg(buffer)]
     pub hidden: DevPtr<Act>,
     /// fc bias, or null when the model has none.
     #[arg(weight)]
@@ -36,7 +37,8 @@ pub struct EmbedConcatParams {
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct EmbedNormConcatParams {
-    #[arg(input = io::INPUT_IDS)]
+    /// The staged `input_ids`, or a forward's lane ids.
+    #[arg(buffer)]
     pub ids: DevPtr<i64>,
     #[arg(weight)]
     pub table: DevPtr<Act>,

@@ -12,6 +12,7 @@ pub mod norm;
 pub mod rope;
 pub mod sample;
 pub mod select;
+pub mod tree;
 
 use crate::facts::KernelFacts;
 use crate::source::ConstValue;

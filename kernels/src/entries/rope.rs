@@ -67,6 +67,10 @@ pub(crate) fn paged_kv(f: &KernelFacts) -> Constants {
         u("HEAD_DIM", f.head_dim),
         u("N", f.n),
         u("PAGE_SIZE", f.page_size),
+        // Draft decode's lanes (0: draft-extend's causal rows) and the forward an instance
+        // serves: positions and slots are compile-time functions of both.
+        u("LANE_STEPS", f.lanes),
+        u("STEP", f.step),
     ]
 }
 

@@ -79,8 +79,8 @@ impl Kernel for SoftmaxTopkParams {
     fn smem(f: &KernelFacts) -> u64 {
         topk_smem(f)
     }
-    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], SoftmaxTopkScalars) {
-        ([b.batch, 1, 1], SoftmaxTopkScalars { batch: b.batch })
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], SoftmaxTopkScalars) {
+        ([f.head_rows(b), 1, 1], SoftmaxTopkScalars { batch: f.head_rows(b) })
     }
     fn extents(s: &SoftmaxTopkScalars, f: &KernelFacts) -> SoftmaxTopkPtrs<Extent> {
         let (b, k) = (s.batch as u64, f.topk as u64);
@@ -103,7 +103,7 @@ impl Kernel for TopkPartialParams {
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkPartialScalars) {
         let chunks = f.topk_chunks();
-        ([b.batch, chunks, 1], TopkPartialScalars { batch: b.batch, chunks })
+        ([f.head_rows(b), chunks, 1], TopkPartialScalars { batch: f.head_rows(b), chunks })
     }
     fn extents(s: &TopkPartialScalars, f: &KernelFacts) -> TopkPartialPtrs<Extent> {
         let b = s.batch as u64;
@@ -121,9 +121,9 @@ impl Kernel for TopkMergeParams {
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkMergeScalars) {
         (
-            [b.batch, 1, 1],
+            [f.head_rows(b), 1, 1],
             TopkMergeScalars {
-                batch: b.batch,
+                batch: f.head_rows(b),
                 chunks: f.topk_chunks(),
             },
         )

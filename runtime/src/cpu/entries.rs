@@ -200,6 +200,7 @@ impl<K: KvStore> Ctx<'_, K> {
             c_pos(k, "N")?,
         );
         let inv_freq = c_table(k, "INV_FREQ")?.to_vec();
+        let lanes = Lanes::of(k)?;
         // YaRN's attention factor scales cos and sin (f32, as the kernel's tables).
         let scale = c_f32(k, "ROPE_SCALE")? as f64;
         let (qkv, prefix, slots) = (
@@ -221,7 +222,15 @@ impl<K: KvStore> Ctx<'_, K> {
         let stride = (hq + 2 * hkv) * d;
         for r in 0..s.rows as usize {
             let (i, j) = (r / n, r % n);
-            let pos = self.ld(prefix, i)? as i64 + j as i64;
+            let l = self.ld(prefix, i)? as i64;
+            // Draft decode: every lane at L + step, its K/V in the lane's slot (rope_append.cu).
+            let (pos, wpos) = match lanes {
+                Some(ln) => (
+                    l + ln.step as i64,
+                    l + ln.offset(l.max(0) as u64, j) as i64 + ln.step as i64,
+                ),
+                None => (l + j as i64, l + j as i64),
+            };
             let rotate = |x: &[f64]| -> Vec<f64> {
                 let mut y = vec![0.0; d];
                 for t in 0..half {
@@ -241,7 +250,7 @@ impl<K: KvStore> Ctx<'_, K> {
                 }
             }
             // The kernel skips the cache write of a position without a token slot.
-            let Some(tok) = self.token_slot(slots, i, pos)? else {
+            let Some(tok) = self.token_slot(slots, i, wpos)? else {
                 continue;
             };
             for h in 0..hkv {
@@ -275,6 +284,7 @@ impl<K: KvStore> Ctx<'_, K> {
         );
         let window = c_u32(k, "WINDOW")?;
         let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_pos(k, "KV_TILE")?);
+        let lanes = Lanes::of(k)?;
         let (q, slots, prefix) = (
             buf(p.q, "q")?,
             buf(p.req_slots, io::REQ_SLOTS)?,
@@ -295,8 +305,16 @@ impl<K: KvStore> Ctx<'_, K> {
         let g = hq / hkv;
         for i in 0..batch {
             let l = self.ld(prefix, i)?.max(0.0) as usize;
-            let kv_len = l + n;
-            let kv_start = if window > 0 { (l + 1).saturating_sub(window) } else { 0 };
+            // Draft decode: the prefix, then every lane's step + 1 slots (attention.cu).
+            let kv_len = match lanes {
+                Some(ln) => l + n * (ln.step + 1),
+                None => l + n,
+            };
+            let kv_start = match (window, lanes) {
+                (0, _) => 0,
+                (w, Some(ln)) => (l + ln.step + 1).saturating_sub(w).min(l),
+                (w, None) => (l + 1).saturating_sub(w),
+            };
             let total = kv_len - kv_start;
             let chunk = total.div_ceil(splits).div_ceil(tile) * tile;
             for sp in 0..splits {
@@ -310,15 +328,13 @@ impl<K: KvStore> Ctx<'_, K> {
                             let qv: Vec<f64> = (0..d)
                                 .map(|t| self.ld(q, r * q_stride + head * d + t))
                                 .collect::<R<_>>()?;
-                            let first = if window > 0 {
-                                (l + j + 1).saturating_sub(window)
-                            } else {
-                                0
-                            };
                             let mut scores = Vec::new();
                             // A key without a token slot reads as zero K and V (the kernel's
                             // guard): score 0, no contribution to o.
-                            for pos in lo.max(first)..hi.min(l + j + 1) {
+                            for key in lo..hi {
+                                let Some(pos) = key_position(lanes, l, j, n, window, key) else {
+                                    continue;
+                                };
                                 let tok = self.token_slot(slots, i, pos as i64)?;
                                 let mut dot = 0.0;
                                 if let Some(tok) = tok {
@@ -530,4 +546,50 @@ impl<K: KvStore> Ctx<'_, K> {
         }
         Ok(())
     }
+}
+
+/// Draft decode's lane rule of a rope_append or attention instance (`LANE_STEPS > 0`).
+#[derive(Clone, Copy)]
+pub(super) struct Lanes {
+    pub steps: u32,
+    pub lanes: u32,
+    pub page: u32,
+    pub step: usize,
+}
+
+impl Lanes {
+    pub fn of(k: &KernelDesc) -> R<Option<Lanes>> {
+        let steps = c_u32(k, "LANE_STEPS")? as u32;
+        if steps == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Lanes {
+            steps,
+            lanes: c_pos(k, "N")? as u32,
+            page: c_pos(k, "PAGE_SIZE")? as u32,
+            step: c_u32(k, "STEP")?,
+        }))
+    }
+
+    /// Lane `lane`'s offset past the prefix `l` (common.cuh `lane_offset`).
+    pub fn offset(self, l: u64, lane: usize) -> u64 {
+        specplan_kernels::facts::lane_offset(l, lane as u32, self.steps, self.lanes, self.page)
+    }
+}
+
+/// The position of key index `key` for row `j` of a request with prefix `l` when the row sees
+/// it (attention.cu): draft-extend's causal rows (key = position, up to `l + j`, within the
+/// window), or draft decode's prefix and own lane (the window by sequence position).
+fn key_position(lanes: Option<Lanes>, l: usize, j: usize, n: usize, window: usize, key: usize) -> Option<usize> {
+    let Some(ln) = lanes else {
+        let q = l + j;
+        return (key <= q && (window == 0 || key + window > q)).then_some(key);
+    };
+    let q = l + ln.step;
+    if key < l {
+        return (window == 0 || key + window > q).then_some(key);
+    }
+    let (lane, at) = ((key - l) / (ln.step + 1), (key - l) % (ln.step + 1));
+    let seen = lane == j && lane < n && (window == 0 || l + at + window > q);
+    seen.then(|| l + ln.offset(l as u64, lane) as usize + at)
 }

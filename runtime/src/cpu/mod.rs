@@ -18,6 +18,7 @@ mod eagle3;
 pub mod engine;
 mod entries;
 mod kv;
+mod tree;
 
 use specplan_format::io;
 use specplan_format::PhaseKind;
@@ -27,7 +28,7 @@ pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits}
 pub use kv::{KvPool, KvStore, StridedKv};
 use specplan_format::{ArgValue, BucketPlan, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan};
 use specplan_kernels::abi::{KernelParams, Slot};
-use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select};
+use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select, tree as tree_entries};
 use specplan_kernels::Entry;
 
 use crate::step::{BucketInputs, PageTable};
@@ -193,6 +194,20 @@ impl<'p> CpuExecutor<'p> {
         self.run_core(bucket, inputs, table, kv, &mut |_, _, _| {})
     }
 
+    /// Runs one bucket of any phase on padded inputs given by name (each staged input of the
+    /// phase's signature, `f64` values; prefix lengths as `prefix_lens`), updating `kv` in
+    /// place; returns every output buffer of the bucket by name.
+    pub fn run_named(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &[(&str, Vec<f64>)],
+        table: &PageTable,
+        kv: &mut KvPool,
+    ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
+        let mut dense = kv::DenseKv::new(self.plan, kv);
+        self.run_raw(bucket, inputs, table, &mut dense, &mut |_, _, _| {})
+    }
+
     fn run_core<K: KvStore>(
         &self,
         bucket: &BucketPlan,
@@ -201,6 +216,35 @@ impl<'p> CpuExecutor<'p> {
         kv: &mut K,
         observe: &mut Observer<'_, K>,
     ) -> Result<BucketOutputs, ExecError> {
+        let named: [(&str, Vec<f64>); 5] = [
+            (io::INPUT_IDS, inputs.input_ids.iter().map(|&x| x as f64).collect()),
+            (io::HIDDEN_STATES, inputs.hidden_states.iter().map(|&x| x as f64).collect()),
+            (io::PREFIX_LENS, inputs.prefix_lens.iter().map(|&x| x as f64).collect()),
+            (io::ACCEPT_LENS, inputs.accept_lens.iter().map(|&x| x as f64).collect()),
+            (io::REQ_SLOTS, inputs.req_slots.iter().map(|&x| x as f64).collect()),
+        ];
+        let outs = self.run_raw(bucket, &named, table, kv, observe)?;
+        let get = |name: &str| {
+            outs.iter()
+                .find(|(n, _)| n == name)
+                .map_or_else(Vec::new, |(_, v)| v.clone())
+        };
+        Ok(BucketOutputs {
+            hidden_out: get(io::HIDDEN_OUT).into_iter().map(|x| x as f32).collect(),
+            topk_probs: get(io::TOPK_PROBS).into_iter().map(|x| x as f32).collect(),
+            topk_ids: get(io::TOPK_IDS).into_iter().map(|x| x as i64).collect(),
+            logits: get(specplan_kernels::io::LOGITS).into_iter().map(|x| x as f32).collect(),
+        })
+    }
+
+    fn run_raw<K: KvStore>(
+        &self,
+        bucket: &BucketPlan,
+        inputs: &[(&str, Vec<f64>)],
+        table: &PageTable,
+        kv: &mut K,
+        observe: &mut Observer<'_, K>,
+    ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
         if bucket.arena_bytes > MAX_CPU_ARENA_BYTES {
             return Err(ExecError::TooLarge {
                 bytes: bucket.arena_bytes,
@@ -228,17 +272,19 @@ impl<'p> CpuExecutor<'p> {
             table,
         };
         let setup = |e: String| ExecError::Setup(format!("inputs: {e}"));
-        ctx.store_input(io::INPUT_IDS, inputs.input_ids.iter().map(|&x| x as f64))
-            .map_err(setup)?;
-        ctx.store_input(io::HIDDEN_STATES, inputs.hidden_states.iter().map(|&x| x as f64))
-            .map_err(setup)?;
-        ctx.store_input(io::PREFIX_LENS, inputs.prefix_lens.iter().map(|&x| x as f64))
-            .map_err(setup)?;
-        ctx.store_input(io::ACCEPT_LENS, inputs.accept_lens.iter().map(|&x| x as f64))
-            .map_err(setup)?;
-        ctx.store_input(io::REQ_SLOTS, inputs.req_slots.iter().map(|&x| x as f64))
-            .map_err(setup)?;
-        check_prefixes(self.plan, &inputs.prefix_lens).map_err(setup)?;
+        let kind = self
+            .plan
+            .all_buckets()
+            .find(|(_, b)| std::ptr::eq(*b, bucket) || *b == bucket)
+            .map_or(PhaseKind::DraftExtend, |(ph, _)| ph.kind);
+        for (name, values) in inputs {
+            ctx.store_input(name, values.iter().copied()).map_err(setup)?;
+        }
+        let prefixes: Vec<i32> = inputs
+            .iter()
+            .find(|(n, _)| *n == io::PREFIX_LENS)
+            .map_or_else(Vec::new, |(_, v)| v.iter().map(|&x| x as i32).collect());
+        check_prefixes(self.plan, kind, &prefixes).map_err(setup)?;
         observe(&ctx.cells, None, ctx.kv);
         for (li, launch) in bucket.launches.iter().enumerate() {
             let err = |message: String| ExecError::Launch {
@@ -260,47 +306,24 @@ impl<'p> CpuExecutor<'p> {
             observe(&ctx.cells, Some(li), ctx.kv);
         }
         let out = |e: String| ExecError::Setup(format!("outputs: {e}"));
-        Ok(BucketOutputs {
-            hidden_out: ctx
-                .load_named(io::HIDDEN_OUT)
-                .map_err(out)?
-                .into_iter()
-                .map(|x| x as f32)
-                .collect(),
-            topk_probs: ctx
-                .load_named(io::TOPK_PROBS)
-                .map_err(out)?
-                .into_iter()
-                .map(|x| x as f32)
-                .collect(),
-            topk_ids: ctx
-                .load_named(io::TOPK_IDS)
-                .map_err(out)?
-                .into_iter()
-                .map(|x| x as i64)
-                .collect(),
-            logits: ctx
-                .load_named(specplan_kernels::io::LOGITS)
-                .map_err(out)?
-                .into_iter()
-                .map(|x| x as f32)
-                .collect(),
-        })
+        bucket
+            .buffers
+            .iter()
+            .filter(|b| b.role == specplan_format::BufferRole::Output)
+            .map(|b| Ok((b.name.clone(), ctx.load_named(&b.name).map_err(out)?)))
+            .collect()
     }
 }
 
 /// The admission rule the kernels rely on (`admission::check_lengths`): every prefix in
-/// `[0, max_context_len - N]`. The attention's work grows with the prefix, so an executor
-/// given an unchecked one could loop for as long as an i32 allows.
-fn check_prefixes(plan: &Plan, prefix_lens: &[i32]) -> R<()> {
-    let max = plan.capture.max_context_len as i64 - plan.rows_per_request(PhaseKind::DraftExtend) as i64;
-    match prefix_lens.iter().position(|&l| l < 0 || l as i64 > max) {
-        Some(i) => Err(format!(
-            "prefix_lens[{i}] = {} is outside [0, max_context_len - num_draft_tokens = {max}]",
-            prefix_lens[i]
-        )),
-        None => Ok(()),
+/// `[0, max_context_len - N]` (draft decode: with its lanes' reach within `max_context_len`).
+/// The attention's work grows with the prefix, so an executor given an unchecked one could
+/// loop for as long as an i32 allows.
+fn check_prefixes(plan: &Plan, kind: PhaseKind, prefix_lens: &[i32]) -> R<()> {
+    for (i, &l) in prefix_lens.iter().enumerate() {
+        crate::admission::check_prefix(plan, kind, i, l).map_err(|e| e.to_string())?;
     }
+    Ok(())
 }
 
 /// The typed arguments of entry `K` from a launch's resolved argument list.
@@ -425,6 +448,22 @@ impl<K: KvStore> Ctx<'_, K> {
             Entry::TopkMerge => {
                 let (p, s) = typed::<sample::TopkMergeParams>(&slots)?;
                 self.topk_merge(k, &p, &s)
+            }
+            Entry::TreeInit => {
+                let (p, s) = typed::<tree_entries::TreeInitParams>(&slots)?;
+                self.tree_init(k, &p, &s)
+            }
+            Entry::TreeSelect => {
+                let (p, s) = typed::<tree_entries::TreeSelectParams>(&slots)?;
+                self.tree_select(k, &p, &s)
+            }
+            Entry::TreeFinish => {
+                let (p, s) = typed::<tree_entries::TreeFinishParams>(&slots)?;
+                self.tree_finish(k, &p, &s)
+            }
+            Entry::GatherRows => {
+                let (p, s) = typed::<tree_entries::GatherRowsParams>(&slots)?;
+                self.gather_rows(k, &p, &s)
             }
             Entry::Admit | Entry::Emit | Entry::Fill => Err(format!(
                 "{} is an entry the GPU runtime launches itself; plans never list it",

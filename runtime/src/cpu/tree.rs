@@ -1,0 +1,176 @@
+//! Draft decode's tree entries on the CPU, written from tree.cu's header: the root, the
+//! selection between forwards, the result and the row gather. Values are f32 products as
+//! the kernels compute them; the order of candidates is value descending, NaN above every
+//! number, ties to the lower index.
+
+use std::cmp::Ordering;
+
+use specplan_format::KernelDesc;
+use specplan_kernels::entries::tree::{
+    GatherRowsPtrs, GatherRowsScalars, TreeFinishPtrs, TreeFinishScalars, TreeInitPtrs, TreeInitScalars,
+    TreeSelectPtrs, TreeSelectScalars,
+};
+
+use super::entries::{buf, c_pos, c_u32};
+use super::{Ctx, KvStore, Ptr, R};
+
+/// The tree's sizes from an instance's constants.
+struct Tree {
+    k: usize,
+    cands: usize,
+    parents: usize,
+    nodes: usize,
+    step: usize,
+}
+
+impl Tree {
+    fn of(k: &KernelDesc) -> R<Tree> {
+        let (topk, steps) = (c_pos(k, "TOPK")?, c_pos(k, "LANE_STEPS")?);
+        let n = c_pos(k, "DRAFT_TOKENS")?;
+        Ok(Tree {
+            k: topk,
+            cands: topk + (steps - 1) * topk * topk,
+            parents: (steps - 1) * topk + 1,
+            nodes: n - 1,
+            step: c_u32(k, "STEP")?,
+        })
+    }
+}
+
+/// The candidates' order: `a` before `b` (tree.cu `before`).
+pub(crate) fn order(a: (f32, usize), b: (f32, usize)) -> Ordering {
+    match (a.0.is_nan(), b.0.is_nan()) {
+        (true, true) => a.1.cmp(&b.1),
+        (true, false) => Ordering::Less,
+        (false, true) => Ordering::Greater,
+        _ => b.0.partial_cmp(&a.0).unwrap_or(Ordering::Equal).then(a.1.cmp(&b.1)),
+    }
+}
+
+/// Indices of the `n` first of `v` in [`order`].
+pub(crate) fn best(v: &[f32], n: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| order((v[a], a), (v[b], b)));
+    idx.truncate(n);
+    idx
+}
+
+fn opt(p: Ptr, name: &str) -> R<Option<usize>> {
+    match p {
+        Ptr::Null => Ok(None),
+        other => buf(other, name).map(Some),
+    }
+}
+
+impl<K: KvStore> Ctx<'_, K> {
+    pub(super) fn tree_init(&mut self, k: &KernelDesc, p: &TreeInitPtrs<Ptr>, s: &TreeInitScalars) -> R<()> {
+        let t = Tree::of(k)?;
+        let (probs, ids) = (buf(p.topk_probs, "topk_probs")?, buf(p.topk_ids, "topk_ids")?);
+        let (scores, out_ids, sl, tl, pl) = (
+            buf(p.scores, "scores")?,
+            buf(p.ids, "ids")?,
+            buf(p.score_list, "score_list")?,
+            buf(p.token_list, "token_list")?,
+            buf(p.parent_list, "parent_list")?,
+        );
+        let src = opt(p.src, "src")?;
+        for r in 0..s.batch as usize {
+            for j in 0..t.k {
+                let z = r * t.k + j;
+                let (pr, id) = (self.ld(probs, z)? as f32 as f64, self.ld(ids, z)?);
+                self.st(scores, z, pr)?;
+                self.st(out_ids, z, id)?;
+                if let Some(src) = src {
+                    self.st(src, z, r as f64)?;
+                }
+                self.st(sl, r * t.cands + j, pr)?;
+                self.st(tl, r * t.cands + j, id)?;
+            }
+            for j in 0..=t.k {
+                self.st(pl, r * t.parents + j, j as f64 - 1.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn tree_select(&mut self, k: &KernelDesc, p: &TreeSelectPtrs<Ptr>, s: &TreeSelectScalars) -> R<()> {
+        let t = Tree::of(k)?;
+        if t.step == 0 {
+            return Err("tree_select runs at steps 1 and later".into());
+        }
+        let kk = t.k * t.k;
+        let (scores, probs, ids) = (buf(p.scores, "scores")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
+        let (sl, tl) = (buf(p.score_list, "score_list")?, buf(p.token_list, "token_list")?);
+        let pl = opt(p.parent_list, "parent_list")?;
+        let (s_out, next, src) = (
+            opt(p.scores_out, "scores_out")?,
+            opt(p.next_ids, "next_ids")?,
+            opt(p.src, "src")?,
+        );
+        for r in 0..s.batch as usize {
+            let base = r * t.cands + t.k + (t.step - 1) * kk;
+            let mut e = vec![0f32; kk];
+            for (c, ec) in e.iter_mut().enumerate() {
+                let z = r * t.k + c / t.k;
+                // fp32 product, as torch and the kernel compute it.
+                *ec = self.ld(scores, z)? as f32 * self.ld(probs, z * t.k + c % t.k)? as f32;
+                self.st(sl, base + c, *ec as f64)?;
+                let id = self.ld(ids, z * t.k + c % t.k)?;
+                self.st(tl, base + c, id)?;
+            }
+            for (lane, c) in best(&e, t.k).into_iter().enumerate() {
+                let z = r * t.k + lane;
+                let from = r * t.k + c / t.k;
+                if let Some(o) = s_out {
+                    self.st(o, z, e[c] as f64)?;
+                }
+                if let Some(o) = next {
+                    let id = self.ld(ids, from * t.k + c % t.k)?;
+                    self.st(o, z, id)?;
+                }
+                if let Some(o) = src {
+                    self.st(o, z, from as f64)?;
+                }
+                if let Some(o) = pl {
+                    let at = r * t.parents + t.k + 1 + (t.step - 1) * t.k + lane;
+                    self.st(o, at, (c + kk * (t.step - 1) + t.k) as f64)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn tree_finish(&mut self, k: &KernelDesc, p: &TreeFinishPtrs<Ptr>, s: &TreeFinishScalars) -> R<()> {
+        let t = Tree::of(k)?;
+        let (sl, tl) = (buf(p.score_list, "score_list")?, buf(p.token_list, "token_list")?);
+        let (top, tokens) = (buf(p.top_scores_index, "top_scores_index")?, buf(p.draft_tokens, "draft_tokens")?);
+        for r in 0..s.batch as usize {
+            let v: Vec<f32> = (0..t.cands)
+                .map(|c| self.ld(sl, r * t.cands + c).map(|x| x as f32))
+                .collect::<R<_>>()?;
+            let mut chosen = best(&v, t.nodes);
+            chosen.sort_unstable();
+            for (at, c) in chosen.into_iter().enumerate() {
+                self.st(top, r * t.nodes + at, c as f64)?;
+                let id = self.ld(tl, r * t.cands + c)?;
+                self.st(tokens, r * t.nodes + at, id)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn gather_rows(&mut self, k: &KernelDesc, p: &GatherRowsPtrs<Ptr>, s: &GatherRowsScalars) -> R<()> {
+        let h = c_u32(k, "HIDDEN")?;
+        let (x, src, out) = (buf(p.x, "x")?, buf(p.src, "src")?, buf(p.out, "out")?);
+        for z in 0..s.rows as usize {
+            let from = self.ld(src, z)? as i64;
+            // A source outside the rows reads row 0 (the kernel's guard).
+            let from = if from < 0 || from >= s.src_rows as i64 { 0 } else { from as usize };
+            for c in 0..h {
+                let v = self.ld(x, from * h + c)?;
+                self.st(out, z * h + c, v)?;
+            }
+        }
+        Ok(())
+    }
+}
