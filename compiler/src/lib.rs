@@ -114,7 +114,12 @@ pub(crate) fn descs(cfg: &Config) -> Descs {
 /// The phases a config compiles, in plan order: draft-extend, then each draft-decode tier.
 pub fn phase_kinds(cfg: &Config) -> Vec<PhaseKind> {
     let mut kinds = vec![PhaseKind::DraftExtend];
-    kinds.extend(cfg.capture.decode_steps.iter().map(|&steps| PhaseKind::DraftDecode { steps }));
+    kinds.extend(
+        cfg.capture
+            .decode_steps
+            .iter()
+            .map(|&steps| PhaseKind::DraftDecode { steps }),
+    );
     kinds
 }
 

@@ -314,9 +314,33 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
                 "output must be [T, 2H]".into()
             })
         }
+        OpKind::TreeInit | OpKind::TreeSelect { .. } | OpKind::TreeFinish | OpKind::GatherRows { .. } => {
+            check_tree_op(&c, kind, rows)
+        }
+        OpKind::SelectNorm => {
+            c.arity(3, 2)?;
+            let (r, h) = c.rank2(false, 0)?;
+            want(r == rows, || format!("input rows must be {rows}"))?;
+            c.dtype(false, 1, &[DType::I32])?;
+            want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
+            want(c.shape(true, 0) == [batch, h] && c.shape(true, 1) == [batch, h], || {
+                format!("outputs must be [B, {h}]")
+            })
+        }
+    }
+}
+
+/// Draft decode's tree ops.
+fn check_tree_op(c: &Ctx, kind: &OpKind, rows: Dim) -> Result<(), String> {
+    let (g, ins, outs) = (c.g, c.ins, c.outs);
+    match kind {
         OpKind::TreeInit => {
             want(ins.len() == 2 && (outs.len() == 5 || outs.len() == 6), || {
-                format!("expected 2 inputs and 5 or 6 outputs, got {} and {}", ins.len(), outs.len())
+                format!(
+                    "expected 2 inputs and 5 or 6 outputs, got {} and {}",
+                    ins.len(),
+                    outs.len()
+                )
             })?;
             let (b, k) = c.rank2(false, 0)?;
             want(c.shape(false, 1) == [b, k], || format!("topk_ids must be [{b}, {k}]"))?;
@@ -324,7 +348,13 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             c.dtype(false, 1, &[DType::I64])?;
             want(c.shape(true, 0) == [b, k], || format!("scores must be [{b}, {k}]"))?;
             want(c.shape(true, 1) == [rows], || format!("ids must be [{rows}]"))?;
-            for (i, t) in [(0, DType::F32), (1, DType::I64), (2, DType::F32), (3, DType::I64), (4, DType::I64)] {
+            for (i, t) in [
+                (0, DType::F32),
+                (1, DType::I64),
+                (2, DType::F32),
+                (3, DType::I64),
+                (4, DType::I64),
+            ] {
                 c.dtype(true, i, &[t])?;
             }
             if outs.len() == 6 {
@@ -335,7 +365,11 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
         }
         OpKind::TreeSelect { .. } => {
             want(ins.len() == 6 && [2, 5, 6].contains(&outs.len()), || {
-                format!("expected 6 inputs and 2, 5 or 6 outputs, got {} and {}", ins.len(), outs.len())
+                format!(
+                    "expected 6 inputs and 2, 5 or 6 outputs, got {} and {}",
+                    ins.len(),
+                    outs.len()
+                )
             })?;
             let (b, k) = c.rank2(false, 0)?;
             want(c.shape(false, 1) == [rows, k] && c.shape(false, 2) == [rows, k], || {
@@ -361,11 +395,14 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
         OpKind::TreeFinish => {
             c.arity(2, 2)?;
             let (b, cands) = c.rank2(false, 0)?;
-            want(c.shape(false, 1) == [b, cands], || "the lists must have one shape".into())?;
-            let (bo, nodes) = c.rank2(true, 0)?;
-            want(bo == b && nodes.fixed <= cands.fixed && c.shape(true, 1) == [b, nodes], || {
-                format!("outputs must be [{b}, at most {}]", cands.fixed)
+            want(c.shape(false, 1) == [b, cands], || {
+                "the lists must have one shape".into()
             })?;
+            let (bo, nodes) = c.rank2(true, 0)?;
+            want(
+                bo == b && nodes.fixed <= cands.fixed && c.shape(true, 1) == [b, nodes],
+                || format!("outputs must be [{b}, at most {}]", cands.fixed),
+            )?;
             c.dtype(true, 0, &[DType::I64])?;
             c.dtype(true, 1, &[DType::I64])
         }
@@ -377,15 +414,6 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
                 format!("src must be [{rows}] and the output [{rows}, {h}]")
             })
         }
-        OpKind::SelectNorm => {
-            c.arity(3, 2)?;
-            let (r, h) = c.rank2(false, 0)?;
-            want(r == rows, || format!("input rows must be {rows}"))?;
-            c.dtype(false, 1, &[DType::I32])?;
-            want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
-            want(c.shape(true, 0) == [batch, h] && c.shape(true, 1) == [batch, h], || {
-                format!("outputs must be [B, {h}]")
-            })
-        }
+        _ => Ok(()),
     }
 }

@@ -301,7 +301,9 @@ pub fn declared(kind: PhaseKind) -> &'static [TensorDecl] {
 
 /// Every tensor name any phase declares.
 pub fn all_names() -> impl Iterator<Item = &'static str> {
-    [DRAFT_EXTEND, DRAFT_DECODE].into_iter().flat_map(|d| d.iter().map(|d| d.name))
+    [DRAFT_EXTEND, DRAFT_DECODE]
+        .into_iter()
+        .flat_map(|d| d.iter().map(|d| d.name))
 }
 
 /// One tensor of the signature resolved for a plan and a batch.

@@ -261,14 +261,15 @@ impl Plan {
         self.notes.clone()
     }
 
-    /// The phases the plan compiles: `(kind, rows per request, buckets)`.
-    fn phases(&self) -> Vec<(&'static str, u32, Vec<u32>)> {
+    /// The phases the plan compiles: `(kind, rows per request, buckets)`; a draft-decode
+    /// phase is named with its tier (`draft_decode:3`).
+    fn phases(&self) -> Vec<(String, u32, Vec<u32>)> {
         self.inner
             .phases
             .iter()
             .map(|ph| {
                 (
-                    ph.kind.name(),
+                    ph.kind.label(),
                     ph.rows_per_request,
                     ph.buckets.iter().map(|b| b.batch).collect(),
                 )
@@ -281,11 +282,13 @@ impl Plan {
     /// the Python runner checks its arguments and sizes its outputs by.
     #[pyo3(signature = (batch=1, phase="draft_extend"))]
     fn signature(&self, batch: u32, phase: &str) -> PyResult<Vec<SigEntry>> {
-        let kind = PhaseKind::ALL
-            .into_iter()
-            .find(|k| k.name() == phase && self.inner.phase(*k).is_some())
+        // `draft_decode` alone names the plan's draft-decode tier when it has one.
+        let tiers: Vec<u32> = self.inner.phases.iter().map(|p| p.kind.steps()).filter(|&s| s > 0).collect();
+        let one_tier = (tiers.len() == 1).then(|| tiers[0]);
+        let kind = PhaseKind::parse(phase, one_tier)
+            .filter(|k| self.inner.phase(*k).is_some())
             .ok_or_else(|| {
-                let have: Vec<&str> = self.inner.phases.iter().map(|p| p.kind.name()).collect();
+                let have: Vec<String> = self.inner.phases.iter().map(|p| p.kind.label()).collect();
                 PyValueError::new_err(format!("phase {phase:?}: the plan has {}", have.join(", ")))
             })?;
         Ok(signature::resolve(&self.inner, kind, batch)

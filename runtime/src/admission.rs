@@ -140,12 +140,8 @@ pub fn check_prefix(plan: &Plan, kind: PhaseKind, i: usize, prefix: i32) -> Resu
     let (reach, what) = match kind {
         PhaseKind::DraftExtend => (plan.spec.num_draft_tokens as i64, "num_draft_tokens".to_string()),
         PhaseKind::DraftDecode { steps } => {
-            let r = specplan_kernels::facts::decode_reach(
-                l.max(0) as u64,
-                steps,
-                plan.spec.topk,
-                plan.capture.page_size,
-            );
+            let r =
+                specplan_kernels::facts::decode_reach(l.max(0) as u64, steps, plan.spec.topk, plan.capture.page_size);
             (r as i64, format!("the {} lanes' reach", plan.spec.topk))
         }
     };

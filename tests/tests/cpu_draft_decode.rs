@@ -179,7 +179,9 @@ fn random_step(plan: &ValidatedPlan, md: &Model, rng: &mut Rng, b: usize, steps:
     let table: Vec<i32> = (0..b * cols).map(|i| perm[i % (pages - 1)] as i32).collect();
     let per_layer = pages * ps * md.hkv * md.d;
     let fill = |rng: &mut Rng| -> Vec<Vec<f32>> {
-        (0..md.layers).map(|_| round_bf16(&(0..per_layer).map(|_| rng.uniform()).collect::<Vec<_>>())).collect()
+        (0..md.layers)
+            .map(|_| round_bf16(&(0..per_layer).map(|_| rng.uniform()).collect::<Vec<_>>()))
+            .collect()
     };
     let pool = KvPool {
         pages,
@@ -254,13 +256,23 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
                 let id = ids[lane] as usize;
                 let mut inp: Vec<f64> = md.embed[id * h..(id + 1) * h].iter().map(|&v| v as f64).collect();
                 inp.extend(&hid[lane]);
-                matvec(&md.fc_w, &inp, h).iter().zip(&md.fc_b).map(|(a, b)| a + *b as f64).collect()
+                matvec(&md.fc_w, &inp, h)
+                    .iter()
+                    .zip(&md.fc_b)
+                    .map(|(a, b)| a + *b as f64)
+                    .collect()
             })
             .collect();
         for l in 0..md.layers {
             let hn: Vec<Vec<f64>> = x
                 .iter()
-                .map(|row| if l == 0 { row.clone() } else { rms(row, &md.n_in[l], md.eps) })
+                .map(|row| {
+                    if l == 0 {
+                        row.clone()
+                    } else {
+                        rms(row, &md.n_in[l], md.eps)
+                    }
+                })
                 .collect();
             let mut q: Vec<Vec<f64>> = hn.iter().map(|row| matvec(&md.wq[l], row, md.hq * d)).collect();
             for lane in 0..k {
@@ -287,7 +299,9 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
                     let sc: Vec<f64> = keys
                         .iter()
                         .map(|&e| {
-                            (0..d).map(|t| q[lane][head * d + t] * kc[l][e + kvh * d + t] as f64).sum::<f64>()
+                            (0..d)
+                                .map(|t| q[lane][head * d + t] * kc[l][e + kvh * d + t] as f64)
+                                .sum::<f64>()
                                 / (d as f64).sqrt()
                         })
                         .collect();
@@ -322,7 +336,10 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
         let mut step_p: Vec<Vec<f32>> = Vec::new();
         let mut step_i: Vec<Vec<i64>> = Vec::new();
         for row in &x {
-            let logits: Vec<f64> = rows.iter().map(|&v| (0..h).map(|c| md.lm[v * h + c] as f64 * row[c]).sum()).collect();
+            let logits: Vec<f64> = rows
+                .iter()
+                .map(|&v| (0..h).map(|c| md.lm[v * h + c] as f64 * row[c]).sum())
+                .collect();
             let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let s: f64 = logits.iter().map(|v| (v - m).exp()).sum();
             let probs: Vec<f32> = logits.iter().map(|v| ((v - m).exp() / s) as f32).collect();
@@ -371,7 +388,9 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
         ..Default::default()
     };
     let cfg = resolve(&Source::Preset("tiny".into()), &o).expect("config");
-    let plan = compile(&cfg, &Target::default(), None, &|_, _| {}).expect("compile").plan;
+    let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan;
     let kind = PhaseKind::DraftDecode { steps };
     let phase = plan.phase(kind).expect("the draft-decode phase");
     let dir = tempfile::tempdir().expect("tempdir");
@@ -387,19 +406,31 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
         let bb = bucket.batch as usize;
         let mut table = PageTable::new(&plan, (st.pool.pages - 1) as i32);
         for i in 0..b {
-            table.set_row(i, &st.table[i * st.cols..(i + 1) * st.cols]).expect("row");
+            table
+                .set_row(i, &st.table[i * st.cols..(i + 1) * st.cols])
+                .expect("row");
         }
         // Padded requests: prefix 0 in the scratch slot, inputs repeated from request 0.
-        let pad = |v: &[f64], w: usize| -> Vec<f64> { (0..bb * w).map(|i| if i < b * w { v[i] } else { v[i % w] }).collect() };
+        let pad = |v: &[f64], w: usize| -> Vec<f64> {
+            (0..bb * w).map(|i| if i < b * w { v[i] } else { v[i % w] }).collect()
+        };
         let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
         let inputs = vec![
             (io::TOPK_PROBS, pad(&f(&st.probs), k)),
-            (io::TOPK_IDS, pad(&st.ids.iter().map(|&x| x as f64).collect::<Vec<_>>(), k)),
+            (
+                io::TOPK_IDS,
+                pad(&st.ids.iter().map(|&x| x as f64).collect::<Vec<_>>(), k),
+            ),
             (io::HIDDEN_STATES, pad(&f(&st.hidden), md.h)),
-            (io::PREFIX_LENS, (0..bb).map(|i| if i < b { st.prefix[i] as f64 } else { 0.0 }).collect()),
+            (
+                io::PREFIX_LENS,
+                (0..bb).map(|i| if i < b { st.prefix[i] as f64 } else { 0.0 }).collect(),
+            ),
             (
                 io::REQ_SLOTS,
-                (0..bb).map(|i| if i < b { i as f64 } else { table.scratch_slot() as f64 }).collect(),
+                (0..bb)
+                    .map(|i| if i < b { i as f64 } else { table.scratch_slot() as f64 })
+                    .collect(),
             ),
         ];
         let mut pool = st.pool.clone();
@@ -425,22 +456,36 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
             for (l, at, kk, vv) in &want.writes {
                 for t in 0..md.hkv * md.d {
                     let (gk, gv) = (pool.k[*l][at + t] as f64, pool.v[*l][at + t] as f64);
-                    assert!((gk - kk[t]).abs() <= 2e-2 * (1.0 + kk[t].abs()), "{tag} request {r} layer {l}: K at {}", at + t);
-                    assert!((gv - vv[t]).abs() <= 2e-2 * (1.0 + vv[t].abs()), "{tag} request {r} layer {l}: V at {}", at + t);
+                    assert!(
+                        (gk - kk[t]).abs() <= 2e-2 * (1.0 + kk[t].abs()),
+                        "{tag} request {r} layer {l}: K at {}",
+                        at + t
+                    );
+                    assert!(
+                        (gv - vv[t]).abs() <= 2e-2 * (1.0 + vv[t].abs()),
+                        "{tag} request {r} layer {l}: V at {}",
+                        at + t
+                    );
                     touched[*l][at + t] = true;
                 }
             }
         }
         // Nothing but the lanes' slots (and the scratch page of padded rows) changed.
         let scratch = (st.pool.pages - 1) * page_size as usize * md.hkv * md.d;
-        for l in 0..md.layers {
+        for (l, seen) in touched.iter().enumerate() {
             for (e, (&a, &w)) in pool.k[l].iter().zip(&st.pool.k[l]).enumerate() {
-                assert!(touched[l][e] || e >= scratch || a == w, "{tag}: layer {l} K element {e} changed");
+                assert!(
+                    seen[e] || e >= scratch || a == w,
+                    "{tag}: layer {l} K element {e} changed"
+                );
             }
         }
     }
     eprintln!("{ties} near ties skipped");
-    assert!(ties <= batches.iter().sum::<usize>() / 4 + 1, "{ties} near ties: the test's data is degenerate");
+    assert!(
+        ties <= batches.iter().sum::<usize>() / 4 + 1,
+        "{ties} near ties: the test's data is degenerate"
+    );
 }
 
 #[test]
@@ -496,5 +541,8 @@ fn tree_arithmetic_reproduces_the_release_example() {
     top.sort_unstable();
     assert_eq!(parents, vec![-1, 0, 1, 4, 2]);
     assert_eq!(top, vec![0, 1, 4]);
-    assert_eq!(top.iter().map(|&c| token_list[c]).collect::<Vec<_>>(), vec![503, 808, 202]);
+    assert_eq!(
+        top.iter().map(|&c| token_list[c]).collect::<Vec<_>>(),
+        vec![503, 808, 202]
+    );
 }

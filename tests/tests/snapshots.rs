@@ -45,6 +45,32 @@ fn tiny_with_logits_output() {
     settings().bind(|| insta::assert_snapshot!("tiny-logits", common::snapshot_text(&plan)));
 }
 
+/// The draft-decode phase beside draft-extend: a chain (topk 1) with three step-count tiers
+/// (SGLang's adaptive speculation), and a tree (topk 4, 3 steps, N 8) over pages of 4.
+#[test]
+fn tiny_with_draft_decode() {
+    let chain = Overrides {
+        topk: Some(1),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,4".into()),
+        draft_decode_steps: Some("2,3,5".into()),
+        ..Overrides::default()
+    };
+    let tree = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(8),
+        buckets: Some("1,4".into()),
+        draft_decode_steps: Some("auto".into()),
+        ..Overrides::default()
+    };
+    for (name, o) in [("tiny-decode-chain", chain), ("tiny-decode-tree", tree)] {
+        let plan = common::compile_preset("tiny", &o);
+        settings().bind(|| insta::assert_snapshot!(name, common::snapshot_text(&plan)));
+    }
+}
+
 /// Whole plans of two released config formats: a YaRN EAGLE-3 head (Qwen3 style) and the
 /// Speculators format vLLM's EAGLE-3 checkpoints ship.
 #[test]

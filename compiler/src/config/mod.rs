@@ -12,6 +12,7 @@ mod recognize;
 pub use keys::did_you_mean;
 pub mod limits;
 mod model;
+mod phases;
 
 use serde_json::Value;
 use specplan_format::limits::SpecField;
@@ -450,7 +451,7 @@ fn read_capture(
         }
     }
     let outputs = read_outputs(v, o, e);
-    let decode_steps = spec.map_or_else(Vec::new, |s| read_decode_steps(v, o, s, e));
+    let decode_steps = spec.map_or_else(Vec::new, |s| phases::read_decode_steps(v, o, s, e));
     let buckets = buckets?;
     let max_b = *buckets.last()?;
     // Sizes derived from a refused context length would only repeat its error.
@@ -466,48 +467,6 @@ fn read_capture(
         outputs,
         decode_steps,
     })
-}
-
-/// `capture.draft_decode_steps`: "none" (the default), "auto" (num_steps) or a list of tiers,
-/// each allowed by `limits::decode_tier_rule`, ascending and unique.
-fn read_decode_steps(v: &Value, o: &Overrides, s: &SpecDesc, e: &mut Errors) -> Vec<u32> {
-    let label = flags::label("draft_decode_steps");
-    let text = match (&o.draft_decode_steps, v.get("draft_decode_steps")) {
-        (Some(t), _) => t.clone(),
-        (None, None | Some(Value::Null)) => return Vec::new(),
-        (None, Some(Value::String(t))) => t.clone(),
-        (None, Some(Value::Number(n))) => n.to_string(),
-        (None, Some(Value::Array(a))) => a.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
-        (None, Some(x)) => {
-            e.push(label, format!("expected \"none\", \"auto\" or a list of step counts, got {x}"));
-            return Vec::new();
-        }
-    };
-    match text.trim() {
-        "none" | "" => return Vec::new(),
-        "auto" => return vec![s.num_steps],
-        _ => {}
-    }
-    let mut tiers = Vec::new();
-    for part in text.split(',') {
-        match part.trim().parse::<u32>() {
-            Ok(n) => tiers.push(n),
-            Err(_) => {
-                e.push(label, format!("\"{}\" is not a step count", part.trim()));
-                return Vec::new();
-            }
-        }
-    }
-    if tiers.windows(2).any(|w| w[0] >= w[1]) {
-        e.push(label, format!("{text}: tiers must be ascending and unique"));
-        return Vec::new();
-    }
-    for &t in &tiers {
-        if let Some(why) = specplan_format::limits::decode_tier_rule(s, t) {
-            e.push(label.clone(), why);
-        }
-    }
-    tiers
 }
 
 /// `capture.outputs`: the fused top-K (the default), the selected row's logits, or both.

@@ -15,7 +15,11 @@ fn kind_args(k: &OpKind) -> String {
             format!("(layer={layer}, step={step})")
         }
         OpKind::Attention { layer, window, step } => {
-            let step = if *step > 0 { format!(", step={step}") } else { String::new() };
+            let step = if *step > 0 {
+                format!(", step={step}")
+            } else {
+                String::new()
+            };
             format!(
                 "(layer={layer}, window={}{step})",
                 window.map_or("none".to_string(), |w| w.to_string())

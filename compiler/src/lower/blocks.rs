@@ -98,7 +98,12 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     } else {
         let nw = w(g, "input_layernorm", vec![f(h)]);
         let hn = g.act(&format!("{}l{l}.h", cx.pfx()), act, vec![t, f(h)]);
-        g.op(&format!("{}l{l}.input_norm", cx.pfx()), OpKind::RmsNorm, vec![x, nw], vec![hn]);
+        g.op(
+            &format!("{}l{l}.input_norm", cx.pfx()),
+            OpKind::RmsNorm,
+            vec![x, nw],
+            vec![hn],
+        );
         hn
     };
     let kin = g.g.tensor(hn).shape[1].fixed;
@@ -115,13 +120,19 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     let k_rot = g.act(&format!("{}l{l}.k_rot", cx.pfx()), act, vec![t, f(hkv * d)]);
     g.op(
         &format!("{}l{l}.rope_q", cx.pfx()),
-        OpKind::Rope { heads: m.heads, step: cx.step },
+        OpKind::Rope {
+            heads: m.heads,
+            step: cx.step,
+        },
         vec![q, inp.prefix],
         vec![q_rot],
     );
     g.op(
         &format!("{}l{l}.rope_k", cx.pfx()),
-        OpKind::Rope { heads: m.kv_heads, step: cx.step },
+        OpKind::Rope {
+            heads: m.kv_heads,
+            step: cx.step,
+        },
         vec![k, inp.prefix],
         vec![k_rot],
     );
@@ -145,7 +156,10 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     g.kv.insert(l, (kc2, vc2));
     g.op(
         &format!("{}l{l}.kv_append", cx.pfx()),
-        OpKind::KvAppend { layer: l, step: cx.step },
+        OpKind::KvAppend {
+            layer: l,
+            step: cx.step,
+        },
         vec![k_rot, v, inp.prefix, inp.slots, inp.pages, kc, vc],
         vec![kc2, vc2],
     );
@@ -153,7 +167,11 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     let window = cfg.model.windows.get(l as usize).copied().flatten();
     g.op(
         &format!("{}l{l}.attention", cx.pfx()),
-        OpKind::Attention { layer: l, window, step: cx.step },
+        OpKind::Attention {
+            layer: l,
+            window,
+            step: cx.step,
+        },
         vec![q_rot, kc2, vc2, inp.slots, inp.pages, inp.prefix],
         vec![attn],
     );
@@ -161,10 +179,20 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     let o = g.act(&format!("{}l{l}.o", cx.pfx()), act, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.o_proj", cx.pfx()), attn, wo, None, o);
     let x_attn = g.act(&format!("{}l{l}.x_attn", cx.pfx()), act, vec![t, f(h)]);
-    g.op(&format!("{}l{l}.residual_attn", cx.pfx()), OpKind::Add, vec![x, o], vec![x_attn]);
+    g.op(
+        &format!("{}l{l}.residual_attn", cx.pfx()),
+        OpKind::Add,
+        vec![x, o],
+        vec![x_attn],
+    );
     let pw = w(g, "post_attention_layernorm", vec![f(h)]);
     let h2 = g.act(&format!("{}l{l}.h_mlp", cx.pfx()), act, vec![t, f(h)]);
-    g.op(&format!("{}l{l}.post_norm", cx.pfx()), OpKind::RmsNorm, vec![x_attn, pw], vec![h2]);
+    g.op(
+        &format!("{}l{l}.post_norm", cx.pfx()),
+        OpKind::RmsNorm,
+        vec![x_attn, pw],
+        vec![h2],
+    );
     let wg = w(g, "mlp.gate_proj", vec![f(inter), f(h)]);
     let wu = w(g, "mlp.up_proj", vec![f(inter), f(h)]);
     let gate = g.act(&format!("{}l{l}.gate", cx.pfx()), act, vec![t, f(inter)]);
@@ -330,11 +358,21 @@ fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p:
             );
         }
         (None, None) => {
-            g.op(&cx.n("topk"), OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, top_i]);
+            g.op(
+                &cx.n("topk"),
+                OpKind::TopK { k: k as u32 },
+                vec![probs],
+                vec![top_p, top_i],
+            );
         }
         (Some(vh), _) => {
             let hot_idx = g.act(&cx.n("topk_hot_ids"), DType::I64, vec![rows, f(k)]);
-            g.op(&cx.n("topk"), OpKind::TopK { k: k as u32 }, vec![probs], vec![top_p, hot_idx]);
+            g.op(
+                &cx.n("topk"),
+                OpKind::TopK { k: k as u32 },
+                vec![probs],
+                vec![top_p, hot_idx],
+            );
             let map = g.weight("hot_token_ids", DType::I64, vec![f(vh as u64)]);
             g.op(
                 &cx.n("map_ids"),

@@ -10,7 +10,7 @@
 //! `rmsnorm(embed) ‖ rmsnorm(hidden)` with residual hidden, the final norm before lm_head,
 //! the pre-norm row fed back.
 
-use specplan_format::{io, DType, HeadKind, PhaseKind};
+use specplan_format::{io, DType, Entry, HeadKind, PhaseKind};
 
 use super::{eagle3_input, embed, fc, lane_head, layer, staged, staged_inputs, Builder, Cx, Inputs};
 use crate::config::Config;
@@ -41,7 +41,7 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
     let mut outs = vec![scores, ids, score_list, token_list, parent_list];
     let src = lanes.then(|| g.act("s0.src", DType::I32, vec![t]));
     outs.extend(src);
-    g.op("tree_init", OpKind::TreeInit, vec![probs_in, ids_in], outs);
+    g.op(Entry::TreeInit.name(), OpKind::TreeInit, vec![probs_in, ids_in], outs);
     let (mut scores, mut ids) = (scores, ids);
     let mut hidden = match src {
         Some(s) => gather(&mut g, &cx, 0, hidden_in, s),
@@ -86,7 +86,12 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
         }
         let src = (lanes && !last).then(|| g.act(&format!("s{i}.src"), DType::I32, vec![t]));
         outs.extend(src);
-        g.op(&format!("s{i}.tree_select"), OpKind::TreeSelect { step: i }, ins, outs);
+        g.op(
+            &format!("s{i}.{}", Entry::TreeSelect.name()),
+            OpKind::TreeSelect { step: i },
+            ins,
+            outs,
+        );
         if !last {
             hidden = match src {
                 Some(s) => gather(&mut g, &cx, i, x, s),
@@ -97,7 +102,12 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
 
     let top = g.output(io::TOP_SCORES_INDEX, DType::I64, vec![b, f(nodes)]);
     let tokens = g.output(io::DRAFT_TOKENS, DType::I64, vec![b, f(nodes)]);
-    g.op("tree_finish", OpKind::TreeFinish, vec![score_list, token_list], vec![top, tokens]);
+    g.op(
+        Entry::TreeFinish.name(),
+        OpKind::TreeFinish,
+        vec![score_list, token_list],
+        vec![top, tokens],
+    );
     g.g.rebuild_edges();
     Ok(g.g)
 }
@@ -107,7 +117,12 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
 fn gather(g: &mut Builder, cx: &Cx, step: u32, x: TensorId, src: TensorId) -> TensorId {
     let xt = g.g.tensor(x).clone();
     let out = g.act(&format!("s{step}.hidden"), xt.dtype, vec![cx.rows, xt.shape[1]]);
-    g.op(&format!("s{step}.gather_rows"), OpKind::GatherRows { step }, vec![x, src], vec![out]);
+    g.op(
+        &format!("s{step}.{}", Entry::GatherRows.name()),
+        OpKind::GatherRows { step },
+        vec![x, src],
+        vec![out],
+    );
     out
 }
 

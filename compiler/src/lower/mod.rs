@@ -142,7 +142,12 @@ impl Builder {
     pub(crate) fn tensor(&mut self, name: &str, dtype: DType, shape: Vec<Dim>, storage: Storage) -> TensorId {
         // A weight is one tensor however many forwards of the phase read it.
         if matches!(storage, Storage::Weight { .. }) {
-            if let Some(i) = self.g.tensors.iter().position(|t| t.name == name && t.storage == storage) {
+            if let Some(i) = self
+                .g
+                .tensors
+                .iter()
+                .position(|t| t.name == name && t.storage == storage)
+            {
                 return TensorId(i as u32);
             }
         }

@@ -139,7 +139,7 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
                 let rec = specplan_kernels::facts::topk_record_floats(f.topk) as u64;
                 // The head's rows: one per request, or every lane of a draft-decode forward.
                 let head_rows = if f.lanes > 0 { rows } else { bb };
-                let name = format!("{}topk_part", pfx("softmax_topk"));
+                let name = format!("{}topk_part", pfx(specplan_format::Entry::SoftmaxTopk.name()));
                 let p = scratch(items, name, vec![head_rows, chunks as u64, rec], s);
                 ws.insert(node, Workspace::TopK(p));
             }

@@ -234,7 +234,10 @@ pub(crate) fn kernel_launch(
             e.check(false, || {
                 at(
                     None,
-                    format!(".kernel: {} serves another phase (its constants are no step's facts of this one)", k.name),
+                    format!(
+                        ".kernel: {} serves another phase (its constants are no step's facts of this one)",
+                        k.name
+                    ),
                 )
             });
             return bufs;

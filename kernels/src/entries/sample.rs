@@ -103,7 +103,13 @@ impl Kernel for TopkPartialParams {
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkPartialScalars) {
         let chunks = f.topk_chunks();
-        ([f.head_rows(b), chunks, 1], TopkPartialScalars { batch: f.head_rows(b), chunks })
+        (
+            [f.head_rows(b), chunks, 1],
+            TopkPartialScalars {
+                batch: f.head_rows(b),
+                chunks,
+            },
+        )
     }
     fn extents(s: &TopkPartialScalars, f: &KernelFacts) -> TopkPartialPtrs<Extent> {
         let b = s.batch as u64;

@@ -218,7 +218,10 @@ impl<'p> CpuExecutor<'p> {
     ) -> Result<BucketOutputs, ExecError> {
         let named: [(&str, Vec<f64>); 5] = [
             (io::INPUT_IDS, inputs.input_ids.iter().map(|&x| x as f64).collect()),
-            (io::HIDDEN_STATES, inputs.hidden_states.iter().map(|&x| x as f64).collect()),
+            (
+                io::HIDDEN_STATES,
+                inputs.hidden_states.iter().map(|&x| x as f64).collect(),
+            ),
             (io::PREFIX_LENS, inputs.prefix_lens.iter().map(|&x| x as f64).collect()),
             (io::ACCEPT_LENS, inputs.accept_lens.iter().map(|&x| x as f64).collect()),
             (io::REQ_SLOTS, inputs.req_slots.iter().map(|&x| x as f64).collect()),
@@ -233,7 +236,10 @@ impl<'p> CpuExecutor<'p> {
             hidden_out: get(io::HIDDEN_OUT).into_iter().map(|x| x as f32).collect(),
             topk_probs: get(io::TOPK_PROBS).into_iter().map(|x| x as f32).collect(),
             topk_ids: get(io::TOPK_IDS).into_iter().map(|x| x as i64).collect(),
-            logits: get(specplan_kernels::io::LOGITS).into_iter().map(|x| x as f32).collect(),
+            logits: get(specplan_kernels::io::LOGITS)
+                .into_iter()
+                .map(|x| x as f32)
+                .collect(),
         })
     }
 

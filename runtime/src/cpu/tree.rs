@@ -5,7 +5,7 @@
 
 use std::cmp::Ordering;
 
-use specplan_format::KernelDesc;
+use specplan_format::{io, KernelDesc};
 use specplan_kernels::entries::tree::{
     GatherRowsPtrs, GatherRowsScalars, TreeFinishPtrs, TreeFinishScalars, TreeInitPtrs, TreeInitScalars,
     TreeSelectPtrs, TreeSelectScalars,
@@ -65,13 +65,13 @@ fn opt(p: Ptr, name: &str) -> R<Option<usize>> {
 impl<K: KvStore> Ctx<'_, K> {
     pub(super) fn tree_init(&mut self, k: &KernelDesc, p: &TreeInitPtrs<Ptr>, s: &TreeInitScalars) -> R<()> {
         let t = Tree::of(k)?;
-        let (probs, ids) = (buf(p.topk_probs, "topk_probs")?, buf(p.topk_ids, "topk_ids")?);
+        let (probs, ids) = (buf(p.topk_probs, io::TOPK_PROBS)?, buf(p.topk_ids, io::TOPK_IDS)?);
         let (scores, out_ids, sl, tl, pl) = (
             buf(p.scores, "scores")?,
             buf(p.ids, "ids")?,
             buf(p.score_list, "score_list")?,
             buf(p.token_list, "token_list")?,
-            buf(p.parent_list, "parent_list")?,
+            buf(p.parent_list, io::PARENT_LIST)?,
         );
         let src = opt(p.src, "src")?;
         for r in 0..s.batch as usize {
@@ -101,7 +101,7 @@ impl<K: KvStore> Ctx<'_, K> {
         let kk = t.k * t.k;
         let (scores, probs, ids) = (buf(p.scores, "scores")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
         let (sl, tl) = (buf(p.score_list, "score_list")?, buf(p.token_list, "token_list")?);
-        let pl = opt(p.parent_list, "parent_list")?;
+        let pl = opt(p.parent_list, io::PARENT_LIST)?;
         let (s_out, next, src) = (
             opt(p.scores_out, "scores_out")?,
             opt(p.next_ids, "next_ids")?,
@@ -143,7 +143,10 @@ impl<K: KvStore> Ctx<'_, K> {
     pub(super) fn tree_finish(&mut self, k: &KernelDesc, p: &TreeFinishPtrs<Ptr>, s: &TreeFinishScalars) -> R<()> {
         let t = Tree::of(k)?;
         let (sl, tl) = (buf(p.score_list, "score_list")?, buf(p.token_list, "token_list")?);
-        let (top, tokens) = (buf(p.top_scores_index, "top_scores_index")?, buf(p.draft_tokens, "draft_tokens")?);
+        let (top, tokens) = (
+            buf(p.top_scores_index, io::TOP_SCORES_INDEX)?,
+            buf(p.draft_tokens, io::DRAFT_TOKENS)?,
+        );
         for r in 0..s.batch as usize {
             let v: Vec<f32> = (0..t.cands)
                 .map(|c| self.ld(sl, r * t.cands + c).map(|x| x as f32))
@@ -165,7 +168,11 @@ impl<K: KvStore> Ctx<'_, K> {
         for z in 0..s.rows as usize {
             let from = self.ld(src, z)? as i64;
             // A source outside the rows reads row 0 (the kernel's guard).
-            let from = if from < 0 || from >= s.src_rows as i64 { 0 } else { from as usize };
+            let from = if from < 0 || from >= s.src_rows as i64 {
+                0
+            } else {
+                from as usize
+            };
             for c in 0..h {
                 let v = self.ld(x, from * h + c)?;
                 self.st(out, z * h + c, v)?;
