@@ -19,6 +19,10 @@ c wide-heads-d256 --hf-config tests/corpus/valid/wide-heads-d256.json --speculat
   --speculative-num-steps 3 --speculative-num-draft-tokens 8 --buckets 1,3 --max-context-len 4096 --no-kernels
 c tiny-eagle3 --hf-config tests/corpus/valid/tiny-eagle3.json --speculative-eagle-topk 4 \
   --speculative-num-steps 3 --speculative-num-draft-tokens 4 --buckets 1,2 --max-context-len 512 --no-kernels
+# Draft decode: a chain with three tiers and a tree over pages.
+c tiny-decode-chain --preset tiny --speculative-eagle-topk 1 --speculative-num-steps 3 \
+  --speculative-num-draft-tokens 4 --draft-decode-steps 2,3,5 --buckets 1,2 --no-kernels
+c tiny-decode-tree --preset tiny --draft-decode-steps auto --buckets 1,2 --no-kernels
 # One with binaries (the CUBIN and PTX rules).
 c tiny-kernels --preset tiny --buckets 1
 ls -l "$out"
