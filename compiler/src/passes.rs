@@ -113,13 +113,6 @@ fn packed_weight(g: &mut OpGraph, name: String, parts: &[TensorId]) -> TensorId 
     })
 }
 
-/// The name of a fused op that replaces `n`, whose name ends in `suffix`: `into` with `n`'s
-/// step prefix (`s1.` in a multi-step phase, none otherwise).
-pub(crate) fn step_name(g: &OpGraph, n: NodeIndex, suffix: &str, into: &str) -> String {
-    let name = &g.graph[n].name;
-    format!("{}{into}", name.strip_suffix(suffix).unwrap_or(""))
-}
-
 fn names(g: &OpGraph, ns: &[NodeIndex]) -> Vec<String> {
     ns.iter().map(|&n| g.graph[n].name.clone()).collect()
 }
@@ -141,7 +134,7 @@ fn embed_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         };
         let (ids, table) = (g.graph[e].ins[0], g.graph[e].ins[1]);
         let op = Op {
-            name: step_name(g, e, "embed", EMBED_CONCAT),
+            name: g.graph[e].renamed("embed", EMBED_CONCAT),
             kind: OpKind::EmbedConcat { bias: false },
             ins: vec![ids, table, g.graph[c].ins[1]],
             outs: g.graph[c].outs.clone(),
@@ -259,16 +252,16 @@ fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         let w = packed_weight(g, wname, &[wq, wk, wv]);
         let qt = g.tensor(q).clone();
         let cols = g.tensor(w).shape[0];
-        // `l0.` (or a multi-step phase's `s1.l0.`), from the op the fusion replaces.
-        let pfx = g.graph[a].name.trim_end_matches("kv_append").to_string();
+        let append = g.graph[a].clone();
+        let named = |into: &str| append.renamed("kv_append", into);
         let qkv = g.add_tensor(Tensor {
-            name: format!("{pfx}qkv"),
+            name: named("qkv"),
             shape: vec![qt.shape[0], cols],
             alias_of: None,
             ..qt.clone()
         });
         let qkv_rot = g.add_tensor(Tensor {
-            name: format!("{pfx}qkv_rot"),
+            name: named("qkv_rot"),
             shape: vec![qt.shape[0], cols],
             alias_of: Some(qkv),
             ..qt
@@ -276,7 +269,7 @@ fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         let fused = names(g, &[lq, lk, lv, rq, rk, a]);
         let saved = (row_bytes(g, q_rot) + row_bytes(g, k_rot)) * 2 * rows_per_request(g, q_rot);
         let gemm = Op {
-            name: format!("{pfx}qkv_proj"),
+            name: named("qkv_proj"),
             kind: OpKind::Linear {
                 bias: false,
                 accumulate: false,
@@ -286,7 +279,7 @@ fn qkv_rope_append(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             rank: g.graph[lq].rank,
         };
         let ra = Op {
-            name: format!("{pfx}rope_append"),
+            name: named(Entry::RopeAppend.name()),
             kind: OpKind::RopeAppend { layer, step },
             ins: vec![qkv, prefix, slots, pages, kc, vc],
             outs: vec![qkv_rot, cache_k2, g.graph[a].outs[1]],
@@ -439,7 +432,7 @@ fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             None => outs.push(idx),
         }
         let op = Op {
-            name: step_name(g, s, "softmax", SOFTMAX_TOPK),
+            name: g.graph[s].renamed("softmax", SOFTMAX_TOPK),
             kind: OpKind::SoftmaxTopK { k, map: id_map },
             ins,
             outs,

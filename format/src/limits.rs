@@ -145,7 +145,7 @@ pub fn decode_tier_rule(s: &SpecDesc, steps: u32) -> Option<String> {
         ));
     }
     let (k, n) = (s.topk as u64, kind.draft_tokens(s) as u64);
-    let cands = k + (steps as u64 - 1) * k * k;
+    let cands = specplan_kernels::facts::tree_candidates(s.topk, steps);
     if cands > MAX_TREE_CANDIDATES as u64 {
         return Some(format!(
             "the tree of topk {k} over {steps} steps has {cands} candidates, above {MAX_TREE_CANDIDATES}"

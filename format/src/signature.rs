@@ -343,11 +343,10 @@ impl<'a> Facts<'a> {
     /// The size `d` stands for at `batch` requests of phase `kind`.
     pub fn dim(&self, kind: PhaseKind, batch: u32, d: Dim) -> u64 {
         let (m, c) = (self.model, self.capture);
-        let k = self.spec.topk as u64;
         match d {
             Requests => batch as u64,
             Rows => batch as u64 * kind.rows_per_request(self.spec) as u64,
-            ParentWidth => kind.steps().saturating_sub(1) as u64 * k + 1,
+            ParentWidth => specplan_kernels::facts::parent_width(self.spec.topk, kind.steps()),
             TreeNodes => kind.draft_tokens(self.spec).saturating_sub(1) as u64,
             HiddenIn => m.hidden_in() as u64,
             Hidden => m.hidden as u64,

@@ -99,14 +99,14 @@ impl KernelFacts {
         }
     }
 
-    /// Draft decode: entries of the score and token lists per request, `K + (S−1)·K²`.
+    /// Draft decode: entries of the score and token lists per request ([`tree_candidates`]).
     pub fn tree_candidates(&self) -> u32 {
-        self.topk + self.lanes.saturating_sub(1) * self.topk * self.topk
+        tree_candidates(self.topk, self.lanes) as u32
     }
 
-    /// Draft decode: width of `parent_list`, `(S−1)·K + 1`.
+    /// Draft decode: width of `parent_list` ([`parent_width`]).
     pub fn parent_width(&self) -> u32 {
-        self.lanes.saturating_sub(1) * self.topk + 1
+        parent_width(self.topk, self.lanes) as u32
     }
 
     /// GQA group: query heads per kv head.
@@ -173,6 +173,19 @@ pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u
     // Each key's element offset (i64) per stage.
     let slots = st * t * 8;
     rows_per_pass * d * a + tiles.max(merge) + slots
+}
+
+/// Draft decode: entries of a request's score and token lists, `K + (S−1)·K²` (the root's
+/// K children, then K² candidates per later step), for `topk` K and `steps` S.
+pub fn tree_candidates(topk: u32, steps: u32) -> u64 {
+    let k = topk as u64;
+    k + steps.saturating_sub(1) as u64 * k * k
+}
+
+/// Draft decode: width of `parent_list`, `(S−1)·K + 1` (the root, its K children, K lanes per
+/// step below the last).
+pub fn parent_width(topk: u32, steps: u32) -> u64 {
+    steps.saturating_sub(1) as u64 * topk as u64 + 1
 }
 
 /// Draft decode's lane offset (kernels/cuda/common.cuh `lane_offset`, the device's copy):

@@ -111,16 +111,8 @@ pub fn check_ids(ids: &[i64], vocab: u32, n: usize) -> Result<(), InputError> {
 
 /// Rule 4 for request `i`.
 pub fn check_lengths(plan: &Plan, i: usize, prefix: i32, accept: i32) -> Result<(), InputError> {
+    check_prefix(plan, PhaseKind::DraftExtend, i, prefix)?;
     let n = plan.rows_per_request(PhaseKind::DraftExtend) as i64;
-    let ctx = plan.capture.max_context_len as i64;
-    let l = prefix as i64;
-    if l < 0 || l + n > ctx {
-        return Err(input_error(
-            io::PREFIX_LENS,
-            format!("[{i}]"),
-            format!("{l} + num_draft_tokens {n} must be in [{n}, max_context_len {ctx}]"),
-        ));
-    }
     if accept < 1 || accept as i64 > n {
         return Err(input_error(
             io::ACCEPT_LENS,
@@ -138,7 +130,7 @@ pub fn check_prefix(plan: &Plan, kind: PhaseKind, i: usize, prefix: i32) -> Resu
     let ctx = plan.capture.max_context_len as i64;
     let l = prefix as i64;
     let (reach, what) = match kind {
-        PhaseKind::DraftExtend => (plan.spec.num_draft_tokens as i64, "num_draft_tokens".to_string()),
+        PhaseKind::DraftExtend => (plan.rows_per_request(kind) as i64, "num_draft_tokens".to_string()),
         PhaseKind::DraftDecode { steps } => {
             let r =
                 specplan_kernels::facts::decode_reach(l.max(0) as u64, steps, plan.spec.topk, plan.capture.page_size);

@@ -46,7 +46,10 @@ fn flipped_bytes_are_rejected() {
     let future = specplan_format::FORMAT_VERSION + 1;
     b[8] = future as u8;
     let e = decode(&b).expect_err("future version");
-    assert!(e.to_string().contains(&format!("version {future} is not supported")), "{e}");
+    assert!(
+        e.to_string().contains(&format!("version {future} is not supported")),
+        "{e}"
+    );
     let mut b = bytes;
     b[30] ^= 1; // inside the stored checksum
     assert_eq!(decode(&b).expect_err("bad checksum"), PlanError::Checksum);

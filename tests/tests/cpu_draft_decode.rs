@@ -9,8 +9,6 @@
 //! Fresh random inputs every run (the seed is printed): random prefixes, padded batches,
 //! GQA 4/2, page sizes 1 and 4, topk 1/2/4, steps 2/3/5, FR-Spec's hot map.
 
-use std::path::Path;
-
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
 use specplan_contract::load_weights;
@@ -21,110 +19,6 @@ use specplan_tests::{seed, Rng};
 
 mod naive;
 use naive::*;
-
-/// EAGLE-1 weights as the naive forward reads them (bf16-rounded, as in the file).
-struct Model {
-    h: usize,
-    inter: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    layers: usize,
-    vocab: usize,
-    eps: f64,
-    theta: f64,
-    embed: Vec<f32>,
-    fc_w: Vec<f32>,
-    fc_b: Vec<f32>,
-    wq: Vec<Vec<f32>>,
-    wk: Vec<Vec<f32>>,
-    wv: Vec<Vec<f32>>,
-    wo: Vec<Vec<f32>>,
-    wg: Vec<Vec<f32>>,
-    wu: Vec<Vec<f32>>,
-    wd: Vec<Vec<f32>>,
-    n_in: Vec<Vec<f32>>,
-    n_post: Vec<Vec<f32>>,
-    lm: Vec<f32>,
-    hot: Option<Vec<i64>>,
-}
-
-fn make_model(plan: &ValidatedPlan, rng: &mut Rng, dir: &Path) -> Model {
-    let m = &plan.model;
-    let (h, inter, hq, hkv, d, layers, vocab) = (
-        m.hidden as usize,
-        m.intermediate as usize,
-        m.heads as usize,
-        m.kv_heads as usize,
-        m.head_dim as usize,
-        m.layers as usize,
-        m.vocab as usize,
-    );
-    let s = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-    let per_layer = |rng: &mut Rng, rows: usize, cols: usize| -> Vec<Vec<f32>> {
-        (0..layers).map(|_| rand_vec(rng, rows * cols, s(cols))).collect()
-    };
-    let norm = |rng: &mut Rng| -> Vec<Vec<f32>> {
-        (0..layers)
-            .map(|_| round_bf16(&(0..h).map(|_| 1.0 + 0.2 * rng.uniform()).collect::<Vec<_>>()))
-            .collect()
-    };
-    let hot = plan.capture.hot_vocab_size.map(|vh| {
-        let mut ids: Vec<i64> = rng.permutation(vocab).into_iter().map(|x| x as i64).collect();
-        ids.truncate(vh as usize);
-        ids
-    });
-    let md = Model {
-        h,
-        inter,
-        hq,
-        hkv,
-        d,
-        layers,
-        vocab,
-        eps: m.rms_norm_eps as f64,
-        theta: m.rope_theta as f64,
-        embed: rand_vec(rng, vocab * h, 1.0),
-        fc_w: rand_vec(rng, h * 2 * h, s(2 * h)),
-        fc_b: rand_vec(rng, h, 0.1),
-        wq: per_layer(rng, hq * d, h),
-        wk: per_layer(rng, hkv * d, h),
-        wv: per_layer(rng, hkv * d, h),
-        wo: per_layer(rng, h, hq * d),
-        wg: per_layer(rng, inter, h),
-        wu: per_layer(rng, inter, h),
-        wd: per_layer(rng, h, inter),
-        n_in: norm(rng),
-        n_post: norm(rng),
-        // Large logits: peaked distributions, so the tree's products are well separated.
-        lm: rand_vec(rng, vocab * h, 8.0 * s(h)),
-        hot,
-    };
-    let mut t = vec![
-        bf16_tensor("embed_tokens.weight", vec![vocab, h], &md.embed),
-        bf16_tensor("fc.weight", vec![h, 2 * h], &md.fc_w),
-        bf16_tensor("fc.bias", vec![h], &md.fc_b),
-        bf16_tensor("lm_head.weight", vec![vocab, h], &md.lm),
-    ];
-    for l in 0..layers {
-        let p = format!("layers.{l}.");
-        let w = |n: &str| format!("{p}{n}.weight");
-        t.push(bf16_tensor(&w("self_attn.q_proj"), vec![hq * d, h], &md.wq[l]));
-        t.push(bf16_tensor(&w("self_attn.k_proj"), vec![hkv * d, h], &md.wk[l]));
-        t.push(bf16_tensor(&w("self_attn.v_proj"), vec![hkv * d, h], &md.wv[l]));
-        t.push(bf16_tensor(&w("self_attn.o_proj"), vec![h, hq * d], &md.wo[l]));
-        t.push(bf16_tensor(&w("mlp.gate_proj"), vec![inter, h], &md.wg[l]));
-        t.push(bf16_tensor(&w("mlp.up_proj"), vec![inter, h], &md.wu[l]));
-        t.push(bf16_tensor(&w("mlp.down_proj"), vec![h, inter], &md.wd[l]));
-        t.push(bf16_tensor(&w("input_layernorm"), vec![h], &md.n_in[l]));
-        t.push(bf16_tensor(&w("post_attention_layernorm"), vec![h], &md.n_post[l]));
-    }
-    if let Some(ids) = &md.hot {
-        t.push(i64_tensor("hot_token_ids", vec![ids.len()], ids));
-    }
-    save(&dir.join("weights.safetensors"), &t);
-    md
-}
 
 /// One step's inputs: the draft-extend top-K and hidden rows, prefixes, the caller's pages
 /// and its K/V pool (every slot random, so a wrong read shows).
@@ -278,8 +172,8 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
             for lane in 0..k {
                 let mut kk = matvec(&md.wk[l], &hn[lane], md.hkv * d);
                 let vv = matvec(&md.wv[l], &hn[lane], md.hkv * d);
-                rope(&mut q[lane], pos, d, md.theta);
-                rope(&mut kk, pos, d, md.theta);
+                rope_with(&mut q[lane], pos, d, &md.inv_freq, md.rope_scale);
+                rope_with(&mut kk, pos, d, &md.inv_freq, md.rope_scale);
                 let at = slot_el(l0 + lane_offset(l0, lane, steps, k, ps) + i);
                 for t in 0..md.hkv * d {
                     kc[l][at + t] = kk[t] as f32;
@@ -394,7 +288,8 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
     let kind = PhaseKind::DraftDecode { steps };
     let phase = plan.phase(kind).expect("the draft-decode phase");
     let dir = tempfile::tempdir().expect("tempdir");
-    let md = make_model(&plan, &mut rng, dir.path());
+    // Large logits: peaked distributions, so the tree's products are well separated.
+    let md = make_model(&plan, &mut rng, dir.path(), 8.0);
     let weights = load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights");
     let exec = CpuExecutor::new(&plan, weights).expect("executor");
     let (k, s, nodes) = (topk as usize, steps as usize, n as usize - 1);
@@ -434,7 +329,9 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
             ),
         ];
         let mut pool = st.pool.clone();
-        let outs = exec.run_named(bucket, &inputs, &table, &mut pool).expect("cpu run");
+        let outs = exec
+            .run_named(kind, bucket, &inputs, &table, &mut pool)
+            .expect("cpu run");
         let get = |name: &str| outs.iter().find(|(n, _)| n == name).map(|x| x.1.clone()).expect(name);
         let (parents, top, tokens) = (get(io::PARENT_LIST), get(io::TOP_SCORES_INDEX), get(io::DRAFT_TOKENS));
         let pw = (s - 1) * k + 1;

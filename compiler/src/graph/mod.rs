@@ -260,6 +260,14 @@ pub struct Op {
     pub rank: u32,
 }
 
+impl Op {
+    /// A name derived from this op's, whose name ends in `suffix`: `into` behind the same
+    /// prefix (`l0.`, a multi-step phase's `s1.l0.`, or none).
+    pub fn renamed(&self, suffix: &str, into: &str) -> String {
+        format!("{}{into}", self.name.strip_suffix(suffix).unwrap_or(""))
+    }
+}
+
 /// The op graph. Nodes are ops; an edge carries the tensor flowing producer → consumer.
 #[derive(Clone, Debug, Default)]
 pub struct OpGraph {

@@ -28,7 +28,8 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
     let (b, t, f) = (cx.requests, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let k = cfg.spec.topk as u64;
-    let (cands, parents) = (k + (steps as u64 - 1) * k * k, (steps as u64 - 1) * k + 1);
+    let cands = specplan_kernels::facts::tree_candidates(cfg.spec.topk, steps);
+    let parents = specplan_kernels::facts::parent_width(cfg.spec.topk, steps);
     let nodes = kind.draft_tokens(&cfg.spec) as u64 - 1;
     let lanes = k > 1;
 

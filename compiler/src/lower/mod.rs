@@ -53,7 +53,7 @@ impl<'a> Cx<'a> {
     /// The prefix of the names of forward `step`'s ops and tensors: none for a one-forward
     /// phase, `s1.` for a multi-step phase's second forward.
     pub fn pfx(&self) -> String {
-        if self.kind.forwards() > 1 || matches!(self.kind, PhaseKind::DraftDecode { .. }) {
+        if matches!(self.kind, PhaseKind::DraftDecode { .. }) {
             format!("s{}.", self.step)
         } else {
             String::new()

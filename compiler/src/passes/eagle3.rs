@@ -29,7 +29,7 @@ pub(super) fn embed_norm_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRec
             continue;
         };
         let op = Op {
-            name: super::step_name(g, e, "embed", EMBED_NORM_CONCAT),
+            name: g.graph[e].renamed("embed", EMBED_NORM_CONCAT),
             kind: OpKind::EmbedNormConcat,
             ins: vec![
                 g.graph[e].ins[0],

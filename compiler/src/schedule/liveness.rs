@@ -121,15 +121,18 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
     for (s, &node) in sh.order.iter().enumerate() {
         let op = &sh.g.graph[node];
         // Named after the op (`l0.`, or a multi-step phase's `s1.l0.`).
-        let pfx = |suffix: &str| op.name.strip_suffix(suffix).unwrap_or("").to_string();
         match op.kind {
             OpKind::Attention { .. } if splits > 1 => {
                 let hd = (f.heads * f.head_dim) as u64;
-                let at = pfx("attention");
-                let o = scratch(items, format!("{at}attn_part_o"), vec![splits as u64, rows, hd], s);
+                let o = scratch(
+                    items,
+                    op.renamed("attention", "attn_part_o"),
+                    vec![splits as u64, rows, hd],
+                    s,
+                );
                 let l = scratch(
                     items,
-                    format!("{at}attn_part_lse"),
+                    op.renamed("attention", "attn_part_lse"),
                     vec![splits as u64, rows, f.heads as u64],
                     s,
                 );
@@ -139,7 +142,7 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
                 let rec = specplan_kernels::facts::topk_record_floats(f.topk) as u64;
                 // The head's rows: one per request, or every lane of a draft-decode forward.
                 let head_rows = if f.lanes > 0 { rows } else { bb };
-                let name = format!("{}topk_part", pfx(specplan_format::Entry::SoftmaxTopk.name()));
+                let name = op.renamed(specplan_format::Entry::SoftmaxTopk.name(), "topk_part");
                 let p = scratch(items, name, vec![head_rows, chunks as u64, rec], s);
                 ws.insert(node, Workspace::TopK(p));
             }

@@ -55,6 +55,15 @@ fn same_constants(want: &[(String, ConstValue)], got: &[(String, ConstValue)]) -
             .all(|((wn, wv), (n, v))| wn == n && wv.same_bits(v))
 }
 
+/// The facts `f` (with the window a kernel's WINDOW constant names, when a layer has it):
+/// what a kernel whose constants no candidate gives is compared and launched against.
+fn fallback_facts(p: &Plan, f: &KernelFacts, k: &KernelDesc) -> Option<KernelFacts> {
+    match window_of(k) {
+        Some(w) => facts_for_window(p, f, w),
+        None => Some(f.clone()),
+    }
+}
+
 /// The full NVRTC source of a validated plan's kernel: the template with the prelude its
 /// constants give (what its `source_hash` names). For rebuilding kernels locally instead of
 /// running the binaries a plan file carries.
@@ -78,10 +87,7 @@ pub(crate) fn kernels(p: &Plan, e: &mut Errors) {
         let same = found.is_some();
         // The message compares with the first phase's facts (the window's, when a layer has it).
         let Some(first) = cands.first() else { continue };
-        let Some(kf) = found.or_else(|| match window_of(k) {
-            Some(w) => facts_for_window(p, first, w),
-            None => Some(first.clone()),
-        }) else {
+        let Some(kf) = found.or_else(|| fallback_facts(p, first, k)) else {
             e.check(false, || at("constant WINDOW matches no layer's window".into()));
             continue;
         };
@@ -244,12 +250,9 @@ pub(crate) fn kernel_launch(
         }
         // Constants no phase gives (the kernel rule names them): the launch is still checked
         // against this phase's facts.
-        None => match window_of(k) {
-            Some(w) => match facts_for_window(p, f, w) {
-                Some(kf) => kf,
-                None => return bufs,
-            },
-            None => f.clone(),
+        None => match fallback_facts(p, f, k) {
+            Some(kf) => kf,
+            None => return bufs,
         },
     };
     let shape = k.entry.shape(bf, &kf);

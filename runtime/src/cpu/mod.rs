@@ -194,18 +194,19 @@ impl<'p> CpuExecutor<'p> {
         self.run_core(bucket, inputs, table, kv, &mut |_, _, _| {})
     }
 
-    /// Runs one bucket of any phase on padded inputs given by name (each staged input of the
-    /// phase's signature, `f64` values; prefix lengths as `prefix_lens`), updating `kv` in
-    /// place; returns every output buffer of the bucket by name.
+    /// Runs one bucket of phase `kind` on padded inputs given by name (each staged input of
+    /// the phase's signature, `f64` values), updating `kv` in place; returns every output
+    /// buffer of the bucket by name.
     pub fn run_named(
         &self,
+        kind: PhaseKind,
         bucket: &BucketPlan,
         inputs: &[(&str, Vec<f64>)],
         table: &PageTable,
         kv: &mut KvPool,
     ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
         let mut dense = kv::DenseKv::new(self.plan, kv);
-        self.run_raw(bucket, inputs, table, &mut dense, &mut |_, _, _| {})
+        self.run_raw(kind, bucket, inputs, table, &mut dense, &mut |_, _, _| {})
     }
 
     fn run_core<K: KvStore>(
@@ -226,7 +227,7 @@ impl<'p> CpuExecutor<'p> {
             (io::ACCEPT_LENS, inputs.accept_lens.iter().map(|&x| x as f64).collect()),
             (io::REQ_SLOTS, inputs.req_slots.iter().map(|&x| x as f64).collect()),
         ];
-        let outs = self.run_raw(bucket, &named, table, kv, observe)?;
+        let outs = self.run_raw(PhaseKind::DraftExtend, bucket, &named, table, kv, observe)?;
         let get = |name: &str| {
             outs.iter()
                 .find(|(n, _)| n == name)
@@ -245,6 +246,7 @@ impl<'p> CpuExecutor<'p> {
 
     fn run_raw<K: KvStore>(
         &self,
+        kind: PhaseKind,
         bucket: &BucketPlan,
         inputs: &[(&str, Vec<f64>)],
         table: &PageTable,
@@ -278,11 +280,6 @@ impl<'p> CpuExecutor<'p> {
             table,
         };
         let setup = |e: String| ExecError::Setup(format!("inputs: {e}"));
-        let kind = self
-            .plan
-            .all_buckets()
-            .find(|(_, b)| std::ptr::eq(*b, bucket) || *b == bucket)
-            .map_or(PhaseKind::DraftExtend, |(ph, _)| ph.kind);
         for (name, values) in inputs {
             ctx.store_input(name, values.iter().copied()).map_err(setup)?;
         }

@@ -29,8 +29,8 @@ impl Tree {
         let n = c_pos(k, "DRAFT_TOKENS")?;
         Ok(Tree {
             k: topk,
-            cands: topk + (steps - 1) * topk * topk,
-            parents: (steps - 1) * topk + 1,
+            cands: specplan_kernels::facts::tree_candidates(topk as u32, steps as u32) as usize,
+            parents: specplan_kernels::facts::parent_width(topk as u32, steps as u32) as usize,
             nodes: n - 1,
             step: c_u32(k, "STEP")?,
         })
@@ -38,7 +38,7 @@ impl Tree {
 }
 
 /// The candidates' order: `a` before `b` (tree.cu `before`).
-pub(crate) fn order(a: (f32, usize), b: (f32, usize)) -> Ordering {
+fn order(a: (f32, usize), b: (f32, usize)) -> Ordering {
     match (a.0.is_nan(), b.0.is_nan()) {
         (true, true) => a.1.cmp(&b.1),
         (true, false) => Ordering::Less,
@@ -48,7 +48,7 @@ pub(crate) fn order(a: (f32, usize), b: (f32, usize)) -> Ordering {
 }
 
 /// Indices of the `n` first of `v` in [`order`].
-pub(crate) fn best(v: &[f32], n: usize) -> Vec<usize> {
+fn best(v: &[f32], n: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..v.len()).collect();
     idx.sort_by(|&a, &b| order((v[a], a), (v[b], b)));
     idx.truncate(n);
