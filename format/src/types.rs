@@ -582,6 +582,36 @@ impl Plan {
         self.phase(PhaseKind::DraftExtend)?.bucket_for(b)
     }
 
+    /// Every phase's buckets counted together (the runtimes' flat bucket indices).
+    pub fn bucket_count(&self) -> usize {
+        self.phases.iter().map(|p| p.buckets.len()).sum()
+    }
+
+    /// Bucket `i` of every phase's buckets in phase order: draft-extend's come first, so
+    /// they keep their indices in `buckets()`. O(phases).
+    pub fn flat_bucket(&self, mut i: usize) -> Option<&BucketPlan> {
+        for ph in &self.phases {
+            match ph.buckets.get(i) {
+                Some(b) => return Some(b),
+                None => i -= ph.buckets.len(),
+            }
+        }
+        None
+    }
+
+    /// The flat index ([`Plan::flat_bucket`]) of phase `kind`'s bucket of exactly `batch`
+    /// requests.
+    pub fn flat_index(&self, kind: PhaseKind, batch: u32) -> Option<usize> {
+        let mut base = 0;
+        for ph in &self.phases {
+            if ph.kind == kind {
+                return ph.buckets.iter().position(|b| b.batch == batch).map(|i| base + i);
+            }
+            base += ph.buckets.len();
+        }
+        None
+    }
+
     /// Every phase's buckets, with the phase.
     pub fn all_buckets(&self) -> impl Iterator<Item = (&Phase, &BucketPlan)> {
         self.phases

@@ -8,6 +8,7 @@
 
 pub mod checks;
 pub mod contract_files;
+pub mod decode_check;
 pub mod engine;
 pub mod gpu;
 pub mod random;

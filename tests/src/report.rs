@@ -52,6 +52,8 @@ pub struct PlanReport {
     pub graph_build: Vec<GraphBuild>,
     pub cases: Vec<CaseReport>,
     pub attention: Vec<AttentionReport>,
+    /// The draft-decode phases' checks (`decode_check`).
+    pub decode: Vec<crate::decode_check::DecodeReport>,
     pub latency: Vec<Latency>,
     pub errors: Vec<String>,
 }

@@ -108,9 +108,16 @@ pub(crate) struct Launcher<'a> {
 }
 
 impl Launcher<'_> {
+    /// Bucket `bi` of the plan's flat bucket list (`Plan::flat_bucket`: every phase's).
+    fn bucket(&self, bi: usize) -> Result<&specplan_format::BucketPlan, GpuError> {
+        self.plan
+            .flat_bucket(bi)
+            .ok_or_else(|| GpuError::Step(format!("no bucket {bi} in the plan's {}", self.plan.bucket_count())))
+    }
+
     /// Issues the launches of bucket `bi` whose op name passes `keep`, in order.
     pub fn issue(&self, bi: usize, keep: &dyn Fn(&str) -> bool) -> Result<(), GpuError> {
-        let n = self.plan.buckets()[bi].launches.len();
+        let n = self.bucket(bi)?.launches.len();
         self.issue_range(bi, 0..n, keep)
     }
 
@@ -121,7 +128,7 @@ impl Launcher<'_> {
         range: std::ops::Range<usize>,
         keep: &dyn Fn(&str) -> bool,
     ) -> Result<(), GpuError> {
-        let b = &self.plan.buckets()[bi];
+        let b = self.bucket(bi)?;
         let launches = b.launches.get(range).unwrap_or(&[]);
         for l in launches.iter().filter(|l| keep(&l.op)) {
             match &l.kind {
@@ -188,7 +195,7 @@ pub(crate) fn load_kernels(plan: &Plan) -> Result<(Vec<Module>, Vec<sys::CUfunct
         })?;
         funcs.push(f);
     }
-    for b in plan.buckets() {
+    for (_, b) in plan.all_buckets() {
         for l in &b.launches {
             if let LaunchKind::Kernel { kernel, smem, .. } = &l.kind {
                 if *smem > 48 * 1024 {

@@ -190,7 +190,8 @@ impl GpuRuntime {
         opts: &GpuOptions,
         t0: Instant,
     ) -> Result<GpuRuntime, GpuError> {
-        let nb = plan.buckets().len();
+        // One graph slot per bucket of every phase (flat indices, `Plan::flat_bucket`).
+        let nb = plan.bucket_count();
         let mut rt = GpuRuntime {
             plan,
             ctx: core.ctx,
@@ -257,7 +258,7 @@ impl GpuRuntime {
             return self.gemms.prepare_heuristic();
         }
         let mut shapes = Vec::new();
-        for b in self.plan.buckets() {
+        for (_, b) in self.plan.all_buckets() {
             for l in &b.launches {
                 if let LaunchKind::Gemm(g) = &l.kind {
                     shapes.push(gemm_call(&self.mem, &self.plan, b, g));
@@ -303,7 +304,7 @@ impl GpuRuntime {
     /// What the GEMM choice picked, per (m, n, k) of each bucket's GEMMs (benchmark reports).
     pub fn gemm_choices(&self) -> Vec<(u64, u64, u64, GemmChoice)> {
         let mut v: Vec<(u64, u64, u64, GemmChoice)> = Vec::new();
-        for b in self.plan.buckets() {
+        for (_, b) in self.plan.all_buckets() {
             for l in &b.launches {
                 if let LaunchKind::Gemm(g) = &l.kind {
                     if let Some(c) = self.gemms.choice(&gemm_call(&self.mem, &self.plan, b, g).0) {
@@ -317,11 +318,14 @@ impl GpuRuntime {
         v
     }
 
-    /// Captures every replayable bucket into a graph, largest first (in engine memory with
-    /// the `admit` prologue and `emit` epilogue around the plan's launches).
+    /// Captures every replayable bucket of every phase into a graph, largest first (in
+    /// engine memory with the `admit` prologue and `emit` epilogue around the plan's
+    /// launches; there only draft-extend's, the phase engine memory serves today).
     fn build_graphs(&mut self) -> Result<(), GpuError> {
-        for bi in (0..self.plan.buckets().len()).rev() {
-            if self.plan.buckets()[bi].replay != Replay::Graph {
+        let engine_buckets = self.plan.buckets().len();
+        for bi in (0..self.plan.bucket_count()).rev() {
+            let replayable = self.plan.flat_bucket(bi).is_some_and(|b| b.replay == Replay::Graph);
+            if !replayable || (matches!(self.mode, Mode::Engine(_)) && bi >= engine_buckets) {
                 continue;
             }
             let t0 = Instant::now();

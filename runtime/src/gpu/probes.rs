@@ -7,6 +7,7 @@ use cudarc::driver::result;
 use super::device::{cuda, GpuError};
 use super::graph::{self, Exec};
 use super::{GpuRuntime, Mode};
+use specplan_format::PhaseKind;
 
 impl GpuRuntime {
     /// Owned memory: uploads K/V pages `[0, pages)` (layer-major, raw act bits).
@@ -101,13 +102,34 @@ impl GpuRuntime {
         cuda("cuStreamSynchronize", self.stream.synchronize())
     }
 
-    /// Index of the bucket of exactly `batch` rows.
+    /// Index of the draft-extend bucket of exactly `batch` requests.
     pub(super) fn bucket_index(&self, batch: u32) -> Result<usize, GpuError> {
+        self.phase_bucket(PhaseKind::DraftExtend, batch)
+    }
+
+    /// Flat index (`Plan::flat_bucket`) of phase `kind`'s bucket of exactly `batch` requests.
+    fn phase_bucket(&self, kind: PhaseKind, batch: u32) -> Result<usize, GpuError> {
         self.plan
-            .buckets()
-            .iter()
-            .position(|b| b.batch == batch)
+            .flat_index(kind, batch)
             .ok_or_else(|| self.no_bucket(batch as usize))
+    }
+
+    /// Owned memory: runs phase `kind`'s bucket of exactly `batch` requests on the inputs
+    /// already in its buffers (`write_phase_buffer`) — its graph, or its launches eagerly.
+    /// For checks of phases the step API does not serve yet (draft decode).
+    pub fn run_phase(&self, kind: PhaseKind, batch: u32, eager: bool) -> Result<(), GpuError> {
+        if matches!(self.mode, Mode::Engine(_)) && kind != PhaseKind::DraftExtend {
+            return Err(GpuError::Step(format!(
+                "{} runs on owned memory only (engine memory serves draft_extend)",
+                kind.label()
+            )));
+        }
+        let bi = self.phase_bucket(kind, batch)?;
+        match (eager, &self.graphs[bi]) {
+            (false, Some(g)) => g.graph.launch(),
+            (false, None) => Err(GpuError::Step(format!("{} bucket {batch} has no graph", kind.label()))),
+            (true, _) => self.launcher(self.stream.cu_stream()).issue(bi, &|_| true),
+        }
     }
 
     /// Replays a bucket's graph on the runtime's stream with the inputs already in place (no
@@ -132,21 +154,37 @@ impl GpuRuntime {
     /// size). The arena is shared by every bucket and packed by liveness, so after a step
     /// a buffer holds its value only until a later op reuses it.
     pub fn buffer_ptr(&self, batch: u32, name: &str) -> Option<(u64, usize)> {
-        let bk = self.plan.buckets().iter().find(|b| b.batch == batch)?;
+        self.phase_buffer_ptr(PhaseKind::DraftExtend, batch, name)
+    }
+
+    /// [`GpuRuntime::buffer_ptr`] in phase `kind`'s bucket.
+    pub fn phase_buffer_ptr(&self, kind: PhaseKind, batch: u32, name: &str) -> Option<(u64, usize)> {
+        let bk = self.plan.flat_bucket(self.plan.flat_index(kind, batch)?)?;
         let (_, x) = bk.buffer(name)?;
         Some((self.mem.arena.ptr + x.offset, x.bytes as usize))
     }
 
-    fn named_buffer(&self, batch: u32, name: &str) -> Result<(u64, usize), GpuError> {
-        self.buffer_ptr(batch, name).ok_or_else(|| GpuError::NoBuffer {
-            batch,
-            name: name.into(),
-        })
+    fn named_buffer(&self, kind: PhaseKind, batch: u32, name: &str) -> Result<(u64, usize), GpuError> {
+        self.phase_buffer_ptr(kind, batch, name)
+            .ok_or_else(|| GpuError::NoBuffer {
+                batch,
+                name: name.into(),
+            })
     }
 
     /// Overwrites a named arena buffer of bucket `batch` (synchronously).
     pub fn write_buffer(&self, batch: u32, name: &str, bytes: &[u8]) -> Result<(), GpuError> {
-        let (ptr, len) = self.named_buffer(batch, name)?;
+        self.write_phase_buffer(PhaseKind::DraftExtend, batch, name, bytes)
+    }
+
+    /// Copies a named arena buffer of bucket `batch` to the host (synchronizes).
+    pub fn read_buffer(&self, batch: u32, name: &str) -> Result<Vec<u8>, GpuError> {
+        self.read_phase_buffer(PhaseKind::DraftExtend, batch, name)
+    }
+
+    /// [`GpuRuntime::write_buffer`] in phase `kind`'s bucket.
+    pub fn write_phase_buffer(&self, kind: PhaseKind, batch: u32, name: &str, bytes: &[u8]) -> Result<(), GpuError> {
+        let (ptr, len) = self.named_buffer(kind, batch, name)?;
         if bytes.len() != len {
             return Err(GpuError::Size {
                 what: format!("buffer {name}"),
@@ -161,9 +199,9 @@ impl GpuRuntime {
         unsafe { cuda("cuMemcpyHtoD", result::memcpy_htod_sync(ptr, bytes)) }
     }
 
-    /// Copies a named arena buffer of bucket `batch` to the host (synchronizes).
-    pub fn read_buffer(&self, batch: u32, name: &str) -> Result<Vec<u8>, GpuError> {
-        let (ptr, len) = self.named_buffer(batch, name)?;
+    /// [`GpuRuntime::read_buffer`] in phase `kind`'s bucket.
+    pub fn read_phase_buffer(&self, kind: PhaseKind, batch: u32, name: &str) -> Result<Vec<u8>, GpuError> {
+        let (ptr, len) = self.named_buffer(kind, batch, name)?;
         let mut out = vec![0u8; len];
         cuda("cuStreamSynchronize", self.stream.synchronize())?;
         // SAFETY: the source range lies inside the arena allocation; the destination has

@@ -24,8 +24,10 @@ use std::time::Instant;
 
 use specplan_format::PhaseKind;
 use specplan_format::{load_file, ValidatedPlan};
+use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::{GpuOptions, GpuRuntime};
 use specplan_tests::checks::{attention_check, check_case, contract_check, replay_us, ATTN_MAX_BOUND, REL_BOUND};
+use specplan_tests::decode_check::{check_decode, TREE_AGREEMENT};
 use specplan_tests::random::{make_case, random_weights};
 use specplan_tests::report::{AttentionReport, GraphBuild, Latency, PlanReport};
 use specplan_tests::{json, plan_files, seed, write_atomic, Rng};
@@ -115,6 +117,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
             }
         }
     }
+    check_decode_phases(name, plan, rng, quick, &mut rep);
     for b in [1u32, 8, 32, 64] {
         if plan.buckets().iter().any(|x| x.batch == b) {
             match replay_us(&mut rt, plan, rng, b as usize, max_prefix.min(1024)) {
@@ -155,6 +158,84 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         lat.join(", ")
     );
     rep
+}
+
+/// Every draft-decode phase of the plan on its own runtime, whose lm_head is 4× the random
+/// one (peaked distributions: fewer near ties between the GPU's and the CPU's trees).
+fn check_decode_phases(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool, rep: &mut PlanReport) {
+    let kinds: Vec<PhaseKind> = plan.phases.iter().map(|p| p.kind).filter(|k| k.steps() > 0).collect();
+    if kinds.is_empty() {
+        return;
+    }
+    let mut weights = random_weights(plan, rng);
+    for (w, d) in plan.weights.iter().zip(weights.iter_mut()) {
+        if let (true, WeightData::F32(v)) = (w.name.starts_with("lm_head"), d) {
+            v.iter_mut().for_each(|x| *x *= 4.0);
+        }
+    }
+    let mut rt = match GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()) {
+        Ok(r) => r,
+        Err(e) => {
+            rep.errors.push(format!("draft-decode runtime: {e}"));
+            return;
+        }
+    };
+    for kind in kinds {
+        let Some(ph) = plan.phase(kind) else { continue };
+        let max_b = ph
+            .buckets
+            .last()
+            .map_or(1, |b| b.batch as usize)
+            .min(plan.capture.max_requests as usize);
+        let mut batches = vec![1, 3.min(max_b), max_b];
+        if quick {
+            batches.truncate(2);
+        }
+        batches.dedup();
+        let (mut equal, mut total) = (0, 0);
+        for b in batches {
+            match check_decode(plan, &mut rt, &weights, kind, rng, b) {
+                Ok(d) => {
+                    println!(
+                        "{name:<28} {b:>5} {} bucket {}: trees equal {}/{b} ({} differ, {} at a near tie), lane K/V rel {:.2e}, graph != eager {}, other K/V changed {}, replay {:.1} µs  {}",
+                        d.phase,
+                        d.bucket,
+                        d.equal,
+                        d.differ,
+                        d.near_ties,
+                        d.kv_rel,
+                        d.graph_vs_eager_diff,
+                        d.kv_untouched_changed,
+                        d.replay_us,
+                        if d.ok { "ok" } else { "FAIL" }
+                    );
+                    for f in &d.failures {
+                        println!("    {f}");
+                    }
+                    (equal, total) = (equal + d.equal, total + b);
+                    rep.decode.push(d);
+                }
+                Err(msg) => {
+                    println!("{name:<28} {b:>5} {}: ERROR {msg}", kind.label());
+                    rep.errors.push(format!("{} b={b}: {msg}", kind.label()));
+                }
+            }
+        }
+        let share = equal as f64 / total.max(1) as f64;
+        let ok = share >= TREE_AGREEMENT;
+        println!(
+            "{name:<28} {}: trees equal to the CPU executor's in {equal}/{total} requests (at least {:.0}%)  {}",
+            kind.label(),
+            TREE_AGREEMENT * 100.0,
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            rep.errors.push(format!(
+                "{}: trees equal in only {equal}/{total} requests",
+                kind.label()
+            ));
+        }
+    }
 }
 
 /// The soak (`specplan_tests::soak`): STEPS random steps (default 10,000), every
@@ -298,7 +379,10 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
 }
 
 fn passed(r: &PlanReport) -> bool {
-    r.errors.is_empty() && r.cases.iter().all(|c| c.ok) && r.attention.iter().all(|a| a.ok)
+    r.errors.is_empty()
+        && r.cases.iter().all(|c| c.ok)
+        && r.attention.iter().all(|a| a.ok)
+        && r.decode.iter().all(|d| d.ok)
 }
 
 fn main() -> ExitCode {

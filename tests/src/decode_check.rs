@@ -1,0 +1,409 @@
+//! The GPU check of a draft-decode phase (owned memory): fresh random draft-extend outputs,
+//! prefixes and pages, the bucket run as its graph and eagerly (bit-identical), and against
+//! the CPU executor on the same bf16 values. The tree is a chain of discrete choices, and
+//! the GPU's bf16 activations and the executor's f32 ones may order a near tie differently,
+//! after which the two trees (and the lanes' later K/V) legitimately part: so trees are
+//! compared per request and counted (with how many differing ones sit at a near tie of the
+//! GPU's own score list; a tie inside one lane's top-K is not visible there), the caller
+//! holds a phase's agreement to `TREE_AGREEMENT` over all its requests, the lanes' written
+//! K/V of every equal request lie within the relative bound, and every other cache element
+//! is untouched.
+
+use serde::Serialize;
+use specplan_format::{io, PhaseKind, ValidatedPlan};
+use specplan_kernels::facts::{decode_reach, lane_offset, parent_width, tree_candidates};
+use specplan_runtime::bits::{from_act_bits, round_act, to_act_bits};
+use specplan_runtime::cpu::{CpuExecutor, KvPool, WeightData};
+use specplan_runtime::gpu::GpuRuntime;
+use specplan_runtime::step::PageTable;
+
+use crate::checks::{g, REL_BOUND};
+use crate::tolerance::{bit_diffs, rel_rms};
+use crate::Rng;
+
+/// A selection cut whose two sides differ by less than this (relative) is a near tie: bf16
+/// activations on the GPU and f32 ones on the CPU may order it differently.
+pub const TREE_TIE_REL: f64 = 2e-2;
+
+/// Least share of a phase's checked requests whose trees equal the CPU executor's: a wrong
+/// slot, key set or selection makes nearly every tree differ, near ties only a few.
+pub const TREE_AGREEMENT: f64 = 0.75;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DecodeReport {
+    pub phase: String,
+    pub b: usize,
+    pub bucket: u32,
+    /// Requests whose parent_list, top_scores_index and draft_tokens equal the CPU's.
+    pub equal: usize,
+    /// Requests whose tree differs from the CPU's.
+    pub differ: usize,
+    /// Of those, the ones with a near tie (`TREE_TIE_REL`) at a cut of the GPU's score list
+    /// (a tie inside one lane's top-K is not visible there).
+    pub near_ties: usize,
+    pub kv_rel: f64,
+    pub kv_untouched_changed: usize,
+    pub graph_vs_eager_diff: usize,
+    /// Wall time per graph replay over back-to-back replays, µs (GPU-bound, no events).
+    pub replay_us: f64,
+    pub ok: bool,
+    pub failures: Vec<String>,
+}
+
+/// One step's inputs: pages, the caller's cache bits, the staged inputs (padded to the
+/// bucket) as raw bytes and as the CPU executor's values.
+struct DecodeCase {
+    bucket: u32,
+    prefix: Vec<usize>,
+    slots: Vec<i32>,
+    pages: Vec<Vec<i32>>,
+    used_pages: usize,
+    k0: Vec<u16>,
+    v0: Vec<u16>,
+    /// (name, bytes, CPU values) per staged input.
+    inputs: Vec<(&'static str, Vec<u8>, Vec<f64>)>,
+}
+
+fn make_case(plan: &ValidatedPlan, kind: PhaseKind, rng: &mut Rng, b: usize) -> Result<DecodeCase, String> {
+    let (k, steps) = (plan.spec.topk, kind.steps());
+    let ps = plan.capture.page_size;
+    let ctx = plan.capture.max_context_len as usize;
+    let act = plan.capture.dtype;
+    let h = plan.model.hidden as usize;
+    let bucket = plan
+        .phase(kind)
+        .and_then(|ph| ph.bucket_for(b as u32))
+        .ok_or("no bucket")?
+        .batch as usize;
+    // Every request's pages fit the owned pool (its last page is the scratch page).
+    let budget = (plan.capture.kv_pool_pages as usize - 1) / b * ps as usize;
+    let reach_max = decode_reach(ps as u64 - 1, steps, k, ps) as usize + ps as usize;
+    let max_l = ctx.min(1200).min(budget.saturating_sub(reach_max)).max(1);
+    let prefix: Vec<usize> = (0..b)
+        .map(|_| loop {
+            let l = rng.below(max_l);
+            if l + decode_reach(l as u64, steps, k, ps) as usize <= ctx {
+                break l;
+            }
+        })
+        .collect();
+    let need: Vec<usize> = prefix
+        .iter()
+        .map(|&l| (l + decode_reach(l as u64, steps, k, ps) as usize).div_ceil(ps as usize))
+        .collect();
+    let used_pages: usize = need.iter().sum();
+    let perm = rng.permutation(used_pages);
+    let mut next = 0;
+    let pages: Vec<Vec<i32>> = need
+        .iter()
+        .map(|&c| {
+            let v = perm[next..next + c].iter().map(|&p| p as i32).collect();
+            next += c;
+            v
+        })
+        .collect();
+    let slots: Vec<i32> = rng.permutation(plan.capture.max_requests as usize)[..b]
+        .iter()
+        .map(|&s| s as i32)
+        .collect();
+    let per = used_pages * plan.kv_page_bytes() as usize / 2 * plan.model.layers as usize;
+    let bits = |rng: &mut Rng| to_act_bits(&(0..per).map(|_| rng.uniform()).collect::<Vec<_>>(), act);
+    let (k0, v0) = (bits(rng), bits(rng));
+    // The padded rows repeat request 0's inputs in the scratch slot with prefix 0.
+    let ku = k as usize;
+    let mut probs = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..b {
+        let mut p: Vec<f32> = (0..ku).map(|_| 0.05 + 0.45 * (rng.uniform() + 1.0)).collect();
+        p.sort_by(|a, b| b.total_cmp(a));
+        probs.extend(p);
+        ids.extend(
+            rng.permutation(plan.model.vocab as usize)[..ku]
+                .iter()
+                .map(|&x| x as i64),
+        );
+    }
+    let hidden: Vec<f32> = (0..b * h).map(|_| round_act(rng.uniform(), act)).collect();
+    let pad = |i: usize, w: usize| if i < b * w { i } else { i % w };
+    let probs: Vec<f32> = (0..bucket * ku).map(|i| probs[pad(i, ku)]).collect();
+    let ids: Vec<i64> = (0..bucket * ku).map(|i| ids[pad(i, ku)]).collect();
+    let hidden: Vec<f32> = (0..bucket * h).map(|i| hidden[pad(i, h)]).collect();
+    let scratch_slot = plan.capture.max_requests as i32;
+    let lens: Vec<i32> = (0..bucket).map(|i| if i < b { prefix[i] as i32 } else { 0 }).collect();
+    let rows: Vec<i32> = (0..bucket)
+        .map(|i| if i < b { slots[i] } else { scratch_slot })
+        .collect();
+    let hidden_bits = to_act_bits(&hidden, act);
+    let inputs = vec![
+        (
+            io::TOPK_PROBS,
+            probs.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            probs.iter().map(|&x| x as f64).collect(),
+        ),
+        (
+            io::TOPK_IDS,
+            ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ids.iter().map(|&x| x as f64).collect(),
+        ),
+        (
+            io::HIDDEN_STATES,
+            hidden_bits.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            hidden.iter().map(|&x| x as f64).collect(),
+        ),
+        (
+            io::PREFIX_LENS,
+            lens.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            lens.iter().map(|&x| x as f64).collect(),
+        ),
+        (
+            io::REQ_SLOTS,
+            rows.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            rows.iter().map(|&x| x as f64).collect(),
+        ),
+    ];
+    Ok(DecodeCase {
+        bucket: bucket as u32,
+        prefix,
+        slots,
+        pages,
+        used_pages,
+        k0,
+        v0,
+        inputs,
+    })
+}
+
+fn i64s(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+        .collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap_or([0; 4])))
+        .collect()
+}
+
+/// The smallest relative gap at any cut the tree makes for one request, in its score list:
+/// the K-th and (K+1)-th of each step's K² candidates, the (N−1)-th and N-th overall.
+fn min_cut_gap(scores: &[f32], k: usize, steps: usize, nodes: usize) -> f64 {
+    let gap_at = |v: &[f32], n: usize| -> f64 {
+        if n >= v.len() {
+            return f64::INFINITY;
+        }
+        let mut s: Vec<f64> = v.iter().map(|&x| x as f64).collect();
+        s.sort_by(|a, b| b.total_cmp(a));
+        (s[n - 1] - s[n]).abs() / s[n - 1].abs().max(1e-30)
+    };
+    let mut m = gap_at(scores, nodes);
+    for i in 1..steps {
+        let block = &scores[k + (i - 1) * k * k..k + i * k * k];
+        m = m.min(gap_at(block, k));
+    }
+    m
+}
+
+/// Runs phase `kind` for `b` requests on the GPU (graph and eager) and on the CPU executor.
+pub fn check_decode(
+    plan: &ValidatedPlan,
+    rt: &mut GpuRuntime,
+    weights: &[WeightData],
+    kind: PhaseKind,
+    rng: &mut Rng,
+    b: usize,
+) -> Result<DecodeReport, String> {
+    let c = make_case(plan, kind, rng, b)?;
+    let (k, steps) = (plan.spec.topk as usize, kind.steps() as usize);
+    let nodes = kind.draft_tokens(&plan.spec) as usize - 1;
+    let (pw, cands) = (
+        parent_width(k as u32, steps as u32) as usize,
+        tree_candidates(k as u32, steps as u32) as usize,
+    );
+    let act = plan.capture.dtype;
+    for (i, &s) in c.slots.iter().enumerate() {
+        rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
+    }
+    let mut run = |eager: bool| -> Result<_, String> {
+        rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
+        rt.poison().map_err(g)?;
+        for (name, bytes, _) in &c.inputs {
+            rt.write_phase_buffer(kind, c.bucket, name, bytes).map_err(g)?;
+        }
+        rt.run_phase(kind, c.bucket, eager).map_err(g)?;
+        let read = |name: &str| rt.read_phase_buffer(kind, c.bucket, name).map_err(g);
+        // The real requests' rows only: padded rows share the scratch slot, so their lanes
+        // race on the scratch page's slots (their outputs are discarded, as in draft-extend).
+        // The score list stays live to the last launch, so it still holds the tree.
+        let outs = (
+            i64s(&read(io::PARENT_LIST)?)[..b * pw].to_vec(),
+            i64s(&read(io::TOP_SCORES_INDEX)?)[..b * nodes].to_vec(),
+            i64s(&read(io::DRAFT_TOKENS)?)[..b * nodes].to_vec(),
+        );
+        let scores = f32s(&read("score_list")?)[..b * cands].to_vec();
+        let (kk, vv) = rt.read_kv(c.used_pages).map_err(g)?;
+        Ok((outs, scores, kk, vv))
+    };
+    let (og, sg, kg, vg) = run(false)?;
+    let (oe, se, ke, ve) = run(true)?;
+    // Back-to-back graph replays (the inputs stay in place), wall time per replay.
+    let reps = 100;
+    rt.run_phase(kind, c.bucket, false).map_err(g)?;
+    rt.synchronize().map_err(g)?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        rt.run_phase(kind, c.bucket, false).map_err(g)?;
+    }
+    rt.synchronize().map_err(g)?;
+    let replay_us = t0.elapsed().as_secs_f64() * 1e6 / reps as f64;
+    let mut e = DecodeReport {
+        phase: kind.label(),
+        b,
+        bucket: c.bucket,
+        replay_us,
+        ..DecodeReport::default()
+    };
+    e.graph_vs_eager_diff = bit_diffs(&og.0, &oe.0)
+        + bit_diffs(&og.1, &oe.1)
+        + bit_diffs(&og.2, &oe.2)
+        + bit_diffs(
+            &sg.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            &se.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        )
+        + bit_diffs(&kg, &ke)
+        + bit_diffs(&vg, &ve);
+
+    // The CPU executor on the same values: the case's pages plus a scratch page.
+    let page = plan.kv_page_bytes() as usize / 2;
+    let per_layer = c.used_pages * page;
+    let to_pool = |bits: &[u16]| -> Vec<Vec<f32>> {
+        bits.chunks_exact(per_layer.max(1))
+            .map(|l| {
+                let mut v: Vec<f32> = l.iter().map(|&x| from_act_bits(x, act)).collect();
+                v.extend(std::iter::repeat_n(0.0, page));
+                v
+            })
+            .collect()
+    };
+    let mut pool = KvPool {
+        pages: c.used_pages + 1,
+        k: to_pool(&c.k0),
+        v: to_pool(&c.v0),
+    };
+    let mut table = PageTable::new(plan, c.used_pages as i32);
+    for (i, &s) in c.slots.iter().enumerate() {
+        table.set_row(s as usize, &c.pages[i]).map_err(|x| x.to_string())?;
+    }
+    let bucket = plan
+        .phase(kind)
+        .and_then(|ph| ph.bucket_for(c.bucket))
+        .ok_or("no bucket")?;
+    let named: Vec<(&str, Vec<f64>)> = c.inputs.iter().map(|(n, _, v)| (*n, v.clone())).collect();
+    let exec = CpuExecutor::borrowing(plan, weights).map_err(|x| x.to_string())?;
+    let outs = exec
+        .run_named(kind, bucket, &named, &table, &mut pool)
+        .map_err(|x| x.to_string())?;
+    let get = |name: &str| -> Vec<i64> {
+        outs.iter()
+            .find(|(n, _)| n == name)
+            .map_or_else(Vec::new, |(_, v)| v.iter().map(|&x| x as i64).collect())
+    };
+    let (cp, ct, cd) = (get(io::PARENT_LIST), get(io::TOP_SCORES_INDEX), get(io::DRAFT_TOKENS));
+
+    // Per request: the tree, then (when it is the CPU's) the lanes' K/V.
+    let (ps, row) = (
+        plan.capture.page_size as usize,
+        plan.model.kv_heads as usize * plan.model.head_dim as usize,
+    );
+    let mut written = vec![false; per_layer];
+    for r in 0..b {
+        let l = c.prefix[r];
+        for lane in 0..k {
+            for i in 0..steps - 1 {
+                let pos = l + lane_offset(l as u64, lane as u32, steps as u32, k as u32, ps as u32) as usize + i;
+                let pg = c.pages[r][pos / ps] as usize;
+                let at = (pg * ps + pos % ps) * row;
+                written[at..at + row].iter_mut().for_each(|w| *w = true);
+            }
+        }
+        let same = og.0[r * pw..(r + 1) * pw] == cp[r * pw..(r + 1) * pw]
+            && og.1[r * nodes..(r + 1) * nodes] == ct[r * nodes..(r + 1) * nodes]
+            && og.2[r * nodes..(r + 1) * nodes] == cd[r * nodes..(r + 1) * nodes];
+        if !same {
+            e.differ += 1;
+            let gap = min_cut_gap(&sg[r * cands..(r + 1) * cands], k, steps, nodes);
+            e.near_ties += (gap < TREE_TIE_REL) as usize;
+            continue;
+        }
+        e.equal += 1;
+        for (which, got, refp) in [("k", &kg, &pool.k), ("v", &vg, &pool.v)] {
+            for (layer, refl) in refp.iter().enumerate() {
+                let (mut gw, mut ww) = (Vec::new(), Vec::new());
+                for lane in 0..k {
+                    for i in 0..steps - 1 {
+                        let pos =
+                            l + lane_offset(l as u64, lane as u32, steps as u32, k as u32, ps as u32) as usize + i;
+                        let pg = c.pages[r][pos / ps] as usize;
+                        let at = (pg * ps + pos % ps) * row;
+                        for x in at..at + row {
+                            gw.push(from_act_bits(got[layer * per_layer + x], act) as f64);
+                            ww.push(refl[x] as f64);
+                        }
+                    }
+                }
+                let rel = rel_rms(&gw, &ww);
+                e.kv_rel = e.kv_rel.max(rel);
+                if rel.is_nan() || rel > REL_BOUND {
+                    // The worst slot: where it is, and whether either side left it as it was.
+                    let init = if which == "k" { &c.k0 } else { &c.v0 };
+                    let mut worst = (0.0f64, String::new());
+                    for (si, (gs, ws)) in gw.chunks(row).zip(ww.chunks(row)).enumerate() {
+                        let r2 = rel_rms(gs, ws);
+                        if r2 > worst.0 {
+                            let (lane, i) = (si / (steps - 1), si % (steps - 1));
+                            let pos =
+                                l + lane_offset(l as u64, lane as u32, steps as u32, k as u32, ps as u32) as usize + i;
+                            let pg = c.pages[r][pos / ps] as usize;
+                            let at = layer * per_layer + (pg * ps + pos % ps) * row;
+                            let gpu_kept = got[at..at + row] == init[at..at + row];
+                            let cpu_kept =
+                                (0..row).all(|x| refl[at - layer * per_layer + x] == from_act_bits(init[at + x], act));
+                            worst = (
+                                r2,
+                                format!("lane {lane} step {i} position {pos} (prefix {l}, page {pg}): rel {r2:.2e}, GPU kept the old value {gpu_kept}, CPU kept it {cpu_kept}"),
+                            );
+                        }
+                    }
+                    e.failures.push(format!(
+                        "b={b} req {r} {which}_cache layer {layer}: lane slots relative error {rel:.3e}; worst {}",
+                        worst.1
+                    ));
+                }
+            }
+        }
+    }
+    for (got, init) in [(&kg, &c.k0), (&vg, &c.v0)] {
+        for (idx, (&gv, &iv)) in got.iter().zip(init.iter()).enumerate() {
+            if !written[idx % per_layer.max(1)] && gv != iv {
+                e.kv_untouched_changed += 1;
+            }
+        }
+    }
+    if e.kv_untouched_changed > 0 {
+        e.failures.push(format!(
+            "b={b}: {} cache elements outside the lanes' slots changed",
+            e.kv_untouched_changed
+        ));
+    }
+    if e.graph_vs_eager_diff > 0 {
+        e.failures.push(format!(
+            "b={b}: graph and eager differ in {} values",
+            e.graph_vs_eager_diff
+        ));
+    }
+    e.failures.truncate(12);
+    e.ok = e.failures.is_empty();
+    Ok(e)
+}
