@@ -84,19 +84,24 @@ enum Cmd {
     },
     /// List the built-in presets.
     Presets,
-    /// Run one draft-extend step of a plan on safetensors weights and inputs.
+    /// Run one step of a plan's phase on safetensors weights and inputs.
     Run {
         #[arg(long)]
         plan: PathBuf,
         /// Weights: embed_tokens.weight, fc.*, layers.L.*, lm_head.weight (+ hot_token_ids).
         #[arg(long)]
         weights: PathBuf,
-        /// Inputs: input_ids, hidden_states, prefix_lens, accept_lens, page_table [b, P], k_cache, v_cache.
+        /// Inputs: input_ids, hidden_states, prefix_lens, accept_lens, page_table [b, P], k_cache, v_cache
+        /// (draft decode: topk_probs, topk_ids, hidden_states [b, H], prefix_lens, page_table, k_cache, v_cache).
         #[arg(long)]
         inputs: PathBuf,
-        /// Outputs: topk_probs, topk_ids, hidden_out and the updated k_cache, v_cache.
+        /// Outputs: topk_probs, topk_ids, hidden_out and the updated k_cache, v_cache (draft decode:
+        /// parent_list, top_scores_index, draft_tokens and the caches).
         #[arg(long)]
         out: PathBuf,
+        /// The phase: draft_extend, or draft_decode (draft_decode:S when the plan has several tiers).
+        #[arg(long, default_value = "draft_extend")]
+        phase: String,
         #[arg(long, value_enum, default_value_t = Device::Cpu)]
         device: Device,
         /// GPU only: issue the launches without a CUDA graph.
@@ -383,6 +388,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             device,
             eager,
             rebuild_kernels,
+            phase,
         } => {
             if eager && device == Device::Cpu {
                 bail!("--eager applies to --device cuda only");
@@ -397,8 +403,20 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 let jit = Jit::from_env()?;
                 p = specplan_compiler::rebuild_kernels(&p, &jit)?;
             }
+            let kind = p
+                .phase_by_label(&phase)
+                .ok_or_else(|| anyhow::anyhow!("--phase {phase}: the plan has {}", p.phase_labels()))?;
+            if kind != format::PhaseKind::DraftExtend && device != Device::Cpu {
+                bail!(
+                    "--phase {}: specplan run serves draft decode on --device cpu only (its GPU step API is not built yet)",
+                    kind.label()
+                );
+            }
             let t0 = Instant::now();
             let w = contract::load_weights(&p, &weights)?;
+            if kind != format::PhaseKind::DraftExtend {
+                return run_decode(&p, kind, w, &inputs, &out, target, t0);
+            }
             let mut x = contract::load_inputs(&p, &inputs)?;
             let res = match device {
                 Device::Cpu => contract::run_cpu(&p, w, &mut x)?,
@@ -474,4 +492,28 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> 
         );
     }
     Ok(())
+}
+
+/// `specplan run --phase draft_decode[:S]` on the CPU (`contract::decode`).
+fn run_decode(
+    p: &ValidatedPlan,
+    kind: format::PhaseKind,
+    w: Vec<specplan_runtime::cpu::WeightData>,
+    inputs: &Path,
+    out: &Path,
+    target: output::OutputTarget,
+    t0: Instant,
+) -> Result<ExitCode> {
+    let mut x = contract::decode::load_decode_inputs(p, kind, inputs)?;
+    let res = contract::decode::run_cpu_decode(p, w, &mut x)?;
+    target.write(&contract::decode::encode_decode_outputs(p, &res, &x)?)?;
+    outln!(
+        "ran {} requests of {} in bucket {} on the cpu in {:.3} s; wrote {}",
+        x.b,
+        kind.label(),
+        res.bucket,
+        t0.elapsed().as_secs_f64(),
+        out.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }

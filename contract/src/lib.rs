@@ -13,6 +13,7 @@
 //! Outputs are written only after the whole step succeeded, by the rules of [`output`]
 //! (atomic for files; never replacing a device, FIFO, link, read-only file or an input).
 
+pub mod decode;
 mod finite;
 pub mod output;
 
@@ -388,6 +389,32 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
             format!("has shape {tshape:?}, expected [{b}, P]"),
         )));
     }
+    let (ks, kdt) = kv_shape(plan, &st).map_err(fail)?;
+    let pages = ks[1];
+    let step = StepInputs {
+        batch: b,
+        input_ids: ids,
+        hidden_states: hidden,
+        prefix_lens: prefix.iter().map(|&x| x as i32).collect(),
+        accept_lens: accept.iter().map(|&x| x as i32).collect(),
+        page_table: table.iter().map(|&x| x as i32).collect(),
+        page_cols: tshape[1],
+    };
+    // Check the cheap bounds before converting the (large) caches.
+    step.check(plan, pages).map_err(fail)?;
+    let kv = load_kv(&st, &ks, act).map_err(fail)?;
+    Ok(InputsFile {
+        step,
+        kv,
+        kv_dtype: kdt,
+    })
+}
+
+/// The shape and dtype of the file's `k_cache` and `v_cache`: `[layers, pages, page_size,
+/// kv_heads, head_dim]` in the plan's activation type, both alike.
+pub(crate) fn kv_shape(plan: &ValidatedPlan, st: &SafeTensors) -> Result<(Vec<usize>, Dtype), InputError> {
+    let m = &plan.model;
+    let act = plan.capture.dtype;
     let kv_shape_of = |name: &str| -> Result<(Vec<usize>, Dtype), InputError> {
         let t = st
             .tensor(name)
@@ -423,30 +450,25 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
         }
         Ok((s, t.dtype()))
     };
-    let (ks, kdt) = kv_shape_of(io::K_CACHE).map_err(fail)?;
-    let (vs, _) = kv_shape_of(io::V_CACHE).map_err(fail)?;
+    let (ks, kdt) = kv_shape_of(io::K_CACHE)?;
+    let (vs, _) = kv_shape_of(io::V_CACHE)?;
     if ks != vs {
-        return Err(fail(input_error(
+        return Err(input_error(
             io::V_CACHE,
             String::new(),
             format!("has shape {vs:?}, k_cache has {ks:?}"),
-        )));
+        ));
     }
+    Ok((ks, kdt))
+}
+
+/// The file's caches as the CPU pool: the caller's pages plus one scratch page (padded rows
+/// write there).
+pub(crate) fn load_kv(st: &SafeTensors, ks: &[usize], act: DType) -> Result<KvPool, InputError> {
     let pages = ks[1];
-    let step = StepInputs {
-        batch: b,
-        input_ids: ids,
-        hidden_states: hidden,
-        prefix_lens: prefix.iter().map(|&x| x as i32).collect(),
-        accept_lens: accept.iter().map(|&x| x as i32).collect(),
-        page_table: table.iter().map(|&x| x as i32).collect(),
-        page_cols: tshape[1],
-    };
-    // Check the cheap bounds before converting the (large) caches.
-    step.check(plan, pages).map_err(fail)?;
     let per_layer = pages * ks[2] * ks[3] * ks[4];
-    let k_all = floats(&st, io::K_CACHE, &ks, act).map_err(fail)?;
-    let v_all = floats(&st, io::V_CACHE, &vs, act).map_err(fail)?;
+    let k_all = floats(st, io::K_CACHE, ks, act)?;
+    let v_all = floats(st, io::V_CACHE, ks, act)?;
     // One extra page past the caller's: the scratch page padded rows write to.
     let scratch = ks[2] * ks[3] * ks[4];
     let split = |all: Vec<f32>| -> Vec<Vec<f32>> {
@@ -458,14 +480,10 @@ pub fn load_inputs(plan: &ValidatedPlan, path: &Path) -> Result<InputsFile, Cont
             })
             .collect()
     };
-    Ok(InputsFile {
-        step,
-        kv: KvPool {
-            pages: pages + 1,
-            k: split(k_all),
-            v: split(v_all),
-        },
-        kv_dtype: kdt,
+    Ok(KvPool {
+        pages: pages + 1,
+        k: split(k_all),
+        v: split(v_all),
     })
 }
 

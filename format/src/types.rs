@@ -567,6 +567,26 @@ impl Plan {
         kind.rows_per_request(&self.spec)
     }
 
+    /// The plan's phase a label names (`PhaseKind::parse`; `draft_decode` alone names the
+    /// plan's draft-decode tier when it has exactly one).
+    pub fn phase_by_label(&self, label: &str) -> Option<PhaseKind> {
+        let mut tiers = self.phases.iter().map(|p| p.kind.steps()).filter(|&s| s > 0);
+        let one = match (tiers.next(), tiers.next()) {
+            (Some(s), None) => Some(s),
+            _ => None,
+        };
+        PhaseKind::parse(label, one).filter(|k| self.phase(*k).is_some())
+    }
+
+    /// The plan's phases' labels, joined by `, ` (for errors).
+    pub fn phase_labels(&self) -> String {
+        self.phases
+            .iter()
+            .map(|p| p.kind.label())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     pub fn phase(&self, kind: PhaseKind) -> Option<&Phase> {
         self.phases.iter().find(|p| p.kind == kind)
     }

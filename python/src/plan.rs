@@ -11,7 +11,7 @@ use specplan_compiler::config::flags::{FlagValue, Kind};
 use specplan_compiler::config::{self, Overrides, Source};
 use specplan_compiler::jit::Jit;
 use specplan_format::signature::{self, Role};
-use specplan_format::{PhaseKind, Replay, ValidatedPlan};
+use specplan_format::{Replay, ValidatedPlan};
 
 /// A validated draft-extend plan.
 #[pyclass(module = "specplan._native", frozen)]
@@ -282,15 +282,9 @@ impl Plan {
     /// the Python runner checks its arguments and sizes its outputs by.
     #[pyo3(signature = (batch=1, phase="draft_extend"))]
     fn signature(&self, batch: u32, phase: &str) -> PyResult<Vec<SigEntry>> {
-        // `draft_decode` alone names the plan's draft-decode tier when it has one.
-        let tiers: Vec<u32> = self.inner.phases.iter().map(|p| p.kind.steps()).filter(|&s| s > 0).collect();
-        let one_tier = (tiers.len() == 1).then(|| tiers[0]);
-        let kind = PhaseKind::parse(phase, one_tier)
-            .filter(|k| self.inner.phase(*k).is_some())
-            .ok_or_else(|| {
-                let have: Vec<String> = self.inner.phases.iter().map(|p| p.kind.label()).collect();
-                PyValueError::new_err(format!("phase {phase:?}: the plan has {}", have.join(", ")))
-            })?;
+        let kind = self.inner.phase_by_label(phase).ok_or_else(|| {
+            PyValueError::new_err(format!("phase {phase:?}: the plan has {}", self.inner.phase_labels()))
+        })?;
         Ok(signature::resolve(&self.inner, kind, batch)
             .into_iter()
             .map(|r| {

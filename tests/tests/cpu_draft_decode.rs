@@ -443,3 +443,145 @@ fn tree_arithmetic_reproduces_the_release_example() {
         vec![503, 808, 202]
     );
 }
+
+/// The inputs file of a draft-decode step (`specplan run --phase draft_decode`).
+fn write_inputs(
+    path: &std::path::Path,
+    plan: &ValidatedPlan,
+    md: &Model,
+    st: &Step,
+    b: usize,
+    edit: &dyn Fn(&mut Vec<Tensor>),
+) {
+    let k = plan.spec.topk as usize;
+    let ps = plan.capture.page_size as usize;
+    let caller_pages = st.pool.pages - 1;
+    let per_layer = caller_pages * ps * md.hkv * md.d;
+    let cache = |layers: &[Vec<f32>]| -> Vec<f32> { layers.iter().flat_map(|l| l[..per_layer].to_vec()).collect() };
+    let kv_shape = vec![md.layers, caller_pages, ps, md.hkv, md.d];
+    let mut t = vec![
+        Tensor {
+            name: io::TOPK_PROBS.into(),
+            dtype: safetensors::tensor::Dtype::F32,
+            shape: vec![b, k],
+            bytes: st.probs[..b * k].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        },
+        i64_tensor(io::TOPK_IDS, vec![b, k], &st.ids[..b * k]),
+        bf16_tensor(io::HIDDEN_STATES, vec![b, md.h], &st.hidden[..b * md.h]),
+        i32_tensor(
+            io::PREFIX_LENS,
+            vec![b],
+            &st.prefix[..b].iter().map(|&l| l as i32).collect::<Vec<_>>(),
+        ),
+        i32_tensor(io::PAGE_TABLE, vec![b, st.cols], &st.table[..b * st.cols]),
+        bf16_tensor(io::K_CACHE, kv_shape.clone(), &cache(&st.pool.k)),
+        bf16_tensor(io::V_CACHE, kv_shape, &cache(&st.pool.v)),
+    ];
+    edit(&mut t);
+    save(path, &t);
+}
+
+/// Sets element `at` of tensor `name` (i64, i32 or f32 little-endian) in a file's tensors.
+fn poke(t: &mut [Tensor], name: &str, at: usize, v: f64) {
+    let x = t.iter_mut().find(|x| x.name == name).expect("tensor");
+    match x.dtype {
+        safetensors::tensor::Dtype::I64 => x.bytes[at * 8..at * 8 + 8].copy_from_slice(&(v as i64).to_le_bytes()),
+        safetensors::tensor::Dtype::I32 => x.bytes[at * 4..at * 4 + 4].copy_from_slice(&(v as i32).to_le_bytes()),
+        _ => x.bytes[at * 4..at * 4 + 4].copy_from_slice(&(v as f32).to_le_bytes()),
+    }
+}
+
+/// The `run` contract of a draft-decode plan on the CPU: the inputs file through
+/// `specplan_contract::decode` gives the naive forward's tree and K/V, and bad inputs are
+/// refused naming the tensor, the index and the bound (before anything runs).
+#[test]
+fn run_contract_matches_naive_and_names_bad_inputs() {
+    let mut rng = Rng(seed());
+    let (topk, steps, n) = (4u32, 3u32, 8u32);
+    let o = Overrides {
+        topk: Some(topk),
+        num_steps: Some(steps),
+        num_draft_tokens: Some(n),
+        draft_decode_steps: Some("auto".into()),
+        ..Default::default()
+    };
+    let cfg = resolve(&Source::Preset("tiny".into()), &o).expect("config");
+    let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan;
+    let kind = plan.phase_by_label("draft_decode").expect("one draft-decode tier");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let md = make_model(&plan, &mut rng, dir.path(), 8.0);
+    let b = 3;
+    let st = random_step(&plan, &md, &mut rng, b, steps as usize);
+    let path = dir.path().join("inputs.safetensors");
+    let weights = || load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights");
+    write_inputs(&path, &plan, &md, &st, b, &|_| {});
+    let mut x = specplan_contract::decode::load_decode_inputs(&plan, kind, &path).expect("inputs");
+    let res = specplan_contract::decode::run_cpu_decode(&plan, weights(), &mut x).expect("run");
+    let (k, nodes) = (topk as usize, n as usize - 1);
+    let pw = (steps as usize - 1) * k + 1;
+    for r in 0..b {
+        let want = naive_request(&plan, &md, &st, r, steps as usize, nodes);
+        if want.min_gap < 1e-4 {
+            continue; // a near tie between the f32 executor and the f64 forward
+        }
+        assert_eq!(
+            res.parent_list[r * pw..(r + 1) * pw],
+            want.parents[..],
+            "request {r}: parent_list"
+        );
+        assert_eq!(
+            res.top_scores_index[r * nodes..(r + 1) * nodes],
+            want.top[..],
+            "request {r}"
+        );
+        assert_eq!(
+            res.draft_tokens[r * nodes..(r + 1) * nodes],
+            want.tokens[..],
+            "request {r}"
+        );
+        for (l, at, kk, _) in &want.writes {
+            let got = x.kv.k[*l][*at] as f64;
+            assert!(
+                (got - kk[0]).abs() <= 2e-2 * (1.0 + kk[0].abs()),
+                "request {r} layer {l}: K at {at}"
+            );
+        }
+    }
+    let bytes = specplan_contract::decode::encode_decode_outputs(&plan, &res, &x).expect("encode");
+    let out = safetensors::SafeTensors::deserialize(&bytes).expect("outputs file");
+    assert_eq!(out.tensor(io::DRAFT_TOKENS).expect("draft_tokens").shape(), &[b, nodes]);
+    assert_eq!(out.tensor(io::PARENT_LIST).expect("parent_list").shape(), &[b, pw]);
+
+    // Bad inputs, each refused by name before anything runs.
+    let ctx = plan.capture.max_context_len as f64;
+    let vocab = plan.model.vocab as f64;
+    type Edit<'a> = &'a dyn Fn(&mut Vec<Tensor>);
+    let cases: [(&str, Edit, &str); 4] = [
+        ("id", &|t| poke(t, io::TOPK_IDS, k + 2, vocab), "topk_ids [1][2]"),
+        ("prob", &|t| poke(t, io::TOPK_PROBS, 1, 1.5), "topk_probs [0][1]"),
+        ("prefix", &|t| poke(t, io::PREFIX_LENS, 0, ctx), "prefix_lens [0]"),
+        (
+            "alias",
+            &|t| {
+                // Request 1 names request 0's pages: its lanes would write request 0's slots.
+                let x = t.iter_mut().find(|x| x.name == io::PAGE_TABLE).expect("table");
+                let row = x.bytes.len() / b;
+                let first = x.bytes[..row].to_vec();
+                x.bytes[row..2 * row].copy_from_slice(&first);
+            },
+            // Whichever request the check meets first is named, with the request it races.
+            "page_table writes",
+        ),
+    ];
+    for (what, edit, want) in cases {
+        write_inputs(&path, &plan, &md, &st, b, edit);
+        let err = match specplan_contract::decode::load_decode_inputs(&plan, kind, &path) {
+            Ok(_) => panic!("{what}: bad input accepted"),
+            Err(e) => e.to_string(),
+        };
+        let (name, detail) = want.split_once(' ').unwrap_or((want, ""));
+        assert!(err.contains(name) && err.contains(detail), "{what}: {err}");
+    }
+}
