@@ -7,7 +7,8 @@
 //! its parent lane's hidden; path scores are fp32 products of softmax probabilities, the
 //! K best of K² per step (ties to the lower index), the N − 1 best overall, ascending.
 //! Fresh random inputs every run (the seed is printed): random prefixes, padded batches,
-//! GQA 4/2, page sizes 1 and 4, topk 1/2/4, steps 2/3/5, FR-Spec's hot map.
+//! GQA 4/2, page sizes 1 and 4, topk 1/2/4, steps 2/3/5, FR-Spec's hot map, EAGLE-1 and
+//! EAGLE-3 heads.
 
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
@@ -19,6 +20,166 @@ use specplan_tests::{seed, Rng};
 
 mod naive;
 use naive::*;
+
+/// The draft head as the lane forward reads it, for either head kind.
+struct Net<'a> {
+    h: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    inter: usize,
+    layers: usize,
+    vocab: usize,
+    eps: f64,
+    inv_freq: Vec<f32>,
+    rope_scale: f64,
+    embed: &'a [f32],
+    input: Input<'a>,
+    wq: Vec<&'a [f32]>,
+    wk: Vec<&'a [f32]>,
+    wv: Vec<&'a [f32]>,
+    wo: Vec<&'a [f32]>,
+    wg: Vec<&'a [f32]>,
+    wu: Vec<&'a [f32]>,
+    wd: Vec<&'a [f32]>,
+    n_post: Vec<&'a [f32]>,
+    /// lm_head, `h` wide, and the rows the logits are over (the hot ones under FR-Spec).
+    lm: &'a [f32],
+    lm_rows: Vec<usize>,
+    /// The target id of each logits column.
+    ids: Vec<i64>,
+}
+
+/// How a lane's token and hidden row enter the head, and what feeds lm_head.
+enum Input<'a> {
+    /// EAGLE-1: `fc(embed ‖ hidden) + bias` every forward; layers ≥ 1 norm their input;
+    /// lm_head reads the layer output.
+    Eagle1 {
+        fc_w: &'a [f32],
+        fc_b: &'a [f32],
+        n_in: Vec<&'a [f32]>,
+    },
+    /// EAGLE-3 in draft decode: no fc (the hidden is the head's own H-wide output, SGLang
+    /// 0.5.23 `llama_eagle3.py:238-247`); layer 0 on `[norm(embed) ‖ norm(hidden)]` with
+    /// residual hidden; lm_head reads the final norm of the (fed back) pre-norm output.
+    Eagle3 {
+        n_embed: &'a [f32],
+        n_hidden: &'a [f32],
+        n_final: &'a [f32],
+    },
+}
+
+impl<'a> Net<'a> {
+    fn eagle1(md: &'a Model) -> Net<'a> {
+        let v = |x: &'a [Vec<f32>]| x.iter().map(|w| &w[..]).collect::<Vec<_>>();
+        let (rows, ids): (Vec<usize>, Vec<i64>) = match &md.hot {
+            Some(m) => (m.iter().map(|&r| r as usize).collect(), m.clone()),
+            None => ((0..md.vocab).collect(), (0..md.vocab as i64).collect()),
+        };
+        Net {
+            h: md.h,
+            hq: md.hq,
+            hkv: md.hkv,
+            d: md.d,
+            inter: md.inter,
+            layers: md.layers,
+            vocab: md.vocab,
+            eps: md.eps,
+            inv_freq: md.inv_freq.clone(),
+            rope_scale: md.rope_scale,
+            embed: &md.embed,
+            input: Input::Eagle1 {
+                fc_w: &md.fc_w,
+                fc_b: &md.fc_b,
+                n_in: v(&md.n_in),
+            },
+            wq: v(&md.wq),
+            wk: v(&md.wk),
+            wv: v(&md.wv),
+            wo: v(&md.wo),
+            wg: v(&md.wg),
+            wu: v(&md.wu),
+            wd: v(&md.wd),
+            n_post: v(&md.n_post),
+            lm: &md.lm,
+            lm_rows: rows,
+            ids,
+        }
+    }
+
+    fn eagle3(plan: &ValidatedPlan, hd: &'a Head) -> Net<'a> {
+        let (inv_freq, rope_scale) = reference_rope(&plan.model);
+        Net {
+            h: hd.h,
+            hq: hd.hq,
+            hkv: hd.hkv,
+            d: hd.d,
+            inter: hd.inter,
+            layers: 1,
+            vocab: hd.vocab,
+            eps: hd.eps,
+            inv_freq,
+            rope_scale,
+            embed: &hd.embed,
+            input: Input::Eagle3 {
+                n_embed: &hd.n_embed,
+                n_hidden: &hd.n_hidden,
+                n_final: &hd.n_final,
+            },
+            wq: vec![&hd.wq],
+            wk: vec![&hd.wk],
+            wv: vec![&hd.wv],
+            wo: vec![&hd.wo],
+            wg: vec![&hd.wg],
+            wu: vec![&hd.wu],
+            wd: vec![&hd.wd],
+            n_post: vec![&hd.n_post],
+            lm: &hd.lm,
+            lm_rows: (0..hd.vd).collect(),
+            ids: (0..hd.vd).map(|c| c as i64 + hd.d2t[c]).collect(),
+        }
+    }
+
+    /// A lane's residual stream and layer-0 input from its token and hidden row.
+    fn enter(&self, id: usize, hid: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let h = self.h;
+        let e: Vec<f64> = self.embed[id * h..(id + 1) * h].iter().map(|&v| v as f64).collect();
+        match &self.input {
+            Input::Eagle1 { fc_w, fc_b, .. } => {
+                let mut inp = e;
+                inp.extend(hid);
+                let x: Vec<f64> = matvec(fc_w, &inp, h)
+                    .iter()
+                    .zip(fc_b.iter())
+                    .map(|(a, b)| a + *b as f64)
+                    .collect();
+                (x.clone(), x)
+            }
+            Input::Eagle3 { n_embed, n_hidden, .. } => {
+                let mut a = rms(&e, n_embed, self.eps);
+                a.extend(rms(hid, n_hidden, self.eps));
+                (hid.to_vec(), a)
+            }
+        }
+    }
+
+    /// Layer `l`'s attention input from the residual stream (layer 0: `first`).
+    fn layer_input(&self, l: usize, x: &[f64], first: &[f64]) -> Vec<f64> {
+        match &self.input {
+            _ if l == 0 => first.to_vec(),
+            Input::Eagle1 { n_in, .. } => rms(x, n_in[l], self.eps),
+            Input::Eagle3 { .. } => unreachable!("an EAGLE-3 head has one layer"),
+        }
+    }
+
+    /// What lm_head reads from a lane's output row.
+    fn head_input(&self, x: &[f64]) -> Vec<f64> {
+        match &self.input {
+            Input::Eagle1 { .. } => x.to_vec(),
+            Input::Eagle3 { n_final, .. } => rms(x, n_final, self.eps),
+        }
+    }
+}
 
 /// One step's inputs: the draft-extend top-K and hidden rows, prefixes, the caller's pages
 /// and its K/V pool (every slot random, so a wrong read shows).
@@ -44,7 +205,7 @@ fn lane_offset(l: usize, k: usize, steps: usize, topk: usize, ps: usize) -> usiz
     }
 }
 
-fn random_step(plan: &ValidatedPlan, md: &Model, rng: &mut Rng, b: usize, steps: usize) -> Step {
+fn random_step(plan: &ValidatedPlan, md: &Net, rng: &mut Rng, b: usize, steps: usize) -> Step {
     let (k, ps) = (plan.spec.topk as usize, plan.capture.page_size as usize);
     let ctx = plan.capture.max_context_len as usize;
     let cols = plan.capture.max_pages_per_request as usize;
@@ -120,7 +281,7 @@ fn best(v: &[f32], n: usize) -> (Vec<usize>, f64) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: usize, nodes: usize) -> Want {
+fn naive_request(plan: &ValidatedPlan, md: &Net, st: &Step, r: usize, steps: usize, nodes: usize) -> Want {
     let (h, d) = (md.h, md.d);
     let (k, ps) = (plan.spec.topk as usize, plan.capture.page_size as usize);
     let g = md.hq / md.hkv;
@@ -144,34 +305,15 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
     let mut min_gap = f64::INFINITY;
     for i in 0..steps - 1 {
         let pos = l0 + i;
-        // fc(embed ‖ hidden) + bias, per lane.
-        let mut x: Vec<Vec<f64>> = (0..k)
-            .map(|lane| {
-                let id = ids[lane] as usize;
-                let mut inp: Vec<f64> = md.embed[id * h..(id + 1) * h].iter().map(|&v| v as f64).collect();
-                inp.extend(&hid[lane]);
-                matvec(&md.fc_w, &inp, h)
-                    .iter()
-                    .zip(&md.fc_b)
-                    .map(|(a, b)| a + *b as f64)
-                    .collect()
-            })
-            .collect();
+        // Each lane's residual stream and layer-0 input (EAGLE-1: fc; EAGLE-3: the norms).
+        let (mut x, first): (Vec<Vec<f64>>, Vec<Vec<f64>>) =
+            (0..k).map(|lane| md.enter(ids[lane] as usize, &hid[lane])).unzip();
         for l in 0..md.layers {
-            let hn: Vec<Vec<f64>> = x
-                .iter()
-                .map(|row| {
-                    if l == 0 {
-                        row.clone()
-                    } else {
-                        rms(row, &md.n_in[l], md.eps)
-                    }
-                })
-                .collect();
-            let mut q: Vec<Vec<f64>> = hn.iter().map(|row| matvec(&md.wq[l], row, md.hq * d)).collect();
+            let hn: Vec<Vec<f64>> = (0..k).map(|lane| md.layer_input(l, &x[lane], &first[lane])).collect();
+            let mut q: Vec<Vec<f64>> = hn.iter().map(|row| matvec(md.wq[l], row, md.hq * d)).collect();
             for lane in 0..k {
-                let mut kk = matvec(&md.wk[l], &hn[lane], md.hkv * d);
-                let vv = matvec(&md.wv[l], &hn[lane], md.hkv * d);
+                let mut kk = matvec(md.wk[l], &hn[lane], md.hkv * d);
+                let vv = matvec(md.wv[l], &hn[lane], md.hkv * d);
                 rope_with(&mut q[lane], pos, d, &md.inv_freq, md.rope_scale);
                 rope_with(&mut kk, pos, d, &md.inv_freq, md.rope_scale);
                 let at = slot_el(l0 + lane_offset(l0, lane, steps, k, ps) + i);
@@ -208,31 +350,28 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
                         }
                     }
                 }
-                let o = matvec(&md.wo[l], &attn, h);
+                let o = matvec(md.wo[l], &attn, h);
                 for c in 0..h {
                     x[lane][c] += o[c];
                 }
-                let h2 = rms(&x[lane], &md.n_post[l], md.eps);
-                let gate = matvec(&md.wg[l], &h2, md.inter);
-                let up = matvec(&md.wu[l], &h2, md.inter);
+                let h2 = rms(&x[lane], md.n_post[l], md.eps);
+                let gate = matvec(md.wg[l], &h2, md.inter);
+                let up = matvec(md.wu[l], &h2, md.inter);
                 let mid: Vec<f64> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-                let down = matvec(&md.wd[l], &mid, h);
+                let down = matvec(md.wd[l], &mid, h);
                 for c in 0..h {
                     x[lane][c] += down[c];
                 }
             }
         }
         // Per lane: softmax over the lm_head rows, top-K, mapped to target ids once.
-        let (rows, map): (Vec<usize>, Option<&Vec<i64>>) = match &md.hot {
-            Some(m) => (m.iter().map(|&v| v as usize).collect(), Some(m)),
-            None => ((0..md.vocab).collect(), None),
-        };
+        let cols = md.ids.len();
         let mut step_p: Vec<Vec<f32>> = Vec::new();
         let mut step_i: Vec<Vec<i64>> = Vec::new();
         for row in &x {
-            let logits: Vec<f64> = rows
-                .iter()
-                .map(|&v| (0..h).map(|c| md.lm[v * h + c] as f64 * row[c]).sum())
+            let row = md.head_input(row);
+            let logits: Vec<f64> = (0..cols)
+                .map(|v| (0..h).map(|c| md.lm[md.lm_rows[v] * h + c] as f64 * row[c]).sum())
                 .collect();
             let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let s: f64 = logits.iter().map(|v| (v - m).exp()).sum();
@@ -240,7 +379,7 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
             let (top, gap) = best(&probs, k);
             min_gap = min_gap.min(gap);
             step_p.push(top.iter().map(|&c| probs[c]).collect());
-            step_i.push(top.iter().map(|&c| map.map_or(c as i64, |mp| mp[c])).collect());
+            step_i.push(top.iter().map(|&c| md.ids[c]).collect());
         }
         // Selection i + 1 (select_top_k_tokens, later).
         let kk = k * k;
@@ -271,6 +410,12 @@ fn naive_request(plan: &ValidatedPlan, md: &Model, st: &Step, r: usize, steps: u
 }
 
 fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batches: &[usize]) {
+    check_head(false, topk, steps, n, page_size, hot, batches)
+}
+
+/// `check` on the tiny preset (EAGLE-1) or, with `eagle3`, the tiny EAGLE-3 head of the
+/// corpus (draft vocabulary 600, d2t).
+fn check_head(eagle3: bool, topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batches: &[usize]) {
     let mut rng = Rng(seed());
     let o = Overrides {
         topk: Some(topk),
@@ -279,9 +424,20 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
         page_size: Some(page_size),
         hot_vocab_size: hot,
         draft_decode_steps: Some(steps.to_string()),
+        buckets: Some("1,2,4,8".into()),
+        max_context_len: Some(512),
         ..Default::default()
     };
-    let cfg = resolve(&Source::Preset("tiny".into()), &o).expect("config");
+    let src = if eagle3 {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/valid/tiny-eagle3.json");
+        Source::HfConfig {
+            name: "tiny-eagle3".into(),
+            text: std::fs::read_to_string(&path).expect("tiny-eagle3.json"),
+        }
+    } else {
+        Source::Preset("tiny".into())
+    };
+    let cfg = resolve(&src, &o).expect("config");
     let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
         .expect("compile")
         .plan;
@@ -289,7 +445,14 @@ fn check(topk: u32, steps: u32, n: u32, page_size: u32, hot: Option<u32>, batche
     let phase = plan.phase(kind).expect("the draft-decode phase");
     let dir = tempfile::tempdir().expect("tempdir");
     // Large logits: peaked distributions, so the tree's products are well separated.
-    let md = make_model(&plan, &mut rng, dir.path(), 8.0);
+    let (model, head);
+    let md = if eagle3 {
+        head = make_head(&plan, &mut rng, dir.path());
+        Net::eagle3(&plan, &head)
+    } else {
+        model = make_model(&plan, &mut rng, dir.path(), 8.0);
+        Net::eagle1(&model)
+    };
     let weights = load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights");
     let exec = CpuExecutor::new(&plan, weights).expect("executor");
     let (k, s, nodes) = (topk as usize, steps as usize, n as usize - 1);
@@ -403,6 +566,15 @@ fn tree_with_pages_and_five_steps_matches_naive_draft_forward() {
     check(2, 5, 8, 4, None, &[1, 4]);
 }
 
+/// EAGLE-3: no fc on the head's own hidden, layer 0 on the two norms, lm_head over the draft
+/// vocabulary after the final norm, ids through d2t, the pre-norm row fed back.
+#[test]
+fn eagle3_chain_and_tree_match_naive_draft_forward() {
+    check_head(true, 1, 3, 4, 4, None, &[1, 5]);
+    check_head(true, 4, 3, 8, 4, None, &[2, 7]);
+    check_head(true, 2, 5, 8, 1, None, &[3]);
+}
+
 #[test]
 fn tree_with_fr_spec_hot_map_matches_naive_draft_forward() {
     check(4, 3, 6, 4, Some(300), &[2, 5]);
@@ -448,7 +620,7 @@ fn tree_arithmetic_reproduces_the_release_example() {
 fn write_inputs(
     path: &std::path::Path,
     plan: &ValidatedPlan,
-    md: &Model,
+    md: &Net,
     st: &Step,
     b: usize,
     edit: &dyn Fn(&mut Vec<Tensor>),
@@ -511,7 +683,8 @@ fn run_contract_matches_naive_and_names_bad_inputs() {
         .plan;
     let kind = plan.phase_by_label("draft_decode").expect("one draft-decode tier");
     let dir = tempfile::tempdir().expect("tempdir");
-    let md = make_model(&plan, &mut rng, dir.path(), 8.0);
+    let model = make_model(&plan, &mut rng, dir.path(), 8.0);
+    let md = Net::eagle1(&model);
     let b = 3;
     let st = random_step(&plan, &md, &mut rng, b, steps as usize);
     let path = dir.path().join("inputs.safetensors");

@@ -39,15 +39,13 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
     let mut score_list = g.act("score_list", DType::F32, vec![b, f(cands)]);
     let mut token_list = g.act("token_list", DType::I64, vec![b, f(cands)]);
     let mut parent_list = g.output(io::PARENT_LIST, DType::I64, vec![b, f(parents)]);
-    let mut outs = vec![scores, ids, score_list, token_list, parent_list];
-    let src = lanes.then(|| g.act("s0.src", DType::I32, vec![t]));
-    outs.extend(src);
+    // Step 0's rows gather the request's hidden row, with one lane too: the residual stream
+    // then lives in the arena (an EAGLE-3 head's residual is that row itself).
+    let src = g.act("s0.src", DType::I32, vec![t]);
+    let outs = vec![scores, ids, score_list, token_list, parent_list, src];
     g.op(Entry::TreeInit.name(), OpKind::TreeInit, vec![probs_in, ids_in], outs);
     let (mut scores, mut ids) = (scores, ids);
-    let mut hidden = match src {
-        Some(s) => gather(&mut g, &cx, 0, hidden_in, s),
-        None => hidden_in,
-    };
+    let mut hidden = gather(&mut g, &cx, 0, hidden_in, src);
 
     for step in 0..steps - 1 {
         cx.step = step;

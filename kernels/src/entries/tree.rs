@@ -24,7 +24,9 @@ pub struct TreeInitParams {
     pub scores: DevPtrMut<f32>,
     #[arg(buffer)]
     pub ids: DevPtrMut<i64>,
-    /// Each lane's hidden row (the request's); null with one lane (no gather).
+    /// Each lane's hidden row (the request's), for step 0's gather: with one lane too, so
+    /// the residual stream starts in the arena (EAGLE-3 feeds the hidden row itself as the
+    /// residual, which a GEMM may not accumulate into in place while it is a staged input).
     #[arg(buffer)]
     pub src: DevPtrMut<i32>,
     #[arg(buffer)]
@@ -114,7 +116,7 @@ impl Kernel for TreeInitParams {
             topk_ids: Extent::Elems(b * k),
             scores: Extent::Elems(b * k),
             ids: Extent::Elems(b * k),
-            src: if k > 1 { Extent::Elems(b * k) } else { Extent::Unused },
+            src: Extent::Elems(b * k),
             score_list: Extent::Elems(b * f.tree_candidates() as u64),
             token_list: Extent::Elems(b * f.tree_candidates() as u64),
             parent_list: Extent::Elems(b * f.parent_width() as u64),

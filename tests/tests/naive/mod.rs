@@ -12,6 +12,9 @@ mod eagle1;
 // Not every test that includes these helpers builds an EAGLE-1 head.
 #[allow(unused_imports)]
 pub use eagle1::{make_model, reference_rope, Model};
+mod eagle3;
+#[allow(unused_imports)]
+pub use eagle3::{make_head, Head};
 
 pub fn round_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect()
