@@ -52,7 +52,14 @@ pub fn load_decode_inputs(plan: &ValidatedPlan, kind: PhaseKind, path: &Path) ->
         .phase(kind)
         .and_then(|p| p.buckets.last())
         .map_or(0, |x| x.batch as usize);
-    admission::check_batch(b, Some(max_b.min(plan.capture.max_requests as usize))).map_err(fail)?;
+    let max_b = max_b.min(plan.capture.max_requests as usize);
+    if b == 0 || b > max_b {
+        return Err(fail(input_error(
+            io::TOPK_IDS,
+            String::new(),
+            format!("{b} requests: a step needs 1 to {max_b} (the phase's largest bucket)"),
+        )));
+    }
     let act = plan.capture.dtype;
     let probs = floats(&st, io::TOPK_PROBS, &[b, k], act).map_err(fail)?;
     let hidden = floats(&st, io::HIDDEN_STATES, &[b, plan.model.hidden as usize], act).map_err(fail)?;
