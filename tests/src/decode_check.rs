@@ -29,6 +29,9 @@ pub const TREE_TIE_REL: f64 = 2e-2;
 /// slot, key set or selection makes nearly every tree differ, near ties only a few.
 pub const TREE_AGREEMENT: f64 = 0.75;
 
+const SCORE_LIST: &str = "score_list";
+const TOKEN_LIST: &str = "token_list";
+
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct DecodeReport {
     pub phase: String,
@@ -41,6 +44,9 @@ pub struct DecodeReport {
     /// Of those, the ones with a near tie (`TREE_TIE_REL`) at a cut of the GPU's score list
     /// (a tie inside one lane's top-K is not visible there).
     pub near_ties: usize,
+    /// (lane, forward) inputs of equal trees that parted from the CPU's at a near tie the
+    /// tree does not show (their K/V is not compared).
+    pub lane_ties: usize,
     pub kv_rel: f64,
     pub kv_untouched_changed: usize,
     pub graph_vs_eager_diff: usize,
@@ -206,6 +212,34 @@ fn min_cut_gap(scores: &[f32], k: usize, steps: usize, nodes: usize) -> f64 {
     m
 }
 
+/// Per forward `i` (0..S−1) and lane: whether the lane's input parted from the CPU's (its
+/// token differs, or it descends from a lane that parted), and the candidate it came from
+/// (none at forward 0, whose inputs are the caller's). `parents` is one request's
+/// parent_list (equal on both sides), `gpu`/`cpu` its token lists.
+fn parted_lanes(parents: &[i64], gpu: &[i64], cpu: &[i64], k: usize, steps: usize) -> Vec<Vec<(bool, Option<usize>)>> {
+    let mut out = vec![vec![(false, None); k]];
+    for i in 1..steps - 1 {
+        // parent_list: −1, the K roots, then per selection i the chosen candidates' indices
+        // in the score list (block i starts at K + K²(i−1)).
+        let start = k + k * k * (i - 1);
+        let lanes = (0..k)
+            .map(|j| {
+                let Some(c) = parents
+                    .get(1 + k + (i - 1) * k + j)
+                    .and_then(|&c| usize::try_from(c).ok())
+                else {
+                    return (true, None);
+                };
+                let from = c.checked_sub(start).map(|x| x / k).filter(|&p| p < k);
+                let inherited = from.is_none_or(|p| out[i - 1][p].0);
+                (gpu.get(c) != cpu.get(c) || inherited, Some(c))
+            })
+            .collect();
+        out.push(lanes);
+    }
+    out
+}
+
 /// Runs phase `kind` for `b` requests on the GPU (graph and eager) and on the CPU executor.
 pub fn check_decode(
     plan: &ValidatedPlan,
@@ -242,12 +276,13 @@ pub fn check_decode(
             i64s(&read(io::TOP_SCORES_INDEX)?)[..b * nodes].to_vec(),
             i64s(&read(io::DRAFT_TOKENS)?)[..b * nodes].to_vec(),
         );
-        let scores = f32s(&read("score_list")?)[..b * cands].to_vec();
+        let scores = f32s(&read(SCORE_LIST)?)[..b * cands].to_vec();
+        let tokens = i64s(&read(TOKEN_LIST)?)[..b * cands].to_vec();
         let (kk, vv) = rt.read_kv(c.used_pages).map_err(g)?;
-        Ok((outs, scores, kk, vv))
+        Ok((outs, scores, tokens, kk, vv))
     };
-    let (og, sg, kg, vg) = run(false)?;
-    let (oe, se, ke, ve) = run(true)?;
+    let (og, sg, tg, kg, vg) = run(false)?;
+    let (oe, se, te, ke, ve) = run(true)?;
     // Back-to-back graph replays (the inputs stay in place), wall time per replay.
     let reps = 100;
     rt.run_phase(kind, c.bucket, false).map_err(g)?;
@@ -272,6 +307,7 @@ pub fn check_decode(
             &sg.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             &se.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
         )
+        + bit_diffs(&tg, &te)
         + bit_diffs(&kg, &ke)
         + bit_diffs(&vg, &ve);
 
@@ -303,7 +339,7 @@ pub fn check_decode(
     let named: Vec<(&str, Vec<f64>)> = c.inputs.iter().map(|(n, _, v)| (*n, v.clone())).collect();
     let exec = CpuExecutor::borrowing(plan, weights).map_err(|x| x.to_string())?;
     let outs = exec
-        .run_named(kind, bucket, &named, &table, &mut pool)
+        .run_named_reading(kind, bucket, &named, &table, &mut pool, &[SCORE_LIST, TOKEN_LIST])
         .map_err(|x| x.to_string())?;
     let get = |name: &str| -> Vec<i64> {
         outs.iter()
@@ -311,6 +347,14 @@ pub fn check_decode(
             .map_or_else(Vec::new, |(_, v)| v.iter().map(|&x| x as i64).collect())
     };
     let (cp, ct, cd) = (get(io::PARENT_LIST), get(io::TOP_SCORES_INDEX), get(io::DRAFT_TOKENS));
+    let ctl = get(TOKEN_LIST);
+    let csl: Vec<f64> = outs
+        .iter()
+        .find(|(n, _)| n == SCORE_LIST)
+        .map_or_else(Vec::new, |(_, v)| v.clone());
+    if ctl.len() < b * cands || csl.len() < b * cands {
+        return Err("the CPU executor did not return the tree's score and token lists".into());
+    }
 
     // Per request: the tree, then (when it is the CPU's) the lanes' K/V.
     let (ps, row) = (
@@ -338,11 +382,42 @@ pub fn check_decode(
             continue;
         }
         e.equal += 1;
+        // The lanes whose input parted from the CPU's: an equal tree can still hide a token
+        // that differs at a candidate fed to a lane but not chosen among the N − 1 nodes (a
+        // near tie inside the parent lane's top-K, or at its K-th child), and that lane's
+        // later K/V then legitimately differs. Such a candidate must score nearly the same on
+        // both sides (`TREE_TIE_REL`); anything else is a failure.
+        let (tree_g, tree_c) = (&tg[r * cands..(r + 1) * cands], &ctl[r * cands..(r + 1) * cands]);
+        let parted = parted_lanes(&og.0[r * pw..(r + 1) * pw], tree_g, tree_c, k, steps);
+        for (i, lanes) in parted.iter().enumerate() {
+            for (lane, &(p, cand)) in lanes.iter().enumerate() {
+                // A lane that only descends from a parted one is skipped, not judged.
+                let Some(cand) = cand.filter(|&c| p && tree_g.get(c) != tree_c.get(c)) else {
+                    continue;
+                };
+                let (sgv, scv) = (
+                    sg.get(r * cands + cand).map_or(f64::NAN, |&x| x as f64),
+                    csl.get(r * cands + cand).copied().unwrap_or(f64::NAN),
+                );
+                let rel = (sgv - scv).abs() / scv.abs().max(1e-30);
+                e.lane_ties += 1;
+                if rel.is_nan() || rel > TREE_TIE_REL {
+                    e.failures.push(format!(
+                        "b={b} req {r} lane {lane} step {i}: input token {:?} on the GPU, {:?} on the CPU (candidate {cand}), scores {sgv:.4e} against {scv:.4e} (not a near tie)",
+                        tree_g.get(cand), tree_c.get(cand)
+                    ));
+                }
+            }
+        }
         for (which, got, refp) in [("k", &kg, &pool.k), ("v", &vg, &pool.v)] {
             for (layer, refl) in refp.iter().enumerate() {
-                let (mut gw, mut ww) = (Vec::new(), Vec::new());
+                let (mut gw, mut ww, mut at_slot) = (Vec::new(), Vec::new(), Vec::new());
                 for lane in 0..k {
-                    for i in 0..steps - 1 {
+                    for (i, lanes) in parted.iter().enumerate() {
+                        if lanes[lane].0 {
+                            continue;
+                        }
+                        at_slot.push((lane, i));
                         let pos =
                             l + lane_offset(l as u64, lane as u32, steps as u32, k as u32, ps as u32) as usize + i;
                         let pg = c.pages[r][pos / ps] as usize;
@@ -362,7 +437,7 @@ pub fn check_decode(
                     for (si, (gs, ws)) in gw.chunks(row).zip(ww.chunks(row)).enumerate() {
                         let r2 = rel_rms(gs, ws);
                         if r2 > worst.0 {
-                            let (lane, i) = (si / (steps - 1), si % (steps - 1));
+                            let (lane, i) = at_slot[si];
                             let pos =
                                 l + lane_offset(l as u64, lane as u32, steps as u32, k as u32, ps as u32) as usize + i;
                             let pg = c.pages[r][pos / ps] as usize;

@@ -205,8 +205,23 @@ impl<'p> CpuExecutor<'p> {
         table: &PageTable,
         kv: &mut KvPool,
     ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
+        self.run_named_reading(kind, bucket, inputs, table, kv, &[])
+    }
+
+    /// As [`CpuExecutor::run_named`], also returning the buffers named in `extra` as the last
+    /// launch left them (the caller names buffers still live there: a check comparing the
+    /// GPU's intermediate values, such as a draft-decode tree's `token_list`).
+    pub fn run_named_reading(
+        &self,
+        kind: PhaseKind,
+        bucket: &BucketPlan,
+        inputs: &[(&str, Vec<f64>)],
+        table: &PageTable,
+        kv: &mut KvPool,
+        extra: &[&str],
+    ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
         let mut dense = kv::DenseKv::new(self.plan, kv);
-        self.run_raw(kind, bucket, inputs, table, &mut dense, &mut |_, _, _| {})
+        self.run_raw(kind, bucket, inputs, table, &mut dense, extra, &mut |_, _, _| {})
     }
 
     fn run_core<K: KvStore>(
@@ -227,7 +242,7 @@ impl<'p> CpuExecutor<'p> {
             (io::ACCEPT_LENS, inputs.accept_lens.iter().map(|&x| x as f64).collect()),
             (io::REQ_SLOTS, inputs.req_slots.iter().map(|&x| x as f64).collect()),
         ];
-        let outs = self.run_raw(PhaseKind::DraftExtend, bucket, &named, table, kv, observe)?;
+        let outs = self.run_raw(PhaseKind::DraftExtend, bucket, &named, table, kv, &[], observe)?;
         let get = |name: &str| {
             outs.iter()
                 .find(|(n, _)| n == name)
@@ -251,6 +266,7 @@ impl<'p> CpuExecutor<'p> {
         inputs: &[(&str, Vec<f64>)],
         table: &PageTable,
         kv: &mut K,
+        extra: &[&str],
         observe: &mut Observer<'_, K>,
     ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
         if bucket.arena_bytes > MAX_CPU_ARENA_BYTES {
@@ -312,7 +328,7 @@ impl<'p> CpuExecutor<'p> {
         bucket
             .buffers
             .iter()
-            .filter(|b| b.role == specplan_format::BufferRole::Output)
+            .filter(|b| b.role == specplan_format::BufferRole::Output || extra.contains(&b.name.as_str()))
             .map(|b| Ok((b.name.clone(), ctx.load_named(&b.name).map_err(out)?)))
             .collect()
     }

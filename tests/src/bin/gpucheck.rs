@@ -197,12 +197,13 @@ fn check_decode_phases(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: b
             match check_decode(plan, &mut rt, &weights, kind, rng, b) {
                 Ok(d) => {
                     println!(
-                        "{name:<28} {b:>5} {} bucket {}: trees equal {}/{b} ({} differ, {} at a near tie), lane K/V rel {:.2e}, graph != eager {}, other K/V changed {}, replay {:.1} µs  {}",
+                        "{name:<28} {b:>5} {} bucket {}: trees equal {}/{b} ({} differ, {} at a near tie; {} lane inputs parted at a hidden tie), lane K/V rel {:.2e}, graph != eager {}, other K/V changed {}, replay {:.1} µs  {}",
                         d.phase,
                         d.bucket,
                         d.equal,
                         d.differ,
                         d.near_ties,
+                        d.lane_ties,
                         d.kv_rel,
                         d.graph_vs_eager_diff,
                         d.kv_untouched_changed,
