@@ -259,6 +259,7 @@ impl<'p> CpuExecutor<'p> {
         })
     }
 
+    #[allow(clippy::too_many_arguments)] // the run's parts, each passed through from a public entry
     fn run_raw<K: KvStore>(
         &self,
         kind: PhaseKind,
