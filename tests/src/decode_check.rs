@@ -482,3 +482,28 @@ pub fn check_decode(
     e.ok = e.failures.is_empty();
     Ok(e)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parted_lanes;
+
+    #[test]
+    fn a_lane_parts_where_its_candidate_token_differs_and_its_children_follow() {
+        // K 2, S 4: forwards 0..2; candidates: 2 roots, then 4 per selection.
+        let (k, steps) = (2, 4);
+        // parent_list: −1, roots 0 1, selection 1 picks candidates 2 and 5 (from lanes 0
+        // and 1 of forward 0), selection 2 picks 6 and 9 (children of forward-1 lanes 0, 1).
+        let parents = [-1, 0, 1, 2, 5, 6, 9];
+        let cpu: Vec<i64> = (0..2 + 4 + 4).collect();
+        let mut gpu = cpu.clone();
+        gpu[5] = 99; // forward 1's lane 1 took another token at candidate 5
+        let p = parted_lanes(&parents, &gpu, &cpu, k, steps);
+        assert_eq!(p[0], vec![(false, None), (false, None)]);
+        assert_eq!(p[1], vec![(false, Some(2)), (true, Some(5))]);
+        // Candidate 9 is a child of forward 1's lane 1 (block 6..10, (9 − 6) / 2 = 1).
+        assert_eq!(p[2], vec![(false, Some(6)), (true, Some(9))]);
+        // Nothing parts when the lists agree.
+        let q = parted_lanes(&parents, &cpu, &cpu, k, steps);
+        assert!(q.iter().flatten().all(|x| !x.0));
+    }
+}
