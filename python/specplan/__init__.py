@@ -17,10 +17,12 @@ import sys
 import warnings
 
 from . import _native
+from ._decode import DraftDecodeOutput, DraftDecodeRunner
 from ._runner import DeviceError, DraftExtendOutput, DraftExtendRunner, Engine
 
 __version__ = _native.__version__
-__all__ = ["Plan", "CompileNote", "Engine", "DraftExtendRunner", "DraftExtendOutput", "DeviceError", "doctor"]
+__all__ = ["Plan", "CompileNote", "Engine", "DraftExtendRunner", "DraftExtendOutput", "DraftDecodeRunner",
+           "DraftDecodeOutput", "DeviceError", "doctor"]
 
 
 def _nvidia_dirs():
@@ -120,6 +122,7 @@ for _name, _doc in [
     ("graph_buckets", "buckets replayed as CUDA graphs"),
     ("num_draft_tokens", "N: tokens verified per request (the draft-extend rows per request)"),
     ("topk", "top-K of the next draft"),
+    ("num_steps", "speculative_num_steps: the draft-decode tier SGLang runs by default"),
     ("hidden_size", "the draft head's hidden size"),
     ("vocab_size", "the draft vocabulary"),
     ("num_layers", "decoder layers of the draft head"),

@@ -194,6 +194,19 @@ class Engine:
             self._runners["draft_extend"] = r
         return r
 
+    def draft_decode(self, steps=None, plan=None):
+        """The runner of the plan's draft-decode tier `steps` (default: the config's
+        num_steps, or the plan's only tier) on this registration (one per engine and tier)."""
+        from ._decode import DraftDecodeRunner, _phase_label
+
+        _same_plan(self.plan, plan)
+        label, _ = _phase_label(self.plan, steps)
+        r = self._runners.get(label)
+        if r is None:
+            r = DraftDecodeRunner._on(self, steps)
+            self._runners[label] = r
+        return r
+
     @property
     def device(self):
         return self._device

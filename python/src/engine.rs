@@ -13,6 +13,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use specplan_format::{signature, DType, Replay, ValidatedPlan};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
+use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::gpu::{
     AcceptForm, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuError,
     GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode, TableRegistration,
@@ -266,6 +267,21 @@ impl Engine {
         self.rt.step_device(&s).map(|_| ()).map_err(py_err)
     }
 
+    /// Draft decode on CUDA tensors: the device step of the phase (its staging and
+    /// per-request checks on the engine's memory) is not built yet, so it is refused with
+    /// that reason rather than run unchecked; CPU tensors run it (`CpuEngine`).
+    #[pyo3(signature = (phase, *_args, **_kwargs))]
+    fn draft_decode(
+        &mut self,
+        phase: &str,
+        _args: &Bound<'_, pyo3::types::PyTuple>,
+        _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+    ) -> PyResult<()> {
+        Err(PyRuntimeError::new_err(format!(
+            "{phase}: draft decode on CUDA tensors is not available in this build (the phase's device step on an engine's memory is not built yet; CPU tensors run it)"
+        )))
+    }
+
     /// What the device refused in the last step: `None`, or `(count, first request, rule
     /// description)`. Waits for the last step to finish.
     fn last_error(&self) -> PyResult<Option<Refusal>> {
@@ -423,6 +439,92 @@ impl CpuEngine {
         };
         let _ = py;
         self.eng.step(&x, &mut out).map_err(PyValueError::new_err)
+    }
+
+    /// One step of draft-decode phase `phase` (`draft_decode:S`) on host addresses: inputs
+    /// `topk_p` f32 [b, K], `ids` [b, K] (target ids; int32 with `ids_i32`), `hidden`
+    /// [b, H] in the plan's dtype, `req` / `prefix` [b]; outputs (0: not copied)
+    /// parent_list [b, (S−1)K+1], top_scores_index and draft_tokens [b, N−1], int64.
+    #[pyo3(signature = (phase, b, topk_p, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, prefix_bias, out_parents, out_index, out_tokens, stream=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn draft_decode(
+        &mut self,
+        phase: &str,
+        b: usize,
+        topk_p: u64,
+        ids: u64,
+        ids_i32: bool,
+        hidden: u64,
+        req: u64,
+        req_i32: bool,
+        prefix: u64,
+        prefix_i32: bool,
+        prefix_bias: i32,
+        out_parents: u64,
+        out_index: u64,
+        out_tokens: u64,
+        stream: u64,
+    ) -> PyResult<()> {
+        let _ = stream;
+        let plan = self.eng.plan();
+        let kind = plan
+            .phase_by_label(phase)
+            .filter(|k| k.steps() > 0)
+            .ok_or_else(|| PyValueError::new_err(format!("phase {phase:?}: the plan has {}", plan.phase_labels())))?;
+        let k = plan.spec.topk as usize;
+        let h = plan.model.hidden as usize;
+        // The outputs' widths from the phase's signature.
+        let sig = signature::resolve(plan, kind, 1);
+        let width = |name: &str| {
+            sig.iter()
+                .find(|r| r.decl.name == name)
+                .and_then(|r| r.shape.get(1).copied())
+                .unwrap_or(0) as usize
+        };
+        let (pw, nodes) = (width(io::PARENT_LIST), width(io::TOP_SCORES_INDEX));
+        for (name, p) in [
+            (io::TOPK_PROBS, topk_p),
+            (io::TOPK_IDS, ids),
+            (io::HIDDEN_STATES, hidden),
+            ("req_pool_indices", req),
+            (io::PREFIX_LENS, prefix),
+        ] {
+            if p == 0 {
+                return Err(PyValueError::new_err(format!("{name} is a null pointer")));
+            }
+        }
+        // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
+        // [b, ...] and contiguity on the CPU before passing its address, and holds it for
+        // the call; outputs are the runner's own int64 tensors of the phase's shapes.
+        let ints = |p: u64, i32: bool, len: usize| unsafe {
+            if i32 {
+                Ints::I32(std::slice::from_raw_parts(p as *const i32, len))
+            } else {
+                Ints::I64(std::slice::from_raw_parts(p as *const i64, len))
+            }
+        };
+        let x = HostDecode {
+            // SAFETY: as above.
+            topk_p: unsafe { std::slice::from_raw_parts(topk_p as *const f32, b * k) },
+            topk_index: ints(ids, ids_i32, b * k),
+            // SAFETY: as above.
+            hidden: unsafe { std::slice::from_raw_parts(hidden as *const u16, b * h) },
+            req: ints(req, req_i32, b),
+            prefix: ints(prefix, prefix_i32, b),
+            prefix_bias,
+        };
+        // SAFETY: as above; a null address leaves that output uncopied.
+        let mut out = unsafe {
+            HostDecodeOutputs {
+                parent_list: (out_parents != 0)
+                    .then(|| std::slice::from_raw_parts_mut(out_parents as *mut i64, b * pw)),
+                top_scores_index: (out_index != 0)
+                    .then(|| std::slice::from_raw_parts_mut(out_index as *mut i64, b * nodes)),
+                draft_tokens: (out_tokens != 0)
+                    .then(|| std::slice::from_raw_parts_mut(out_tokens as *mut i64, b * nodes)),
+            }
+        };
+        self.eng.draft_decode(kind, &x, &mut out).map_err(PyValueError::new_err)
     }
 
     fn last_error(&self) -> Option<Refusal> {

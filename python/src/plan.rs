@@ -255,6 +255,11 @@ impl Plan {
     fn topk(&self) -> u32 {
         self.inner.spec.topk
     }
+    /// `speculative_num_steps` of the config (the draft-decode tier SGLang runs by default).
+    #[getter]
+    fn num_steps(&self) -> u32 {
+        self.inner.spec.num_steps
+    }
     /// The config reader's notes of this compile (empty for a loaded plan).
     #[getter]
     fn notes(&self) -> Vec<String> {

@@ -203,6 +203,9 @@ class _RecordingEngine:
     def step(self, *args):
         self.calls.append(args)
 
+    def draft_decode(self, *args):
+        self.calls.append(args)
+
 
 def _bare_engine(torch, plan):
     """An Engine whose native engine records its calls (the host checks are what is tested)."""
@@ -283,6 +286,50 @@ def test_run_checks_every_input_before_launching(fake):
               torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64))
     with pytest.raises(ValueError, match=r"prefix_lens_cpu\[1\]"):
         r.run(ids, hid, req, pre, acc, prefix_lens_cpu=[0, plan.max_context_len, 0])
+
+
+def test_draft_decode_runner_names_its_tier_and_checks_inputs(fake):
+    torch, _ = fake
+    plan = specplan.Plan.compile(preset="tiny", speculative_eagle_topk=1, speculative_num_steps=3,
+                                 speculative_num_draft_tokens=4, draft_decode_steps="2,3", page_size=1)
+    assert [p[0] for p in plan.phases()] == ["draft_extend", "draft_decode:2", "draft_decode:3"]
+    e = _bare_engine(torch, plan)
+    with pytest.raises(ValueError, match=r"steps 5: the plan's draft-decode tiers are \[2, 3\]"):
+        e.draft_decode(5)
+    r = e.draft_decode()
+    assert r.steps == 3 and e.draft_decode(3) is r and e.draft_decode(2) is not r
+    assert r.num_draft_tokens == 4 and r._pw == 2 * 1 + 1
+    assert e.draft_decode(2).num_draft_tokens == 3, "a tier other than num_steps has N = S + 1"
+    b, k, h = 3, 1, plan.hidden_size
+    p = torch.Tensor((b, k), torch.float32)
+    ids = torch.Tensor((b, k), torch.int64)
+    hid = torch.Tensor((b, h), torch.bfloat16)
+    req = torch.Tensor((b,), torch.int64)
+    pre = torch.Tensor((b,), torch.int32)
+    out = r.run(p, ids, hid, req, pre)
+    (call,) = r._engine.calls
+    # (phase, b, probs, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, bias,
+    #  out_parents, out_index, out_tokens, stream)
+    assert call[:2] == ("draft_decode:3", b) and call[2] == p.data_ptr() and call[4] is False
+    assert call[7] is False and call[9] is True and call[10] == 0 and call[-1] == 0x5EED
+    assert out is r.run(p, ids, hid, req, pre), "views are cached per batch size"
+    cases = [
+        ((torch.Tensor((b, k), torch.bfloat16), ids, hid, req, pre), TypeError, "topk_p: dtype"),
+        ((p, torch.Tensor((b, k + 1), torch.int64), hid, req, pre), ValueError, "topk_index: shape"),
+        ((p, ids, torch.Tensor((b, h), torch.float16), req, pre), TypeError, "hidden_states: dtype"),
+        ((p, ids, hid, req, torch.Tensor((b + 1,), torch.int32)), ValueError, "prefix_lens: shape"),
+        ((p, ids, hid, torch.Tensor((b,), torch.int64, device=_Device("cpu")), pre), ValueError,
+         "req_pool_indices: must be contiguous on cuda"),
+        ((p, ids, [0.0] * h, req, pre), TypeError, "hidden_states: expected a torch.Tensor"),
+    ]
+    for args, exc, msg in cases:
+        before = len(r._engine.calls)
+        with pytest.raises(exc, match=msg):
+            r.run(*args)
+        assert len(r._engine.calls) == before, f"{msg}: nothing launched"
+    plain = specplan.Plan.compile(preset="tiny")
+    with pytest.raises(ValueError, match="no draft-decode phase"):
+        _bare_engine(torch, plain).draft_decode()
 
 
 def test_sglang_slot_passes_sglangs_fields(fake):

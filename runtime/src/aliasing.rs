@@ -75,6 +75,54 @@ pub fn check(reqs: &[Request], n: usize, slot: impl Fn(usize, usize) -> Option<u
         .collect()
 }
 
+/// One request of a replay given by the positions it reads and writes (draft decode's
+/// lanes: the prefix and the lanes' own slots read, the lanes' slots written).
+#[derive(Clone, Debug)]
+pub struct Sets {
+    pub reads: Vec<usize>,
+    pub writes: Vec<usize>,
+    pub admitted: bool,
+}
+
+/// [`check`] over explicit position sets: request `i` is refused when a slot it reads at
+/// position `q` has a writer other than `(i, q)`, naming the lowest such writer.
+pub fn check_sets(reqs: &[Sets], slot: impl Fn(usize, usize) -> Option<u64>) -> Vec<Option<Alias>> {
+    const NONE: (usize, usize) = (usize::MAX, usize::MAX);
+    let mut w: HashMap<u64, [(usize, usize); 2]> = HashMap::new();
+    for (j, r) in reqs.iter().enumerate().filter(|(_, r)| r.admitted) {
+        for &p in &r.writes {
+            if let Some(s) = slot(j, p) {
+                let e = w.entry(s).or_insert([NONE, NONE]);
+                if e[0] == NONE {
+                    e[0] = (j, p);
+                } else if e[1] == NONE {
+                    e[1] = (j, p);
+                }
+            }
+        }
+    }
+    reqs.iter()
+        .enumerate()
+        .map(|(i, r)| {
+            if !r.admitted {
+                return None;
+            }
+            r.reads
+                .iter()
+                .filter_map(|&q| {
+                    let s = slot(i, q)?;
+                    let other = w.get(&s)?.iter().find(|&&x| x != NONE && x != (i, q))?;
+                    Some(Alias {
+                        position: q,
+                        slot: s,
+                        writer: other.0,
+                    })
+                })
+                .min_by_key(|a| (a.writer, a.position))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +168,34 @@ mod tests {
         let got = check(&[req(1), req(1)], 1, |i, p| rows[i].get(p).copied());
         assert_eq!(got[0].map(|a| a.writer), Some(1));
         assert_eq!(got[1].map(|a| a.writer), Some(0));
+    }
+
+    #[test]
+    fn explicit_sets_follow_the_same_rule() {
+        // Lanes: request 0 writes positions 2 and 4 (slots 2, 4); request 1 reads its prefix
+        // position 0 at slot 4 (request 0's write), request 2 only its own.
+        let rows = [vec![0u64, 1, 2, 3, 4], vec![4, 9, 10], vec![20, 21, 22]];
+        let sets = [
+            Sets {
+                reads: vec![0, 1, 2, 4],
+                writes: vec![2, 4],
+                admitted: true,
+            },
+            Sets {
+                reads: vec![0, 2],
+                writes: vec![2],
+                admitted: true,
+            },
+            Sets {
+                reads: vec![0, 1, 2],
+                writes: vec![1, 2],
+                admitted: true,
+            },
+        ];
+        let got = check_sets(&sets, |i, p| rows[i].get(p).copied());
+        assert_eq!(got[0], None);
+        assert_eq!(got[1].map(|a| (a.position, a.slot, a.writer)), Some((0, 4, 0)));
+        assert_eq!(got[2], None);
     }
 
     #[test]

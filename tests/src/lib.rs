@@ -11,6 +11,7 @@ pub mod contract_files;
 pub mod decode_check;
 pub mod engine;
 pub mod gpu;
+pub mod host_layouts;
 pub mod random;
 pub mod reference;
 pub mod report;

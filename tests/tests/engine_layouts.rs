@@ -6,17 +6,15 @@
 //! the geometry says, nothing else in the caller's memory changes, and a refused request
 //! writes nothing and gets zero outputs.
 
-use std::collections::HashMap;
-
 use specplan_compiler::config::{resolve, Overrides, Source};
 use specplan_compiler::{compile, Target};
-use specplan_format::{signature, DType, ValidatedPlan};
-use specplan_kernels::kv::{DeviceRule, KvGeometry, TableMode};
-use specplan_runtime::bits::{from_act_bits, to_act_bits};
+use specplan_format::{signature, ValidatedPlan};
+use specplan_kernels::kv::{DeviceRule, TableMode};
+use specplan_runtime::bits::from_act_bits;
 use specplan_runtime::cpu::engine::{CpuEngine, HostOutputs, HostStep, Ints};
-use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::AcceptForm;
-use specplan_runtime::registration::{DeviceTensor, EngineMemory, KvRegistration, TableRegistration};
+use specplan_runtime::registration::{EngineMemory, KvRegistration, TableRegistration};
+use specplan_tests::host_layouts::{host_weights, pools, read_back, HostWeights, Layout, Pools};
 use specplan_tests::random::{make_case, random_weights, Case};
 use specplan_tests::reference::cpu_reference;
 use specplan_tests::{seed, Rng};
@@ -36,170 +34,6 @@ fn plan(page_size: u32, outputs: &str) -> ValidatedPlan {
         .plan
 }
 
-/// Host copies of the plan's weights under their own names (bf16 bits, i64 ids).
-struct HostWeights {
-    act: Vec<Vec<u16>>,
-    ids: Vec<Vec<i64>>,
-    tensors: HashMap<String, DeviceTensor>,
-}
-
-fn host_weights(plan: &ValidatedPlan, w: &[WeightData]) -> HostWeights {
-    let mut hw = HostWeights {
-        act: Vec::new(),
-        ids: Vec::new(),
-        tensors: HashMap::new(),
-    };
-    for (d, data) in plan.weights.iter().zip(w) {
-        let (ptr, dtype) = match data {
-            WeightData::F32(v) => {
-                hw.act.push(to_act_bits(v, plan.capture.dtype));
-                (hw.act.last().map_or(0, |x| x.as_ptr() as u64), plan.capture.dtype)
-            }
-            WeightData::I64(v) => {
-                hw.ids.push(v.clone());
-                (hw.ids.last().map_or(0, |x| x.as_ptr() as u64), DType::I64)
-            }
-        };
-        hw.tensors.insert(
-            d.name.clone(),
-            DeviceTensor {
-                ptr,
-                dtype,
-                shape: d.shape.clone(),
-            },
-        );
-    }
-    hw
-}
-
-/// One engine layout: how K and V of a (page, offset) slot sit in one host buffer per layer.
-#[derive(Clone, Copy, Debug)]
-enum Layout {
-    /// SGLang NHD: K and V separate `[slots, H, D]`, token-slot table.
-    SglangNhd,
-    /// SGLang HND: `[pages, H, P, D]`, token-slot table.
-    SglangHnd,
-    /// vLLM NHD: `[blocks, P, H, 2·D]`, V at K + D, page-id table.
-    VllmNhd,
-    /// vLLM HND: `[blocks, H, P, 2·D]`.
-    VllmHnd,
-}
-
-/// A host buffer of u16 whose element 0 is 16-byte aligned (what a registration asks).
-struct Buf {
-    v: Vec<u16>,
-    off: usize,
-}
-
-impl Buf {
-    fn new(elems: usize, fill: u16) -> Buf {
-        let v = vec![fill; elems + 8];
-        let off = (v.as_ptr() as usize).next_multiple_of(16) - v.as_ptr() as usize;
-        Buf { v, off: off / 2 }
-    }
-    fn get(&self, i: usize) -> u16 {
-        self.v[self.off + i]
-    }
-    fn set(&mut self, i: usize, x: u16) {
-        self.v[self.off + i] = x;
-    }
-    fn addr(&mut self) -> u64 {
-        self.v[self.off..].as_mut_ptr() as u64
-    }
-}
-
-struct Pools {
-    /// Per layer: the K buffer (and V's for SGLang; vLLM's V lives in K's, D further).
-    k: Vec<Buf>,
-    v: Vec<Buf>,
-    geom: KvGeometry,
-    packed: bool,
-}
-
-fn pools(plan: &ValidatedPlan, c: &Case, layout: Layout) -> Pools {
-    let (h, d) = (plan.model.kv_heads as u64, plan.model.head_dim as u64);
-    let p = plan.capture.page_size as u64;
-    // One spare page past the case's (the dense pool's scratch page).
-    let pages = c.used_pages as u64 + 1;
-    let slots = pages * p;
-    let (geom, packed) = match layout {
-        Layout::SglangNhd => (KvGeometry::dense(slots, h * d, d), false),
-        Layout::SglangHnd => (
-            KvGeometry {
-                slots,
-                page: p,
-                page_stride: h * p * d,
-                slot_stride: d,
-                head_stride: p * d,
-            },
-            false,
-        ),
-        Layout::VllmNhd => (
-            KvGeometry {
-                slots,
-                page: p,
-                page_stride: p * h * 2 * d,
-                slot_stride: h * 2 * d,
-                head_stride: 2 * d,
-            },
-            true,
-        ),
-        Layout::VllmHnd => (
-            KvGeometry {
-                slots,
-                page: p,
-                page_stride: h * p * 2 * d,
-                slot_stride: 2 * d,
-                head_stride: p * 2 * d,
-            },
-            true,
-        ),
-    };
-    let elems = (slots * h * d * if packed { 2 } else { 1 }) as usize;
-    // Poison-free filler that differs from every written value: the case's bits go where
-    // the geometry says, the rest of the buffer keeps a marker.
-    let mut out = Pools {
-        k: Vec::new(),
-        v: Vec::new(),
-        geom,
-        packed,
-    };
-    let per_layer = c.used_pages * (p * h * d) as usize;
-    for l in 0..plan.model.layers as usize {
-        // A filler (1.0) that no case value is guaranteed to equal, for the unwritten checks.
-        let mut kb = Buf::new(elems, 0x3f80);
-        let mut vb = Buf::new(if packed { 0 } else { elems }, 0x3f80);
-        for t in 0..(c.used_pages as u64 * p) {
-            for g in 0..h {
-                for e in 0..d {
-                    let src = l * per_layer + ((t * h + g) * d + e) as usize;
-                    let at = geom.offset(t, g, e).expect("offset") as usize;
-                    kb.set(at, c.k0[src]);
-                    if packed {
-                        kb.set(at + d as usize, c.v0[src]);
-                    } else {
-                        vb.set(at, c.v0[src]);
-                    }
-                }
-            }
-        }
-        out.k.push(kb);
-        out.v.push(vb);
-    }
-    out
-}
-
-fn read_back(plan: &ValidatedPlan, pools: &Pools, layer: usize, v: bool, t: u64, g: u64, e: u64) -> f32 {
-    let d = plan.model.head_dim as u64;
-    let at = pools.geom.offset(t, g, e).expect("offset") as usize;
-    let bits = match (v, pools.packed) {
-        (false, _) => pools.k[layer].get(at),
-        (true, true) => pools.k[layer].get(at + d as usize),
-        (true, false) => pools.v[layer].get(at),
-    };
-    from_act_bits(bits, plan.capture.dtype)
-}
-
 struct Run {
     probs: Vec<f32>,
     ids: Vec<i64>,
@@ -210,7 +44,7 @@ struct Run {
 }
 
 fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, accept: &[i32]) -> Run {
-    let mut pools = pools(plan, c, layout);
+    let mut pools = pools(plan, c.used_pages, &c.k0, &c.v0, layout);
     let p = plan.capture.page_size as usize;
     let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
     // Row i of the table: request i's pages (page ids), or its positions' token slots.

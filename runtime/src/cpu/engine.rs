@@ -26,13 +26,13 @@ pub enum Ints<'a> {
 }
 
 impl Ints<'_> {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Ints::I32(v) => v.len(),
             Ints::I64(v) => v.len(),
         }
     }
-    fn get(&self, i: usize) -> i64 {
+    pub(super) fn get(&self, i: usize) -> i64 {
         match self {
             Ints::I32(v) => v[i] as i64,
             Ints::I64(v) => v[i],
@@ -69,16 +69,16 @@ pub struct HostOutputs<'a> {
 }
 
 /// The caller's page table in host memory.
-struct HostTable {
+pub(super) struct HostTable {
     ptr: *const i32,
-    mode: TableMode,
-    rows: u64,
-    cols: u64,
+    pub(super) mode: TableMode,
+    pub(super) rows: u64,
+    pub(super) cols: u64,
     stride: u64,
 }
 
 impl HostTable {
-    fn row(&self, r: u64) -> Vec<i32> {
+    pub(super) fn row(&self, r: u64) -> Vec<i32> {
         let at = r.saturating_mul(self.stride) as usize;
         // SAFETY: `r < rows` (callers check), and the constructor's contract makes the
         // table valid for `rows × stride` i32 values with `cols ≤ stride`.
@@ -197,6 +197,32 @@ impl CpuEngine {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    pub(super) fn table(&self) -> &HostTable {
+        &self.table
+    }
+
+    pub(super) fn kv_slots(&self) -> u64 {
+        self.kv.slots()
+    }
+
+    /// Runs one bucket of phase `kind` on the engine's pool in place.
+    pub(super) fn run_named(
+        &mut self,
+        kind: PhaseKind,
+        bucket: &specplan_format::BucketPlan,
+        inputs: &[(&str, Vec<f64>)],
+        table: &PageTable,
+    ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
+        let exec = CpuExecutor::borrowing(&self.plan, &self.weights)?;
+        exec.run_named_on(kind, bucket, inputs, table, &mut self.kv)
+    }
+
+    /// Records a step's first refusal (or none) as the last error, and for polling.
+    pub(super) fn record(&mut self, last: Option<DeviceError>) {
+        self.last = last;
+        self.unpolled.extend(self.last.clone());
     }
 
     /// What the per-request rules refused in the last step (each refused request wrote
@@ -428,13 +454,12 @@ impl CpuEngine {
         }
         // The lowest request first (a request breaks one rule), as the status words.
         refused.sort_by_key(|r| r.0);
-        self.last = refused.first().map(|&(request, rule, other)| DeviceError {
+        self.record(refused.first().map(|&(request, rule, other)| DeviceError {
             count: refused.len() as u64,
             request: request as u64,
             rule: Some(rule),
             other: other.map(|o| o as u64),
-        });
-        self.unpolled.extend(self.last.clone());
+        }));
         Ok(())
     }
 }

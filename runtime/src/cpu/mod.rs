@@ -16,6 +16,7 @@
 mod audit;
 mod eagle3;
 pub mod engine;
+pub mod engine_decode;
 mod entries;
 mod kv;
 mod tree;
@@ -206,6 +207,18 @@ impl<'p> CpuExecutor<'p> {
         kv: &mut KvPool,
     ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
         self.run_named_reading(kind, bucket, inputs, table, kv, &[])
+    }
+
+    /// As [`CpuExecutor::run_named`], over any K/V store (an engine's pool in place).
+    pub fn run_named_on<K: KvStore>(
+        &self,
+        kind: PhaseKind,
+        bucket: &BucketPlan,
+        inputs: &[(&str, Vec<f64>)],
+        table: &PageTable,
+        kv: &mut K,
+    ) -> Result<Vec<(String, Vec<f64>)>, ExecError> {
+        self.run_raw(kind, bucket, inputs, table, kv, &[], &mut |_, _, _| {})
     }
 
     /// As [`CpuExecutor::run_named`], also returning the buffers named in `extra` as the last

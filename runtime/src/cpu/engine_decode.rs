@@ -1,0 +1,253 @@
+//! The CPU engine's draft-decode step: a draft-decode phase of the plan run by the CPU
+//! executor on the engine's host memory in place, with the per-request rules of
+//! draft-extend's `admit` applied to the phase's lanes (the prefix and the lanes' reach, the
+//! row, the lanes' slots, the ids, and the aliasing rule over what the lanes write), and the
+//! tree of an admitted request (a refused one's rows are zeros and it writes nothing).
+
+use specplan_format::{io, PhaseKind};
+use specplan_kernels::facts::{decode_reach, lane_offset, parent_width};
+use specplan_kernels::kv::{DeviceRule, TableMode};
+
+use super::engine::{CpuEngine, Ints};
+use super::ExecError;
+use crate::aliasing;
+use crate::gpu::DeviceError;
+use crate::step::PageTable;
+
+/// One draft-decode step's inputs on the host: `b = req.len()` requests.
+#[derive(Clone, Copy, Debug)]
+pub struct HostDecode<'a> {
+    /// `[b, K]` f32: draft-extend's top-K probabilities (1 for topk = 1, as SGLang sets).
+    pub topk_p: &'a [f32],
+    /// `[b, K]`: draft-extend's top-K ids in the target vocabulary (mapped once by the
+    /// caller when the head has a hot map or d2t).
+    pub topk_index: Ints<'a>,
+    /// `[b, H]` activation bits: draft-extend's hidden row (EAGLE-3: before the final norm).
+    pub hidden: &'a [u16],
+    /// Rows of the registered page table.
+    pub req: Ints<'a>,
+    /// Tokens already cached per request, plus `prefix_bias`.
+    pub prefix: Ints<'a>,
+    pub prefix_bias: i32,
+}
+
+/// Where the tree goes (`None`: not copied), each `[b, ·]` i64.
+#[derive(Debug, Default)]
+pub struct HostDecodeOutputs<'a> {
+    /// `[b, (S−1)·K + 1]`.
+    pub parent_list: Option<&'a mut [i64]>,
+    /// `[b, N−1]`.
+    pub top_scores_index: Option<&'a mut [i64]>,
+    /// `[b, N−1]`, target ids.
+    pub draft_tokens: Option<&'a mut [i64]>,
+}
+
+impl CpuEngine {
+    /// Request `i`'s table row, or the first rule it breaks (draft-extend's order; the
+    /// accept rule has no counterpart here).
+    fn admit_decode(&self, kind: PhaseKind, x: &HostDecode, i: usize) -> Result<Vec<i32>, DeviceRule> {
+        let p = self.plan();
+        let (k, steps, ps) = (p.spec.topk, kind.steps(), p.capture.page_size as i64);
+        let r = x.req.get(i);
+        let l = x.prefix.get(i) + x.prefix_bias as i64;
+        let t = self.table();
+        if r < 0 || r as u64 >= t.rows {
+            return Err(DeviceRule::Request);
+        }
+        let l32 = i32::try_from(l).map_err(|_| DeviceRule::Prefix)?;
+        crate::admission::check_prefix(p, kind, i, l32).map_err(|_| DeviceRule::Prefix)?;
+        let end = l + decode_reach(l as u64, steps, k, ps as u32) as i64;
+        let need = match t.mode {
+            TableMode::TokenSlots => end,
+            TableMode::PageIds => (end + ps - 1).div_euclid(ps),
+        };
+        if need > t.cols as i64 {
+            return Err(DeviceRule::Row);
+        }
+        let row = t.row(r as u64);
+        let slots = self.kv_slots() as i64;
+        if lane_positions(p, kind, l as usize).any(|pos| {
+            let tok = slot_of(t.mode, &row, ps as usize, pos).map_or(-1, |s| s as i64);
+            tok < 0 || tok >= slots
+        }) {
+            return Err(DeviceRule::Slot);
+        }
+        let ku = k as usize;
+        if (i * ku..(i + 1) * ku).any(|e| {
+            let id = x.topk_index.get(e);
+            id < 0 || id >= p.model.vocab as i64
+        }) {
+            return Err(DeviceRule::Id);
+        }
+        Ok(row)
+    }
+
+    /// One step of draft-decode phase `kind` for `b = x.req.len()` requests; batches above
+    /// the phase's largest bucket run as consecutive chunks. Shapes are checked first (an
+    /// error names the tensor and nothing runs); a request breaking a rule is refused (no
+    /// K/V written, zero rows) and reported by [`CpuEngine::last_error`].
+    pub fn draft_decode(&mut self, kind: PhaseKind, x: &HostDecode, out: &mut HostDecodeOutputs) -> Result<(), String> {
+        let p = self.plan().clone();
+        let phase = p
+            .phase(kind)
+            .ok_or_else(|| format!("the plan has no {} phase", kind.label()))?;
+        let (k, steps) = (p.spec.topk as usize, kind.steps() as usize);
+        let (h, nodes) = (p.model.hidden as usize, kind.draft_tokens(&p.spec) as usize - 1);
+        let pw = parent_width(k as u32, steps as u32) as usize;
+        let b = x.req.len();
+        if b == 0 {
+            return Err("req_pool_indices: a step needs at least one request".into());
+        }
+        let shape = |name: &str, len: usize, want: usize| {
+            (len == want)
+                .then_some(())
+                .ok_or_else(|| format!("{name}: {len} values, expected {want}"))
+        };
+        shape(io::TOPK_PROBS, x.topk_p.len(), b * k)?;
+        shape(io::TOPK_IDS, x.topk_index.len(), b * k)?;
+        shape(io::HIDDEN_STATES, x.hidden.len(), b * h)?;
+        shape(io::PREFIX_LENS, x.prefix.len(), b)?;
+        for (name, len, want) in [
+            (io::PARENT_LIST, out.parent_list.as_ref().map(|v| v.len()), b * pw),
+            (
+                io::TOP_SCORES_INDEX,
+                out.top_scores_index.as_ref().map(|v| v.len()),
+                b * nodes,
+            ),
+            (io::DRAFT_TOKENS, out.draft_tokens.as_ref().map(|v| v.len()), b * nodes),
+        ] {
+            if let Some(len) = len {
+                shape(name, len, want)?;
+            }
+        }
+        let max_b = phase.buckets.last().map_or(1, |x| x.batch as usize);
+        let ps = p.capture.page_size as usize;
+        let act = p.capture.dtype;
+        let mut refused: Vec<(usize, DeviceRule, Option<usize>)> = Vec::new();
+        for start in (0..b).step_by(max_b) {
+            let end = (start + max_b).min(b);
+            let bucket = phase
+                .bucket_for((end - start) as u32)
+                .ok_or("no bucket serves the chunk")?;
+            let bb = bucket.batch as usize;
+            let cols = self.table().cols as usize;
+            let mut table = PageTable {
+                rows: bb,
+                cols,
+                data: vec![-1; bb * cols],
+                mode: self.table().mode,
+            };
+            let admitted: Vec<Result<Vec<i32>, DeviceRule>> =
+                (start..end).map(|i| self.admit_decode(kind, x, i)).collect();
+            let prefix = |i: usize| (x.prefix.get(i) + x.prefix_bias as i64).max(0) as usize;
+            // The aliasing rule over the lanes' writes: a request reads its prefix and its
+            // own lanes' slots, and writes those.
+            let mode = self.table().mode;
+            let slot = |c: usize, pos: usize| slot_of(mode, admitted[c].as_ref().ok()?, ps, pos);
+            let reqs: Vec<aliasing::Sets> = (start..end)
+                .zip(&admitted)
+                .map(|(i, a)| {
+                    let l = prefix(i);
+                    let writes: Vec<usize> = if a.is_ok() {
+                        lane_positions(&p, kind, l).collect()
+                    } else {
+                        Vec::new()
+                    };
+                    aliasing::Sets {
+                        reads: (0..l).chain(writes.iter().copied()).collect(),
+                        writes,
+                        admitted: a.is_ok(),
+                    }
+                })
+                .collect();
+            let aliases = aliasing::check_sets(&reqs, slot);
+            let mut named: Vec<(&str, Vec<f64>)> = vec![
+                (io::TOPK_PROBS, vec![0.0; bb * k]),
+                (io::TOPK_IDS, vec![0.0; bb * k]),
+                (io::HIDDEN_STATES, vec![0.0; bb * h]),
+                (io::PREFIX_LENS, vec![0.0; bb]),
+                (io::REQ_SLOTS, vec![-1.0; bb]),
+            ];
+            let mut ok = vec![false; end - start];
+            for i in start..end {
+                let c = i - start;
+                let row = match (&admitted[c], aliases[c]) {
+                    (Err(rule), _) => {
+                        refused.push((i, *rule, None));
+                        continue;
+                    }
+                    (Ok(_), Some(a)) => {
+                        refused.push((i, DeviceRule::Alias, Some(start + a.writer)));
+                        continue;
+                    }
+                    (Ok(row), None) => row,
+                };
+                ok[c] = true;
+                table.data[c * cols..(c + 1) * cols].copy_from_slice(row);
+                for j in 0..k {
+                    named[0].1[c * k + j] = x.topk_p[i * k + j] as f64;
+                    named[1].1[c * k + j] = x.topk_index.get(i * k + j) as f64;
+                }
+                for j in 0..h {
+                    named[2].1[c * h + j] = crate::bits::from_act_bits(x.hidden[i * h + j], act) as f64;
+                }
+                named[3].1[c] = prefix(i) as f64;
+                named[4].1[c] = c as f64;
+            }
+            let outs = self
+                .run_named(kind, bucket, &named, &table)
+                .map_err(|e: ExecError| e.to_string())?;
+            let get = |name: &str| -> Result<&[f64], String> {
+                outs.iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, v)| &v[..])
+                    .ok_or_else(|| format!("the phase has no {name} output"))
+            };
+            for (dst, name, w) in [
+                (out.parent_list.as_deref_mut(), io::PARENT_LIST, pw),
+                (out.top_scores_index.as_deref_mut(), io::TOP_SCORES_INDEX, nodes),
+                (out.draft_tokens.as_deref_mut(), io::DRAFT_TOKENS, nodes),
+            ] {
+                let Some(dst) = dst else { continue };
+                let src = get(name)?;
+                for (c, &keep) in ok.iter().enumerate() {
+                    let i = start + c;
+                    for j in 0..w {
+                        dst[i * w + j] = if keep { src[c * w + j] as i64 } else { 0 };
+                    }
+                }
+            }
+        }
+        refused.sort_by_key(|r| r.0);
+        self.record(refused.first().map(|&(request, rule, other)| DeviceError {
+            count: refused.len() as u64,
+            request: request as u64,
+            rule: Some(rule),
+            other: other.map(|o| o as u64),
+        }));
+        Ok(())
+    }
+}
+
+/// The positions request `l`'s lanes write: lane k's forwards 0 .. S−2 at
+/// `L + lane_offset(L, k) + i`.
+fn lane_positions(p: &specplan_format::Plan, kind: PhaseKind, l: usize) -> impl Iterator<Item = usize> {
+    let (k, s, ps) = (p.spec.topk, kind.steps(), p.capture.page_size);
+    (0..k).flat_map(move |lane| {
+        let base = l + lane_offset(l as u64, lane, s, k, ps) as usize;
+        (0..s.saturating_sub(1) as usize).map(move |i| base + i)
+    })
+}
+
+/// The token slot of position `pos` in a table row (`None`: outside the row, or a negative
+/// page).
+fn slot_of(mode: TableMode, row: &[i32], ps: usize, pos: usize) -> Option<u64> {
+    let tok = match mode {
+        TableMode::TokenSlots => *row.get(pos)? as i64,
+        TableMode::PageIds => match *row.get(pos / ps)? {
+            pg if pg >= 0 => pg as i64 * ps as i64 + (pos % ps) as i64,
+            _ => -1,
+        },
+    };
+    u64::try_from(tok).ok()
+}
