@@ -437,6 +437,9 @@ fn engine_layouts_run_the_phase_as_the_dense_executor() {
     }
 }
 
+/// (what, the case, the rows given, the refused request, its rule, the other request).
+type Refusal = (&'static str, Case, Vec<i64>, usize, DeviceRule, Option<u64>);
+
 #[test]
 fn refused_requests_write_nothing_and_have_zero_rows() {
     let s = seed();
@@ -463,7 +466,7 @@ fn refused_requests_write_nothing_and_have_zero_rows() {
             && a.tree.index[i * nodes..(i + 1) * nodes].iter().all(|&x| x == 0)
             && a.tree.tokens[i * nodes..(i + 1) * nodes].iter().all(|&x| x == 0)
     };
-    let cases: Vec<(&str, Case, Vec<i64>, usize, DeviceRule, Option<u64>)> = vec![
+    let cases: Vec<Refusal> = vec![
         (
             "a row outside the table",
             c.clone(),
