@@ -203,6 +203,119 @@ class SGLangDraftExtendRunner:
         )
 
 
+def _decode_reach(L, steps, topk, page):
+    """Positions past the prefix L a request's draft-decode lanes touch (the plan's
+    `decode_reach`: lane k's run starts k·S past L, or k page-aligned runs with pages)."""
+    if page == 1 or topk == 1:
+        off = (topk - 1) * steps
+    else:
+        off = (topk - 1) * ((L % page + steps + page - 1) // page) * page
+    return off + steps - 1
+
+
+class SGLangDraftDecodeRunner:
+    """SGLang's draft-decode slot (`EagleDraftWorker.cuda_graph_runner`: `can_run_graph`,
+    `execute(forward_batch)` -> (parent_list, top_scores_index, draft_tokens, draft_probs))
+    over a `DraftDecodeRunner` of one step-count tier, on the registration the draft-extend
+    slot made. The batch's draft-extend ids are mapped through `hot_token_id` once, as
+    `draft_forward` maps them (W2:757-758); the phase maps every later step's ids itself.
+    The K/V of each lane goes to the slots `req_to_token` names past `seq_lens` (what
+    `prepare_for_draft` gathered into `out_cache_loc`), so `out_cache_loc` is not read."""
+
+    def __init__(self, runner, *, hot_token_id=None, draft_runner=None, dp_attention=False, disable_padding=False):
+        from ._decode import DraftDecodeRunner
+
+        if not isinstance(runner, DraftDecodeRunner):
+            raise TypeError(f"runner: expected a specplan.DraftDecodeRunner, got {type(runner).__name__}")
+        plan = runner.plan
+        self.runner, self.plan, self.steps = runner, plan, runner.steps
+        self.hot_token_id = hot_token_id
+        self.draft_runner = draft_runner
+        self._k = plan.topk
+        self._h = plan.hidden_size
+        self._page = plan.page_size
+        self._ctx = plan.max_context_len
+        self._buckets = [b for label, _, buckets in plan.phases() if label == runner._label for b in buckets]
+        self._max_bs = max(self._buckets) if self._buckets else 0
+        self._dp = bool(dp_attention)
+        self._exact = bool(disable_padding)
+        self._logged = set()
+        # What SGLang's own runner exposes (GR:159): the batch width it serves.
+        self.captured_req_width = self._k
+
+    def _once(self, key, msg, *args):
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(msg, *args)
+
+    def can_run_graph(self, forward_batch):
+        """SGLang's gates for its draft-decode graphs (the batch's width is topk, a batch
+        size the tier's buckets serve, exactly one with `disable_cuda_graph_padding`) and what
+        the phase covers: no rejection sampling (it returns no draft probabilities), no DP
+        attention, draft-extend's tensors in the plan's dtypes and widths, and, where SGLang
+        has host lengths, every request's lanes within the plan's max_context_len."""
+        spec = getattr(forward_batch, "spec_info", None)
+        if spec is None:
+            return False
+        width = getattr(spec, "num_tokens_per_req", self._k)
+        if width is not None and width > 0 and width != self._k:
+            return False
+        if self._dp:
+            self._once("dp", "specplan: DP attention is not supported; SGLang's own draft decode runs")
+            return False
+        try:
+            from sglang.srt.runtime_context import get_spec
+
+            if get_spec().speculative_use_rejection_sampling:
+                self._once("rs", "specplan: rejection sampling needs the draft probabilities; SGLang's own "
+                                 "draft decode runs")
+                return False
+        except ImportError:  # pragma: no cover - without SGLang there is no such mode
+            pass
+        bs = forward_batch.seq_lens.numel()
+        if bs == 0 or bs > self._max_bs or (self._exact and bs not in self._buckets):
+            return False
+        if not self.runner.can_run(bs):
+            return False
+        torch = self.runner._torch
+        hidden, p, ids = spec.hidden_states, spec.topk_p, spec.topk_index
+        if hidden is None or hidden.dtype != self.runner._act or tuple(hidden.shape) != (bs, self._h):
+            self._once("hidden", "specplan: draft hidden states %s do not match the plan's %s x %d",
+                       None if hidden is None else (hidden.dtype, tuple(hidden.shape)), self.runner._act, self._h)
+            return False
+        if p is None or p.dtype != torch.float32 or tuple(p.shape) != (bs, self._k):
+            return False
+        if ids is None or ids.dtype not in (torch.int64, torch.int32) or tuple(ids.shape) != (bs, self._k):
+            return False
+        cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        if cpu is not None:
+            for L in cpu.tolist():
+                if L + _decode_reach(L, self.steps, self._k, self._page) > self._ctx:
+                    return False
+        return True
+
+    def execute(self, forward_batch):
+        """The tier's S − 1 forwards and the tree; returns SGLang's four values (views valid
+        until the next execute, as SGLang's graph outputs; no draft probabilities)."""
+        spec = forward_batch.spec_info
+        ids = spec.topk_index
+        if self.hot_token_id is not None:
+            ids = self.hot_token_id[ids]
+        out = self.runner.run(
+            spec.topk_p.contiguous(),
+            ids.contiguous(),
+            spec.hidden_states.contiguous(),
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+        )
+        e = self.runner.last_error()
+        if e is not None:
+            logger.error("specplan draft-decode: %s", e)
+        if self.draft_runner is not None:
+            self.draft_runner.shared_read_done_event = None
+        return out.parent_list, out.top_scores_index, out.draft_tokens, None
+
+
 # ---- what install reads from SGLang ----
 
 
@@ -303,6 +416,39 @@ def _torch():
     return torch
 
 
+def _install_decode(dw, ac, slot, decode):
+    """The plan's draft-decode tiers as SGLang's draft-decode slots: on the worker when its
+    num_steps is one, and on every adaptive tier state whose num_steps is one (SGLang swaps
+    `cuda_graph_runner` per tier, W2:1884). CUDA tensors keep SGLang's own graphs: the
+    phase's device step on an engine's memory is not built yet."""
+    plan = slot.plan
+    tiers = [int(label.split(":")[1]) for label, _, _ in plan.phases() if label.startswith("draft_decode:")]
+    if not decode or not tiers:
+        return {}
+    engine = slot.runner.engine
+    if engine.device.type == "cuda":
+        logger.info("specplan: draft decode on CUDA tensors is not built yet; SGLang's own draft-decode graphs run")
+        return {}
+    sa = getattr(dw, "server_args", None)
+    runners = {
+        s: SGLangDraftDecodeRunner(
+            engine.draft_decode(s), hot_token_id=getattr(dw, "hot_token_id", None), draft_runner=dw.draft_runner,
+            dp_attention=bool(getattr(sa, "enable_dp_attention", False)),
+            disable_padding=bool(getattr(sa, "disable_cuda_graph_padding", False)),
+        )
+        for s in tiers
+    }
+    steps = getattr(dw, "speculative_num_steps", None)
+    if steps in runners:
+        dw.cuda_graph_runner = runners[steps]
+    if ac is not None:
+        for s, st in getattr(ac, "_states", {}).items():
+            if s in runners and hasattr(st, "cuda_graph_runner"):
+                st.cuda_graph_runner = runners[s]
+    logger.info("specplan: draft decode installed for tiers %s", sorted(runners))
+    return runners
+
+
 # ---- the fused path ----
 
 
@@ -383,10 +529,12 @@ class _Fused:
         return True
 
 
-def install(target, plan, *, fused=False, gemms="cached", adaptive=True, allow_other_versions=False):
+def install(target, plan, *, fused=False, gemms="cached", adaptive=True, decode=True, allow_other_versions=False):
     """Installs specplan into a started SGLang EAGLE worker (after the scheduler's
     `init_model_worker`, which captures SGLang's graphs and resets the slot first). Returns
-    the slot runner; `runner.tiers` lists the adaptive tiers (num_steps) it was set on."""
+    the draft-extend slot runner; `runner.tiers` lists the adaptive tiers (num_steps) it was
+    set on, `runner.decode` the draft-decode slot runners by tier (the plan's
+    `draft_decode_steps`; `decode=False` leaves SGLang's)."""
     version = _sglang_version()
     if version is not None and version != SGLANG_VERSION and not allow_other_versions:
         raise RuntimeError(
@@ -411,6 +559,7 @@ def install(target, plan, *, fused=False, gemms="cached", adaptive=True, allow_o
                 st.cuda_graph_runner_for_draft_extend = slot
                 slot.tiers.append(steps)
         logger.info("specplan: draft-extend installed on adaptive tiers %s (others keep SGLang's)", slot.tiers)
+    slot.decode = _install_decode(dw, ac, slot, decode)
     if fused:
         original = dw._draft_extend_for_decode
         dw._specplan_fused = _Fused(dw, slot, original)
