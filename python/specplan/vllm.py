@@ -3,9 +3,12 @@
 `SpecplanEagleSpeculator` is vLLM's own `EagleSpeculator` (`TargetDependentARSpeculator`)
 whose first draft pass — `_prefill`, the draft model over the verified tokens, K/V written at
 the target's slots, one draft token sampled per request — is specplan's draft-extend plan: one
-CUDA graph per batch size on vLLM's KV cache, block table and draft weights in place. The
-later chain steps (`_generate_draft` / the fused decode loop) stay vLLM's. Every batch the plan
-does not serve runs vLLM's own `_prefill`: chunked prefills (a query that is not K+1 tokens),
+CUDA graph per batch size on vLLM's KV cache, block table and draft weights in place. With a
+draft-decode phase in the plan (`draft_decode_steps=K`, or tiers for vLLM's dynamic K'), the
+later chain steps (vLLM's `_multi_step_decode` / `_fused_multi_step_decode`: K' − 1 forwards
+of one row per request) are the plan's too, on CPU tensors for now (CUDA tensors keep vLLM's
+decode loop until the phase's device step exists). Every batch the plan does not serve runs
+vLLM's own `_prefill`: chunked prefills (a query that is not K+1 tokens),
 dummy and profile runs, probabilistic draft sampling, multimodal inputs, data or context
 parallelism, a batch size without a graph, or contexts past the plan's.
 
@@ -76,12 +79,15 @@ def make_speculator_class(base):
         def load_model(self, target_model):
             super().load_model(target_model)
             self._sp_runner = None
-            self._sp_take = False
+            self._sp_take = self._sp_take_decode = self._sp_decoded = False
             self._sp_cat = None
             plan = self.specplan_plan or _STATE["plan"]
             self._sp_plan = plan
+            self._sp_tiers = set()
             if plan is None:
                 return
+            self._sp_tiers = {int(label.split(":")[1]) for label, _, _ in plan.phases()
+                              if label.startswith("draft_decode:")}
             if plan.num_draft_tokens != self.num_speculative_steps + 1 or plan.topk != 1:
                 raise ValueError(
                     f"specplan plan: num_draft_tokens {plan.num_draft_tokens}, topk {plan.topk}; vLLM's chain of "
@@ -193,11 +199,83 @@ def make_speculator_class(base):
                 self._sp_build()
             return self._sp_runner.can_run(r)
 
+        def _sp_decode_covers(self, input_batch, dummy_run, is_profile, mm_inputs, dp_sync_state):
+            """Whether the plan's draft-decode phase serves this step's chain (steps 1..K'−1):
+            a tier for K' is picked in `_sp_decode`; greedy drafts, no dummy or profile run,
+            no DP/PCP, no multimodal inputs, and every request's chain within the plan's
+            context. CUDA tensors keep vLLM's decode loop (the phase's device step on an
+            engine's memory is not built yet)."""
+            if self._sp_plan is None or not self._sp_tiers or dummy_run or is_profile or mm_inputs is not None:
+                return False
+            if dp_sync_state is not None or self.dp_size != 1 or self.pcp_manager is not None:
+                return False
+            if self.draft_logits is not None or getattr(self, "acceptance_estimator", None) is not None:
+                return False
+            if getattr(self, "draft_watermarker", None) is not None or not self.advance_draft_positions:
+                return False
+            r = input_batch.num_reqs
+            if r == 0 or r > self._sp_plan.max_requests:
+                return False
+            # The chain reaches position seq_len − 1 + K' − 1 at most (seq_lens count the K
+            # drafts verified, so this bounds it from above).
+            if int(input_batch.seq_lens_cpu_upper_bound[:r].max()) + self.num_speculative_steps > self._sp_plan.max_context_len:
+                return False
+            if self._sp_runner is None:
+                self._sp_build()
+            return self._sp_runner.engine.device.type == "cpu"
+
+        def _sp_decode(self, num_reqs, skip_attn, num_speculative_steps):
+            """vLLM's chain steps 1..K'−1 as the plan's draft-decode tier K' (one phase: the
+            K' − 1 forwards, K/V at positions L .. L+K'−2 through the block table, greedy ids
+            in the target vocabulary): the first draft, the hidden rows and positions the
+            first pass left are its inputs, `draft_tokens[:R, :K']` its output. False: vLLM's
+            loop runs."""
+            if not self._sp_take_decode or skip_attn or num_speculative_steps not in self._sp_tiers:
+                return False
+            import torch
+
+            r = num_reqs
+            runner = self._sp_runner.engine.draft_decode(num_speculative_steps)
+            if not runner.can_run(r):
+                return False
+            out = runner.run(
+                torch.ones((r, 1), dtype=torch.float32, device=self.draft_tokens.device),
+                self.draft_tokens[:r, :1].contiguous(),
+                self.hidden_states[:r],
+                self.idx_mapping[:r],
+                # prepare_decode_inputs advanced them: each request's committed length L,
+                # the chain's first position.
+                self.input_buffers.positions[:r],
+            )
+            e = runner.last_error()
+            if e is not None:
+                logger.error("specplan draft decode: %s", e)
+            self.draft_tokens[:r, :num_speculative_steps] = out.draft_tokens
+            self._sp_decoded = True
+            return True
+
+        def _multi_step_decode(self, num_reqs, skip_attn, batch_desc, num_tokens_across_dp,
+                               seq_lens_cpu_upper_bound, num_speculative_steps):
+            if self._sp_decode(num_reqs, skip_attn, num_speculative_steps):
+                return None
+            return super()._multi_step_decode(num_reqs, skip_attn, batch_desc, num_tokens_across_dp,
+                                              seq_lens_cpu_upper_bound, num_speculative_steps)
+
+        def _fused_multi_step_decode(self, num_reqs, skip_attn, batch_desc, num_tokens_across_dp,
+                                     seq_lens_cpu_upper_bound, num_speculative_steps):
+            if self._sp_decode(num_reqs, skip_attn, num_speculative_steps):
+                return None
+            return super()._fused_multi_step_decode(num_reqs, skip_attn, batch_desc, num_tokens_across_dp,
+                                                    seq_lens_cpu_upper_bound, num_speculative_steps)
+
         def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                     num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
                     dp_sync_state=None, dummy_run=False, skip_attn_for_dummy_run=False, mm_inputs=None,
                     is_profile=False, num_speculative_tokens=None):
             self._sp_take = self._sp_covers(input_batch, dummy_run, is_profile, mm_inputs, dp_sync_state)
+            self._sp_take_decode = self._sp_decode_covers(input_batch, dummy_run, is_profile, mm_inputs,
+                                                          dp_sync_state)
+            self._sp_decoded = False
             self._sp_reqs = input_batch.num_reqs
             try:
                 return super().propose(
@@ -207,7 +285,7 @@ def make_speculator_class(base):
                     is_profile=is_profile, num_speculative_tokens=num_speculative_tokens,
                 )
             finally:
-                self._sp_take = False
+                self._sp_take = self._sp_take_decode = False
                 self._sp_cat = None
 
         def _prefill(self, num_reqs, num_tokens, attn_metadata, slot_mappings, num_tokens_across_dp,

@@ -665,7 +665,9 @@ def propose(case, batch, *, vllm_prefill=False, **kw):
     s._prefill = prefill
     s.compute_draft_logits = compute_draft_logits
     if vllm_prefill:
+        # vLLM's own step throughout: its prefill and its decode loop.
         s._sp_covers = lambda *a, **k: False
+        s._sp_decode_covers = lambda *a, **k: False
     try:
         with set_current_vllm_config(case.vc):
             drafts = s.propose(
@@ -678,6 +680,7 @@ def propose(case, batch, *, vllm_prefill=False, **kw):
         del s.compute_draft_logits
         if vllm_prefill:
             del s._sp_covers
+            del s._sp_decode_covers
     run.drafts = drafts.clone()
     run.returned = drafts
     run.kv = case.flat.clone()
