@@ -476,6 +476,30 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> 
         p.capture.kv_pool_pages,
         mib(p.arena_bytes())
     );
+    // Per phase (draft decode: per step-count tier), before anything runs: its share of the
+    // one arena, its launches and the positions past a prefix its step writes.
+    outln!(
+        "{:<16} {:>12} {:>9} {:>10} {:>14}",
+        "phase",
+        "buckets",
+        "launches",
+        "arena",
+        "positions/req"
+    );
+    for ph in &p.phases {
+        outln!(
+            "{:<16} {:>12} {:>9} {:>10} {:>14}",
+            ph.kind.label(),
+            ph.buckets
+                .iter()
+                .map(|b| b.batch.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            ph.buckets.last().map_or(0, |b| b.launches.len()),
+            mib(ph.arena_bytes()),
+            ph.positions_per_request(&p.spec, p.capture.page_size)
+        );
+    }
     outln!("{:>6} {:>7} {:>12} {:>7} replay", "bucket", "rows", "arena", "splits");
     for b in p.buckets() {
         let replay = match &b.replay {

@@ -492,6 +492,25 @@ impl Phase {
     pub fn bucket_for(&self, b: u32) -> Option<&BucketPlan> {
         self.buckets.iter().find(|x| x.batch >= b)
     }
+
+    /// Largest arena of the phase's buckets: the phase's share of the runtime's one arena.
+    pub fn arena_bytes(&self) -> u64 {
+        self.buckets.iter().map(|b| b.arena_bytes).max().unwrap_or(0)
+    }
+
+    /// The most positions past a request's prefix that one step of the phase writes K/V to
+    /// (or, with page-aligned lane runs, reserves): what the engine must have allocated in
+    /// each request's table row beyond its prefix. Draft-extend: N. Draft decode: the last
+    /// lane's reach, largest at a prefix one short of a page boundary.
+    pub fn positions_per_request(&self, spec: &SpecDesc, page_size: u32) -> u64 {
+        match self.kind {
+            PhaseKind::DraftExtend => spec.num_draft_tokens as u64,
+            PhaseKind::DraftDecode { steps } => (0..page_size.max(1) as u64)
+                .map(|l| specplan_kernels::facts::decode_reach(l, steps, spec.topk, page_size))
+                .max()
+                .unwrap_or(0),
+        }
+    }
 }
 
 /// Everything one batch bucket needs to replay: layouts, buffers, launches.

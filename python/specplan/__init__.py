@@ -102,6 +102,17 @@ class Plan:
         """The forwards the plan compiles: [(kind, rows per request, buckets)]."""
         return self._p.phases()
 
+    def memory(self):
+        """What each phase needs before anything runs, by label ("draft_extend",
+        "draft_decode:3", ...): {"arena_bytes": its largest bucket's arena (the runtime
+        allocates one arena, the largest over all phases), "bucket_arena_bytes": {batch:
+        bytes}, "positions_per_request": positions past a request's prefix one step writes
+        or reserves (what the engine's table row must hold beyond the prefix)}."""
+        return {
+            label: {"arena_bytes": arena, "bucket_arena_bytes": dict(per), "positions_per_request": pos}
+            for label, arena, per, pos in self._p.memory()
+        }
+
     def signature(self, batch=1, phase="draft_extend"):
         """The tensors `phase` exchanges with its caller at `batch` requests, as the plan
         declares them: [(name, dtype, shape, role, doc)] with role "engine" (registered

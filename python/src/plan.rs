@@ -266,6 +266,24 @@ impl Plan {
         self.notes.clone()
     }
 
+    /// Memory of each phase before anything runs: `(label, its largest bucket's arena (the
+    /// runtime allocates one arena, the largest of all phases), [(batch, arena bytes)],
+    /// positions past a prefix one step writes or reserves in the engine's table row)`.
+    fn memory(&self) -> Vec<(String, u64, Vec<(u32, u64)>, u64)> {
+        let p = &self.inner;
+        p.phases
+            .iter()
+            .map(|ph| {
+                (
+                    ph.kind.label(),
+                    ph.arena_bytes(),
+                    ph.buckets.iter().map(|b| (b.batch, b.arena_bytes)).collect(),
+                    ph.positions_per_request(&p.spec, p.capture.page_size),
+                )
+            })
+            .collect()
+    }
+
     /// The phases the plan compiles: `(kind, rows per request, buckets)`; a draft-decode
     /// phase is named with its tier (`draft_decode:3`).
     fn phases(&self) -> Vec<(String, u32, Vec<u32>)> {

@@ -327,6 +327,13 @@ def test_draft_decode_runner_names_its_tier_and_checks_inputs(fake):
         with pytest.raises(exc, match=msg):
             r.run(*args)
         assert len(r._engine.calls) == before, f"{msg}: nothing launched"
+    mem = plan.memory()
+    assert sorted(mem) == ["draft_decode:2", "draft_decode:3", "draft_extend"]
+    # A chain of S steps at page 1 writes S − 1 positions past the prefix; draft-extend N.
+    assert mem["draft_decode:3"]["positions_per_request"] == 2 and mem["draft_decode:2"]["positions_per_request"] == 1
+    assert mem["draft_extend"]["positions_per_request"] == 4
+    for m in mem.values():
+        assert m["arena_bytes"] == max(m["bucket_arena_bytes"].values()) > 0
     plain = specplan.Plan.compile(preset="tiny")
     with pytest.raises(ValueError, match="no draft-decode phase"):
         _bare_engine(torch, plain).draft_decode()
