@@ -13,6 +13,9 @@ use specplan_compiler::jit::Jit;
 use specplan_format::signature::{self, Role};
 use specplan_format::{Replay, ValidatedPlan};
 
+/// `(label, arena bytes, [(batch, arena bytes)], positions per request)` of one phase.
+type PhaseMemory = (String, u64, Vec<(u32, u64)>, u64);
+
 /// A validated draft-extend plan.
 #[pyclass(module = "specplan._native", frozen)]
 pub struct Plan {
@@ -269,7 +272,7 @@ impl Plan {
     /// Memory of each phase before anything runs: `(label, its largest bucket's arena (the
     /// runtime allocates one arena, the largest of all phases), [(batch, arena bytes)],
     /// positions past a prefix one step writes or reserves in the engine's table row)`.
-    fn memory(&self) -> Vec<(String, u64, Vec<(u32, u64)>, u64)> {
+    fn memory(&self) -> Vec<PhaseMemory> {
         let p = &self.inner;
         p.phases
             .iter()
