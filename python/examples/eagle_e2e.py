@@ -1,6 +1,8 @@
-"""Greedy EAGLE speculative decoding in plain PyTorch, end to end, with the draft-extend
-forward either in PyTorch or in `specplan.DraftExtendRunner` on the same draft KV tensors and
-page table (SGLang's layout: per-layer token-slot pools, an int32 req_to_token table).
+"""Greedy EAGLE speculative decoding in plain PyTorch, end to end, with the draft either in
+PyTorch or in specplan on the same draft KV tensors and page table (SGLang's layout: per-layer
+token-slot pools, an int32 req_to_token table): the draft-extend forward through
+`engine.draft_extend()`, and, when the plan has the draft-decode phase (compiled with
+`draft_decode_steps`), the chain's decode steps through `engine.draft_decode()` too.
 
 The pieces: a small random-weight Llama target (fp32, its own token-slot KV), an EAGLE-1
 draft head (the plan's weights, random), the draft prefill and the chain draft's decode steps
@@ -15,8 +17,9 @@ in PyTorch, target verification and greedy acceptance. Checks:
 3. timing: draft-extend per step both ways (CUDA events, median), and the binding's host
    overhead over the native step.
 
-usage: python eagle_e2e.py PLAN [--batch 1 5 64] [--steps 60] [--out results.json]
-Exits 1 when a check fails. Needs a CUDA GPU, torch and specplan.
+usage: python eagle_e2e.py PLAN [--batch 1 5 64] [--steps 60] [--device cuda|cpu] [--out results.json]
+Exits 1 when a check fails. Needs torch and specplan; a CUDA GPU for --device cuda (the
+default); --device cpu runs specplan's CPU engine on CPU tensors (no timing).
 """
 
 import argparse
@@ -253,8 +256,8 @@ class Setup:
     """Shared memory of one configuration: the table, draft pools (used by both draft-extends),
     target, draft head and runner."""
 
-    def __init__(self, plan, b, seed):
-        dev = torch.device("cuda", 0)
+    def __init__(self, plan, b, seed, device="cuda"):
+        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         gen = torch.Generator(device=dev).manual_seed(seed)
         self.plan, self.b, self.dev = plan, b, dev
         self.ctx = plan.max_context_len
@@ -272,12 +275,34 @@ class Setup:
         self.w = draft_weights(plan, gen, dev)
         self.draft = Draft(plan, self.w, self.kd, self.vd, self.table)
         self.target = Target(plan, 2, slots, self.table, gen)
-        self.runner = specplan.DraftExtendRunner(plan, self.w, self.kd, self.vd, req_to_token=self.table)
+        # One registration of the pools, table and weights; both draft phases run on it.
+        self.engine = specplan.Engine(plan, self.w, self.kd, self.vd, req_to_token=self.table)
+        self.runner = self.engine.draft_extend()
+        tiers = [label for label, _, _ in plan.phases() if label.startswith("draft_decode:")]
+        self.decoder = self.engine.draft_decode() if tiers else None
+        if self.decoder is not None and self.decoder.num_draft_tokens != plan.num_draft_tokens:
+            raise SystemExit(f"plan: its draft-decode tier makes {self.decoder.num_draft_tokens - 1} drafts, "
+                             f"the loop verifies {plan.num_draft_tokens - 1}")
         self.gen = gen
 
     def reset_caches(self):
         for t in self.kd + self.vd + self.target.k + self.target.v:
             t.zero_()
+
+    def chain(self, how, first, hidden, sel_pos, steps):
+        """The chain draft's decode steps after draft-extend (from the first draft token and
+        the draft's hidden row at position sel_pos): PyTorch, or with `how` "specplan" and a
+        plan that has the phase, specplan's draft-decode tier (K/V at the committed length
+        L = sel_pos + 1 onwards, as the PyTorch steps write). Returns ([b, 1 + steps], the
+        smallest top-1 gap of the PyTorch chain; specplan's chain reports none, inf)."""
+        if how == "torch" or self.decoder is None:
+            return decode_chain(self, first, hidden, sel_pos, steps)
+        ones = torch.ones((self.b, 1), dtype=torch.float32, device=self.dev)
+        out = self.decoder.run(ones, first[:, None].contiguous(), hidden.contiguous(), self.req, sel_pos + 1)
+        e = self.decoder.last_error()
+        if e is not None:
+            raise RuntimeError(f"specplan draft decode refused a request: {e}")
+        return out.draft_tokens.clone(), math.inf
 
     def extend(self, how, ids, hidden, prefix, accept):
         """One draft-extend of N rows per request; returns (topk_p, topk_index, hidden_out)."""
@@ -289,7 +314,7 @@ class Setup:
         return out.topk_p.clone(), out.topk_index.clone(), out.hidden_states.clone()
 
 
-def prefill(s, prompts, plen):
+def prefill(s, prompts, plen, how="torch"):
     """Target prefill and the PyTorch draft prefill; returns (T, tokens, drafts)."""
     b, n = s.b, s.plan.num_draft_tokens
     rmax = int(plen.max())
@@ -302,7 +327,7 @@ def prefill(s, prompts, plen):
         ids[i, : p - 1] = prompts[i, 1:p]
         ids[i, p - 1] = nxt[i]
     tp, ti, h = s.draft.forward(ids, feats.to(s.act), s.req, zeros, plen, plen)
-    drafts, gap = decode_chain(s, ti[:, 0], h, plen - 1, n - 2)
+    drafts, gap = s.chain(how, ti[:, 0], h, plen - 1, n - 2)
     tokens = [prompts[i, : int(plen[i])].tolist() + [int(nxt[i])] for i in range(b)]
     return plen + 1, tokens, drafts, min(gap, top1_gap(tp))
 
@@ -357,7 +382,7 @@ def speculate(s, how, prompts, plen, steps, forced=None):
     that chose that step's draft tokens."""
     s.reset_caches()
     b, n = s.b, s.plan.num_draft_tokens
-    t, tokens, drafts, gap = prefill(s, prompts, plen)
+    t, tokens, drafts, gap = prefill(s, prompts, plen, how)
     accepts, gaps = [], []
     for step in range(steps):
         if int(t.max()) + 2 * n >= s.ctx:
@@ -372,7 +397,7 @@ def speculate(s, how, prompts, plen, steps, forced=None):
             tokens[i].extend(drafts[i, : ai - 1].tolist() + [int(g[i, ai - 1])])
         gaps.append(gap)
         tp, ti, h = s.extend(how, g, feats.to(s.act), t - 1, a)
-        drafts, dgap = decode_chain(s, ti[:, 0], h, t - 1 + a - 1, n - 2)
+        drafts, dgap = s.chain(how, ti[:, 0], h, t - 1 + a - 1, n - 2)
         gap = min(top1_gap(tp), dgap)
         accepts.append(a.tolist())
         t = t + a
@@ -407,6 +432,45 @@ def compare_step(s, ids, hidden, prefix, accept):
     return dict(prob_bad=prob_bad, id_bad=id_bad, hidden_rel=hid_rel, kv_rel=kv_rel, details=details), (sp, si, sh)
 
 
+def compare_chain(s, first, hidden, sel_pos, steps):
+    """Both chains (PyTorch, specplan's draft-decode phase) from the same first draft, hidden
+    row and cache: the drafts equal up to a request's first near tie in PyTorch's top-1 (the
+    two then part), and the K/V each writes within bf16 tolerance of the other's."""
+    b = s.b
+    cols = (sel_pos + 1)[:, None] + torch.arange(steps, device=s.dev)[None, :]
+    slots = s.table[s.req[:, None], cols].long()
+    out, tok, h = [first], first, hidden
+    one = torch.ones(b, dtype=torch.long, device=s.dev)
+    ties = []
+    for m in range(1, steps + 1):
+        tp, ti, h = s.draft.forward(tok[:, None], h[:, None, :], s.req, sel_pos + m, one, one)
+        gap = tp[:, 0] - tp[:, 1] if tp.shape[1] > 1 else torch.ones(b, device=s.dev)
+        ties.append([near_tie(float(gap[i]), float(tp[i, 0])) for i in range(b)])
+        tok = ti[:, 0]
+        out.append(tok)
+    want = torch.stack(out, 1)
+    kt = [k[slots].float() for k in s.kd] + [v[slots].float() for v in s.vd]
+    got, _ = s.chain("specplan", first, hidden, sel_pos, steps)
+    ks = [k[slots].float() for k in s.kd] + [v[slots].float() for v in s.vd]
+    bad, parted = 0, 0
+    for i in range(b):
+        for m in range(1, steps + 1):
+            if int(got[i, m]) != int(want[i, m]):
+                if ties[m - 1][i]:
+                    parted += 1
+                else:
+                    bad += 1
+                break
+    # The K/V of requests whose chains agree (a parted chain feeds other tokens after).
+    same = [bool(torch.equal(got[i], want[i])) for i in range(b)]
+    kv_rel = 0.0
+    for a, c in zip(ks, kt):
+        a, c = a[same], c[same]
+        if a.numel():
+            kv_rel = max(kv_rel, float((a - c).norm() / c.norm().clamp(min=1e-30)))
+    return dict(chain_id_bad=bad, chain_parted=parted, chain_kv_rel=kv_rel)
+
+
 def forced_run(s, prompts, plen, steps, seed):
     """Accept lengths from a seeded RNG; both draft-extends each step on the same state."""
     s.reset_caches()
@@ -431,6 +495,12 @@ def forced_run(s, prompts, plen, steps, seed):
         for k in ("hidden_rel", "kv_rel"):
             worst[k] = max(worst[k], diff[k])
         worst["mismatches"].extend(dict(step=done, **d) for d in diff["details"][:4])
+        if s.decoder is not None:
+            # The chain both ways from this step's first draft and hidden row.
+            ch = compare_chain(s, si[:, 0], sh, t - 1 + a - 1, n - 2)
+            for k in ("chain_id_bad", "chain_parted"):
+                worst[k] = worst.get(k, 0) + ch[k]
+            worst["chain_kv_rel"] = max(worst.get("chain_kv_rel", 0.0), ch["chain_kv_rel"])
         rand = torch.randint(0, s.plan.vocab_size, (b, n - 2), generator=rng).to(s.dev)
         drafts = torch.cat([si[:, :1], rand], 1)
         t = t + a
@@ -485,9 +555,9 @@ def timing(s, prefix_len, iters=200):
     return res
 
 
-def one_config(plan, b, steps, seed):
+def one_config(plan, b, steps, seed, device="cuda"):
     torch.manual_seed(seed)
-    s = Setup(plan, b, seed)
+    s = Setup(plan, b, seed, device)
     n = plan.num_draft_tokens
     gen = s.gen
     plen = torch.randint(6, 40, (b,), generator=gen, device=s.dev)
@@ -515,10 +585,14 @@ def one_config(plan, b, steps, seed):
     report["forced"] = forced
     if forced["steps"] < min(steps, 50):
         report["failures"].append(f"forced run: only {forced['steps']} steps fit the context")
-    for key, bound in (("prob_bad", 0), ("id_bad", 0), ("hidden_rel", 1e-2), ("kv_rel", 1e-2)):
+    checks = [("prob_bad", 0), ("id_bad", 0), ("hidden_rel", 1e-2), ("kv_rel", 1e-2)]
+    if s.decoder is not None:
+        checks += [("chain_id_bad", 0), ("chain_kv_rel", 1e-2)]
+    for key, bound in checks:
         if forced[key] > bound:
             report["failures"].append(f"forced run: {key} {forced[key]} > {bound}")
-    report["timing"] = timing(s, min(512, plan.max_context_len // 2))
+    report["real"]["chain"] = "specplan" if s.decoder is not None else "torch"
+    report["timing"] = timing(s, min(512, plan.max_context_len // 2)) if s.dev.type == "cuda" else None
     return report
 
 
@@ -528,25 +602,33 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 5, 64])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     plan = specplan.Plan.load(args.plan)
     reports = []
     ok = True
     for b in args.batch:
-        r = one_config(plan, b, args.steps, args.seed + b)
+        r = one_config(plan, b, args.steps, args.seed + b, args.device)
         reports.append(r)
         t = r["timing"]
         verdict = "ok" if not r["failures"] else "FAIL"
-        print(f"e2e {plan.name:<18} b {b:>3}: real {r['real']['steps']} steps (tokens == target greedy: "
-              f"{r['real']['tokens_match_target']}, accept lengths equal for {r['real']['accept_equal_steps']} steps), "
-              f"forced {r['forced']['steps']} steps (hidden rel {r['forced']['hidden_rel']:.1e}, kv rel "
-              f"{r['forced']['kv_rel']:.1e}, ids off {r['forced']['id_bad']}, probs off {r['forced']['prob_bad']}); "
-              f"draft-extend torch {t['torch_us']:.0f} µs, specplan {t['specplan_us']:.0f} µs "
-              f"({t['torch_us'] / t['specplan_us']:.2f}x); host: run {t['run_host_us']:.1f} µs, native step "
-              f"{t['native_step_host_us']:.1f} µs, binding {t['binding_overhead_us']:.1f} µs  {verdict}")
+        timed = "" if t is None else (
+            f"; draft-extend torch {t['torch_us']:.0f} µs, specplan {t['specplan_us']:.0f} µs "
+            f"({t['torch_us'] / t['specplan_us']:.2f}x); host: run {t['run_host_us']:.1f} µs, native step "
+            f"{t['native_step_host_us']:.1f} µs, binding {t['binding_overhead_us']:.1f} µs")
+        f = r["forced"]
+        chained = "" if "chain_id_bad" not in f else (
+            f"; chain both ways: ids off {f['chain_id_bad']}, parted at a tie {f['chain_parted']}, "
+            f"kv rel {f['chain_kv_rel']:.1e}")
+        print(f"e2e {plan.name:<18} b {b:>3}: real {r['real']['steps']} steps, chain by {r['real']['chain']} "
+              f"(tokens == target greedy: {r['real']['tokens_match_target']}, accept lengths equal for "
+              f"{r['real']['accept_equal_steps']} steps), forced {r['forced']['steps']} steps (hidden rel "
+              f"{r['forced']['hidden_rel']:.1e}, kv rel {r['forced']['kv_rel']:.1e}, ids off {r['forced']['id_bad']}, "
+              f"probs off {r['forced']['prob_bad']}{chained}){timed}  {verdict}")
         for f in r["failures"]:
             print(f"    {f}")
         ok &= not r["failures"]
