@@ -106,6 +106,7 @@ pub(crate) fn descs(cfg: &Config) -> Descs {
             dtype: c.dtype,
             hot_vocab_size: c.hot_vocab_size,
             outputs: c.outputs,
+            decode_verify: c.decode_verify,
         },
         inv_freq: config::rope_inv_freq(&cfg.model.desc),
     }

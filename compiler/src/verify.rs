@@ -314,9 +314,11 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
                 "output must be [T, 2H]".into()
             })
         }
-        OpKind::TreeInit | OpKind::TreeSelect { .. } | OpKind::TreeFinish | OpKind::GatherRows { .. } => {
-            check_tree_op(&c, kind, rows)
-        }
+        OpKind::TreeInit
+        | OpKind::TreeSelect { .. }
+        | OpKind::TreeFinish
+        | OpKind::TreeVerify
+        | OpKind::GatherRows { .. } => check_tree_op(&c, kind, rows),
         OpKind::SelectNorm => {
             c.arity(3, 2)?;
             let (r, h) = c.rank2(false, 0)?;
@@ -391,6 +393,30 @@ fn check_tree_op(c: &Ctx, kind: &OpKind, rows: Dim) -> Result<(), String> {
                 })?;
             }
             Ok(())
+        }
+        OpKind::TreeVerify => {
+            c.arity(5, 6)?;
+            let (b, _) = c.rank2(false, 0)?;
+            let (bo, nodes) = c.rank2(false, 1)?;
+            want(bo == b && c.shape(false, 2) == [b, nodes], || {
+                format!("top_scores_index and draft_tokens must be [{b}, N-1]")
+            })?;
+            want(c.shape(false, 3) == [b] && c.shape(false, 4) == [b], || {
+                format!("bonus_tokens and prefix_lens must be [{b}]")
+            })?;
+            let n = Dim::fixed(nodes.fixed + 1);
+            for o in 0..5 {
+                want(c.shape(true, o) == [b, n], || format!("output {o} must be [{b}, N]"))?;
+                c.dtype(true, o, &[DType::I64])?;
+            }
+            want(c.shape(true, 5) == [b, n, n], || {
+                format!("the mask must be [{b}, N, N]")
+            })?;
+            for i in 0..4 {
+                c.dtype(false, i, &[DType::I64])?;
+            }
+            c.dtype(false, 4, &[DType::I32])?;
+            c.dtype(true, 5, &[DType::I32])
         }
         OpKind::TreeFinish => {
             c.arity(2, 2)?;

@@ -3,8 +3,10 @@
 //! (target ids), `hidden_states [b, H]`, `prefix_lens [b]` i32 — plus `page_table [b, P]`
 //! i32 and the caller's `k_cache`/`v_cache`, as draft-extend's file has them; the outputs
 //! file holds `parent_list`, `top_scores_index`, `draft_tokens` (i64) and the updated caches
-//! (only the lanes' slots change). Every input is checked before anything runs, and a bad
-//! one is named with its index and the bound it broke.
+//! (only the lanes' slots change). A plan with the verify inputs (`decode_verify`) also takes
+//! `bonus_tokens [b]` i64 and writes `verify_tokens`, `verify_positions`, `retrieve_*` and
+//! `tree_mask`. Every input is checked before anything runs, and a bad one is named with its
+//! index and the bound it broke.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -28,6 +30,8 @@ pub struct DecodeInputs {
     pub prefix_lens: Vec<i32>,
     pub page_table: Vec<i32>,
     pub page_cols: usize,
+    /// The tree roots (plans with the verify inputs only).
+    pub bonus_tokens: Option<Vec<i64>>,
     pub kv: KvPool,
     pub kv_dtype: Dtype,
 }
@@ -73,6 +77,12 @@ pub fn load_decode_inputs(plan: &ValidatedPlan, kind: PhaseKind, path: &Path) ->
         )));
     }
     let (ks, kv_dtype) = kv_shape(plan, &st).map_err(fail)?;
+    let bonus_tokens = if plan.capture.decode_verify {
+        let (v, _) = ints(&st, io::BONUS_TOKENS, Dtype::I64, Some(&[b])).map_err(fail)?;
+        Some(v)
+    } else {
+        None
+    };
     let x = DecodeInputs {
         kind,
         b,
@@ -82,6 +92,7 @@ pub fn load_decode_inputs(plan: &ValidatedPlan, kind: PhaseKind, path: &Path) ->
         prefix_lens: prefix.iter().map(|&v| v as i32).collect(),
         page_table: table.iter().map(|&v| v as i32).collect(),
         page_cols: tshape[1],
+        bonus_tokens,
         kv: KvPool {
             pages: 0,
             k: Vec::new(),
@@ -136,6 +147,15 @@ impl DecodeInputs {
                 format!("{} is outside [0, vocab_size = {vocab}) (target ids)", self.topk_ids[j]),
             ));
         }
+        if let Some(bonus) = &self.bonus_tokens {
+            if let Some(i) = bonus.iter().position(|&t| t < 0 || t >= vocab) {
+                return Err(input_error(
+                    io::BONUS_TOKENS,
+                    format!("[{i}]"),
+                    format!("{} is outside [0, vocab_size = {vocab}) (target ids)", bonus[i]),
+                ));
+            }
+        }
         let (ps, steps) = (plan.capture.page_size, self.kind.steps());
         for i in 0..self.b {
             let l = self.prefix_lens[i];
@@ -185,6 +205,9 @@ pub struct DecodeResult {
     pub parent_list: Vec<i64>,
     pub top_scores_index: Vec<i64>,
     pub draft_tokens: Vec<i64>,
+    /// The verify inputs (plans with them): each output's name, its real requests' values
+    /// and its shape.
+    pub verify: Vec<(&'static str, Vec<i64>, Vec<usize>)>,
     pub bucket: u32,
 }
 
@@ -236,16 +259,40 @@ pub fn run_cpu_decode(
             (0..bb).map(|i| if i < b { i as f64 } else { scratch }).collect(),
         ),
     ];
+    let mut inputs = inputs;
+    if let Some(bonus) = &x.bonus_tokens {
+        inputs.push((
+            io::BONUS_TOKENS,
+            (0..bb).map(|i| bonus[if i < b { i } else { 0 }] as f64).collect(),
+        ));
+    }
     let exec = CpuExecutor::new(plan, weights)?;
     let outs = exec.run_named(x.kind, bucket, &inputs, &table, &mut x.kv)?;
     let rows = |name: &str| -> Vec<i64> {
         let v = outs.iter().find(|(n, _)| n == name).map_or(&[][..], |(_, v)| &v[..]);
         v[..v.len() / bb * b].iter().map(|&t| t as i64).collect()
     };
+    let n = x.kind.draft_tokens(&plan.spec) as usize;
+    let verify = if x.bonus_tokens.is_some() {
+        [
+            (io::VERIFY_TOKENS, vec![b, n]),
+            (io::VERIFY_POSITIONS, vec![b, n]),
+            (io::RETRIEVE_INDEX, vec![b, n]),
+            (io::RETRIEVE_NEXT_TOKEN, vec![b, n]),
+            (io::RETRIEVE_NEXT_SIBLING, vec![b, n]),
+            (io::TREE_MASK, vec![b, n, n]),
+        ]
+        .into_iter()
+        .map(|(name, shape)| (name, rows(name), shape))
+        .collect()
+    } else {
+        Vec::new()
+    };
     Ok(DecodeResult {
         parent_list: rows(io::PARENT_LIST),
         top_scores_index: rows(io::TOP_SCORES_INDEX),
         draft_tokens: rows(io::DRAFT_TOKENS),
+        verify,
         bucket: bucket.batch,
     })
 }
@@ -302,8 +349,22 @@ pub fn encode_decode_outputs(
         ),
         (io::V_CACHE, x.kv_dtype, kv_shape, to_bytes(&cache(&x.kv.v), x.kv_dtype)),
     ];
+    // The verify inputs as the plan emits them: i64, the mask i32.
+    let verify: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = res
+        .verify
+        .iter()
+        .map(|(name, v, shape)| {
+            if *name == io::TREE_MASK {
+                let b: Vec<u8> = v.iter().flat_map(|&t| (t as i32).to_le_bytes()).collect();
+                (*name, Dtype::I32, shape.clone(), b)
+            } else {
+                (*name, Dtype::I64, shape.clone(), i64s(v))
+            }
+        })
+        .collect();
     let views: Vec<(String, TensorView)> = tensors
         .iter()
+        .chain(verify.iter())
         .map(|(n, d, s, bytes)| {
             TensorView::new(*d, s.clone(), bytes)
                 .map(|v| (n.to_string(), v))

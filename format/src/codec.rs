@@ -28,7 +28,7 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// LongRoPE (`RopeScaling`), `rope_append`'s `ROPE_SCALE` constant, `Packing::LeadingRows`.
 /// 9: the draft-decode phase (`PhaseKind::DraftDecode { steps }`, the `tree.cu` entries),
 /// the `LANE_STEPS`/`STEP` constants of `rope_append` and the attention.
-pub const FORMAT_VERSION: u32 = 9;
+pub const FORMAT_VERSION: u32 = 10;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -40,6 +40,8 @@ pub enum Dim {
     ParentWidth,
     /// Draft decode: the tree's drafted nodes, N − 1.
     TreeNodes,
+    /// Draft decode: the verified tree's nodes with its root (the bonus token), N.
+    TreeSize,
 }
 
 /// A tensor's element type.
@@ -70,14 +72,17 @@ pub enum When {
     TopK,
     /// The plan emits the selected rows' logits (`capture.outputs` has `logits`).
     Logits,
+    /// Draft decode emits the verify inputs (`capture.decode_verify`).
+    DecodeVerify,
 }
 
 impl When {
-    pub fn holds(self, o: HeadOutputs) -> bool {
+    pub fn holds(self, c: &CaptureDesc) -> bool {
         match self {
             When::Always => true,
-            When::TopK => o.topk,
-            When::Logits => o.logits,
+            When::TopK => c.outputs.topk,
+            When::Logits => c.outputs.logits,
+            When::DecodeVerify => c.decode_verify,
         }
     }
 }
@@ -266,6 +271,14 @@ pub const DRAFT_DECODE: &[TensorDecl] = &[
         "the request's row of the page table",
     ),
     decl(
+        io::BONUS_TOKENS,
+        I64,
+        &[Requests],
+        Role::Staged,
+        When::DecodeVerify,
+        "the verified bonus token at position L: the tree's root",
+    ),
+    decl(
         io::PARENT_LIST,
         I64,
         &[Requests, ParentWidth],
@@ -288,6 +301,54 @@ pub const DRAFT_DECODE: &[TensorDecl] = &[
         Role::Output,
         When::Always,
         "their tokens, target ids",
+    ),
+    decl(
+        io::VERIFY_TOKENS,
+        I64,
+        &[Requests, TreeSize],
+        Role::Output,
+        When::DecodeVerify,
+        "the tree's nodes for the target's verify: the bonus root, then draft_tokens",
+    ),
+    decl(
+        io::VERIFY_POSITIONS,
+        I64,
+        &[Requests, TreeSize],
+        Role::Output,
+        When::DecodeVerify,
+        "each node's position, L + its depth",
+    ),
+    decl(
+        io::RETRIEVE_INDEX,
+        I64,
+        &[Requests, TreeSize],
+        Role::Output,
+        When::DecodeVerify,
+        "each node's row in the flattened verify batch, r*N + j",
+    ),
+    decl(
+        io::RETRIEVE_NEXT_TOKEN,
+        I64,
+        &[Requests, TreeSize],
+        Role::Output,
+        When::DecodeVerify,
+        "each node's first child (the lowest node index), -1: a leaf",
+    ),
+    decl(
+        io::RETRIEVE_NEXT_SIBLING,
+        I64,
+        &[Requests, TreeSize],
+        Role::Output,
+        When::DecodeVerify,
+        "each node's next sibling (the next higher node index), -1: the last",
+    ),
+    decl(
+        io::TREE_MASK,
+        I32,
+        &[Requests, TreeSize, TreeSize],
+        Role::Output,
+        When::DecodeVerify,
+        "1 where node j (row) attends node j' (column): itself and its ancestors",
     ),
 ];
 
@@ -348,6 +409,7 @@ impl<'a> Facts<'a> {
             Rows => batch as u64 * kind.rows_per_request(self.spec) as u64,
             ParentWidth => specplan_kernels::facts::parent_width(self.spec.topk, kind.steps()),
             TreeNodes => kind.draft_tokens(self.spec).saturating_sub(1) as u64,
+            TreeSize => kind.draft_tokens(self.spec) as u64,
             HiddenIn => m.hidden_in() as u64,
             Hidden => m.hidden as u64,
             TopK => self.spec.topk as u64,
@@ -367,7 +429,7 @@ impl<'a> Facts<'a> {
     pub fn resolve(&self, kind: PhaseKind, batch: u32) -> Vec<Resolved> {
         declared(kind)
             .iter()
-            .filter(|d| d.when.holds(self.capture.outputs))
+            .filter(|d| d.when.holds(self.capture))
             .map(|d| Resolved {
                 decl: *d,
                 dtype: match d.dtype {
@@ -418,9 +480,16 @@ pub fn logits_cols(p: &Plan) -> u32 {
 
 /// Whether `name` is an output of a draft-extend plan with these head outputs.
 pub fn is_output(outputs: HeadOutputs, name: &str) -> bool {
-    DRAFT_EXTEND
-        .iter()
-        .any(|d| d.name == name && d.role == Role::Output && d.when.holds(outputs))
+    DRAFT_EXTEND.iter().any(|d| {
+        d.name == name
+            && d.role == Role::Output
+            && match d.when {
+                When::Always => true,
+                When::TopK => outputs.topk,
+                When::Logits => outputs.logits,
+                When::DecodeVerify => false,
+            }
+    })
 }
 
 /// The declared output names of the draft-extend phase, in emit order (all of them; see
@@ -473,5 +542,6 @@ pub fn dim_name(d: Dim) -> &'static str {
         TableCols => "table_cols",
         ParentWidth => "parents",
         TreeNodes => "nodes",
+        TreeSize => "tree",
     }
 }

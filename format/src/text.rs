@@ -196,7 +196,7 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
             "page_size={} max_context_len={} pages_per_request={} kv_pool_pages={} scratch_page={} max_requests={} dtype={} hot_vocab_size={} outputs={}",
             c.page_size, c.max_context_len, c.max_pages_per_request, c.kv_pool_pages, c.scratch_page, c.max_requests, c.dtype.name(),
             opt(&c.hot_vocab_size), c.outputs.name()
-        ),
+        ) + if c.decode_verify { " decode_verify=true" } else { "" },
     );
     fact(
         "memory".into(),

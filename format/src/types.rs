@@ -141,6 +141,10 @@ pub struct CaptureDesc {
     pub hot_vocab_size: Option<u32>,
     /// What the head emits per request besides its hidden row (compile flag `outputs`).
     pub outputs: HeadOutputs,
+    /// Draft-decode phases also emit the target's verify inputs for their tree (compile flag
+    /// `draft_decode_outputs = "tree,verify"`): `verify_tokens`, `verify_positions`,
+    /// `retrieve_*` and `tree_mask`, from the caller's `bonus_tokens`.
+    pub decode_verify: bool,
 }
 
 /// The head's per-request outputs besides `hidden_out`: the fused top-K (`topk_probs`,

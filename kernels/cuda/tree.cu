@@ -23,6 +23,15 @@
 // Entry tree_finish    grid (batch), block (TREE_FINISH_THREADS = 256)
 //   the N-1 best of score_list[r, 0..C) in ascending index order -> top_scores_index[r, :],
 //   their token_list entries -> draft_tokens[r, :].
+// Entry tree_verify    grid (batch), block (TREE_VERIFY_THREADS = 256), no dynamic shared memory
+//   (a draft-decode phase compiled with draft_decode_outputs = "tree,verify"). Node 0 is the
+//   root, bonus_tokens[r], at position L = prefix_lens[r]; node j in [1, N) is score index
+//   s_j = top_scores_index[r, j-1] with token draft_tokens[r, j-1]. Its parent: node 0 when
+//   s_j / K == 0, else the node whose score index is parent_list[r, s_j / K] (node 0 when
+//   none is: only at exact ties or NaN). tokens[r, j], positions[r, j] = L + depth(j),
+//   retrieve_index[r, j] = r*N + j, next_token[r, j] = its lowest child (-1: none),
+//   next_sibling[r, j] = the next higher node with its parent (-1: none),
+//   mask[r, j, j'] = 1 iff j' is j or an ancestor of j (SGLang's QLEN_ONLY tree mask).
 // Entry gather_rows    grid (rows), block (GATHER_ROWS_THREADS = 256)
 //   out[z, :] = x[src[z], :] (HIDDEN act_t), bit exact; a source outside [0, src_rows) reads
 //   row 0.
@@ -126,6 +135,61 @@ extern "C" __global__ void __launch_bounds__(TREE_FINISH_THREADS) tree_finish(Tr
         for (int o = 0; o < c; ++o) at += chosen[o];
         p.top_scores_index[(long long)r * kNodes + at] = c;
         p.draft_tokens[(long long)r * kNodes + at] = p.token_list[(long long)r * kC + c];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TREE_VERIFY_THREADS) tree_verify(TreeVerifyParams p) {
+    using namespace tree;
+    static_assert(kN >= 1 && kN <= 4097, "DRAFT_TOKENS must fit the CTA's shared memory");
+    __shared__ int sel[kN];  // score indices < MAX_TREE_CANDIDATES
+    __shared__ int par[kN];
+    const unsigned r = blockIdx.x;
+    if (r >= p.batch) return;  // uniform per CTA
+    constexpr int kNodes = kN - 1;
+    const long long nb = (long long)r * kN;
+    for (int j = threadIdx.x; j < kNodes; j += blockDim.x) sel[j] = (int)p.top_scores_index[(long long)r * kNodes + j];
+    __syncthreads();
+    for (int j = threadIdx.x; j < kN; j += blockDim.x) {
+        int q = 0;
+        if (j > 0) {
+            const int tb = sel[j - 1] / kK;
+            if (tb > 0 && tb < kPW) {
+                const long long target = p.parent_list[(long long)r * kPW + tb];
+                for (int o = 0; o < kNodes; ++o)
+                    if (sel[o] == target) {
+                        q = o + 1;
+                        break;
+                    }
+            }
+        }
+        par[j] = j == 0 ? -1 : q;
+    }
+    __syncthreads();
+    const long long L = (long long)p.prefix_lens[r];
+    for (int j = threadIdx.x; j < kN; j += blockDim.x) {
+        int* row = p.mask + (nb + j) * kN;
+        for (int c = 0; c < kN; ++c) row[c] = 0;
+        int depth = 0;
+        // Parents precede their children in score-index order, so the walk ends (at most N).
+        for (int a = j, guard = 0; a >= 0 && guard <= kN; a = par[a], ++guard) {
+            row[a] = 1;
+            if (a > 0) ++depth;
+        }
+        p.tokens[nb + j] = j == 0 ? p.bonus_tokens[r] : p.draft_tokens[(long long)r * kNodes + j - 1];
+        p.positions[nb + j] = L + depth;
+        p.retrieve_index[nb + j] = nb + j;
+        p.next_token[nb + j] = -1;
+        p.next_sibling[nb + j] = -1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        // As SGLang's thread 0: each node, from the last, goes in front of its parent's list.
+        for (int j = kN - 1; j >= 1; --j) {
+            const int q = par[j];
+            const long long first = p.next_token[nb + q];
+            if (first >= 0) p.next_sibling[nb + j] = first;
+            p.next_token[nb + q] = j;
+        }
     }
 }
 

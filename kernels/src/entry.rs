@@ -77,7 +77,13 @@ impl Template {
             Template::Mlp => &[Entry::SiluMul],
             Template::Select => &[Entry::SelectRows, Entry::SelectNorm],
             Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
-            Template::Tree => &[Entry::TreeInit, Entry::TreeSelect, Entry::TreeFinish, Entry::GatherRows],
+            Template::Tree => &[
+                Entry::TreeInit,
+                Entry::TreeSelect,
+                Entry::TreeFinish,
+                Entry::TreeVerify,
+                Entry::GatherRows,
+            ],
             Template::Io => &[Entry::Admit, Entry::Emit, Entry::Fill],
         }
     }
@@ -156,6 +162,7 @@ entries! {
     TreeInit => tree::TreeInitParams, "tree_init", Tree;
     TreeSelect => tree::TreeSelectParams, "tree_select", Tree;
     TreeFinish => tree::TreeFinishParams, "tree_finish", Tree;
+    TreeVerify => tree::TreeVerifyParams, "tree_verify", Tree;
     GatherRows => tree::GatherRowsParams, "gather_rows", Tree;
     Admit => io::AdmitParams, "admit", Io;
     Emit => io::EmitParams, "emit", Io;

@@ -19,6 +19,16 @@ pub const LOGITS: &str = "logits";
 pub const PARENT_LIST: &str = "parent_list";
 pub const TOP_SCORES_INDEX: &str = "top_scores_index";
 pub const DRAFT_TOKENS: &str = "draft_tokens";
+/// Draft decode with the verify inputs (`draft_decode_outputs = "tree,verify"`): the bonus
+/// token given, and what SGLang's `build_tree_kernel_efficient` builds from the tree for the
+/// target's verify (its QLEN_ONLY mask as one `[N, N]` block per request).
+pub const BONUS_TOKENS: &str = "bonus_tokens";
+pub const VERIFY_TOKENS: &str = "verify_tokens";
+pub const VERIFY_POSITIONS: &str = "verify_positions";
+pub const RETRIEVE_INDEX: &str = "retrieve_index";
+pub const RETRIEVE_NEXT_TOKEN: &str = "retrieve_next_token";
+pub const RETRIEVE_NEXT_SIBLING: &str = "retrieve_next_sibling";
+pub const TREE_MASK: &str = "tree_mask";
 /// The engine-owned tensors: every layer's K and V pools, and the page table.
 pub const K_CACHE: &str = "k_cache";
 pub const V_CACHE: &str = "v_cache";

@@ -14,14 +14,24 @@ another request reads), and a request breaking one writes nothing and gets zero 
 from ._runner import DeviceError, _TORCH_DTYPES
 
 
+_VERIFY = ("verify_tokens", "verify_positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
+
+
 class DraftDecodeOutput:
     """One step's tree: views of the runner's own int64 buffers `[b, ·]`, valid until its
-    next `run` (as SGLang's graph runner outputs)."""
+    next `run` (as SGLang's graph runner outputs). With a plan compiled with
+    `draft_decode_outputs="tree,verify"` also the target's verify inputs (else None):
+    `verify_tokens`, `verify_positions`, `retrieve_index`, `retrieve_next_token`,
+    `retrieve_next_sibling` int64 [b, N] and `tree_mask` int32 [b, N, N] (1: the row's node
+    attends the column's: itself and its ancestors)."""
 
-    __slots__ = ("parent_list", "top_scores_index", "draft_tokens")
+    __slots__ = ("parent_list", "top_scores_index", "draft_tokens") + _VERIFY + ("tree_mask",)
 
-    def __init__(self, parent_list, top_scores_index, draft_tokens):
+    def __init__(self, parent_list, top_scores_index, draft_tokens, verify=None, tree_mask=None):
         self.parent_list, self.top_scores_index, self.draft_tokens = parent_list, top_scores_index, draft_tokens
+        for name, t in zip(_VERIFY, verify or (None,) * len(_VERIFY)):
+            setattr(self, name, t)
+        self.tree_mask = tree_mask
 
     def __iter__(self):
         return iter((self.parent_list, self.top_scores_index, self.draft_tokens))
@@ -70,6 +80,11 @@ class DraftDecodeRunner:
         r._parents = torch.empty((rows, r._pw), dtype=torch.int64, device=dev)
         r._index_buf = torch.empty((rows, r._nodes), dtype=torch.int64, device=dev)
         r._tokens = torch.empty((rows, r._nodes), dtype=torch.int64, device=dev)
+        r._verify = "verify_tokens" in sig
+        n = r._nodes + 1
+        r._verify_bufs = (tuple(torch.empty((rows, n), dtype=torch.int64, device=dev) for _ in _VERIFY)
+                          if r._verify else None)
+        r._mask = torch.empty((rows, n, n), dtype=torch.int32, device=dev) if r._verify else None
         r._f32 = _TORCH_DTYPES(torch)["f32"]
         r._views = {}
         return r
@@ -92,7 +107,8 @@ class DraftDecodeRunner:
             raise ValueError(f"{name}: must be contiguous on {self._device} (is on {t.device})")
         return t.dtype is self._i32
 
-    def run(self, topk_p, topk_index, hidden_states, req_pool_indices, prefix_lens, *, prefix_bias=0):
+    def run(self, topk_p, topk_index, hidden_states, req_pool_indices, prefix_lens, *, prefix_bias=0,
+            bonus_tokens=None):
         """One draft-decode step of b = len(req_pool_indices) requests.
 
         topk_p            float32 [b, K]: draft-extend's top-K probabilities (1.0 for topk 1)
@@ -104,6 +120,8 @@ class DraftDecodeRunner:
         req_pool_indices  int64/int32 [b]: rows of the registered table
         prefix_lens       int64/int32 [b]: tokens cached per request (SGLang's seq_lens);
                           `prefix_bias` is added to each
+        bonus_tokens      int64/int32 [b]: the verified bonus tokens, the trees' roots (plans
+                          with the verify inputs only, where it is required)
         Returns a DraftDecodeOutput (views valid until the next run).
         """
         torch = self._torch
@@ -122,14 +140,27 @@ class DraftDecodeRunner:
         self._tensor("hidden_states", hidden_states, (self._act,), (b, self._h))
         if isinstance(prefix_bias, bool) or not isinstance(prefix_bias, int):
             raise TypeError(f"prefix_bias: expected an int, got {type(prefix_bias).__name__}")
+        extra = {}
+        if self._verify:
+            if bonus_tokens is None:
+                raise ValueError("bonus_tokens: the plan emits the verify inputs (draft_decode_outputs tree,verify) "
+                                 "and needs the trees' roots")
+            bonus_i32 = self._tensor("bonus_tokens", bonus_tokens, ints, (b,))
+            extra = dict(bonus=bonus_tokens.data_ptr(), bonus_i32=bonus_i32,
+                         out_verify=[t.data_ptr() for t in self._verify_bufs], out_mask=self._mask.data_ptr())
+        elif bonus_tokens is not None:
+            raise ValueError("bonus_tokens: the plan emits no verify inputs (compile it with "
+                             "draft_decode_outputs=\"tree,verify\")")
         self._engine.draft_decode(
             self._label, b, topk_p.data_ptr(), topk_index.data_ptr(), ids_i32, hidden_states.data_ptr(),
             req_pool_indices.data_ptr(), req_i32, prefix_lens.data_ptr(), prefix_i32, prefix_bias,
-            self._parents.data_ptr(), self._index_buf.data_ptr(), self._tokens.data_ptr(), self._stream(),
+            self._parents.data_ptr(), self._index_buf.data_ptr(), self._tokens.data_ptr(), self._stream(), **extra,
         )
         views = self._views.get(b)
         if views is None:
-            views = DraftDecodeOutput(self._parents[:b], self._index_buf[:b], self._tokens[:b])
+            verify = tuple(t[:b] for t in self._verify_bufs) if self._verify else None
+            views = DraftDecodeOutput(self._parents[:b], self._index_buf[:b], self._tokens[:b], verify,
+                                      self._mask[:b] if self._verify else None)
             self._views[b] = views
         return views
 

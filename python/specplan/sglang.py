@@ -287,6 +287,8 @@ class SGLangDraftDecodeRunner:
             return False
         if ids is None or ids.dtype not in (torch.int64, torch.int32) or tuple(ids.shape) != (bs, self._k):
             return False
+        if self.runner._verify and getattr(spec, "bonus_tokens", None) is None:
+            return False
         cpu = getattr(forward_batch, "seq_lens_cpu", None)
         if cpu is not None:
             for L in cpu.tolist():
@@ -301,12 +303,16 @@ class SGLangDraftDecodeRunner:
         ids = spec.topk_index
         if self.hot_token_id is not None:
             ids = self.hot_token_id[ids]
+        # A plan with the verify inputs computes them from the bonus roots too (SGLang builds
+        # its own after the slot: they are there for a caller that reads them).
+        bonus = getattr(spec, "bonus_tokens", None) if self.runner._verify else None
         out = self.runner.run(
             spec.topk_p.contiguous(),
             ids.contiguous(),
             spec.hidden_states.contiguous(),
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
+            bonus_tokens=None if bonus is None else bonus.contiguous(),
         )
         e = self.runner.last_error()
         if e is not None:

@@ -88,6 +88,9 @@ def make_speculator_class(base):
                 return
             self._sp_tiers = {int(label.split(":")[1]) for label, _, _ in plan.phases()
                               if label.startswith("draft_decode:")}
+            if self._sp_tiers and "verify_tokens" in {s[0] for s in plan.signature(1, f"draft_decode:{min(self._sp_tiers)}")}:
+                raise ValueError("specplan plan: draft_decode_outputs has verify, which needs tree roots vLLM's chain "
+                                 "does not have; compile it with draft_decode_outputs=\"tree\"")
             if plan.num_draft_tokens != self.num_speculative_steps + 1 or plan.topk != 1:
                 raise ValueError(
                     f"specplan plan: num_draft_tokens {plan.num_draft_tokens}, topk {plan.topk}; vLLM's chain of "

@@ -444,8 +444,12 @@ impl CpuEngine {
     /// One step of draft-decode phase `phase` (`draft_decode:S`) on host addresses: inputs
     /// `topk_p` f32 [b, K], `ids` [b, K] (target ids; int32 with `ids_i32`), `hidden`
     /// [b, H] in the plan's dtype, `req` / `prefix` [b]; outputs (0: not copied)
-    /// parent_list [b, (S−1)K+1], top_scores_index and draft_tokens [b, N−1], int64.
-    #[pyo3(signature = (phase, b, topk_p, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, prefix_bias, out_parents, out_index, out_tokens, stream=0))]
+    /// parent_list [b, (S−1)K+1], top_scores_index and draft_tokens [b, N−1], int64. A plan
+    /// with the verify inputs also takes `bonus` [b] (0: none; int32 with `bonus_i32`) and
+    /// writes `out_verify` (verify_tokens, verify_positions, retrieve_index,
+    /// retrieve_next_token, retrieve_next_sibling: [b, N] int64 each; 0: not copied) and
+    /// `out_mask` [b, N, N] int32.
+    #[pyo3(signature = (phase, b, topk_p, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, prefix_bias, out_parents, out_index, out_tokens, stream=0, bonus=0, bonus_i32=false, out_verify=[0; 5], out_mask=0))]
     #[allow(clippy::too_many_arguments)]
     fn draft_decode(
         &mut self,
@@ -464,6 +468,10 @@ impl CpuEngine {
         out_index: u64,
         out_tokens: u64,
         stream: u64,
+        bonus: u64,
+        bonus_i32: bool,
+        out_verify: [u64; 5],
+        out_mask: u64,
     ) -> PyResult<()> {
         let _ = stream;
         let plan = self.eng.plan();
@@ -482,6 +490,7 @@ impl CpuEngine {
                 .unwrap_or(0) as usize
         };
         let (pw, nodes) = (width(io::PARENT_LIST), width(io::TOP_SCORES_INDEX));
+        let n = nodes + 1;
         for (name, p) in [
             (io::TOPK_PROBS, topk_p),
             (io::TOPK_IDS, ids),
@@ -512,6 +521,7 @@ impl CpuEngine {
             req: ints(req, req_i32, b),
             prefix: ints(prefix, prefix_i32, b),
             prefix_bias,
+            bonus_tokens: (bonus != 0).then(|| ints(bonus, bonus_i32, b)),
         };
         // SAFETY: as above; a null address leaves that output uncopied.
         let mut out = unsafe {
@@ -522,6 +532,8 @@ impl CpuEngine {
                     .then(|| std::slice::from_raw_parts_mut(out_index as *mut i64, b * nodes)),
                 draft_tokens: (out_tokens != 0)
                     .then(|| std::slice::from_raw_parts_mut(out_tokens as *mut i64, b * nodes)),
+                verify: out_verify.map(|p| (p != 0).then(|| std::slice::from_raw_parts_mut(p as *mut i64, b * n))),
+                tree_mask: (out_mask != 0).then(|| std::slice::from_raw_parts_mut(out_mask as *mut i32, b * n * n)),
             }
         };
         self.eng.draft_decode(kind, &x, &mut out).map_err(PyValueError::new_err)

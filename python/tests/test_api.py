@@ -203,8 +203,8 @@ class _RecordingEngine:
     def step(self, *args):
         self.calls.append(args)
 
-    def draft_decode(self, *args):
-        self.calls.append(args)
+    def draft_decode(self, *args, **kwargs):
+        self.calls.append(args + ((kwargs,) if kwargs else ()))
 
 
 def _bare_engine(torch, plan):
@@ -334,6 +334,24 @@ def test_draft_decode_runner_names_its_tier_and_checks_inputs(fake):
     assert mem["draft_extend"]["positions_per_request"] == 4
     for m in mem.values():
         assert m["arena_bytes"] == max(m["bucket_arena_bytes"].values()) > 0
+    with pytest.raises(ValueError, match="bonus_tokens: the plan emits no verify inputs"):
+        r.run(p, ids, hid, req, pre, bonus_tokens=req)
+    # The verify inputs: bonus_tokens required, six more outputs passed by address.
+    vplan = specplan.Plan.compile(preset="tiny", speculative_eagle_topk=4, speculative_num_steps=3,
+                                  speculative_num_draft_tokens=8, draft_decode_steps="3", page_size=1,
+                                  draft_decode_outputs="tree,verify")
+    sig = {name: (dt, shape, role) for name, dt, shape, role, _ in vplan.signature(2, "draft_decode:3")}
+    assert sig["bonus_tokens"] == ("i64", [2], "staged") and sig["tree_mask"] == ("i32", [2, 8, 8], "output")
+    vr = _bare_engine(torch, vplan).draft_decode()
+    vp, vi, vh = torch.Tensor((b, 4), torch.float32), torch.Tensor((b, 4), torch.int64), hid
+    with pytest.raises(ValueError, match="bonus_tokens: the plan emits the verify inputs"):
+        vr.run(vp, vi, vh, req, pre)
+    with pytest.raises(ValueError, match="bonus_tokens: shape"):
+        vr.run(vp, vi, vh, req, pre, bonus_tokens=torch.Tensor((b + 1,), torch.int64))
+    out = vr.run(vp, vi, vh, req, pre, bonus_tokens=torch.Tensor((b,), torch.int32))
+    kw = vr._engine.calls[-1][-1]
+    assert kw["bonus_i32"] is True and len(kw["out_verify"]) == 5 and kw["out_mask"] == vr._mask.data_ptr()
+    assert out.tree_mask is not None and out.verify_positions is not None
     plain = specplan.Plan.compile(preset="tiny")
     with pytest.raises(ValueError, match="no draft-decode phase"):
         _bare_engine(torch, plain).draft_decode()

@@ -30,6 +30,15 @@ pub const TREE_TIE_REL: f64 = 2e-2;
 pub const TREE_AGREEMENT: f64 = 0.75;
 
 const SCORE_LIST: &str = "score_list";
+/// The verify inputs a plan with `decode_verify` emits.
+const VERIFY: [&str; 6] = [
+    io::VERIFY_TOKENS,
+    io::VERIFY_POSITIONS,
+    io::RETRIEVE_INDEX,
+    io::RETRIEVE_NEXT_TOKEN,
+    io::RETRIEVE_NEXT_SIBLING,
+    io::TREE_MASK,
+];
 const TOKEN_LIST: &str = "token_list";
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -140,7 +149,7 @@ fn make_case(plan: &ValidatedPlan, kind: PhaseKind, rng: &mut Rng, b: usize) -> 
         .map(|i| if i < b { slots[i] } else { scratch_slot })
         .collect();
     let hidden_bits = to_act_bits(&hidden, act);
-    let inputs = vec![
+    let mut inputs = vec![
         (
             io::TOPK_PROBS,
             probs.iter().flat_map(|x| x.to_le_bytes()).collect(),
@@ -167,6 +176,16 @@ fn make_case(plan: &ValidatedPlan, kind: PhaseKind, rng: &mut Rng, b: usize) -> 
             rows.iter().map(|&x| x as f64).collect(),
         ),
     ];
+    if plan.capture.decode_verify {
+        // The trees' roots (any target ids; padded rows repeat request 0's).
+        let roots: Vec<i64> = (0..b).map(|_| rng.below(plan.model.vocab as usize) as i64).collect();
+        let roots: Vec<i64> = (0..bucket).map(|i| roots[if i < b { i } else { 0 }]).collect();
+        inputs.push((
+            io::BONUS_TOKENS,
+            roots.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            roots.iter().map(|&x| x as f64).collect(),
+        ));
+    }
     Ok(DecodeCase {
         bucket: bucket as u32,
         prefix,
@@ -257,6 +276,7 @@ pub fn check_decode(
         tree_candidates(k as u32, steps as u32) as usize,
     );
     let act = plan.capture.dtype;
+    let verifying = plan.capture.decode_verify;
     for (i, &s) in c.slots.iter().enumerate() {
         rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
     }
@@ -278,11 +298,28 @@ pub fn check_decode(
         );
         let scores = f32s(&read(SCORE_LIST)?)[..b * cands].to_vec();
         let tokens = i64s(&read(TOKEN_LIST)?)[..b * cands].to_vec();
+        // The verify inputs (as i64 values; the mask is i32), real requests only.
+        let mut verify = Vec::new();
+        if verifying {
+            for name in VERIFY {
+                let bytes = read(name)?;
+                let v: Vec<i64> = if name == io::TREE_MASK {
+                    bytes
+                        .chunks_exact(4)
+                        .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
+                        .collect()
+                } else {
+                    i64s(&bytes)
+                };
+                let w = v.len() / c.bucket as usize;
+                verify.push(v[..b * w].to_vec());
+            }
+        }
         let (kk, vv) = rt.read_kv(c.used_pages).map_err(g)?;
-        Ok((outs, scores, tokens, kk, vv))
+        Ok((outs, scores, tokens, verify, kk, vv))
     };
-    let (og, sg, tg, kg, vg) = run(false)?;
-    let (oe, se, te, ke, ve) = run(true)?;
+    let (og, sg, tg, vfg, kg, vg) = run(false)?;
+    let (oe, se, te, vfe, ke, ve) = run(true)?;
     // Back-to-back graph replays (the inputs stay in place), wall time per replay.
     let reps = 100;
     rt.run_phase(kind, c.bucket, false).map_err(g)?;
@@ -308,6 +345,7 @@ pub fn check_decode(
             &se.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
         )
         + bit_diffs(&tg, &te)
+        + vfg.iter().zip(&vfe).map(|(a, e)| bit_diffs(a, e)).sum::<usize>()
         + bit_diffs(&kg, &ke)
         + bit_diffs(&vg, &ve);
 
@@ -341,6 +379,15 @@ pub fn check_decode(
     let outs = exec
         .run_named_reading(kind, bucket, &named, &table, &mut pool, &[SCORE_LIST, TOKEN_LIST])
         .map_err(|x| x.to_string())?;
+    let cpu_verify: Vec<Vec<i64>> = VERIFY
+        .iter()
+        .filter(|_| verifying)
+        .map(|name| {
+            outs.iter()
+                .find(|(n, _)| n == name)
+                .map_or_else(Vec::new, |(_, v)| v.iter().map(|&x| x as i64).collect())
+        })
+        .collect();
     let get = |name: &str| -> Vec<i64> {
         outs.iter()
             .find(|(n, _)| n == name)
@@ -382,6 +429,13 @@ pub fn check_decode(
             continue;
         }
         e.equal += 1;
+        // The verify inputs follow from the tree and the inputs: equal bit for bit.
+        for ((gv, cv), name) in vfg.iter().zip(&cpu_verify).zip(VERIFY) {
+            let w = gv.len() / b.max(1);
+            if gv[r * w..(r + 1) * w] != cv[r * w..(r + 1) * w] {
+                e.failures.push(format!("b={b} req {r}: {name} differs from the CPU executor's"));
+            }
+        }
         // The lanes whose input parted from the CPU's: an equal tree can still hide a token
         // that differs at a candidate fed to a lane but not chosen among the N − 1 nodes (a
         // near tie inside the parent lane's top-K, or at its K-th child), and that lane's

@@ -23,7 +23,12 @@ use specplan_tests::random::random_weights;
 use specplan_tests::{seed, Rng};
 
 fn plan(topk: u32, steps: &str, num_steps: u32, n: u32, page_size: u32) -> ValidatedPlan {
+    plan_with(topk, steps, num_steps, n, page_size, "tree")
+}
+
+fn plan_with(topk: u32, steps: &str, num_steps: u32, n: u32, page_size: u32, outputs: &str) -> ValidatedPlan {
     let o = Overrides {
+        draft_decode_outputs: Some(outputs.into()),
         topk: Some(topk),
         num_steps: Some(num_steps),
         num_draft_tokens: Some(n),
@@ -169,7 +174,19 @@ struct Tree {
     parents: Vec<i64>,
     index: Vec<i64>,
     tokens: Vec<i64>,
+    /// The verify outputs (plans with them), in `HostDecodeOutputs::verify` order, then the
+    /// mask.
+    verify: Vec<Vec<i64>>,
 }
+
+const VERIFY: [&str; 6] = [
+    io::VERIFY_TOKENS,
+    io::VERIFY_POSITIONS,
+    io::RETRIEVE_INDEX,
+    io::RETRIEVE_NEXT_TOKEN,
+    io::RETRIEVE_NEXT_SIBLING,
+    io::TREE_MASK,
+];
 
 /// The dense reference: one bucket per chunk of the phase's largest bucket, requests in
 /// table rows 0.., on a rounding pool built from the case's bits.
@@ -178,6 +195,7 @@ fn dense(
     hw: &[specplan_runtime::cpu::WeightData],
     kind: PhaseKind,
     c: &Case,
+    bonus: Option<&[i64]>,
 ) -> (Tree, RoundingKv) {
     let act = plan.capture.dtype;
     let (row, dim, ps) = (
@@ -207,6 +225,7 @@ fn dense(
         parents: Vec::new(),
         index: Vec::new(),
         tokens: Vec::new(),
+        verify: vec![Vec::new(); if bonus.is_some() { VERIFY.len() } else { 0 }],
     };
     for start in (0..c.b).step_by(max_b) {
         let end = (start + max_b).min(c.b);
@@ -226,6 +245,12 @@ fn dense(
             (io::PREFIX_LENS, vec![0.0; bb]),
             (io::REQ_SLOTS, vec![-1.0; bb]),
         ];
+        if let Some(x) = bonus {
+            named.push((
+                io::BONUS_TOKENS,
+                (0..bb).map(|r| x.get(start + r).map_or(0.0, |&v| v as f64)).collect(),
+            ));
+        }
         for i in start..end {
             let r = i - start;
             table.data[r * cols..r * cols + c.pages[i].len()].copy_from_slice(&c.pages[i]);
@@ -253,6 +278,14 @@ fn dense(
         t.parents.extend(take(io::PARENT_LIST, pw));
         t.index.extend(take(io::TOP_SCORES_INDEX, nodes));
         t.tokens.extend(take(io::DRAFT_TOKENS, nodes));
+        for (dst, name) in t.verify.iter_mut().zip(VERIFY) {
+            let w = if name == io::TREE_MASK {
+                (nodes + 1) * (nodes + 1)
+            } else {
+                nodes + 1
+            };
+            dst.extend(take(name, w));
+        }
     }
     (t, kv)
 }
@@ -324,6 +357,7 @@ fn run_layout(plan: &ValidatedPlan, hw: &HostWeights, kind: PhaseKind, c: &Case,
         parents: vec![-7; c.b * pw],
         index: vec![-7; c.b * nodes],
         tokens: vec![-7; c.b * nodes],
+        verify: Vec::new(),
     };
     let vllm = !token_slots;
     let ids32: Vec<i32> = c.ids.iter().map(|&x| x as i32).collect();
@@ -337,11 +371,13 @@ fn run_layout(plan: &ValidatedPlan, hw: &HostWeights, kind: PhaseKind, c: &Case,
         req: Ints::I64(req),
         prefix: if vllm { Ints::I32(&seq32) } else { Ints::I64(&pre64) },
         prefix_bias: if vllm { -1 } else { 0 },
+        bonus_tokens: None,
     };
     let mut o = HostDecodeOutputs {
         parent_list: Some(&mut tree.parents),
         top_scores_index: Some(&mut tree.index),
         draft_tokens: Some(&mut tree.tokens),
+        ..Default::default()
     };
     eng.draft_decode(kind, &x, &mut o).expect("steps");
     let error = eng.last_error();
@@ -416,7 +452,7 @@ fn engine_layouts_run_the_phase_as_the_dense_executor() {
         for kind in plan.phases.iter().map(|p| p.kind).filter(|k| k.steps() > 0) {
             // 6 requests: above the largest bucket (4), so the step runs as two chunks.
             let c = make_case(&plan, kind, &mut rng, 6);
-            let (want, kv) = dense(&plan, &w, kind, &c);
+            let (want, kv) = dense(&plan, &w, kind, &c, None);
             let layouts: &[Layout] = if ps == 1 {
                 &[Layout::SglangNhd, Layout::VllmNhd]
             } else {
@@ -579,6 +615,7 @@ fn bad_shapes_are_named_and_nothing_runs() {
         req: Ints::I64(&req),
         prefix: Ints::I64(&pre),
         prefix_bias: 0,
+        bonus_tokens: None,
     };
     let e = eng
         .draft_decode(kind, &x, &mut HostDecodeOutputs::default())
@@ -606,9 +643,116 @@ fn bad_shapes_are_named_and_nothing_runs() {
             parents: Vec::new(),
             index: Vec::new(),
             tokens: Vec::new(),
+            verify: Vec::new(),
         },
         pools,
         error: None,
     };
     check_cache(&plan, kind, &c, &unchanged, None, &[], "nothing ran");
+}
+
+/// A plan with the verify inputs on engine memory: `bonus_tokens` staged, the six verify
+/// tensors equal to the dense executor's bit for bit, a refused request's rows zeros, and a
+/// missing `bonus_tokens` refused by name.
+#[test]
+fn verify_inputs_on_engine_memory_are_the_executors() {
+    let s = seed();
+    println!("seed {s:#x}");
+    let mut rng = Rng(s ^ 0x7e7);
+    let plan = plan_with(4, "3", 3, 8, 4, "tree,verify");
+    let kind = PhaseKind::DraftDecode { steps: 3 };
+    let w = random_weights(&plan, &mut rng);
+    let hw = host_weights(&plan, &w);
+    let c = make_case(&plan, kind, &mut rng, 6);
+    let bonus: Vec<i64> = (0..c.b).map(|_| rng.below(plan.model.vocab as usize) as i64).collect();
+    let (want, _) = dense(&plan, &w, kind, &c, Some(&bonus));
+    let mut pools = pools(&plan, c.used_pages, &c.k0, &c.v0, Layout::SglangNhd);
+    let ps = plan.capture.page_size as usize;
+    let cols = c.pages.iter().map(|p| p.len()).max().unwrap_or(1) * ps;
+    let mut table = vec![-1i32; c.b * cols];
+    for i in 0..c.b {
+        for pos in 0..c.pages[i].len() * ps {
+            table[i * cols + pos] = token(&c, ps, i, pos) as i32;
+        }
+    }
+    let (kp, vp): (Vec<u64>, Vec<u64>) = (0..plan.model.layers as usize)
+        .map(|l| (pools.k[l].addr(), pools.v[l].addr()))
+        .unzip();
+    let mem = EngineMemory {
+        kv: KvRegistration {
+            k: kp,
+            v: vp,
+            geom: pools.geom,
+        },
+        table: TableRegistration {
+            ptr: table.as_ptr() as u64,
+            mode: TableMode::TokenSlots,
+            rows: c.b as u64,
+            cols: cols as u64,
+            stride: cols as u64,
+            page_size: 1,
+        },
+        weights: &hw.tensors,
+    };
+    // SAFETY: as in run_layout.
+    let mut eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    let n = 8usize;
+    let mut v: Vec<Vec<i64>> = (0..5).map(|_| vec![-7; c.b * n]).collect();
+    let mut mask = vec![-7i32; c.b * n * n];
+    let req: Vec<i64> = (0..c.b as i64).collect();
+    let pre: Vec<i64> = c.prefix.iter().map(|&x| x as i64).collect();
+    let mut bad = bonus.clone();
+    bad[4] = -1;
+    for (given, refused) in [(&bonus, None), (&bad, Some(4usize))] {
+        let x = HostDecode {
+            topk_p: &c.probs,
+            topk_index: Ints::I64(&c.ids),
+            hidden: &c.hidden,
+            req: Ints::I64(&req),
+            prefix: Ints::I64(&pre),
+            prefix_bias: 0,
+            bonus_tokens: Some(Ints::I64(given)),
+        };
+        {
+            let mut it = v.iter_mut();
+            let mut next = || it.next().map(|x| &mut x[..]);
+            let verify = [next(), next(), next(), next(), next()];
+            let mut o = HostDecodeOutputs {
+                verify,
+                tree_mask: Some(&mut mask),
+                ..Default::default()
+            };
+            eng.draft_decode(kind, &x, &mut o).expect("steps");
+        }
+        match refused {
+            None => {
+                assert!(eng.last_error().is_none());
+                for (got, (w_, name)) in v.iter().zip(want.verify.iter().zip(VERIFY)) {
+                    assert_eq!(got, w_, "{name}");
+                }
+                let m: Vec<i64> = mask.iter().map(|&x| x as i64).collect();
+                assert_eq!(m, want.verify[5], "tree_mask");
+            }
+            Some(r) => {
+                let e = eng.last_error().expect("refused");
+                assert_eq!((e.request, e.rule), (r as u64, Some(DeviceRule::Id)), "{e}");
+                assert!(v.iter().all(|x| x[r * n..(r + 1) * n].iter().all(|&t| t == 0)));
+                assert!(mask[r * n * n..(r + 1) * n * n].iter().all(|&t| t == 0));
+            }
+        }
+    }
+    let x = HostDecode {
+        topk_p: &c.probs,
+        topk_index: Ints::I64(&c.ids),
+        hidden: &c.hidden,
+        req: Ints::I64(&req),
+        prefix: Ints::I64(&pre),
+        prefix_bias: 0,
+        bonus_tokens: None,
+    };
+    let e = eng
+        .draft_decode(kind, &x, &mut HostDecodeOutputs::default())
+        .expect_err("no bonus");
+    assert!(e.contains(io::BONUS_TOKENS), "{e}");
+    drop(eng);
 }

@@ -37,6 +37,7 @@ fn every_preset_kernel_compiles_to_sm90_and_ptx_9_0() {
             "draft-decode",
             Overrides {
                 draft_decode_steps: Some("auto".into()),
+                draft_decode_outputs: Some("tree,verify".into()),
                 ..Overrides::default()
             },
         ),

@@ -201,6 +201,12 @@ flags! {
     /// "auto" is num_steps; "none" compiles draft-extend only.
     draft_decode_steps: String { table: "capture", cli: "draft-decode-steps",
         python: ["draft_decode_steps"], kind: IntList, bounds: None, default: "none" }
+    /// What the draft-decode phases emit: tree (SGLang's slot: parent_list,
+    /// top_scores_index, draft_tokens) or tree,verify (also the target's verify inputs SGLang
+    /// builds after its slot: tokens with the bonus root, positions, retrieve_index /
+    /// retrieve_next_token / retrieve_next_sibling and the tree mask, from bonus_tokens).
+    draft_decode_outputs: String { table: "capture", cli: "draft-decode-outputs",
+        python: ["draft_decode_outputs"], kind: TextList, bounds: None, default: "tree" }
 }
 
 /// The flag a Python keyword or a TOML/field key names.

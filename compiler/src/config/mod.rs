@@ -92,6 +92,8 @@ pub struct CaptureConfig {
     pub outputs: HeadOutputs,
     /// The draft-decode phase's step-count tiers, ascending (empty: no such phase).
     pub decode_steps: Vec<u32>,
+    /// The draft-decode phases also emit the verify inputs (`draft_decode_outputs`).
+    pub decode_verify: bool,
 }
 
 impl CaptureConfig {
@@ -452,6 +454,7 @@ fn read_capture(
     }
     let outputs = read_outputs(v, o, e);
     let decode_steps = spec.map_or_else(Vec::new, |s| phases::read_decode_steps(v, o, s, e));
+    let decode_verify = phases::read_decode_outputs(v, o, !decode_steps.is_empty(), e);
     let buckets = buckets?;
     let max_b = *buckets.last()?;
     // Sizes derived from a refused context length would only repeat its error.
@@ -466,6 +469,7 @@ fn read_capture(
         hot_vocab_size: hot,
         outputs,
         decode_steps,
+        decode_verify,
     })
 }
 

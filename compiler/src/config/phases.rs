@@ -6,6 +6,45 @@ use specplan_format::SpecDesc;
 
 use super::{flags, Errors, Overrides};
 
+/// `capture.draft_decode_outputs`: "tree" (the default) or "tree,verify"; verify needs a
+/// draft-decode phase.
+pub(super) fn read_decode_outputs(v: &Value, o: &Overrides, has_phase: bool, e: &mut Errors) -> bool {
+    let label = flags::label("draft_decode_outputs");
+    let text = match (&o.draft_decode_outputs, v.get("draft_decode_outputs")) {
+        (Some(t), _) => t.clone(),
+        (None, None | Some(Value::Null)) => return false,
+        (None, Some(Value::String(t))) => t.clone(),
+        (None, Some(Value::Array(a))) => a
+            .iter()
+            .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
+            .collect::<Vec<_>>()
+            .join(","),
+        (None, Some(x)) => {
+            e.push(label, format!("expected \"tree\" or \"tree,verify\", got {x}"));
+            return false;
+        }
+    };
+    let mut verify = false;
+    for part in text.split([',', '+']) {
+        match part.trim() {
+            "tree" => {}
+            "verify" => verify = true,
+            other => {
+                e.push(label, format!("\"{other}\" is not an output (tree, verify)"));
+                return false;
+            }
+        }
+    }
+    if verify && !has_phase {
+        e.push(
+            label,
+            "verify needs a draft-decode phase (set draft_decode_steps)".to_string(),
+        );
+        return false;
+    }
+    verify
+}
+
 /// `capture.draft_decode_steps`: "none" (the default), "auto" (num_steps) or a list of tiers,
 /// each allowed by `limits::decode_tier_rule`, ascending and unique.
 pub(super) fn read_decode_steps(v: &Value, o: &Overrides, s: &SpecDesc, e: &mut Errors) -> Vec<u32> {

@@ -146,6 +146,11 @@ pub enum OpKind {
     /// Draft decode's result: ins score_list, token_list → out top_scores_index [B,N−1],
     /// draft_tokens [B,N−1] (`tree_finish`).
     TreeFinish,
+    /// The verify inputs of the tree (`capture.decode_verify`): ins parent_list,
+    /// top_scores_index, draft_tokens, bonus_tokens [B], prefix_lens [B] → out tokens,
+    /// positions, retrieve_index, next_token, next_sibling [B,N] i64, mask [B,N,N] i32
+    /// (`tree_verify`).
+    TreeVerify,
     /// ins x [M,H], src [T] i32 → out [T,H] = x[src] (`gather_rows`; step 0: M = B).
     GatherRows { step: u32 },
     // --- Fused (passes) ---
@@ -212,6 +217,7 @@ impl OpKind {
             OpKind::TreeInit => Entry::TreeInit.name(),
             OpKind::TreeSelect { .. } => Entry::TreeSelect.name(),
             OpKind::TreeFinish => Entry::TreeFinish.name(),
+            OpKind::TreeVerify => Entry::TreeVerify.name(),
             OpKind::GatherRows { .. } => Entry::GatherRows.name(),
         }
     }
@@ -244,6 +250,7 @@ impl OpKind {
             | OpKind::TreeInit
             | OpKind::TreeSelect { .. }
             | OpKind::TreeFinish
+            | OpKind::TreeVerify
             | OpKind::GatherRows { .. } => false,
         }
     }

@@ -107,6 +107,28 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
         vec![score_list, token_list],
         vec![top, tokens],
     );
+    if cfg.capture.decode_verify {
+        // The target's verify inputs from the tree (SGLang's build_tree_kernel_efficient).
+        let bonus = get(io::BONUS_TOKENS)?;
+        let n = f(nodes + 1);
+        let mut outs: Vec<TensorId> = [
+            io::VERIFY_TOKENS,
+            io::VERIFY_POSITIONS,
+            io::RETRIEVE_INDEX,
+            io::RETRIEVE_NEXT_TOKEN,
+            io::RETRIEVE_NEXT_SIBLING,
+        ]
+        .into_iter()
+        .map(|name| g.output(name, DType::I64, vec![b, n]))
+        .collect();
+        outs.push(g.output(io::TREE_MASK, DType::I32, vec![b, n, n]));
+        g.op(
+            Entry::TreeVerify.name(),
+            OpKind::TreeVerify,
+            vec![parent_list, top, tokens, bonus, prefix],
+            outs,
+        );
+    }
     g.g.rebuild_edges();
     Ok(g.g)
 }

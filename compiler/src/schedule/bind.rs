@@ -18,7 +18,7 @@ use specplan_kernels::entries::sample::{
 use specplan_kernels::entries::select::{SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs};
 use specplan_kernels::entries::tree::{
     GatherRowsParams, GatherRowsPtrs, TreeFinishParams, TreeFinishPtrs, TreeInitParams, TreeInitPtrs, TreeSelectParams,
-    TreeSelectPtrs,
+    TreeSelectPtrs, TreeVerifyParams, TreeVerifyPtrs,
 };
 
 use super::liveness::{root, Live, Workspace};
@@ -160,6 +160,23 @@ pub(super) fn launches(
                     draft_tokens: b.arg(op.outs[1]),
                 };
                 b.kernel::<TreeFinishParams>(op, false, sh.facts, p)
+            }
+            OpKind::TreeVerify => {
+                let (ins, outs) = (&op.ins, &op.outs);
+                let p = TreeVerifyPtrs {
+                    parent_list: b.arg(ins[0]),
+                    top_scores_index: b.arg(ins[1]),
+                    draft_tokens: b.arg(ins[2]),
+                    bonus_tokens: b.arg(ins[3]),
+                    prefix_lens: b.arg(ins[4]),
+                    tokens: b.arg(outs[0]),
+                    positions: b.arg(outs[1]),
+                    retrieve_index: b.arg(outs[2]),
+                    next_token: b.arg(outs[3]),
+                    next_sibling: b.arg(outs[4]),
+                    mask: b.arg(outs[5]),
+                };
+                b.kernel::<TreeVerifyParams>(op, false, sh.facts, p)
             }
             OpKind::GatherRows { step } => {
                 let p = GatherRowsPtrs {

@@ -99,6 +99,41 @@ pub struct GatherRowsParams {
     pub src_rows: u32,
 }
 
+/// `tree_verify` (with `capture.decode_verify`): what SGLang's `build_tree_kernel_efficient`
+/// builds for the target's verify from the tree: node 0 the bonus root at position L, node
+/// j ≥ 1 the score index `top_scores_index[j − 1]` with its token; each node's parent (the
+/// root for a root child, else the node whose score index is `parent_list[s / K]`; a node
+/// whose parent is not chosen, possible only at exact ties or NaN, hangs from the root), its
+/// position L + depth, its row r·N + j, first child and next sibling (ascending node order),
+/// and the QLEN_ONLY mask (row j attends itself and its ancestors).
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct TreeVerifyParams {
+    #[arg(buffer)]
+    pub parent_list: DevPtr<i64>,
+    #[arg(buffer)]
+    pub top_scores_index: DevPtr<i64>,
+    #[arg(buffer)]
+    pub draft_tokens: DevPtr<i64>,
+    #[arg(input = io::BONUS_TOKENS)]
+    pub bonus_tokens: DevPtr<i64>,
+    #[arg(input = io::PREFIX_LENS)]
+    pub prefix_lens: DevPtr<i32>,
+    #[arg(buffer)]
+    pub tokens: DevPtrMut<i64>,
+    #[arg(buffer)]
+    pub positions: DevPtrMut<i64>,
+    #[arg(buffer)]
+    pub retrieve_index: DevPtrMut<i64>,
+    #[arg(buffer)]
+    pub next_token: DevPtrMut<i64>,
+    #[arg(buffer)]
+    pub next_sibling: DevPtrMut<i64>,
+    #[arg(buffer)]
+    pub mask: DevPtrMut<i32>,
+    pub batch: u32,
+}
+
 pub const TREE_THREADS: u32 = 256;
 
 impl Kernel for TreeInitParams {
@@ -166,6 +201,34 @@ impl Kernel for TreeFinishParams {
             token_list: Extent::Elems(b * f.tree_candidates() as u64),
             top_scores_index: Extent::Elems(b * nodes),
             draft_tokens: Extent::Elems(b * nodes),
+        }
+    }
+}
+
+impl Kernel for TreeVerifyParams {
+    const ENTRY: Entry = Entry::TreeVerify;
+    fn threads(_: &KernelFacts) -> u32 {
+        TREE_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], TreeVerifyScalars) {
+        ([b.batch, 1, 1], TreeVerifyScalars { batch: b.batch })
+    }
+    fn extents(s: &TreeVerifyScalars, f: &KernelFacts) -> TreeVerifyPtrs<Extent> {
+        let b = s.batch as u64;
+        let n = f.draft_tokens as u64;
+        let nodes = n.saturating_sub(1);
+        TreeVerifyPtrs {
+            parent_list: Extent::Elems(b * f.parent_width() as u64),
+            top_scores_index: Extent::Elems(b * nodes),
+            draft_tokens: Extent::Elems(b * nodes),
+            bonus_tokens: Extent::Elems(b),
+            prefix_lens: Extent::Elems(b),
+            tokens: Extent::Elems(b * n),
+            positions: Extent::Elems(b * n),
+            retrieve_index: Extent::Elems(b * n),
+            next_token: Extent::Elems(b * n),
+            next_sibling: Extent::Elems(b * n),
+            mask: Extent::Elems(b * n * n),
         }
     }
 }

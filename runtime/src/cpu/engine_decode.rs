@@ -29,6 +29,9 @@ pub struct HostDecode<'a> {
     /// Tokens already cached per request, plus `prefix_bias`.
     pub prefix: Ints<'a>,
     pub prefix_bias: i32,
+    /// `[b]`: the tree roots, for a plan with the verify inputs (`capture.decode_verify`);
+    /// `None` otherwise.
+    pub bonus_tokens: Option<Ints<'a>>,
 }
 
 /// Where the tree goes (`None`: not copied), each `[b, ·]` i64.
@@ -40,7 +43,22 @@ pub struct HostDecodeOutputs<'a> {
     pub top_scores_index: Option<&'a mut [i64]>,
     /// `[b, N−1]`, target ids.
     pub draft_tokens: Option<&'a mut [i64]>,
+    /// The verify inputs (a plan with `decode_verify`): `verify_tokens`,
+    /// `verify_positions`, `retrieve_index`, `retrieve_next_token`, `retrieve_next_sibling`
+    /// `[b, N]` each, in that order.
+    pub verify: [Option<&'a mut [i64]>; 5],
+    /// `tree_mask [b, N, N]`.
+    pub tree_mask: Option<&'a mut [i32]>,
 }
+
+/// The verify outputs' names, in `HostDecodeOutputs::verify` order.
+const VERIFY: [&str; 5] = [
+    io::VERIFY_TOKENS,
+    io::VERIFY_POSITIONS,
+    io::RETRIEVE_INDEX,
+    io::RETRIEVE_NEXT_TOKEN,
+    io::RETRIEVE_NEXT_SIBLING,
+];
 
 impl CpuEngine {
     /// Request `i`'s table row, or the first rule it breaks (draft-extend's order; the
@@ -73,10 +91,12 @@ impl CpuEngine {
             return Err(DeviceRule::Slot);
         }
         let ku = k as usize;
+        let vocab = p.model.vocab as i64;
         if (i * ku..(i + 1) * ku).any(|e| {
             let id = x.topk_index.get(e);
-            id < 0 || id >= p.model.vocab as i64
-        }) {
+            id < 0 || id >= vocab
+        }) || x.bonus_tokens.is_some_and(|t| !(0..vocab).contains(&t.get(i)))
+        {
             return Err(DeviceRule::Id);
         }
         Ok(row)
@@ -107,6 +127,35 @@ impl CpuEngine {
         shape(io::TOPK_IDS, x.topk_index.len(), b * k)?;
         shape(io::HIDDEN_STATES, x.hidden.len(), b * h)?;
         shape(io::PREFIX_LENS, x.prefix.len(), b)?;
+        let verify = p.capture.decode_verify;
+        let n = nodes + 1;
+        match (&x.bonus_tokens, verify) {
+            (Some(t), true) => shape(io::BONUS_TOKENS, t.len(), b)?,
+            (None, false) => {}
+            (None, true) => {
+                return Err(format!(
+                    "{}: the plan emits the verify inputs (draft_decode_outputs tree,verify) and needs the tree roots",
+                    io::BONUS_TOKENS
+                ))
+            }
+            (Some(_), false) => {
+                return Err(format!(
+                    "{}: the plan emits no verify inputs (compile it with draft_decode_outputs tree,verify)",
+                    io::BONUS_TOKENS
+                ))
+            }
+        }
+        for (name, len) in VERIFY
+            .iter()
+            .zip(out.verify.iter().map(|v| v.as_ref().map(|s| s.len())))
+            .chain([(&io::TREE_MASK, out.tree_mask.as_ref().map(|v| v.len()))])
+        {
+            match len {
+                Some(_) if !verify => return Err(format!("{name}: the plan does not emit it")),
+                Some(l) => shape(name, l, if *name == io::TREE_MASK { b * n * n } else { b * n })?,
+                None => {}
+            }
+        }
         for (name, len, want) in [
             (io::PARENT_LIST, out.parent_list.as_ref().map(|v| v.len()), b * pw),
             (
@@ -168,6 +217,9 @@ impl CpuEngine {
                 (io::PREFIX_LENS, vec![0.0; bb]),
                 (io::REQ_SLOTS, vec![-1.0; bb]),
             ];
+            if verify {
+                named.push((io::BONUS_TOKENS, vec![0.0; bb]));
+            }
             let mut ok = vec![false; end - start];
             for i in start..end {
                 let c = i - start;
@@ -193,6 +245,9 @@ impl CpuEngine {
                 }
                 named[3].1[c] = prefix(i) as f64;
                 named[4].1[c] = c as f64;
+                if let (Some(t), Some(slot)) = (&x.bonus_tokens, named.get_mut(5)) {
+                    slot.1[c] = t.get(i) as f64;
+                }
             }
             let outs = self
                 .run_named(kind, bucket, &named, &table)
@@ -214,6 +269,26 @@ impl CpuEngine {
                     let i = start + c;
                     for j in 0..w {
                         dst[i * w + j] = if keep { src[c * w + j] as i64 } else { 0 };
+                    }
+                }
+            }
+            for (dst, name) in out.verify.iter_mut().zip(VERIFY) {
+                let Some(dst) = dst.as_deref_mut() else { continue };
+                let src = get(name)?;
+                for (c, &keep) in ok.iter().enumerate() {
+                    let i = start + c;
+                    for j in 0..n {
+                        dst[i * n + j] = if keep { src[c * n + j] as i64 } else { 0 };
+                    }
+                }
+            }
+            if let Some(dst) = out.tree_mask.as_deref_mut() {
+                let src = get(io::TREE_MASK)?;
+                let w = n * n;
+                for (c, &keep) in ok.iter().enumerate() {
+                    let i = start + c;
+                    for j in 0..w {
+                        dst[i * w + j] = if keep { src[c * w + j] as i32 } else { 0 };
                     }
                 }
             }

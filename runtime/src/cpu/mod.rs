@@ -494,6 +494,10 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<tree_entries::TreeFinishParams>(&slots)?;
                 self.tree_finish(k, &p, &s)
             }
+            Entry::TreeVerify => {
+                let (p, s) = typed::<tree_entries::TreeVerifyParams>(&slots)?;
+                self.tree_verify(k, &p, &s)
+            }
             Entry::GatherRows => {
                 let (p, s) = typed::<tree_entries::GatherRowsParams>(&slots)?;
                 self.gather_rows(k, &p, &s)

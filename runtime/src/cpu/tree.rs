@@ -8,7 +8,7 @@ use std::cmp::Ordering;
 use specplan_format::{io, KernelDesc};
 use specplan_kernels::entries::tree::{
     GatherRowsPtrs, GatherRowsScalars, TreeFinishPtrs, TreeFinishScalars, TreeInitPtrs, TreeInitScalars,
-    TreeSelectPtrs, TreeSelectScalars,
+    TreeSelectPtrs, TreeSelectScalars, TreeVerifyPtrs, TreeVerifyScalars,
 };
 
 use super::entries::{buf, c_pos, c_u32};
@@ -157,6 +157,79 @@ impl<K: KvStore> Ctx<'_, K> {
                 self.st(top, r * t.nodes + at, c as f64)?;
                 let id = self.ld(tl, r * t.cands + c)?;
                 self.st(tokens, r * t.nodes + at, id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The verify inputs of each request's tree (tree.cu `tree_verify`).
+    pub(super) fn tree_verify(&mut self, k: &KernelDesc, p: &TreeVerifyPtrs<Ptr>, s: &TreeVerifyScalars) -> R<()> {
+        let t = Tree::of(k)?;
+        let n = t.nodes + 1;
+        let (pl, top, dt) = (
+            buf(p.parent_list, io::PARENT_LIST)?,
+            buf(p.top_scores_index, io::TOP_SCORES_INDEX)?,
+            buf(p.draft_tokens, io::DRAFT_TOKENS)?,
+        );
+        let (bonus, prefix) = (
+            buf(p.bonus_tokens, io::BONUS_TOKENS)?,
+            buf(p.prefix_lens, io::PREFIX_LENS)?,
+        );
+        let outs = [
+            buf(p.tokens, io::VERIFY_TOKENS)?,
+            buf(p.positions, io::VERIFY_POSITIONS)?,
+            buf(p.retrieve_index, io::RETRIEVE_INDEX)?,
+            buf(p.next_token, io::RETRIEVE_NEXT_TOKEN)?,
+            buf(p.next_sibling, io::RETRIEVE_NEXT_SIBLING)?,
+        ];
+        let mask = buf(p.mask, io::TREE_MASK)?;
+        for r in 0..s.batch as usize {
+            let sel: Vec<i64> = (0..t.nodes)
+                .map(|j| self.ld(top, r * t.nodes + j).map(|x| x as i64))
+                .collect::<R<_>>()?;
+            // Each node's parent node: the root for a root child or when the parent's score
+            // index is not chosen (only at exact ties or NaN).
+            let mut par = vec![-1i64; n];
+            for j in 1..n {
+                let tb = sel[j - 1].div_euclid(t.k as i64);
+                par[j] = 0;
+                if tb > 0 && (tb as usize) < t.parents {
+                    let target = self.ld(pl, r * t.parents + tb as usize)? as i64;
+                    if let Some(q) = sel.iter().position(|&x| x == target) {
+                        par[j] = q as i64 + 1;
+                    }
+                }
+            }
+            let l = self.ld(prefix, r)?;
+            let mut next = vec![-1i64; n];
+            let mut sibling = vec![-1i64; n];
+            for j in (1..n).rev() {
+                let q = par[j] as usize;
+                sibling[j] = next[q];
+                next[q] = j as i64;
+            }
+            for j in 0..n {
+                let mut row = vec![0.0; n];
+                let (mut a, mut depth, mut guard) = (j as i64, 0i64, 0);
+                while a >= 0 && guard <= n {
+                    row[a as usize] = 1.0;
+                    depth += (a > 0) as i64;
+                    a = par[a as usize];
+                    guard += 1;
+                }
+                let token = if j == 0 {
+                    self.ld(bonus, r)?
+                } else {
+                    self.ld(dt, r * t.nodes + j - 1)?
+                };
+                let at = r * n + j;
+                let vals = [token, l + depth as f64, at as f64, next[j] as f64, sibling[j] as f64];
+                for (o, v) in outs.iter().zip(vals) {
+                    self.st(*o, at, v)?;
+                }
+                for (c, &v) in row.iter().enumerate() {
+                    self.st(mask, at * n + c, v)?;
+                }
             }
         }
         Ok(())

@@ -49,6 +49,7 @@ fn plan() -> Plan {
             dtype: DType::Bf16,
             hot_vocab_size: None,
             outputs: specplan_format::HeadOutputs::TOPK,
+            decode_verify: false,
         },
         target: TargetDesc { sm: 90, nvrtc: None },
         rope_inv_freq: vec![],
