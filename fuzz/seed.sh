@@ -22,7 +22,7 @@ c tiny-eagle3 --hf-config tests/corpus/valid/tiny-eagle3.json --speculative-eagl
 # Draft decode: a chain with three tiers and a tree over pages.
 c tiny-decode-chain --preset tiny --speculative-eagle-topk 1 --speculative-num-steps 3 \
   --speculative-num-draft-tokens 4 --draft-decode-steps 2,3,5 --buckets 1,2 --no-kernels
-c tiny-decode-tree --preset tiny --draft-decode-steps auto --buckets 1,2 --no-kernels
+c tiny-decode-tree --preset tiny --draft-decode-steps auto --draft-decode-outputs tree,verify --buckets 1,2 --no-kernels
 # One with binaries (the CUBIN and PTX rules).
 c tiny-kernels --preset tiny --buckets 1
 ls -l "$out"
