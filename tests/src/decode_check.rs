@@ -433,7 +433,8 @@ pub fn check_decode(
         for ((gv, cv), name) in vfg.iter().zip(&cpu_verify).zip(VERIFY) {
             let w = gv.len() / b.max(1);
             if gv[r * w..(r + 1) * w] != cv[r * w..(r + 1) * w] {
-                e.failures.push(format!("b={b} req {r}: {name} differs from the CPU executor's"));
+                e.failures
+                    .push(format!("b={b} req {r}: {name} differs from the CPU executor's"));
             }
         }
         // The lanes whose input parted from the CPU's: an equal tree can still hide a token

@@ -253,7 +253,6 @@ fn the_executors_verify_inputs_are_the_releases_for_its_tree() {
     }
 }
 
-
 mod naive;
 
 /// The run contract of a verify plan: `bonus_tokens` read (and refused when missing or
