@@ -442,51 +442,72 @@ class Step:
         self.hidden.copy_(self.hidden_src, non_blocking=True)
 
     def forward(self):
-        m, P = self.m, self.m.P
-        hq, hkv, D, T = P["heads"], P["kv_heads"], P["head_dim"], self.T
-        half = D // 2
-        ang = self.pos.float()[:, None] * m.inv_freq[None, :]
-        cos, sin = ang.cos() * P["rope_scale"], ang.sin() * P["rope_scale"]
-        c = torch.cat([cos, cos], -1)[:, None, :]
-        s = torch.cat([-sin, sin], -1)[:, None, :]
-
-        def rope(x):  # rotate-half in fp32: x·cos + rotate_half(x)·sin
-            xf = x.float()
-            return torch.addcmul(xf * c, torch.cat([xf[..., half:], xf[..., :half]], -1), s).to(x.dtype)
-
+        m = self.m
         first = None
         if m.eagle3:
             # h = fc(features) is layer 0's residual; its input is norm(embed) ‖ norm(h).
             x = F.linear(self.hidden, m.fc_w, m.fc_b)
-            w0 = m.layers[0]
-            e = rms_norm(m.embed[self.ids], w0["emb_norm"], m.eps)
-            first = torch.cat([e, rms_norm(x, w0["hidden_norm"], m.eps)], -1)
+            first = eagle3_first(m, self.ids, x)
         else:
             x = F.linear(torch.cat([m.embed[self.ids], self.hidden], -1), m.fc_w, m.fc_b)
-        for l, w in enumerate(m.layers):
-            if l == 0 and first is not None:
-                h = first
-            else:
-                h = x if w["in_norm"] is None else rms_norm(x, w["in_norm"], m.eps)
-            qkv = F.linear(h, w["qkv"])
-            q = rope(qkv[:, : hq * D].view(T, hq, D))
-            k = rope(qkv[:, hq * D : (hq + hkv) * D].view(T, hkv, D))
-            v = qkv[:, (hq + hkv) * D :].view(T, hkv, D)
-            kc, vc = self.kc[l], self.vc[l]
-            kc.view(-1, hkv, D)[self.loc] = k
-            vc.view(-1, hkv, D)[self.loc] = v
-            o = self.attn.run(l, q, kc, vc, self.attn_out)
-            x = x + F.linear(o.view(T, hq * D), w["o"])
-            gu = F.linear(rms_norm(x, w["post_norm"], m.eps), w["gate_up"])
-            g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, w["down"])
+        x = layers_forward(m, x, first, self.pos, self.loc, self.attn.run, self.kc, self.vc, self.attn_out)
         hs = x.index_select(0, self.sel)  # hidden_out: EAGLE-3's pre-norm rows too
-        lm_in = hs if m.final_norm is None else rms_norm(hs, m.final_norm, m.eps)
-        probs = torch.softmax(logits_f32(lm_in, m.lm), dim=-1)
-        p, i = torch.topk(probs, P["topk"], dim=-1)
-        if m.id_map is not None:  # FR-Spec hot_token_ids[c], EAGLE-3 c + d2t[c]
-            i = m.id_map[i]
+        p, i, probs = head_topk(m, hs)
         return hs, p, i, probs
+
+
+def eagle3_first(m, ids, x):
+    """EAGLE-3's layer-0 input: norm(embed(ids)) ‖ hidden_norm(x) [2H]."""
+    w0 = m.layers[0]
+    return torch.cat([rms_norm(m.embed[ids], w0["emb_norm"], m.eps), rms_norm(x, w0["hidden_norm"], m.eps)], -1)
+
+
+def layers_forward(m, x, first, pos, loc, attn_run, kcs, vcs, attn_out):
+    """The head's decoder layers over rows x [T, H] (layer 0's residual) at positions `pos`,
+    K/V written at token slots `loc`; `first` replaces layer 0's input (EAGLE-3), `attn_run(l,
+    q, k_cache, v_cache, out)` is the attention. Returns the last residual rows."""
+    P = m.P
+    hq, hkv, D, T = P["heads"], P["kv_heads"], P["head_dim"], x.shape[0]
+    half = D // 2
+    ang = pos.float()[:, None] * m.inv_freq[None, :]
+    cos, sin = ang.cos() * P["rope_scale"], ang.sin() * P["rope_scale"]
+    c = torch.cat([cos, cos], -1)[:, None, :]
+    s = torch.cat([-sin, sin], -1)[:, None, :]
+
+    def rope(t):  # rotate-half in fp32: t·cos + rotate_half(t)·sin
+        tf = t.float()
+        return torch.addcmul(tf * c, torch.cat([tf[..., half:], tf[..., :half]], -1), s).to(t.dtype)
+
+    for l, w in enumerate(m.layers):
+        if l == 0 and first is not None:
+            h = first
+        else:
+            h = x if w["in_norm"] is None else rms_norm(x, w["in_norm"], m.eps)
+        qkv = F.linear(h, w["qkv"])
+        q = rope(qkv[:, : hq * D].view(T, hq, D))
+        k = rope(qkv[:, hq * D : (hq + hkv) * D].view(T, hkv, D))
+        v = qkv[:, (hq + hkv) * D :].view(T, hkv, D)
+        kc, vc = kcs[l], vcs[l]
+        kc.view(-1, hkv, D)[loc] = k
+        vc.view(-1, hkv, D)[loc] = v
+        o = attn_run(l, q, kc, vc, attn_out)
+        x = x + F.linear(o.view(T, hq * D), w["o"])
+        gu = F.linear(rms_norm(x, w["post_norm"], m.eps), w["gate_up"])
+        g, u = gu.chunk(2, dim=-1)
+        x = x + F.linear(F.silu(g) * u, w["down"])
+    return x
+
+
+def head_topk(m, hs):
+    """The head over hidden rows: (EAGLE-3: the final norm) lm_head in fp32, softmax, top-K with
+    ids mapped to target ids (FR-Spec hot_token_ids[c], EAGLE-3 c + d2t[c]). Returns (p, ids,
+    probs)."""
+    lm_in = hs if m.final_norm is None else rms_norm(hs, m.final_norm, m.eps)
+    probs = torch.softmax(logits_f32(lm_in, m.lm), dim=-1)
+    p, i = torch.topk(probs, m.P["topk"], dim=-1)
+    if m.id_map is not None:
+        i = m.id_map[i]
+    return p, i, probs
 
 
 def capture(step):
