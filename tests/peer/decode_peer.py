@@ -42,16 +42,22 @@ def lane_slots(table, req, prefix, k, steps):
 
 def step_indices(table, req, prefix, k, loc, i):
     """FlashInfer's index arrays of step i: per lane row, the prefix slots then the lane's
-    slots of steps 0..i. Host indptr [R + 1] int32, device indices int32."""
+    slots of steps 0..i (one gather on the device, as SGLang's
+    generate_draft_decode_kv_indices). Host indptr [R + 1] int32, device indices int32."""
     dev = table.device
-    lens = [l + i + 1 for l in prefix for _ in range(k)]
-    indptr = torch.tensor([0] + list(fp._cumsum(lens)), dtype=torch.int32)
-    parts = []
-    for z in range(len(lens)):
-        r = z // k
-        parts.append(table[req[r], : prefix[r]])
-        parts.append(loc[: i + 1, z])
-    indices = torch.cat(parts).to(torch.int32).to(dev)
+    r = len(prefix) * k
+    L = torch.tensor(prefix, dtype=torch.int64).repeat_interleave(k)  # per row, host
+    lens = L + i + 1
+    indptr = torch.zeros(r + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    Ld, lensd = L.to(dev), lens.to(dev)
+    total = int(indptr[-1])
+    row = torch.repeat_interleave(torch.arange(r, device=dev), lensd)
+    off = torch.arange(total, device=dev) - torch.repeat_interleave(indptr[:-1].to(dev).long(), lensd)
+    lrow = Ld[row]
+    prefix_slot = table[req.repeat_interleave(k)[row], off.clamp(max=table.shape[1] - 1)]
+    lane_slot = loc[(off - lrow).clamp(min=0, max=i), row]
+    indices = torch.where(off < lrow, prefix_slot, lane_slot).to(torch.int32)
     return indptr, indices
 
 
@@ -133,6 +139,10 @@ class DecodeStep:
             self.loc.copy_(loc)
         self.attn.set_layouts([step_indices(table, req, prefix, k, loc, i) for i in range(s - 1)])
 
+    def stage(self):
+        """Inputs are in the static buffers once `set_inputs` ran (flashinfer_peer.capture's
+        hook)."""
+
     def forward(self):
         """(parent_list [b, (S−1)K + 1], top_scores_index [b, N − 1], draft_tokens [b, N − 1],
         score_list [b, K + (S−1)K²])."""
@@ -171,3 +181,119 @@ class DecodeStep:
         draft = torch.gather(tl, 1, top_index)
         parent_list = torch.cat(parents, dim=1)
         return parent_list, top_index, draft, sl
+
+
+def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush=None):
+    """One (B, L) of a tier: every request at prefix L over scattered token slots. The step
+    (input copies, the lanes' indices, plan() of every step's wrapper, the replay; host wall
+    clock until done) and the replay alone (CUDA events, L2 flushed before each run), medians
+    of `runs` after `warmup`."""
+    import time
+
+    hkv, D, layers, dt = P["kv_heads"], P["head_dim"], P["layers"], P["act"]
+    per = L + (k - 1) * steps + steps - 1
+    slots = B * per + 1
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    kc = [torch.empty(slots, 1, hkv, D, dtype=dt, device=dev).uniform_(-1.0, 1.0) for _ in range(layers)]
+    vc = [torch.empty(slots, 1, hkv, D, dtype=dt, device=dev).uniform_(-1.0, 1.0) for _ in range(layers)]
+    table = torch.randperm(slots - 1, generator=gen)[: B * per].view(B, per).to(dev)
+    req = torch.arange(B, device=dev)
+    attn = DecodeAttention(fi, P, B * k, steps, B * k * (L + steps), ws, dev)
+    step = DecodeStep(m, attn, kc, vc, B, k, steps, n, dev)
+    p = torch.rand(B, k, generator=gen) * 0.9 + 0.05
+    topk_p = (p / p.sum(-1, keepdim=True)).sort(-1, descending=True).values.to(dev)
+    topk_ids = torch.randint(0, P["vocab"], (B, k), generator=gen).to(dev)
+    hidden = torch.empty(B, P["hidden"], dtype=dt, device=dev).uniform_(-1.0, 1.0)
+    prefix = [L] * B
+    step.set_inputs(topk_p, topk_ids, hidden, prefix, table, req)
+    graph, outs, capture_ms = fp.capture(step)
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls, preps = [], []
+    for it in range(warmup + runs):
+        t0 = time.perf_counter()
+        step.set_inputs(topk_p, topk_ids, hidden, prefix, table, req)
+        attn.plan()
+        t1 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if it >= warmup:
+            walls.append((t2 - t0) * 1e6)
+            preps.append((t1 - t0) * 1e6)
+    reps = []
+    for it in range(warmup + runs):
+        if flush is not None:
+            flush.fill_(it & 0xFF)
+        ev0.record()
+        graph.replay()
+        ev1.record()
+        ev1.synchronize()
+        if it >= warmup:
+            reps.append(ev0.elapsed_time(ev1) * 1e3)
+    row = {
+        "plan": P.get("name"),
+        "phase": f"draft_decode:{steps}",
+        "batch": B,
+        "prefix": L,
+        "topk": k,
+        "steps": steps,
+        "draft_tokens": n,
+        "prep_us": round(fp.median(preps), 2),
+        "step_us": round(fp.median(walls), 1),
+        "replay_us": round(fp.median(reps), 1),
+        "graph_capture_ms": round(capture_ms, 1),
+        "runs": runs,
+        "warmup": warmup,
+    }
+    del graph, outs, step, attn, kc, vc
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    """decode_peer.py bench --plan-json P.json --steps S --draft-tokens N [--batches 1,8,32,64]
+    [--prefixes 1024,4096] [--runs 100] [--warmup 10] [--seed 1] --json OUT.json"""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["bench"])
+    ap.add_argument("--plan-json", required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--draft-tokens", type=int, required=True)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prefixes", default="1024,4096")
+    ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--l2-flush-mb", type=int, default=256)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    P = fp.load_plan(a.plan_json)
+    if P["page_size"] != 1:
+        raise SystemExit(f"{a.plan_json}: page size {P['page_size']}; the draft-decode peer models page size 1")
+    fi = fp.import_flashinfer()
+    dev = fp.device()
+    m = fp.Model(P, fp.random_weights(P, dev, a.seed), dev)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    flush = torch.empty(a.l2_flush_mb << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
+    rows = []
+    for B in (int(x) for x in a.batches.split(",")):
+        for L in (int(x) for x in a.prefixes.split(",")):
+            if L + (P["topk"] - 1) * a.steps + a.steps - 1 > P["max_context_len"]:
+                continue
+            rows.append(bench_decode(fi, m, P, B, L, P["topk"], a.steps, a.draft_tokens, a.runs, a.warmup, ws, dev,
+                                     a.seed + B + L, flush))
+            fp.log(f"decode B={B} L={L}: step {rows[-1]['step_us']} µs (prep {rows[-1]['prep_us']}), "
+                   f"replay {rows[-1]['replay_us']} µs")
+            with open(a.json, "w") as f:
+                json.dump({"decode": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

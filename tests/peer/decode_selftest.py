@@ -136,6 +136,8 @@ def main():
     if bindir is None:
         sys.exit("no peerprep binary (cargo build -p specplan-tests --bin peerprep)")
     fi = cpu_selftest.fake_flashinfer(cpu_selftest.real_signatures())
+    # fp32 products of the bf16 operands: what torch.mm(out_dtype=float32) gives on CUDA.
+    fp.logits_f32 = lambda h, w: h.float() @ w.float().t()
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         cases = [
@@ -157,6 +159,20 @@ def main():
             ok &= caught
             print(f"{name:<32} trees equal {b - differ}/{b}, K/V over bound {len(kv_bad)}  "
                   f"{'caught' if caught else 'NOT CAUGHT'}")
+        # The bench path (CUDA graphs and events stood in for; its times mean nothing).
+        fp.capture = cpu_selftest.cpu_capture
+        cpu_selftest.fake_cuda()
+        plan = specplan.Plan.compile(preset="tiny", speculative_eagle_topk=4, speculative_num_steps=3,
+                                     speculative_num_draft_tokens=8, draft_decode_steps="3", page_size=1,
+                                     max_context_len=256, no_kernels=True)
+        P = plan_facts(plan, bindir, tmp)
+        dev = torch.device("cpu")
+        m = fp.Model(P, fp.random_weights(P, dev, 5), dev)
+        row = dp.bench_decode(fi, m, P, 2, 40, 4, 3, 8, 2, 1, torch.empty(1 << 20, dtype=torch.uint8), dev, 0)
+        want = {"phase", "batch", "prefix", "prep_us", "step_us", "replay_us", "steps", "draft_tokens"}
+        good = want <= set(row) and row["phase"] == "draft_decode:3" and row["batch"] == 2
+        ok &= good
+        print(f"bench path: {sorted(row)}  {'ok' if good else 'FAIL'}")
     print("decode peer self-test:", "ok" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -65,6 +65,24 @@ pub struct Ceilings {
     pub bf16_flops_per_s: f64,
 }
 
+/// One `specbench` draft-decode row: a tier of a plan at batch B, every request at prefix L
+/// (owned memory: the phase's graph replayed alone, L2 flushed before each run).
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeRow {
+    pub plan: String,
+    pub phase: String,
+    pub batch: usize,
+    pub prefix: usize,
+    pub topk: u32,
+    pub steps: u32,
+    pub draft_tokens: u32,
+    pub replay_us: f64,
+    /// Bytes the S − 1 forwards must move (weights per forward, the prefix K/V once per
+    /// request and layer, each lane's own slots, the K/V written) over the copy ceiling.
+    pub floor_us: f64,
+    pub bytes: f64,
+}
+
 /// One `specbench` row: a plan at batch B and prefix L.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchRow {
@@ -173,4 +191,6 @@ pub struct Bench {
     pub spans: Vec<SpanTime>,
     pub breakdown: Vec<Breakdown>,
     pub gemms: Vec<GemmRecord>,
+    /// Draft-decode phases (plans compiled with `--draft-decode-steps`).
+    pub decode: Vec<DecodeRow>,
 }

@@ -28,6 +28,8 @@ use specplan_tests::random::pattern_weights;
 use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmRecord, OpTime, SpanTime};
 use specplan_tests::{json, plan_files, write_atomic, Rng};
 
+mod decode;
+
 const BATCHES: [usize; 4] = [1, 8, 32, 64];
 const PREFIXES: [usize; 2] = [1024, 4096];
 
@@ -289,6 +291,17 @@ fn bench_plan(
             bench.rows.push(row);
         }
     }
+    decode::bench(
+        name,
+        plan,
+        &mut rt,
+        &timer,
+        &flush,
+        c.copy_bytes_per_s,
+        &BATCHES,
+        &PREFIXES,
+        &mut bench.decode,
+    )?;
     drop(rt);
     bench_engine(name, plan, &flush, bench)?;
     println!(
