@@ -183,7 +183,7 @@ class DecodeStep:
         return parent_list, top_index, draft, sl
 
 
-def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush=None):
+def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush=None, name=None):
     """One (B, L) of a tier: every request at prefix L over scattered token slots. The step
     (input copies, the lanes' indices, plan() of every step's wrapper, the replay; host wall
     clock until done) and the replay alone (CUDA events, L2 flushed before each run), medians
@@ -232,7 +232,7 @@ def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush
         if it >= warmup:
             reps.append(ev0.elapsed_time(ev1) * 1e3)
     row = {
-        "plan": P.get("name"),
+        "plan": name or P.get("name"),
         "phase": f"draft_decode:{steps}",
         "batch": B,
         "prefix": L,
@@ -253,14 +253,16 @@ def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush
 
 
 def main():
-    """decode_peer.py bench --plan-json P.json --steps S --draft-tokens N [--batches 1,8,32,64]
-    [--prefixes 1024,4096] [--runs 100] [--warmup 10] [--seed 1] --json OUT.json"""
+    """decode_peer.py bench --plan-json P.json --name NAME --steps S --draft-tokens N
+    [--batches 1,8,32,64] [--prefixes 1024,4096] [--runs 100] [--warmup 10] [--seed 1]
+    --json OUT.json (NAME: the plan file's stem, as specbench names its rows)"""
     import argparse
     import json
 
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["bench"])
     ap.add_argument("--plan-json", required=True)
+    ap.add_argument("--name", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--draft-tokens", type=int, required=True)
     ap.add_argument("--batches", default="1,8,32,64")
@@ -285,7 +287,7 @@ def main():
             if L + (P["topk"] - 1) * a.steps + a.steps - 1 > P["max_context_len"]:
                 continue
             rows.append(bench_decode(fi, m, P, B, L, P["topk"], a.steps, a.draft_tokens, a.runs, a.warmup, ws, dev,
-                                     a.seed + B + L, flush))
+                                     a.seed + B + L, flush, a.name))
             fp.log(f"decode B={B} L={L}: step {rows[-1]['step_us']} µs (prep {rows[-1]['prep_us']}), "
                    f"replay {rows[-1]['replay_us']} µs")
             with open(a.json, "w") as f:

@@ -20,7 +20,10 @@ fn bytes(plan: &ValidatedPlan, kind: PhaseKind, b: u64, l: u64) -> f64 {
     let (k, s) = (plan.spec.topk as u64, kind.steps() as u64);
     let kv_row = (m.kv_heads * m.head_dim) as u64 * act * 2 * m.layers as u64;
     let mut w = 0f64;
-    if let Some(bk) = plan.phase(kind).and_then(|p| p.buckets.iter().find(|x| x.batch as u64 == b)) {
+    if let Some(bk) = plan
+        .phase(kind)
+        .and_then(|p| p.buckets.iter().find(|x| x.batch as u64 == b))
+    {
         for ln in &bk.launches {
             if let LaunchKind::Gemm(g) = &ln.kind {
                 w += (g.n * g.k * act) as f64;
@@ -56,7 +59,10 @@ pub fn bench(
     for kind in kinds {
         let Some(phase) = plan.phase(kind) else { continue };
         let s = kind.steps();
-        for &b in batches.iter().filter(|&&b| phase.buckets.iter().any(|x| x.batch as usize == b)) {
+        for &b in batches
+            .iter()
+            .filter(|&&b| phase.buckets.iter().any(|x| x.batch as usize == b))
+        {
             for &l in prefixes {
                 let reach = decode_reach(l as u64, s, k, ps) as usize;
                 if l + reach > plan.capture.max_context_len as usize {

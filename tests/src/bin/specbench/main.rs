@@ -87,6 +87,24 @@ fn write_results(out: &str, bench: &Bench) -> Result<String, String> {
         "| plan | B | L | prep µs | replay µs | step µs | eager µs | floor µs | step/floor | attn µs | attn TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|\n{}\n",
         rows.join("\n")
     );
+    let mut table = table;
+    if !bench.decode.is_empty() {
+        table.push_str(
+            "\n| plan | phase | B | L | replay µs | floor µs | replay/floor |\n|---|---|---|---|---|---|---|\n",
+        );
+        for r in &bench.decode {
+            table.push_str(&format!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.2}× |\n",
+                r.plan,
+                r.phase,
+                r.batch,
+                r.prefix,
+                r.replay_us,
+                r.floor_us,
+                r.replay_us / r.floor_us
+            ));
+        }
+    }
     std::fs::create_dir_all(out).map_err(|e| e.to_string())?;
     write_atomic(&Path::new(out).join("specbench.md"), &table)?;
     write_atomic(&Path::new(out).join("specbench.json"), &json(bench))?;
@@ -99,6 +117,7 @@ fn bench_plan(
     plan: &ValidatedPlan,
     ceil: &mut Option<Ceilings>,
     contiguous: bool,
+    decode_only: bool,
     bench: &mut Bench,
 ) -> Result<(), String> {
     let t0 = Instant::now();
@@ -123,6 +142,20 @@ fn bench_plan(
     let timer = Timer::new(stream)?;
     // L2 flush buffer (256 MiB, several times the H200's L2).
     let flush = DeviceBuf::new(256 << 20)?;
+    if decode_only {
+        // The draft-decode tiers alone (`--decode-only`).
+        return decode::bench(
+            name,
+            plan,
+            &mut rt,
+            &timer,
+            &flush,
+            c.copy_bytes_per_s,
+            &BATCHES,
+            &PREFIXES,
+            &mut bench.decode,
+        );
+    }
     // Input rows: hidden_in wide (3·H_t for an EAGLE-3 head).
     let (n, h, ps) = (
         plan.rows_per_request(PhaseKind::DraftExtend) as usize,
@@ -402,18 +435,19 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let [_, dir, out, rest @ ..] = args.as_slice() else {
-        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous]");
+        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only]");
         return ExitCode::from(2);
     };
-    if rest.iter().any(|a| a != "--contiguous") {
-        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous]");
+    if rest.iter().any(|a| a != "--contiguous" && a != "--decode-only") {
+        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only]");
         return ExitCode::from(2);
     }
     if !GpuRuntime::available() {
         println!("SKIP: no CUDA driver or device on this machine");
         return ExitCode::SUCCESS;
     }
-    let contiguous = !rest.is_empty();
+    let contiguous = rest.iter().any(|a| a == "--contiguous");
+    let decode_only = rest.iter().any(|a| a == "--decode-only");
     let run = || -> Result<String, String> {
         let mut bench = Bench::default();
         let mut ceil = None;
@@ -423,7 +457,7 @@ fn main() -> ExitCode {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let plan = load_file(&f).map_err(|e| format!("{name}: {e}"))?;
-            bench_plan(&name, &plan, &mut ceil, contiguous, &mut bench)?;
+            bench_plan(&name, &plan, &mut ceil, contiguous, decode_only, &mut bench)?;
             write_results(out, &bench)?;
         }
         write_results(out, &bench)
