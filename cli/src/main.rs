@@ -406,16 +406,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let kind = p
                 .phase_by_label(&phase)
                 .ok_or_else(|| anyhow::anyhow!("--phase {phase}: the plan has {}", p.phase_labels()))?;
-            if kind != format::PhaseKind::DraftExtend && device != Device::Cpu {
-                bail!(
-                    "--phase {}: specplan run serves draft decode on --device cpu only (its GPU step API is not built yet)",
-                    kind.label()
-                );
-            }
             let t0 = Instant::now();
             let w = contract::load_weights(&p, &weights)?;
             if kind != format::PhaseKind::DraftExtend {
-                return run_decode(&p, kind, w, &inputs, &out, target, t0);
+                return run_decode(&p, kind, w, &inputs, &out, target, (device, eager), t0);
             }
             let mut x = contract::load_inputs(&p, &inputs)?;
             let res = match device {
@@ -526,13 +520,22 @@ fn run_decode(
     inputs: &Path,
     out: &Path,
     target: output::OutputTarget,
+    (device, eager): (Device, bool),
     t0: Instant,
 ) -> Result<ExitCode> {
     let mut x = contract::decode::load_decode_inputs(p, kind, inputs)?;
-    let res = contract::decode::run_cpu_decode(p, w, &mut x)?;
+    let res = match device {
+        Device::Cpu => contract::decode::run_cpu_decode(p, w, &mut x)?,
+        Device::Cuda => contract::decode::run_gpu_decode(p, w, &mut x, eager)?,
+    };
     target.write(&contract::decode::encode_decode_outputs(p, &res, &x)?)?;
+    let on = match (device, eager) {
+        (Device::Cpu, _) => "the cpu",
+        (Device::Cuda, false) => "the gpu (graph)",
+        (Device::Cuda, true) => "the gpu (eager)",
+    };
     outln!(
-        "ran {} requests of {} in bucket {} on the cpu in {:.3} s; wrote {}",
+        "ran {} requests of {} in bucket {} on {on} in {:.3} s; wrote {}",
         x.b,
         kind.label(),
         res.bucket,

@@ -373,3 +373,141 @@ pub fn encode_decode_outputs(
         .collect::<Result<_, _>>()?;
     safetensors::serialize(views, None).map_err(|e| werr(e.to_string()))
 }
+
+/// Runs the step on the GPU (owned memory: the file's pages in a pool of their own plus a
+/// scratch page; graph replay unless `eager`), with the same files and semantics as
+/// [`run_cpu_decode`]. Only the lanes' slots of the real requests are copied back into the
+/// caller's cache, so every other slot keeps its exact original value.
+pub fn run_gpu_decode(
+    plan: &ValidatedPlan,
+    weights: Vec<WeightData>,
+    x: &mut DecodeInputs,
+    eager: bool,
+) -> Result<DecodeResult, ContractError> {
+    use specplan_runtime::gpu::{GemmPolicy, GpuOptions, GpuRuntime};
+    let fail = |e: InputError| ContractError::input("inputs", e);
+    let bucket = plan
+        .phase(x.kind)
+        .and_then(|p| p.bucket_for(x.b as u32))
+        .ok_or_else(|| {
+            fail(input_error(
+                io::TOPK_IDS,
+                String::new(),
+                "no bucket holds the batch".into(),
+            ))
+        })?
+        .batch;
+    let file_pages = x.kv.pages - 1;
+    let opts = GpuOptions {
+        kv_pool_pages: Some(file_pages as u32 + 1),
+        build_graphs: !eager,
+        // One step: cublasGemmEx's default choice serves it (as `run_gpu`).
+        gemms: GemmPolicy::Heuristic,
+        ..GpuOptions::default()
+    };
+    let mut rt = GpuRuntime::new(plan.clone(), &weights, opts)?;
+    let act = plan.capture.dtype;
+    let per = file_pages * plan.kv_page_bytes() as usize / 2;
+    let bits = |layers: &[Vec<f32>]| -> Vec<u16> {
+        layers
+            .iter()
+            .flat_map(|l| specplan_runtime::bits::to_act_bits(&l[..per], act))
+            .collect()
+    };
+    rt.write_kv(&bits(&x.kv.k), &bits(&x.kv.v), file_pages)?;
+    let (k, s, ps) = (plan.spec.topk, x.kind.steps(), plan.capture.page_size as usize);
+    for i in 0..x.b {
+        let l = x.prefix_lens[i] as u64;
+        let used = (l as usize + decode_reach(l, s, k, ps as u32) as usize).div_ceil(ps);
+        rt.set_pages(i, &x.page_table[i * x.page_cols..i * x.page_cols + used])?;
+    }
+    // The staged inputs padded to the bucket: padded rows repeat request 0's inputs at
+    // prefix 0 in the scratch slot (their outputs are discarded).
+    let (b, bb, ku, h) = (x.b, bucket as usize, k as usize, plan.model.hidden as usize);
+    let pad = |i: usize, w: usize| if i < b * w { i } else { i % w };
+    let probs: Vec<u8> = (0..bb * ku)
+        .flat_map(|i| x.topk_probs[pad(i, ku)].to_le_bytes())
+        .collect();
+    let ids: Vec<u8> = (0..bb * ku)
+        .flat_map(|i| x.topk_ids[pad(i, ku)].to_le_bytes())
+        .collect();
+    let hidden: Vec<f32> = (0..bb * h).map(|i| x.hidden_states[pad(i, h)]).collect();
+    let hidden: Vec<u8> = specplan_runtime::bits::to_act_bits(&hidden, act)
+        .iter()
+        .flat_map(|u| u.to_le_bytes())
+        .collect();
+    let lens: Vec<u8> = (0..bb)
+        .flat_map(|i| if i < b { x.prefix_lens[i] } else { 0 }.to_le_bytes())
+        .collect();
+    let scratch = plan.capture.max_requests as i32;
+    let slots: Vec<u8> = (0..bb)
+        .flat_map(|i| if i < b { i as i32 } else { scratch }.to_le_bytes())
+        .collect();
+    let mut staged = vec![
+        (io::TOPK_PROBS, probs),
+        (io::TOPK_IDS, ids),
+        (io::HIDDEN_STATES, hidden),
+        (io::PREFIX_LENS, lens),
+        (io::REQ_SLOTS, slots),
+    ];
+    if let Some(bonus) = &x.bonus_tokens {
+        staged.push((
+            io::BONUS_TOKENS,
+            (0..bb).flat_map(|i| bonus[pad(i, 1)].to_le_bytes()).collect(),
+        ));
+    }
+    for (name, bytes) in &staged {
+        rt.write_phase_buffer(x.kind, bucket, name, bytes)?;
+    }
+    rt.run_phase(x.kind, bucket, eager)?;
+    let read_i64 = |rt: &GpuRuntime, name: &str| -> Result<Vec<i64>, ContractError> {
+        let bytes = rt.read_phase_buffer(x.kind, bucket, name)?;
+        let v: Vec<i64> = bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        Ok(v[..v.len() / bb * b].to_vec())
+    };
+    let n = x.kind.draft_tokens(&plan.spec) as usize;
+    let mut verify = Vec::new();
+    if x.bonus_tokens.is_some() {
+        for name in [
+            io::VERIFY_TOKENS,
+            io::VERIFY_POSITIONS,
+            io::RETRIEVE_INDEX,
+            io::RETRIEVE_NEXT_TOKEN,
+            io::RETRIEVE_NEXT_SIBLING,
+        ] {
+            verify.push((name, read_i64(&rt, name)?, vec![b, n]));
+        }
+        let bytes = rt.read_phase_buffer(x.kind, bucket, io::TREE_MASK)?;
+        let m: Vec<i64> = bytes
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
+            .collect();
+        verify.push((io::TREE_MASK, m[..m.len() / bb * b].to_vec(), vec![b, n, n]));
+    }
+    let res = DecodeResult {
+        parent_list: read_i64(&rt, io::PARENT_LIST)?,
+        top_scores_index: read_i64(&rt, io::TOP_SCORES_INDEX)?,
+        draft_tokens: read_i64(&rt, io::DRAFT_TOKENS)?,
+        verify,
+        bucket,
+    };
+    // The lanes' slots back into the caller's cache.
+    let (kb, vb) = rt.read_kv(file_pages)?;
+    let to_f = |u: u16| specplan_runtime::bits::from_act_bits(u, act);
+    let row = plan.model.kv_heads as usize * plan.model.head_dim as usize;
+    for i in 0..b {
+        for pos in x.writes(plan, i) {
+            let at = x.slot(ps, i, pos) as usize * row;
+            for layer in 0..plan.model.layers as usize {
+                for t in at..at + row {
+                    x.kv.k[layer][t] = to_f(kb[layer * per + t]);
+                    x.kv.v[layer][t] = to_f(vb[layer * per + t]);
+                }
+            }
+        }
+    }
+    Ok(res)
+}

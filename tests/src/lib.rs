@@ -9,6 +9,7 @@
 pub mod checks;
 pub mod contract_files;
 pub mod decode_check;
+pub mod decode_contract;
 pub mod engine;
 pub mod gpu;
 pub mod host_layouts;

@@ -377,3 +377,18 @@ fn the_run_contract_takes_bonus_tokens_and_writes_the_verify_inputs() {
         "{e}"
     );
 }
+
+/// The files `gpucheck contract-decode` writes (tests/src/decode_contract.rs) satisfy the run
+/// contract on the CPU: loaded, checked and run, the verify tensors among the outputs.
+#[test]
+fn the_gpu_contract_checks_files_run_on_the_cpu() {
+    let plan = plan(4, 3, 8, 4);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (kind, b) = specplan_tests::decode_contract::write_decode_files(&plan, dir.path(), seed()).expect("files");
+    let w = specplan_contract::load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights");
+    let mut x = specplan_contract::decode::load_decode_inputs(&plan, kind, &dir.path().join("inputs.safetensors"))
+        .expect("inputs");
+    let res = specplan_contract::decode::run_cpu_decode(&plan, w, &mut x).expect("runs");
+    assert_eq!(res.draft_tokens.len(), b * 7);
+    assert_eq!(res.verify.len(), 6, "the verify inputs");
+}

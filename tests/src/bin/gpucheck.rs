@@ -392,6 +392,24 @@ fn main() -> ExitCode {
         println!("SKIP: no CUDA driver or device on this machine");
         return ExitCode::SUCCESS;
     }
+    if args.get(1).map(String::as_str) == Some("contract-decode") {
+        let [_, _, plan, bin, dir, ..] = args.as_slice() else {
+            eprintln!("usage: gpucheck contract-decode PLAN SPECPLAN_BIN WORK_DIR");
+            return ExitCode::from(2);
+        };
+        return match specplan_tests::decode_contract::decode_contract_check(plan, bin, dir, seed()) {
+            Ok(r) => {
+                println!(
+                    "contract-decode (specplan run --phase draft_decode, cpu vs cuda graph vs cuda eager): ok: {r}"
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("contract-decode: FAILED: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     if args.get(1).map(String::as_str) == Some("contract") {
         let [_, _, plan, bin, dir, ..] = args.as_slice() else {
             eprintln!("usage: gpucheck contract PLAN SPECPLAN_BIN WORK_DIR");
