@@ -409,7 +409,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let t0 = Instant::now();
             let w = contract::load_weights(&p, &weights)?;
             if kind != format::PhaseKind::DraftExtend {
-                return run_decode(&p, kind, w, &inputs, &out, target, (device, eager), t0);
+                return run_decode(&p, kind, w, (&inputs, &out), target, (device, eager), t0);
             }
             let mut x = contract::load_inputs(&p, &inputs)?;
             let res = match device {
@@ -517,8 +517,7 @@ fn run_decode(
     p: &ValidatedPlan,
     kind: format::PhaseKind,
     w: Vec<specplan_runtime::cpu::WeightData>,
-    inputs: &Path,
-    out: &Path,
+    (inputs, out): (&Path, &Path),
     target: output::OutputTarget,
     (device, eager): (Device, bool),
     t0: Instant,
