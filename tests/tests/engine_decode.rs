@@ -298,13 +298,22 @@ struct Run {
 
 /// The engine's step on `layout`: SGLang's token slots with i64 ids and prefixes, or vLLM's
 /// page ids with i32 ones (`req` rows as given, `rows` table rows).
-fn run_layout(plan: &ValidatedPlan, hw: &HostWeights, kind: PhaseKind, c: &Case, layout: Layout, req: &[i64]) -> Run {
+/// The CPU engine registered on `layout`'s pools filled with the case's K/V, and a table of
+/// the case's rows (token slots for SGLang's layouts, page ids for vLLM's; a row stride wider
+/// than the columns, as SGLang's req_to_token rows are). The engine comes first, so it is
+/// dropped before the memory it points at.
+struct Registered {
+    eng: CpuEngine,
+    pools: Pools,
+    _table: Vec<i32>,
+}
+
+fn register(plan: &ValidatedPlan, hw: &HostWeights, c: &Case, layout: Layout) -> Registered {
     let mut pools = pools(plan, c.used_pages, &c.k0, &c.v0, layout);
     let ps = plan.capture.page_size as usize;
     let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
     let pcols = c.pages.iter().map(|p| p.len()).max().unwrap_or(1);
     let cols = if token_slots { pcols * ps } else { pcols };
-    // A wider row stride than the columns, as SGLang's req_to_token rows are.
     let stride = cols + 3;
     let mut table = vec![-1i32; c.b * stride];
     for i in 0..c.b {
@@ -344,10 +353,20 @@ fn run_layout(plan: &ValidatedPlan, hw: &HostWeights, kind: PhaseKind, c: &Case,
         },
         weights: &hw.tensors,
     };
-    // SAFETY: every address is a live host buffer of this function sized for its
-    // registration (pools for the geometry's extent, the table for b × stride, the weights
-    // for their shapes), untouched while the engine runs.
-    let mut eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    // SAFETY: every address is a heap buffer that `Registered` keeps alive and unmoved for the
+    // engine's life (the pools for the geometry's extent, the table for b × stride; the
+    // weights are the caller's `hw`, which outlives it), untouched while the engine runs.
+    let eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    Registered {
+        eng,
+        pools,
+        _table: table,
+    }
+}
+
+fn run_layout(plan: &ValidatedPlan, hw: &HostWeights, kind: PhaseKind, c: &Case, layout: Layout, req: &[i64]) -> Run {
+    let Registered { mut eng, pools, _table } = register(plan, hw, c, layout);
+    let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
     let k = plan.spec.topk as usize;
     let (pw, nodes) = (
         parent_width(k as u32, kind.steps()) as usize,
@@ -576,36 +595,7 @@ fn bad_shapes_are_named_and_nothing_runs() {
     let hw = host_weights(&plan, &w);
     let mut c = make_case(&plan, kind, &mut rng, 2);
     c.probs.pop();
-    let mut pools = pools(&plan, c.used_pages, &c.k0, &c.v0, Layout::SglangNhd);
-    let ps = plan.capture.page_size as usize;
-    let cols = c.pages.iter().map(|p| p.len()).max().unwrap_or(1) * ps;
-    let mut table = vec![-1i32; c.b * cols];
-    for i in 0..c.b {
-        for pos in 0..c.pages[i].len() * ps {
-            table[i * cols + pos] = token(&c, ps, i, pos) as i32;
-        }
-    }
-    let (kp, vp): (Vec<u64>, Vec<u64>) = (0..plan.model.layers as usize)
-        .map(|l| (pools.k[l].addr(), pools.v[l].addr()))
-        .unzip();
-    let mem = EngineMemory {
-        kv: KvRegistration {
-            k: kp,
-            v: vp,
-            geom: pools.geom,
-        },
-        table: TableRegistration {
-            ptr: table.as_ptr() as u64,
-            mode: TableMode::TokenSlots,
-            rows: c.b as u64,
-            cols: cols as u64,
-            stride: cols as u64,
-            page_size: 1,
-        },
-        weights: &hw.tensors,
-    };
-    // SAFETY: as in run_layout.
-    let mut eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    let Registered { mut eng, pools, _table } = register(&plan, &hw, &c, Layout::SglangNhd);
     let req = [0i64, 1];
     let pre: Vec<i64> = c.prefix.iter().map(|&x| x as i64).collect();
     let x = HostDecode {
@@ -666,36 +656,7 @@ fn verify_inputs_on_engine_memory_are_the_executors() {
     let c = make_case(&plan, kind, &mut rng, 6);
     let bonus: Vec<i64> = (0..c.b).map(|_| rng.below(plan.model.vocab as usize) as i64).collect();
     let (want, _) = dense(&plan, &w, kind, &c, Some(&bonus));
-    let mut pools = pools(&plan, c.used_pages, &c.k0, &c.v0, Layout::SglangNhd);
-    let ps = plan.capture.page_size as usize;
-    let cols = c.pages.iter().map(|p| p.len()).max().unwrap_or(1) * ps;
-    let mut table = vec![-1i32; c.b * cols];
-    for i in 0..c.b {
-        for pos in 0..c.pages[i].len() * ps {
-            table[i * cols + pos] = token(&c, ps, i, pos) as i32;
-        }
-    }
-    let (kp, vp): (Vec<u64>, Vec<u64>) = (0..plan.model.layers as usize)
-        .map(|l| (pools.k[l].addr(), pools.v[l].addr()))
-        .unzip();
-    let mem = EngineMemory {
-        kv: KvRegistration {
-            k: kp,
-            v: vp,
-            geom: pools.geom,
-        },
-        table: TableRegistration {
-            ptr: table.as_ptr() as u64,
-            mode: TableMode::TokenSlots,
-            rows: c.b as u64,
-            cols: cols as u64,
-            stride: cols as u64,
-            page_size: 1,
-        },
-        weights: &hw.tensors,
-    };
-    // SAFETY: as in run_layout.
-    let mut eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    let Registered { mut eng, pools: _pools, _table } = register(&plan, &hw, &c, Layout::SglangNhd);
     let n = 8usize;
     let mut v: Vec<Vec<i64>> = (0..5).map(|_| vec![-7; c.b * n]).collect();
     let mut mask = vec![-7i32; c.b * n * n];
