@@ -309,13 +309,9 @@ pub fn replay_us(
 /// `specplan run` on the CPU, the GPU graph and the GPU eagerly, on the same contract
 /// files (`contract_files`): graph and eager files identical, CUDA against the CPU within
 /// the relative bound. Returns a one-line report.
-pub fn contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u64) -> Result<String, String> {
-    use crate::contract_files::{input_tensors, weight_tensors, write_safetensors};
-    let plan = specplan_format::load_file(std::path::Path::new(plan_path)).map_err(|e| e.to_string())?;
-    let dir = std::path::Path::new(dir);
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-    write_safetensors(&dir.join("weights.safetensors"), &weight_tensors(&plan, seed)?)?;
-    write_safetensors(&dir.join("inputs.safetensors"), &input_tensors(&plan, seed, 3, 100)?)?;
+/// `specplan run` on `dir`'s weights and inputs files three times — on the CPU, as a CUDA graph
+/// and eagerly — with `args` before the device flag; the three outputs files' bytes.
+pub fn run_cpu_graph_eager(specplan: &str, args: &[&str], dir: &std::path::Path) -> Result<Vec<Vec<u8>>, String> {
     let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let mut outs = Vec::new();
     for (dev, eager, out) in [
@@ -324,31 +320,32 @@ pub fn contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u64) -> 
         ("cuda", true, "eager.safetensors"),
     ] {
         let (w, i, o) = (p("weights.safetensors"), p("inputs.safetensors"), p(out));
-        let mut args = vec![
-            "run",
-            "--plan",
-            plan_path,
-            "--device",
-            dev,
-            "--weights",
-            &w,
-            "--inputs",
-            &i,
-            "--out",
-            &o,
-        ];
+        let mut all = vec!["run"];
+        all.extend_from_slice(args);
+        all.extend(["--device", dev, "--weights", &w, "--inputs", &i, "--out", &o]);
         if eager {
-            args.push("--eager");
+            all.push("--eager");
         }
         let r = std::process::Command::new(specplan)
-            .args(&args)
+            .args(&all)
             .output()
             .map_err(|e| e.to_string())?;
         if !r.status.success() {
-            return Err(format!("specplan {args:?}: {}", String::from_utf8_lossy(&r.stderr)));
+            return Err(format!("specplan {all:?}: {}", String::from_utf8_lossy(&r.stderr)));
         }
         outs.push(std::fs::read(dir.join(out)).map_err(|e| e.to_string())?);
     }
+    Ok(outs)
+}
+
+pub fn contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u64) -> Result<String, String> {
+    use crate::contract_files::{input_tensors, weight_tensors, write_safetensors};
+    let plan = specplan_format::load_file(std::path::Path::new(plan_path)).map_err(|e| e.to_string())?;
+    let dir = std::path::Path::new(dir);
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    write_safetensors(&dir.join("weights.safetensors"), &weight_tensors(&plan, seed)?)?;
+    write_safetensors(&dir.join("inputs.safetensors"), &input_tensors(&plan, seed, 3, 100)?)?;
+    let outs = run_cpu_graph_eager(specplan, &["--plan", plan_path], dir)?;
     if outs[1] != outs[2] {
         return Err("graph and eager output files differ".into());
     }

@@ -134,42 +134,8 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
     let (kind, b) = write_decode_files(&plan, dir, seed)?;
     let (k, s) = (plan.spec.topk, kind.steps());
     let ku = k as usize;
-    let p = |n: &str| dir.join(n).to_string_lossy().into_owned();
     let label = kind.label();
-    let mut outs = Vec::new();
-    for (dev, eager, out) in [
-        ("cpu", false, "cpu.safetensors"),
-        ("cuda", false, "graph.safetensors"),
-        ("cuda", true, "eager.safetensors"),
-    ] {
-        let (w, i, o) = (p("weights.safetensors"), p("inputs.safetensors"), p(out));
-        let mut args = vec![
-            "run",
-            "--plan",
-            plan_path,
-            "--phase",
-            &label,
-            "--device",
-            dev,
-            "--weights",
-            &w,
-            "--inputs",
-            &i,
-            "--out",
-            &o,
-        ];
-        if eager {
-            args.push("--eager");
-        }
-        let r = std::process::Command::new(specplan)
-            .args(&args)
-            .output()
-            .map_err(|e| e.to_string())?;
-        if !r.status.success() {
-            return Err(format!("specplan {args:?}: {}", String::from_utf8_lossy(&r.stderr)));
-        }
-        outs.push(std::fs::read(dir.join(out)).map_err(|e| e.to_string())?);
-    }
+    let outs = crate::checks::run_cpu_graph_eager(specplan, &["--plan", plan_path, "--phase", &label], dir)?;
     if outs[1] != outs[2] {
         return Err("graph and eager output files differ".into());
     }

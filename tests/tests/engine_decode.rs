@@ -656,7 +656,11 @@ fn verify_inputs_on_engine_memory_are_the_executors() {
     let c = make_case(&plan, kind, &mut rng, 6);
     let bonus: Vec<i64> = (0..c.b).map(|_| rng.below(plan.model.vocab as usize) as i64).collect();
     let (want, _) = dense(&plan, &w, kind, &c, Some(&bonus));
-    let Registered { mut eng, pools: _pools, _table } = register(&plan, &hw, &c, Layout::SglangNhd);
+    let Registered {
+        mut eng,
+        pools: _pools,
+        _table,
+    } = register(&plan, &hw, &c, Layout::SglangNhd);
     let n = 8usize;
     let mut v: Vec<Vec<i64>> = (0..5).map(|_| vec![-7; c.b * n]).collect();
     let mut mask = vec![-7i32; c.b * n * n];
