@@ -273,17 +273,8 @@ impl CpuEngine {
             return Err(DeviceRule::Accept);
         }
         let row = t.row(r as u64);
-        let slots = self.kv.slots() as i64;
-        let bad_slot = (l..end).any(|pos| {
-            let tok = match t.mode {
-                TableMode::TokenSlots => row[pos as usize] as i64,
-                TableMode::PageIds => match row[(pos / ps) as usize] {
-                    pg if pg >= 0 => pg as i64 * ps + pos % ps,
-                    _ => -1,
-                },
-            };
-            tok < 0 || tok >= slots
-        });
+        let slots = self.kv.slots();
+        let bad_slot = (l..end).any(|pos| slot_of(t.mode, &row, ps as usize, pos as usize).is_none_or(|s| s >= slots));
         if bad_slot {
             return Err(DeviceRule::Slot);
         }
@@ -375,29 +366,13 @@ impl CpuEngine {
                 .collect();
             let (mode, slots) = (self.table.mode, self.kv.slots());
             let aliases = aliasing::check(&reqs, n, |c, pos| {
-                let row = admitted[c].as_ref().ok()?;
-                let tok = match mode {
-                    TableMode::TokenSlots => *row.get(pos)? as i64,
-                    TableMode::PageIds => match *row.get(pos / ps)? {
-                        pg if pg >= 0 => pg as i64 * ps as i64 + (pos % ps) as i64,
-                        _ => -1,
-                    },
-                };
-                (tok >= 0 && (tok as u64) < slots).then_some(tok as u64)
+                slot_of(mode, admitted[c].as_ref().ok()?, ps, pos).filter(|&s| s < slots)
             });
             let mut ok = vec![false; end - start];
             for i in start..end {
                 let c = i - start;
-                let row = match (&admitted[c], aliases[c]) {
-                    (Err(rule), _) => {
-                        refused.push((i, *rule, None));
-                        continue;
-                    }
-                    (Ok(_), Some(a)) => {
-                        refused.push((i, DeviceRule::Alias, Some(start + a.writer)));
-                        continue;
-                    }
-                    (Ok(row), None) => row,
+                let Some(row) = admitted_row(&admitted[c], aliases[c], i, start, &mut refused) else {
+                    continue;
                 };
                 ok[c] = true;
                 table.data[c * table.cols..(c + 1) * table.cols].copy_from_slice(row);
@@ -461,5 +436,40 @@ impl CpuEngine {
             other: other.map(|o| o as u64),
         }));
         Ok(())
+    }
+}
+
+/// The token slot of position `pos` in a table row (`None`: outside the row, or a negative
+/// page or slot); callers bound it by the pool.
+pub(super) fn slot_of(mode: TableMode, row: &[i32], ps: usize, pos: usize) -> Option<u64> {
+    let tok = match mode {
+        TableMode::TokenSlots => *row.get(pos)? as i64,
+        TableMode::PageIds => match *row.get(pos / ps)? {
+            pg if pg >= 0 => pg as i64 * ps as i64 + (pos % ps) as i64,
+            _ => -1,
+        },
+    };
+    u64::try_from(tok).ok()
+}
+
+/// Request `i`'s table row when it passed the per-request rules and the aliasing rule; else
+/// its refusal recorded as `(request, rule, the other request of an alias)`.
+pub(super) fn admitted_row<'a>(
+    admitted: &'a Result<Vec<i32>, DeviceRule>,
+    alias: Option<aliasing::Alias>,
+    i: usize,
+    start: usize,
+    refused: &mut Vec<(usize, DeviceRule, Option<usize>)>,
+) -> Option<&'a Vec<i32>> {
+    match (admitted, alias) {
+        (Err(rule), _) => {
+            refused.push((i, *rule, None));
+            None
+        }
+        (Ok(_), Some(a)) => {
+            refused.push((i, DeviceRule::Alias, Some(start + a.writer)));
+            None
+        }
+        (Ok(row), None) => Some(row),
     }
 }

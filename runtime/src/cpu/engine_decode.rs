@@ -8,7 +8,7 @@ use specplan_format::{io, PhaseKind};
 use specplan_kernels::facts::{decode_reach, lane_offset, parent_width};
 use specplan_kernels::kv::{DeviceRule, TableMode};
 
-use super::engine::{CpuEngine, Ints};
+use super::engine::{admitted_row, slot_of, CpuEngine, Ints};
 use super::ExecError;
 use crate::aliasing;
 use crate::gpu::DeviceError;
@@ -223,16 +223,8 @@ impl CpuEngine {
             let mut ok = vec![false; end - start];
             for i in start..end {
                 let c = i - start;
-                let row = match (&admitted[c], aliases[c]) {
-                    (Err(rule), _) => {
-                        refused.push((i, *rule, None));
-                        continue;
-                    }
-                    (Ok(_), Some(a)) => {
-                        refused.push((i, DeviceRule::Alias, Some(start + a.writer)));
-                        continue;
-                    }
-                    (Ok(row), None) => row,
+                let Some(row) = admitted_row(&admitted[c], aliases[c], i, start, &mut refused) else {
+                    continue;
                 };
                 ok[c] = true;
                 table.data[c * cols..(c + 1) * cols].copy_from_slice(row);
@@ -312,17 +304,4 @@ fn lane_positions(p: &specplan_format::Plan, kind: PhaseKind, l: usize) -> impl 
         let base = l + lane_offset(l as u64, lane, s, k, ps) as usize;
         (0..s.saturating_sub(1) as usize).map(move |i| base + i)
     })
-}
-
-/// The token slot of position `pos` in a table row (`None`: outside the row, or a negative
-/// page).
-fn slot_of(mode: TableMode, row: &[i32], ps: usize, pos: usize) -> Option<u64> {
-    let tok = match mode {
-        TableMode::TokenSlots => *row.get(pos)? as i64,
-        TableMode::PageIds => match *row.get(pos / ps)? {
-            pg if pg >= 0 => pg as i64 * ps as i64 + (pos % ps) as i64,
-            _ => -1,
-        },
-    };
-    u64::try_from(tok).ok()
 }
