@@ -18,6 +18,7 @@ use specplan_runtime::gpu::GpuRuntime;
 use specplan_runtime::step::PageTable;
 
 use crate::checks::{g, REL_BOUND};
+use crate::random::{deal_pages, random_topk};
 use crate::tolerance::{bit_diffs, rel_rms};
 use crate::Rng;
 
@@ -106,17 +107,7 @@ fn make_case(plan: &ValidatedPlan, kind: PhaseKind, rng: &mut Rng, b: usize) -> 
         .iter()
         .map(|&l| (l + decode_reach(l as u64, steps, k, ps) as usize).div_ceil(ps as usize))
         .collect();
-    let used_pages: usize = need.iter().sum();
-    let perm = rng.permutation(used_pages);
-    let mut next = 0;
-    let pages: Vec<Vec<i32>> = need
-        .iter()
-        .map(|&c| {
-            let v = perm[next..next + c].iter().map(|&p| p as i32).collect();
-            next += c;
-            v
-        })
-        .collect();
+    let (pages, used_pages) = deal_pages(rng, &need);
     let slots: Vec<i32> = rng.permutation(plan.capture.max_requests as usize)[..b]
         .iter()
         .map(|&s| s as i32)
@@ -126,18 +117,7 @@ fn make_case(plan: &ValidatedPlan, kind: PhaseKind, rng: &mut Rng, b: usize) -> 
     let (k0, v0) = (bits(rng), bits(rng));
     // The padded rows repeat request 0's inputs in the scratch slot with prefix 0.
     let ku = k as usize;
-    let mut probs = Vec::new();
-    let mut ids = Vec::new();
-    for _ in 0..b {
-        let mut p: Vec<f32> = (0..ku).map(|_| 0.05 + 0.45 * (rng.uniform() + 1.0)).collect();
-        p.sort_by(|a, b| b.total_cmp(a));
-        probs.extend(p);
-        ids.extend(
-            rng.permutation(plan.model.vocab as usize)[..ku]
-                .iter()
-                .map(|&x| x as i64),
-        );
-    }
+    let (probs, ids) = random_topk(rng, b, ku, plan.model.vocab as usize);
     let hidden: Vec<f32> = (0..b * h).map(|_| round_act(rng.uniform(), act)).collect();
     let pad = |i: usize, w: usize| if i < b * w { i } else { i % w };
     let probs: Vec<f32> = (0..bucket * ku).map(|i| probs[pad(i, ku)]).collect();

@@ -76,18 +76,7 @@ pub fn write_decode_files(
     } else {
         Dtype::BF16
     };
-    let mut probs = Vec::new();
-    let mut ids = Vec::new();
-    for _ in 0..b {
-        let mut p: Vec<f32> = (0..ku).map(|_| 0.05 + 0.45 * (rng.uniform() + 1.0)).collect();
-        p.sort_by(|x, y| y.total_cmp(x));
-        probs.extend(p);
-        ids.extend(
-            rng.permutation(plan.model.vocab as usize)[..ku]
-                .iter()
-                .map(|&x| x as i64),
-        );
-    }
+    let (probs, ids) = crate::random::random_topk(&mut rng, b, ku, plan.model.vocab as usize);
     let kv_shape = vec![layers, pages, ps, hkv, d];
     let mut t = vec![
         tensor(

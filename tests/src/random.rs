@@ -95,6 +95,35 @@ pub struct Case {
     pub v0: Vec<u16>,
 }
 
+/// Whole pages for each request, `need[i]` of them, dealt from a shuffled order of
+/// `Σ need` pages (as an engine's allocator hands them out): the rows and the pages used.
+pub fn deal_pages(rng: &mut Rng, need: &[usize]) -> (Vec<Vec<i32>>, usize) {
+    let used: usize = need.iter().sum();
+    let perm = rng.permutation(used);
+    let mut next = 0;
+    let pages = need
+        .iter()
+        .map(|&c| {
+            next += c;
+            perm[next - c..next].iter().map(|&p| p as i32).collect()
+        })
+        .collect();
+    (pages, used)
+}
+
+/// Draft-extend's top-K of `b` requests as a draft-decode phase takes it: descending
+/// probabilities in [0.05, 0.95] and distinct ids of `vocab`.
+pub fn random_topk(rng: &mut Rng, b: usize, k: usize, vocab: usize) -> (Vec<f32>, Vec<i64>) {
+    let (mut probs, mut ids) = (Vec::new(), Vec::new());
+    for _ in 0..b {
+        let mut p: Vec<f32> = (0..k).map(|_| 0.05 + 0.45 * (rng.uniform() + 1.0)).collect();
+        p.sort_by(|a, b| b.total_cmp(a));
+        probs.extend(p);
+        ids.extend(rng.permutation(vocab)[..k].iter().map(|&x| x as i64));
+    }
+    (probs, ids)
+}
+
 pub fn make_case(plan: &ValidatedPlan, rng: &mut Rng, b: usize, max_prefix: usize) -> Case {
     let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     // Input rows: 3·H_t wide for an EAGLE-3 head.
@@ -103,17 +132,7 @@ pub fn make_case(plan: &ValidatedPlan, rng: &mut Rng, b: usize, max_prefix: usiz
     let act = plan.capture.dtype;
     let prefix: Vec<i32> = (0..b).map(|_| rng.below(max_prefix + 1) as i32).collect();
     let need: Vec<usize> = prefix.iter().map(|&l| (l as usize + n).div_ceil(ps)).collect();
-    let used_pages: usize = need.iter().sum();
-    let perm = rng.permutation(used_pages);
-    let mut next = 0;
-    let pages: Vec<Vec<i32>> = need
-        .iter()
-        .map(|&c| {
-            let v = perm[next..next + c].iter().map(|&p| p as i32).collect();
-            next += c;
-            v
-        })
-        .collect();
+    let (pages, used_pages) = deal_pages(rng, &need);
     let slots: Vec<i32> = rng.permutation(plan.capture.max_requests as usize)[..b]
         .iter()
         .map(|&s| s as i32)

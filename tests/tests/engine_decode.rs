@@ -19,7 +19,7 @@ use specplan_runtime::cpu::{CpuExecutor, KvStore};
 use specplan_runtime::registration::{EngineMemory, KvRegistration, TableRegistration};
 use specplan_runtime::step::PageTable;
 use specplan_tests::host_layouts::{host_weights, pools, read_back, HostWeights, Layout, Pools};
-use specplan_tests::random::random_weights;
+use specplan_tests::random::{deal_pages, random_topk, random_weights};
 use specplan_tests::{seed, Rng};
 
 fn plan(topk: u32, steps: &str, num_steps: u32, n: u32, page_size: u32) -> ValidatedPlan {
@@ -113,32 +113,11 @@ fn make_case(plan: &ValidatedPlan, kind: PhaseKind, rng: &mut Rng, b: usize) -> 
         .iter()
         .map(|&l| (l + decode_reach(l as u64, s, k, ps as u32) as usize).div_ceil(ps))
         .collect();
-    let used_pages: usize = need.iter().sum();
-    let perm = rng.permutation(used_pages);
-    let mut next = 0;
-    let pages = need
-        .iter()
-        .map(|&c| {
-            next += c;
-            perm[next - c..next].iter().map(|&p| p as i32).collect()
-        })
-        .collect();
+    let (pages, used_pages) = deal_pages(rng, &need);
     let per = used_pages * ps * (plan.model.kv_heads * plan.model.head_dim * plan.model.layers) as usize;
     let bits = |rng: &mut Rng| to_act_bits(&(0..per).map(|_| rng.uniform()).collect::<Vec<_>>(), act);
     let (k0, v0) = (bits(rng), bits(rng));
-    let ku = k as usize;
-    let mut probs = Vec::new();
-    let mut ids = Vec::new();
-    for _ in 0..b {
-        let mut p: Vec<f32> = (0..ku).map(|_| 0.05 + 0.45 * (rng.uniform() + 1.0)).collect();
-        p.sort_by(|a, b| b.total_cmp(a));
-        probs.extend(p);
-        ids.extend(
-            rng.permutation(plan.model.vocab as usize)[..ku]
-                .iter()
-                .map(|&x| x as i64),
-        );
-    }
+    let (probs, ids) = random_topk(rng, b, k as usize, plan.model.vocab as usize);
     let h = plan.model.hidden as usize;
     let hidden = to_act_bits(&(0..b * h).map(|_| rng.uniform()).collect::<Vec<_>>(), act);
     Case {
