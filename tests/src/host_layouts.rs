@@ -9,7 +9,7 @@ use specplan_format::{DType, ValidatedPlan};
 use specplan_kernels::kv::KvGeometry;
 use specplan_runtime::bits::{from_act_bits, to_act_bits};
 use specplan_runtime::cpu::WeightData;
-use specplan_runtime::registration::DeviceTensor;
+use specplan_runtime::registration::{DeviceTensor, KvRegistration};
 
 /// Host copies of the plan's weights under their own names (bf16 bits, i64 ids).
 pub struct HostWeights {
@@ -173,4 +173,18 @@ pub fn read_back(plan: &ValidatedPlan, pools: &Pools, layer: usize, v: bool, t: 
         (true, false) => pools.v[layer].get(at),
     };
     from_act_bits(bits, plan.capture.dtype)
+}
+
+/// The K/V registration of `pools`: per layer K's address and V's (vLLM's packed V lies D
+/// elements, 2·D bytes, after K), under the pools' geometry.
+pub fn kv_registration(plan: &ValidatedPlan, pools: &mut Pools) -> KvRegistration {
+    let d = plan.model.head_dim as u64;
+    let (k, v) = (0..plan.model.layers as usize)
+        .map(|l| {
+            let k = pools.k[l].addr();
+            let v = if pools.packed { k + 2 * d } else { pools.v[l].addr() };
+            (k, v)
+        })
+        .unzip();
+    KvRegistration { k, v, geom: pools.geom }
 }

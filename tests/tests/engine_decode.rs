@@ -16,9 +16,9 @@ use specplan_runtime::bits::{from_act_bits, round_act, to_act_bits};
 use specplan_runtime::cpu::engine::{CpuEngine, Ints};
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::cpu::{CpuExecutor, KvStore};
-use specplan_runtime::registration::{EngineMemory, KvRegistration, TableRegistration};
+use specplan_runtime::registration::{EngineMemory, TableRegistration};
 use specplan_runtime::step::PageTable;
-use specplan_tests::host_layouts::{host_weights, pools, read_back, HostWeights, Layout, Pools};
+use specplan_tests::host_layouts::{host_weights, kv_registration, pools, read_back, HostWeights, Layout, Pools};
 use specplan_tests::random::{deal_pages, random_topk, random_weights};
 use specplan_tests::{seed, Rng};
 
@@ -304,20 +304,8 @@ fn register(plan: &ValidatedPlan, hw: &HostWeights, c: &Case, layout: Layout) ->
             table[i * stride..i * stride + c.pages[i].len()].copy_from_slice(&c.pages[i]);
         }
     }
-    let d = plan.model.head_dim as u64;
-    let (kp, vp): (Vec<u64>, Vec<u64>) = (0..plan.model.layers as usize)
-        .map(|l| {
-            let k = pools.k[l].addr();
-            let v = if pools.packed { k + 2 * d } else { pools.v[l].addr() };
-            (k, v)
-        })
-        .unzip();
     let mem = EngineMemory {
-        kv: KvRegistration {
-            k: kp,
-            v: vp,
-            geom: pools.geom,
-        },
+        kv: kv_registration(plan, &mut pools),
         table: TableRegistration {
             ptr: table.as_ptr() as u64,
             mode: if token_slots {

@@ -13,8 +13,8 @@ use specplan_kernels::kv::{DeviceRule, TableMode};
 use specplan_runtime::bits::from_act_bits;
 use specplan_runtime::cpu::engine::{CpuEngine, HostOutputs, HostStep, Ints};
 use specplan_runtime::gpu::AcceptForm;
-use specplan_runtime::registration::{EngineMemory, KvRegistration, TableRegistration};
-use specplan_tests::host_layouts::{host_weights, pools, read_back, HostWeights, Layout, Pools};
+use specplan_runtime::registration::{EngineMemory, TableRegistration};
+use specplan_tests::host_layouts::{host_weights, kv_registration, pools, read_back, HostWeights, Layout, Pools};
 use specplan_tests::random::{make_case, random_weights, Case};
 use specplan_tests::reference::cpu_reference;
 use specplan_tests::{seed, Rng};
@@ -63,21 +63,8 @@ fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, a
             table[i * cols..i * cols + c.pages[i].len()].copy_from_slice(&c.pages[i]);
         }
     }
-    let d = plan.model.head_dim as u64;
-    let (kp, vp): (Vec<u64>, Vec<u64>) = (0..plan.model.layers as usize)
-        .map(|l| {
-            let k = pools.k[l].addr();
-            // vLLM packs V in K's last dimension, D elements (2·D bytes) after K.
-            let v = if pools.packed { k + 2 * d } else { pools.v[l].addr() };
-            (k, v)
-        })
-        .unzip();
     let mem = EngineMemory {
-        kv: KvRegistration {
-            k: kp,
-            v: vp,
-            geom: pools.geom,
-        },
+        kv: kv_registration(plan, &mut pools),
         table: TableRegistration {
             ptr: table.as_ptr() as u64,
             mode: if token_slots {
