@@ -58,9 +58,21 @@ impl KvGeometry {
     }
 
     /// The same geometry with a physical page folded away when pages are `page` slots of
-    /// `slot_stride` back to back (the kernels then skip a division).
+    /// `slot_stride` back to back (the kernels then skip a division). With one slot per
+    /// page, slots are `page_stride` apart (as [`KvGeometry::offset`] places them): the
+    /// kernels, which step `slot_stride` when `page` is 1, get that stride (an HND pool at
+    /// page size 1, `[pages, H, 1, D]`, has a slot stride of D but pages H·D apart).
     pub fn canonical(self) -> KvGeometry {
-        if self.page > 1 && self.page_stride == self.page.saturating_mul(self.slot_stride) {
+        if self.page <= 1 {
+            return KvGeometry {
+                page: 1,
+                slot_stride: self.page_stride,
+                ..self
+            };
+        }
+        if self.page_stride == self.page.saturating_mul(self.slot_stride)
+            && self.page_stride == self.page.saturating_mul(self.slot_stride)
+        {
             KvGeometry {
                 page: 1,
                 page_stride: self.slot_stride,

@@ -270,6 +270,39 @@ fn layout_words_follow_the_kernels_indices() {
 }
 
 #[test]
+fn one_slot_pages_step_the_page_stride() {
+    // An HND pool at page size 1 ([pages, H, 1, D]): the slot stride within a page is D, but
+    // consecutive slots are a page (H·D) apart; the kernels step KV_WORD_KV_STRIDE when a
+    // page holds one slot, so that word must be the page stride (as `offset` places slots).
+    let (h, d) = (4u64, 64u64);
+    let g = KvGeometry {
+        slots: 100,
+        page: 1,
+        page_stride: h * d,
+        slot_stride: d,
+        head_stride: d,
+    };
+    let kv = KvRegistration {
+        k: vec![0x1000],
+        v: vec![0x100000],
+        geom: g,
+    };
+    let t = TableRegistration {
+        ptr: 0x100,
+        mode: TableMode::TokenSlots,
+        rows: 4,
+        cols: 64,
+        stride: 80,
+        page_size: 1,
+    };
+    let w = layout_words(&kv, &t);
+    assert_eq!(w[kv::KV_WORD_KV_STRIDE], (h * d) as i64);
+    for t in [0u64, 1, 57] {
+        assert_eq!(g.offset(t, 1, 3), Some(t * w[kv::KV_WORD_KV_STRIDE] as u64 + d + 3));
+    }
+}
+
+#[test]
 fn weights_bind_in_place_or_packed() {
     let p = plan();
     let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {
