@@ -255,7 +255,7 @@ def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush
 def main():
     """decode_peer.py bench --plan-json P.json --name NAME --steps S --draft-tokens N
     [--batches 1,8,32,64] [--prefixes 1024,4096] [--runs 100] [--warmup 10] [--seed 1]
-    --json OUT.json (NAME: the plan file's stem, as specbench names its rows)"""
+    [--with-extend] --json OUT.json (NAME: the plan file's stem, as specbench names its rows)"""
     import argparse
     import json
 
@@ -272,6 +272,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--l2-flush-mb", type=int, default=256)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--with-extend", action="store_true",
+                    help="also time the draft-extend peer step at each (B, L), for the whole draft per step")
     a = ap.parse_args()
     P = fp.load_plan(a.plan_json)
     if P["page_size"] != 1:
@@ -281,7 +283,7 @@ def main():
     m = fp.Model(P, fp.random_weights(P, dev, a.seed), dev)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     flush = torch.empty(a.l2_flush_mb << 20, dtype=torch.uint8, device=dev) if dev.type == "cuda" else None
-    rows = []
+    rows, extend = [], []
     for B in (int(x) for x in a.batches.split(",")):
         for L in (int(x) for x in a.prefixes.split(",")):
             if L + (P["topk"] - 1) * a.steps + a.steps - 1 > P["max_context_len"]:
@@ -290,8 +292,14 @@ def main():
                                      a.seed + B + L, flush, a.name))
             fp.log(f"decode B={B} L={L}: step {rows[-1]['step_us']} µs (prep {rows[-1]['prep_us']}), "
                    f"replay {rows[-1]['replay_us']} µs")
+            # The same step's draft-extend forward (N rows per request at prefix L), as the
+            # draft-extend benchmark's peer times it: the draft's two forwards of one step.
+            if a.with_extend and L + P["num_draft_tokens"] <= P["max_context_len"]:
+                extend.append(fp.bench_shape(fi, m, P, a.name, B, L, a.runs, a.warmup, ws, dev, a.seed + 7 * B + L,
+                                             flush))
+                fp.log(f"extend B={B} L={L}: step {extend[-1]['step_us']} µs, replay {extend[-1]['replay_us']} µs")
             with open(a.json, "w") as f:
-                json.dump({"decode": rows}, f, indent=1)
+                json.dump({"decode": rows, "extend": extend}, f, indent=1)
     return 0
 
 

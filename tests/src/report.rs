@@ -77,10 +77,13 @@ pub struct DecodeRow {
     pub steps: u32,
     pub draft_tokens: u32,
     pub replay_us: f64,
-    /// Bytes the S − 1 forwards must move (weights per forward, the prefix K/V once per
-    /// request and layer, each lane's own slots, the K/V written) over the copy ceiling.
+    /// The longer of: the bytes the S − 1 forwards must move (weights per forward, the
+    /// prefix K/V once per request and layer, each lane's own slots, the K/V written) over
+    /// the copy ceiling; their FLOPs over the bf16 matmul ceiling.
     pub floor_us: f64,
     pub bytes: f64,
+    /// Matmul FLOPs of the S − 1 forwards (GEMMs and attention), over the bf16 ceiling.
+    pub flops: f64,
 }
 
 /// One `specbench` row: a plan at batch B and prefix L.

@@ -1,7 +1,8 @@
 //! specbench's draft-decode rows: every draft-decode tier of a plan at each benchmarked
 //! (B, L) its buckets and pool hold, on owned memory — the phase's graph replayed alone
 //! (`GpuRuntime::run_phase`), L2 flushed before each run, median of `RUNS` after `WARMUP` —
-//! beside the floor of the bytes its S − 1 forwards must move.
+//! beside the floor of its S − 1 forwards: the bytes they must move over the copy ceiling, or
+//! their matmul FLOPs over the bf16 ceiling, whichever is longer (as draft-extend's floor).
 
 use specplan_format::{io, LaunchKind, PhaseKind, ValidatedPlan};
 use specplan_kernels::facts::decode_reach;
@@ -11,15 +12,16 @@ use specplan_tests::gpu::{DeviceBuf, Timer};
 use specplan_tests::report::DecodeRow;
 use specplan_tests::Rng;
 
-/// Bytes tier `kind` must move at B requests of prefix L: every forward's GEMM weights
-/// (each forward reads them), embedding rows, the prefix K/V once per request and layer per
-/// forward (the K lanes share it), each lane's own earlier slots, and the K/V written.
-fn bytes(plan: &ValidatedPlan, kind: PhaseKind, b: u64, l: u64) -> f64 {
+/// Bytes and FLOPs of tier `kind` at B requests of prefix L. Bytes: every forward's GEMM
+/// weights (each forward reads them), embedding rows, the prefix K/V once per request and
+/// layer per forward (the K lanes share it), each lane's own earlier slots, and the K/V
+/// written. FLOPs: every GEMM's 2·m·n·k and attention's 4·rows·context·heads·head_dim.
+fn work(plan: &ValidatedPlan, kind: PhaseKind, b: u64, l: u64) -> (f64, f64) {
     let m = &plan.model;
     let act = plan.capture.dtype.size();
     let (k, s) = (plan.spec.topk as u64, kind.steps() as u64);
     let kv_row = (m.kv_heads * m.head_dim) as u64 * act * 2 * m.layers as u64;
-    let mut w = 0f64;
+    let (mut w, mut flops) = (0f64, 0f64);
     if let Some(bk) = plan
         .phase(kind)
         .and_then(|p| p.buckets.iter().find(|x| x.batch as u64 == b))
@@ -27,6 +29,7 @@ fn bytes(plan: &ValidatedPlan, kind: PhaseKind, b: u64, l: u64) -> f64 {
         for ln in &bk.launches {
             if let LaunchKind::Gemm(g) = &ln.kind {
                 w += (g.n * g.k * act) as f64;
+                flops += 2.0 * (g.m * g.n * g.k) as f64;
             }
         }
     }
@@ -35,8 +38,9 @@ fn bytes(plan: &ValidatedPlan, kind: PhaseKind, b: u64, l: u64) -> f64 {
         kv += (b * (l + k * (i + 1)) * kv_row) as f64; // read: the prefix, each lane's slots
         kv += (b * k * kv_row) as f64; // written
         kv += (b * k * m.hidden as u64 * act) as f64; // embedding rows
+        flops += (4 * b * k * (l + i + 1) * (m.heads * m.head_dim) as u64 * m.layers as u64) as f64;
     }
-    w + kv
+    (w + kv, flops)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -47,6 +51,7 @@ pub fn bench(
     timer: &Timer,
     flush: &DeviceBuf,
     copy_bytes_per_s: f64,
+    flops_per_s: f64,
     batches: &[usize],
     prefixes: &[usize],
     out: &mut Vec<DecodeRow>,
@@ -104,7 +109,7 @@ pub fn bench(
                     rt.write_phase_buffer(kind, bb, n, bytes).map_err(g)?;
                 }
                 let replay = timer.time_flushed(flush, || rt.run_phase(kind, bb, false).map_err(g))?;
-                let by = bytes(plan, kind, b as u64, l as u64);
+                let (by, flops) = work(plan, kind, b as u64, l as u64);
                 let row = DecodeRow {
                     plan: name.into(),
                     phase: kind.label(),
@@ -114,8 +119,9 @@ pub fn bench(
                     steps: s,
                     draft_tokens: kind.draft_tokens(&plan.spec),
                     replay_us: replay,
-                    floor_us: by / copy_bytes_per_s * 1e6,
+                    floor_us: (by / copy_bytes_per_s).max(flops / flops_per_s) * 1e6,
                     bytes: by,
+                    flops,
                 };
                 println!(
                     "{name} {} B {b} L {l}: replay {:.1} µs, floor {:.1} µs ({:.2}×)",
