@@ -27,8 +27,10 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// each with its kind, rows per request and buckets) instead of one bucket list. 8: YaRN and
 /// LongRoPE (`RopeScaling`), `rope_append`'s `ROPE_SCALE` constant, `Packing::LeadingRows`.
 /// 9: the draft-decode phase (`PhaseKind::DraftDecode { steps }`, the `tree.cu` entries),
-/// the `LANE_STEPS`/`STEP` constants of `rope_append` and the attention.
-pub const FORMAT_VERSION: u32 = 10;
+/// the `LANE_STEPS`/`STEP` constants of `rope_append` and the attention. 10: the verify inputs
+/// (`CaptureDesc.decode_verify`, `tree_verify`). 11: draft decode's engine-memory prologue and
+/// epilogue (`admit_decode`, `emit_decode`; every plan carries them).
+pub const FORMAT_VERSION: u32 = 11;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

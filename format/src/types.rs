@@ -632,10 +632,15 @@ impl Plan {
 
     /// Bucket `i` of every phase's buckets in phase order: draft-extend's come first, so
     /// they keep their indices in `buckets()`. O(phases).
-    pub fn flat_bucket(&self, mut i: usize) -> Option<&BucketPlan> {
+    pub fn flat_bucket(&self, i: usize) -> Option<&BucketPlan> {
+        self.flat_phase(i).map(|(_, b)| b)
+    }
+
+    /// Flat bucket `i` with the kind of its phase. O(phases).
+    pub fn flat_phase(&self, mut i: usize) -> Option<(PhaseKind, &BucketPlan)> {
         for ph in &self.phases {
             match ph.buckets.get(i) {
-                Some(b) => return Some(b),
+                Some(b) => return Some((ph.kind, b)),
                 None => i -= ph.buckets.len(),
             }
         }

@@ -1,6 +1,6 @@
-// io.cu: the engine-memory step's prologue (admit) and epilogue (emit). The runtime launches
-// them around a bucket's launches when the caller's device tensors are the inputs; they are
-// never in a plan's launch lists.
+// io.cu: the engine-memory step's prologue (admit) and epilogue (emit), and draft decode's
+// (admit_decode, emit_decode). The runtime launches them around a bucket's launches when the
+// caller's device tensors are the inputs; they are never in a plan's launch lists.
 //
 // Entry admit
 //   Constants: act_t, HIDDEN, HIDDEN_IN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
@@ -77,6 +77,52 @@
 //   refusal words to words 1..3 of mirror slot e % MIRROR_SLOTS (MIRROR_WORDS each),
 //   fences system-wide, then writes e to its word 0: the host polls finished steps there
 //   without a copy or a wait.
+//
+// Entry admit_decode
+//   Constants: as admit (N unused: draft decode's rows are lanes, S a launch argument).
+//   Launch:    grid (batch, 1, 1), block (ADMIT_DECODE_THREADS = 256, 1, 1), dynamic shared
+//              memory admit_decode_smem_bytes(batch, TOPK, steps) (entries/io_decode.rs):
+//              the write set over HASH = admit_decode_hash_slots(..) slots, then one rule
+//              byte per request. batch * TOPK * (steps - 1) <= ADMIT_MAX_ROWS.
+//   Params: src_probs f32 [b, K], src_ids [b, K] (i64; int32 with ADMIT_FLAG_IDS_I32),
+//           src_hidden act_t [b, HIDDEN], src_req / src_prefix / src_bonus [b] (i64; int32
+//           with flags bit 0 / 1 / 2; src_bonus null unless the plan emits the verify
+//           inputs), the bucket's probs, ids, hidden, req_slots, prefix_lens, bonus (null
+//           with src_bonus), page_table, kv_layout, status; b, batch, flags, prefix_bias,
+//           base, epoch as admit's; steps = S.
+//   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
+//   W_i = its lane positions L + lane_offset(L, k) + s for lanes k < K and s < S - 1 (common.cuh),
+//   reach = lane_offset(L, K - 1) + S - 1, request i < b is admitted when it passes, in order
+//   (the CPU engine's admit_decode):
+//     RULE_REQUEST  0 <= r < TABLE_ROWS
+//     RULE_PREFIX   0 <= L and L + reach <= MAX_CONTEXT
+//     RULE_ROW      L + reach fits row r (token slots: <= TABLE_COLS entries; page ids:
+//                   ceil((L + reach) / PAGE_SIZE) <= TABLE_COLS)
+//     RULE_SLOT     every position of W_i has a token slot in the pool
+//     RULE_ID       every src_ids[i][k] (and src_bonus[i]) is in [0, VOCAB)
+//     RULE_ALIAS    no slot request i reads (its prefix 0 .. L-1 and W_i) is written by
+//                   another (request, lane position) of this launch, over the write set of
+//                   the requests passing rules 1-5 (as admit's, with W_i for the N new
+//                   positions; the positions between page-aligned lane runs are neither
+//                   read nor written).
+//   Admitted: req_slots[i] = r, prefix_lens[i] = L, the probabilities, ids, hidden row and
+//   bonus copied. Otherwise (and for i >= b): req_slots[i] = -1, everything else 0. The
+//   status words as admit's (refusals tagged with the step; CTA 0 writes b, the epoch, base
+//   and the mirror tag; no out pointers: emit_decode carries its own).
+//
+// Entry emit_decode
+//   Constants: as admit.
+//   Launch:    grid (batch, 1, 1), block (EMIT_DECODE_THREADS = 256, 1, 1), no dynamic shared
+//              memory.
+//   Params: req_slots int* [batch]; the bucket's parent_list [batch, pw], top_scores_index,
+//           draft_tokens [batch, nodes], verify_tokens, verify_positions, retrieve_index,
+//           retrieve_next_token, retrieve_next_sibling [batch, nodes + 1] (i64; null without
+//           the verify inputs) and tree_mask i32 [batch, nodes + 1, nodes + 1]; the same nine
+//           out_* destinations (null: not copied); status; batch, pw, nodes.
+//   CTA i < status[STATUS_STEP_B]: an admitted request (req_slots[i] >= 0) has its rows copied
+//   bit exact, a refused one has them written as zeros. Every CTA counts itself in
+//   status[STATUS_EMIT_DONE]; the last one finishes as emit's does (the mirror; the trees are
+//   integers, so nothing is flagged non-finite).
 //
 // Entry fill
 //   Constants: none read (compiled with admit and emit).
@@ -338,8 +384,14 @@ __device__ bool emit_rows(const EmitParams& p, unsigned i, unsigned y) {
     return bad;
 }
 
-// The last emit CTA: the flagged requests into the refusal words, then the mirror.
-__device__ void emit_finish(const EmitParams& p) {
+// The last emit (or emit_decode) CTA: the flagged requests into the refusal words, then the
+// mirror. `req_slots` and `batch` are the bucket's; `status` the runtime's words.
+__device__ void emit_finish(int* req_slots, unsigned batch, long long* status) {
+    struct {
+        int* req_slots;
+        unsigned batch;
+        long long* status;
+    } p{req_slots, batch, status};
     __shared__ unsigned s_count, s_first;
     if (threadIdx.x == 0) {
         s_count = 0u;
@@ -400,7 +452,188 @@ extern "C" __global__ void __launch_bounds__(EMIT_THREADS) emit(EmitParams p) {
     __syncthreads();
     if (s_last) {
         __threadfence();
-        emit_finish(p);
+        emit_finish(p.req_slots, p.batch, p.status);
+    }
+}
+
+namespace io {
+
+// Request j's lane position e (lane e / (S-1), forward e % (S-1)).
+__device__ __forceinline__ long long lane_pos(long long L, unsigned e, unsigned steps) {
+    const unsigned per = steps - 1u;
+    return L + lane_offset(L, (int)(e / per), (int)steps, kK, (long long)PAGE_SIZE) + (long long)(e % per);
+}
+
+// A draft-decode request's admission by rules 1-5 (the rule it breaks, 0: none).
+__device__ Admission rule_of_decode(const AdmitDecodeParams& p, const KvLayout& lay, unsigned j) {
+    Admission q;
+    q.rule = 0;
+    q.A = 0;
+    q.r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
+    q.L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+    const long long reach =
+        lane_offset(q.L < 0 ? 0 : q.L, kK - 1, (int)p.steps, kK, (long long)PAGE_SIZE) + (long long)p.steps - 1;
+    const long long end = q.L + reach;
+    const long long need = lay.mode == KV_MODE_TOKENS ? end : ceil_div(end, (long long)PAGE_SIZE);
+    if (q.r < 0 || q.r >= lay.rows) q.rule = RULE_REQUEST;
+    else if (q.L < 0 || end > (long long)MAX_CONTEXT) q.rule = RULE_PREFIX;
+    else if (need > lay.cols) q.rule = RULE_ROW;
+    if (q.rule != 0) return q;
+    const int* row = kv_row(lay, p.page_table, q.r);
+    const unsigned writes = (unsigned)kK * (p.steps - 1u);
+    for (unsigned e = 0; e < writes; ++e) {
+        if (kv_token(lay, row, lane_pos(q.L, e, p.steps), (long long)PAGE_SIZE) < 0) {
+            q.rule = RULE_SLOT;
+            return q;
+        }
+    }
+    const bool i32 = (p.flags & ADMIT_FLAG_IDS_I32) != 0u;
+    for (int k = 0; k < kK; ++k) {
+        const long long id = load_int(p.src_ids, (long long)j * kK + k, i32);
+        if (id < 0 || id >= (long long)VOCAB) {
+            q.rule = RULE_ID;
+            return q;
+        }
+    }
+    if (p.src_bonus != nullptr) {
+        const long long t = load_int(p.src_bonus, j, (p.flags & 4u) != 0u);
+        if (t < 0 || t >= (long long)VOCAB) q.rule = RULE_ID;
+    }
+    return q;
+}
+
+}  // namespace io
+
+extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(AdmitDecodeParams p) {
+    using namespace io;
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch || p.steps < 2u) return;  // uniform per CTA
+    const unsigned writes = (unsigned)kK * (p.steps - 1u);
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned hash = max(32u, next_pow2(2u * max(p.batch, 1u) * writes));
+    WriteSet ws{reinterpret_cast<unsigned*>(smem), reinterpret_cast<unsigned*>(smem) + hash, hash - 1u};
+    unsigned char* rules = smem + 8ull * hash;
+    __shared__ long long s_req, s_len;
+    __shared__ unsigned s_other;
+    const bool real = i < p.b;
+    const KvLayout lay = kv_layout(p.kv_layout);
+    for (unsigned h = threadIdx.x; h < hash; h += blockDim.x) {
+        ws.keys[h] = 0u;
+        ws.owners[h] = 0xffffffffu;
+    }
+    if (threadIdx.x == 0) s_other = 0xffffu;
+    for (unsigned j = threadIdx.x; j < p.b; j += blockDim.x) {
+        const Admission q = rule_of_decode(p, lay, j);
+        rules[j] = (unsigned char)q.rule;
+        if (j == i) {
+            s_req = q.r;
+            s_len = q.L;
+        }
+    }
+    if (threadIdx.x == 0 && i == 0) {
+        p.status[STATUS_STEP_B] = p.b;
+        p.status[STATUS_STEP_EPOCH] = (long long)p.epoch;
+        p.status[STATUS_BASE] = (long long)p.base;
+        p.status[STATUS_EPOCH] = (p.flags & ADMIT_FLAG_LAST) != 0u ? (long long)p.epoch : 0;
+    }
+    __syncthreads();
+    // W: the lane slots of the requests passing rules 1-5, one (request, lane position) per
+    // thread; writer e = j * writes + lane position.
+    for (unsigned e = threadIdx.x; e < p.b * writes; e += blockDim.x) {
+        const unsigned j = e / writes, t = e % writes;
+        if (rules[j] != 0) continue;
+        const long long r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
+        const long long L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+        ws.insert(kv_token(lay, kv_row(lay, p.page_table, r), lane_pos(L, t, p.steps), (long long)PAGE_SIZE), e);
+    }
+    __syncthreads();
+    // RULE_ALIAS: request i's reads (its prefix, then its own lane slots) against W.
+    const int base_rule = real ? (int)rules[i] : 0;
+    if (real && base_rule == 0) {
+        const int* row = kv_row(lay, p.page_table, s_req);
+        for (long long q = threadIdx.x; q < s_len + (long long)writes; q += blockDim.x) {
+            const bool own = q >= s_len;
+            const long long pos = own ? lane_pos(s_len, (unsigned)(q - s_len), p.steps) : q;
+            const long long slot = kv_token(lay, row, pos, (long long)PAGE_SIZE);
+            if (slot < 0) continue;
+            const unsigned mine = own ? i * writes + (unsigned)(q - s_len) : 0xffffu;
+            const unsigned w = ws.other(slot, mine);
+            if (w != 0xffffu) atomicMin(&s_other, w / writes);
+        }
+    }
+    __syncthreads();
+    const int rule = base_rule != 0 ? base_rule : (real && s_other != 0xffffu ? RULE_ALIAS : 0);
+    const bool ok = real && rule == 0;
+    if (threadIdx.x == 0) {
+        if (real && rule != 0) {
+            const unsigned long long at = min((unsigned long long)p.base + i, 0xffffffull);
+            fold_tagged(p.status + STATUS_ERR_COUNT, p.epoch, 1ull,
+                        [](unsigned long long a, unsigned long long v) { return min(a + v, 0xffffffffull); });
+            fold_tagged(p.status + STATUS_ERR_FIRST, p.epoch, (at << 8) | (unsigned long long)rule,
+                        [](unsigned long long a, unsigned long long v) { return min(a, v); });
+            if (rule == RULE_ALIAS) {
+                const unsigned long long reader = min((unsigned long long)p.base + i, 0xffffull);
+                const unsigned long long writer = min((unsigned long long)p.base + s_other, 0xffffull);
+                fold_tagged(p.status + STATUS_ERR_OTHER, p.epoch, (reader << 16) | writer,
+                            [](unsigned long long a, unsigned long long v) { return min(a, v); });
+            }
+        }
+        p.req_slots[i] = ok ? (int)s_req : -1;
+        p.prefix_lens[i] = ok ? (int)s_len : 0;
+        if (p.bonus != nullptr) p.bonus[i] = ok && p.src_bonus != nullptr ? load_int(p.src_bonus, i, (p.flags & 4u) != 0u) : 0;
+    }
+    const bool i32 = (p.flags & ADMIT_FLAG_IDS_I32) != 0u;
+    for (int k = (int)threadIdx.x; k < kK; k += (int)blockDim.x) {
+        const long long e = (long long)i * kK + k;
+        p.probs[e] = ok ? p.src_probs[e] : 0.0f;
+        p.ids[e] = ok ? load_int(p.src_ids, e, i32) : 0;
+    }
+    act_t* dst = p.hidden + (long long)i * kH;
+    if (ok) {
+        block_copy_act(dst, p.src_hidden + (long long)i * kH, kH);
+    } else {
+        for (long long e = threadIdx.x; e < kH; e += blockDim.x) dst[e] = to_act(0.0f);
+    }
+}
+
+namespace io {
+
+// Row i of a [batch, w] tensor: copied from src (admitted) or zeros, to dst (null: skipped).
+template <typename T>
+__device__ __forceinline__ void emit_row(T* dst, const T* src, long long w, unsigned i, bool ok) {
+    if (dst == nullptr || src == nullptr) return;
+    for (long long e = threadIdx.x; e < w; e += blockDim.x) dst[(long long)i * w + e] = ok ? src[(long long)i * w + e] : T(0);
+}
+
+}  // namespace io
+
+extern "C" __global__ void __launch_bounds__(EMIT_DECODE_THREADS) emit_decode(EmitDecodeParams p) {
+    using namespace io;
+    const unsigned i = blockIdx.x;
+    if (i < p.batch && (long long)i < p.status[STATUS_STEP_B]) {  // uniform per CTA
+        const bool ok = p.req_slots[i] >= 0;
+        const long long n = (long long)p.nodes + 1;
+        emit_row(p.out_parent_list, p.parent_list, (long long)p.pw, i, ok);
+        emit_row(p.out_top_scores_index, p.top_scores_index, (long long)p.nodes, i, ok);
+        emit_row(p.out_draft_tokens, p.draft_tokens, (long long)p.nodes, i, ok);
+        emit_row(p.out_verify_tokens, p.verify_tokens, n, i, ok);
+        emit_row(p.out_verify_positions, p.verify_positions, n, i, ok);
+        emit_row(p.out_retrieve_index, p.retrieve_index, n, i, ok);
+        emit_row(p.out_retrieve_next_token, p.retrieve_next_token, n, i, ok);
+        emit_row(p.out_retrieve_next_sibling, p.retrieve_next_sibling, n, i, ok);
+        emit_row(p.out_tree_mask, p.tree_mask, n * n, i, ok);
+    }
+    __syncthreads();
+    __shared__ bool s_last;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned long long done = atomicAdd(reinterpret_cast<unsigned long long*>(p.status + STATUS_EMIT_DONE), 1ull);
+        s_last = done + 1ull == (unsigned long long)gridDim.x;
+    }
+    __syncthreads();
+    if (s_last) {
+        __threadfence();
+        emit_finish(p.req_slots, p.batch, p.status);
     }
 }
 

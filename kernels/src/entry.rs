@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::abi::{shape_of, Abi, Kernel, LaunchShape};
-use crate::entries::{attention, embed, io, mlp, norm, rope, sample, select, tree};
+use crate::entries::{attention, embed, io, io_decode, mlp, norm, rope, sample, select, tree};
 use crate::facts::{BucketFacts, KernelFacts};
 use crate::source::Constants;
 
@@ -84,7 +84,13 @@ impl Template {
                 Entry::TreeVerify,
                 Entry::GatherRows,
             ],
-            Template::Io => &[Entry::Admit, Entry::Emit, Entry::Fill],
+            Template::Io => &[
+                Entry::Admit,
+                Entry::Emit,
+                Entry::AdmitDecode,
+                Entry::EmitDecode,
+                Entry::Fill,
+            ],
         }
     }
 
@@ -166,6 +172,8 @@ entries! {
     GatherRows => tree::GatherRowsParams, "gather_rows", Tree;
     Admit => io::AdmitParams, "admit", Io;
     Emit => io::EmitParams, "emit", Io;
+    AdmitDecode => io_decode::AdmitDecodeParams, "admit_decode", Io;
+    EmitDecode => io_decode::EmitDecodeParams, "emit_decode", Io;
     Fill => io::FillParams, "fill", Io;
 }
 
@@ -176,10 +184,14 @@ impl Entry {
     }
 
     /// Entries the runtime launches itself (never in a plan's launch lists; every plan
-    /// carries them in its kernel table): `admit` and `emit` around an engine-memory step,
-    /// `fill` in place of a GEMM library's memset nodes in a captured graph.
+    /// carries them in its kernel table): `admit` and `emit` around an engine-memory
+    /// draft-extend step, `admit_decode` and `emit_decode` around a draft-decode one, `fill`
+    /// in place of a GEMM library's memset nodes in a captured graph.
     pub fn runtime_launched(self) -> bool {
-        matches!(self, Entry::Admit | Entry::Emit | Entry::Fill)
+        matches!(
+            self,
+            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode | Entry::Fill
+        )
     }
 
     pub fn from_name(name: &str) -> Option<Entry> {

@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod embed;
 pub mod io;
+pub mod io_decode;
 pub mod mlp;
 pub mod norm;
 pub mod rope;

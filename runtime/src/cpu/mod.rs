@@ -502,7 +502,7 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<tree_entries::GatherRowsParams>(&slots)?;
                 self.gather_rows(k, &p, &s)
             }
-            Entry::Admit | Entry::Emit | Entry::Fill => Err(format!(
+            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode | Entry::Fill => Err(format!(
                 "{} is an entry the GPU runtime launches itself; plans never list it",
                 k.entry
             )),

@@ -13,7 +13,6 @@
 //! caller's stream handle is never kept). Steps share the runtime's arena and status
 //! words: the caller serializes them (one stream, or its own ordering between streams).
 
-use std::ffi::c_void;
 use std::time::Instant;
 
 use cudarc::driver::{result, sys};
@@ -101,6 +100,8 @@ pub(crate) struct EngineState {
     /// Per bucket, `admit`'s pointers that never change (the bucket's input buffers and
     /// the runtime's words), resolved once at load: a step looks up no buffer by name.
     fixed: Vec<AdmitPtrs<u64>>,
+    /// Draft decode's prologue and epilogue (`engine_decode.rs`).
+    pub(super) decode: super::engine_decode::DecodeIo,
 }
 
 /// The per-step values of `admit` (the placeholders at capture time).
@@ -144,7 +145,7 @@ impl StepArgs {
     }
 }
 
-fn kernel_of(plan: &Plan, entry: Entry) -> Result<u32, GpuError> {
+pub(crate) fn kernel_of(plan: &Plan, entry: Entry) -> Result<u32, GpuError> {
     plan.kernels
         .iter()
         .position(|k| k.entry == entry)
@@ -153,6 +154,16 @@ fn kernel_of(plan: &Plan, entry: Entry) -> Result<u32, GpuError> {
 }
 
 impl EngineState {
+    /// The next step's tag in the status words. Tags 0 (fresh words) and u32::MAX (the
+    /// initial first-refusal word) never name a step.
+    pub fn next_epoch(&mut self) -> u32 {
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        if self.epoch == u32::MAX {
+            self.epoch = 1;
+        }
+        self.epoch
+    }
+
     pub fn armed(&self, bi: usize) -> bool {
         self.armed.get(bi).copied().unwrap_or(false)
     }
@@ -345,6 +356,11 @@ impl GpuRuntime {
             })?;
         }
         let (weights, owned) = place_weights(&plan, &bindings)?;
+        let decode_smem_of = |mem: &Memory| -> Result<_, GpuError> {
+            let d = super::engine_decode::DecodeIo::new(&plan, mem)?;
+            let smem = d.max_smem(&plan);
+            Ok((d, smem))
+        };
         let mem = Memory {
             arena: DevMem::new(plan.arena_bytes() as usize)?,
             weights,
@@ -354,7 +370,20 @@ impl GpuRuntime {
             mirror: super::device::Mapped::new(kv::MIRROR_WORDS * kv::MIRROR_SLOTS)?,
             _owned: owned,
         };
+        let (decode, decode_smem) = decode_smem_of(&mem)?;
+        if decode_smem > 48 * 1024 {
+            // SAFETY: as admit's above (a decode bucket's lane writes ≤ ADMIT_MAX_ROWS, else
+            // engine memory does not serve it).
+            cuda_rc("cuFuncSetAttribute", unsafe {
+                sys::cuFuncSetAttribute(
+                    core.funcs[decode.admit as usize],
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    decode_smem as i32,
+                )
+            })?;
+        }
         let state = EngineState {
+            decode,
             admit,
             emit,
             done: Event::new(false)?,
@@ -424,15 +453,7 @@ impl GpuRuntime {
             ));
         }
         let epoch = match &mut self.mode {
-            Mode::Engine(e) => {
-                // Tags 0 (fresh words) and u32::MAX (the initial first-refusal word) never
-                // name a step.
-                e.epoch = e.epoch.wrapping_add(1).max(1);
-                if e.epoch == u32::MAX {
-                    e.epoch = 1;
-                }
-                e.epoch
-            }
+            Mode::Engine(e) => e.next_epoch(),
             Mode::Owned(_) => return Err(GpuError::Mode("an engine-memory step")),
         };
         let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
@@ -511,20 +532,8 @@ impl GpuRuntime {
                 let f = &e.facts;
                 let b = specplan_format::bucket_facts(&self.plan.buckets()[bi]);
                 let (grid, _) = AdmitParams::launch(&b, f);
-                let mut params = [blob.as_mut_ptr() as *mut c_void];
-                // SAFETY: zeroed plain C struct; every field the call reads is set below.
-                let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
-                p.func = self.funcs[e.admit as usize];
-                (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid[0], grid[1], grid[2]);
-                (p.blockDimX, p.blockDimY, p.blockDimZ) = (AdmitParams::threads(f), 1, 1);
-                p.sharedMemBytes = admit_smem_bytes(b.batch, f.n);
-                p.kernelParams = params.as_mut_ptr();
-                // SAFETY: `node` is the admit node of this exec's graph; the parameters
-                // point at a struct laid out as admit declares, read during the call (the
-                // driver copies them). The update affects later launches of the exec only.
-                cuda_rc("cuGraphExecKernelNodeSetParams", unsafe {
-                    sys::cuGraphExecKernelNodeSetParams_v2(g.graph.cu_graph_exec(), node, &p)
-                })?;
+                let shape = (grid, AdmitParams::threads(f), admit_smem_bytes(b.batch, f.n));
+                super::engine_decode::set_node(&g.graph, node, self.funcs[e.admit as usize], shape, &mut blob)?;
                 info.prep_us += t0.elapsed().as_secs_f64() * 1e6;
                 // SAFETY: a live exec on the caller's stream, in this runtime's context.
                 cuda_rc("cuGraphLaunch", unsafe {

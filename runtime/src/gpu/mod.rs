@@ -20,6 +20,7 @@
 
 mod device;
 mod engine;
+mod engine_decode;
 mod gemm;
 mod gemm_cache;
 mod graph;
@@ -46,6 +47,7 @@ use specplan_kernels::kv;
 use device::{cuda, DevMem, Module};
 pub use device::{driver_report, GpuError};
 pub use engine::{AcceptForm, DeviceInts, DeviceOutputs, DeviceStep};
+pub use engine_decode::{DecodeOutputs, DeviceDecode};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
 use launch::{gemm_call, load_kernels, Launcher};
@@ -88,11 +90,13 @@ pub struct LoadTimes {
     pub total_ms: f64,
 }
 
-/// One bucket's captured graph; in engine memory, with the node of its `admit` launch,
-/// whose parameters each step sets before the replay.
+/// One bucket's captured graph; in engine memory, with the node of its `admit` (or
+/// `admit_decode`) launch, whose parameters each step sets before the replay, and for a
+/// draft-decode bucket its `emit_decode` node (the caller's output pointers).
 struct Graph {
     graph: graph::Exec,
     admit: Option<sys::CUgraphNode>,
+    emit: Option<sys::CUgraphNode>,
 }
 
 enum Mode {
@@ -319,24 +323,35 @@ impl GpuRuntime {
     }
 
     /// Captures every replayable bucket of every phase into a graph, largest first (in
-    /// engine memory with the `admit` prologue and `emit` epilogue around the plan's
-    /// launches; there only draft-extend's, the phase engine memory serves today).
+    /// engine memory with the prologue and epilogue around the plan's launches: `admit` and
+    /// `emit` for draft-extend's buckets, `admit_decode` and `emit_decode` for draft
+    /// decode's).
     fn build_graphs(&mut self) -> Result<(), GpuError> {
-        let engine_buckets = self.plan.buckets().len();
+        let extend_buckets = self.plan.buckets().len();
         for bi in (0..self.plan.bucket_count()).rev() {
             let replayable = self.plan.flat_bucket(bi).is_some_and(|b| b.replay == Replay::Graph);
-            if !replayable || (matches!(self.mode, Mode::Engine(_)) && bi >= engine_buckets) {
+            let served = match &self.mode {
+                Mode::Engine(e) => bi < extend_buckets || e.decode.serves(&self.plan, bi),
+                Mode::Owned(_) => true,
+            };
+            if !replayable || !served {
                 continue;
             }
             let t0 = Instant::now();
             let stream = self.stream.cu_stream();
             let graph = graph::capture(&self.stream, self.fill_func(), || self.issue_bucket(bi, stream, None))?;
-            let admit = match &self.mode {
-                Mode::Engine(e) => Some(engine::find_node(&graph, self.funcs[e.admit as usize])?),
-                Mode::Owned(_) => None,
+            let (admit, emit) = match &self.mode {
+                Mode::Engine(e) if bi < extend_buckets => {
+                    (Some(engine::find_node(&graph, self.funcs[e.admit as usize])?), None)
+                }
+                Mode::Engine(e) => (
+                    Some(engine::find_node(&graph, self.funcs[e.decode.admit as usize])?),
+                    Some(engine_decode::kernel_node(&graph, self.funcs[e.decode.emit as usize])?),
+                ),
+                Mode::Owned(_) => (None, None),
             };
             self.graph_build_ms[bi] = t0.elapsed().as_secs_f64() * 1e3;
-            self.graphs[bi] = Some(Graph { graph, admit });
+            self.graphs[bi] = Some(Graph { graph, admit, emit });
         }
         Ok(())
     }
@@ -348,6 +363,7 @@ impl GpuRuntime {
         let l = self.launcher(stream);
         match &self.mode {
             Mode::Owned(_) => l.issue(bi, &|_| true),
+            Mode::Engine(_) if bi >= self.plan.buckets().len() => self.issue_decode(bi, stream, None),
             Mode::Engine(e) => {
                 let b = bucket_facts(&self.plan.buckets()[bi]);
                 let f = kernel_facts_of(&self.plan);

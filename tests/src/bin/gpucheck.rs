@@ -284,6 +284,39 @@ fn soak(out: &str, plan: &str, rest: &[String]) -> ExitCode {
     }
 }
 
+/// Draft decode on engine memory: every tier of each plan in the four engine layouts, against
+/// the tier's owned-memory graph (`specplan_tests::engine::engine_decode_check`).
+fn engine_decode(plans: &[String]) -> ExitCode {
+    use specplan_tests::engine::Layout;
+    let mut rng = Rng(seed());
+    let mut ok = true;
+    for path in plans {
+        for layout in Layout::ALL {
+            match load_file(std::path::Path::new(path))
+                .map_err(|e| e.to_string())
+                .and_then(|p| specplan_tests::engine::engine_decode_check(&p, &mut rng, layout))
+            {
+                Ok(reports) => {
+                    for r in &reports {
+                        let verdict = if r.failures.is_empty() { "ok" } else { "FAIL" };
+                        println!("{path}: {}  {verdict}", r.line);
+                        for f in &r.failures {
+                            println!("    {f}");
+                        }
+                        ok &= r.failures.is_empty();
+                    }
+                }
+                Err(e) => {
+                    println!("engine-decode {path} {}: ERROR {e}", layout.name());
+                    ok = false;
+                }
+            }
+        }
+    }
+    println!("engine-decode: {}", if ok { "all checks passed" } else { "FAILED" });
+    ExitCode::from(if ok { 0 } else { 1 })
+}
+
 /// The engine-memory checks and the load time onto caller memory.
 fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
     let mut rng = Rng(seed());
@@ -463,6 +496,16 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         };
         return soak(out, plan, rest);
+    }
+    if args.get(1).map(String::as_str) == Some("engine-decode") {
+        let [_, _, plans @ ..] = args.as_slice() else {
+            return ExitCode::from(2);
+        };
+        if plans.is_empty() {
+            eprintln!("usage: gpucheck engine-decode PLAN [PLAN ...]");
+            return ExitCode::from(2);
+        }
+        return engine_decode(plans);
     }
     if args.get(1).map(String::as_str) == Some("engine") {
         let [_, _, out, sglang, vllm, load, ..] = args.as_slice() else {

@@ -30,9 +30,11 @@ use crate::tolerance::{bit_diffs, f32_bit_diffs};
 use crate::Rng;
 
 mod bench;
+mod decode;
 mod fixture;
 
 pub use bench::{bench_fixture, engine_load_ms, engine_once, BenchFixture};
+pub use decode::{engine_decode_check, DecodeEngineReport};
 pub use fixture::Layout;
 use fixture::{download, err, fixture, Fixture};
 
