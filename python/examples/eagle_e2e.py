@@ -100,9 +100,10 @@ class Draft:
         self.inv = torch.tensor(plan.rope_inv_freq, device=table.device, dtype=torch.float32)
         self.lm = w["lm_head.weight"].float()
 
-    def forward(self, ids, hidden, req, prefix, valid, accept):
+    def forward(self, ids, hidden, req, prefix, valid, accept, top=None):
         """Rows [b, R] at positions prefix + j (rows j < valid written to the cache);
-        returns topk_p [b, K], topk_index [b, K], hidden_out [b, H] of row accept - 1."""
+        returns topk_p [b, K], topk_index [b, K], hidden_out [b, H] of row accept - 1 (K: the
+        plan's topk, or `top`)."""
         p, w, act = self.plan, self.w, self.act
         b, r = ids.shape
         hq, hkv, d = p.num_heads, p.num_kv_heads, p.head_dim
@@ -137,7 +138,7 @@ class Draft:
         out = x[torch.arange(b, device=x.device), sel]
         logits = out.float() @ self.lm.t()
         probs = torch.softmax(logits, -1)
-        tp, ti = torch.topk(probs, p.topk, dim=-1)
+        tp, ti = torch.topk(probs, p.topk if top is None else top, dim=-1)
         return tp, ti, out
 
 
@@ -443,8 +444,9 @@ def compare_chain(s, first, hidden, sel_pos, steps):
     one = torch.ones(b, dtype=torch.long, device=s.dev)
     ties = []
     for m in range(1, steps + 1):
-        tp, ti, h = s.draft.forward(tok[:, None], h[:, None, :], s.req, sel_pos + m, one, one)
-        gap = tp[:, 0] - tp[:, 1] if tp.shape[1] > 1 else torch.ones(b, device=s.dev)
+        # Two candidates even for a topk-1 chain: a tie is judged by the top-1/top-2 gap.
+        tp, ti, h = s.draft.forward(tok[:, None], h[:, None, :], s.req, sel_pos + m, one, one, top=2)
+        gap = tp[:, 0] - tp[:, 1]
         ties.append([near_tie(float(gap[i]), float(tp[i, 0])) for i in range(b)])
         tok = ti[:, 0]
         out.append(tok)

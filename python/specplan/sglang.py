@@ -314,9 +314,12 @@ class SGLangDraftDecodeRunner:
             forward_batch.seq_lens,
             bonus_tokens=None if bonus is None else bonus.contiguous(),
         )
-        e = self.runner.last_error()
-        if e is not None:
-            logger.error("specplan draft-decode: %s", e)
+        if self.runner.device.type == "cpu":
+            e = self.runner.last_error()
+            if e is not None:
+                logger.error("specplan draft-decode: %s", e)
+        # On CUDA nothing waits here: the engine's refusal ring holds both phases' steps, and
+        # the draft-extend slot's `report()` (no wait, no copy) logs them.
         if self.draft_runner is not None:
             self.draft_runner.shared_read_done_event = None
         return out.parent_list, out.top_scores_index, out.draft_tokens, None
@@ -425,16 +428,13 @@ def _torch():
 def _install_decode(dw, ac, slot, decode):
     """The plan's draft-decode tiers as SGLang's draft-decode slots: on the worker when its
     num_steps is one, and on every adaptive tier state whose num_steps is one (SGLang swaps
-    `cuda_graph_runner` per tier, W2:1884). CUDA tensors keep SGLang's own graphs: the
-    phase's device step on an engine's memory is not built yet."""
+    `cuda_graph_runner` per tier, W2:1884). On CUDA tensors each tier replays its graphs on
+    the engine's memory (`admit_decode` checks every request on the device)."""
     plan = slot.plan
     tiers = [int(label.split(":")[1]) for label, _, _ in plan.phases() if label.startswith("draft_decode:")]
     if not decode or not tiers:
         return {}
     engine = slot.runner.engine
-    if engine.device.type == "cuda":
-        logger.info("specplan: draft decode on CUDA tensors is not built yet; SGLang's own draft-decode graphs run")
-        return {}
     sa = getattr(dw, "server_args", None)
     runners = {
         s: SGLangDraftDecodeRunner(

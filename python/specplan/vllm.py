@@ -6,8 +6,7 @@ the target's slots, one draft token sampled per request — is specplan's draft-
 CUDA graph per batch size on vLLM's KV cache, block table and draft weights in place. With a
 draft-decode phase in the plan (`draft_decode_steps=K`, or tiers for vLLM's dynamic K'), the
 later chain steps (vLLM's `_multi_step_decode` / `_fused_multi_step_decode`: K' − 1 forwards
-of one row per request) are the plan's too, on CPU tensors for now (CUDA tensors keep vLLM's
-decode loop until the phase's device step exists). Every batch the plan does not serve runs
+of one row per request) are the plan's too (one graph per batch size on the same memory). Every batch the plan does not serve runs
 vLLM's own `_prefill`: chunked prefills (a query that is not K+1 tokens),
 dummy and profile runs, probabilistic draft sampling, multimodal inputs, data or context
 parallelism, a batch size without a graph, or contexts past the plan's.
@@ -206,8 +205,7 @@ def make_speculator_class(base):
             """Whether the plan's draft-decode phase serves this step's chain (steps 1..K'−1):
             a tier for K' is picked in `_sp_decode`; greedy drafts, no dummy or profile run,
             no DP/PCP, no multimodal inputs, and every request's chain within the plan's
-            context. CUDA tensors keep vLLM's decode loop (the phase's device step on an
-            engine's memory is not built yet)."""
+            context."""
             if self._sp_plan is None or not self._sp_tiers or dummy_run or is_profile or mm_inputs is not None:
                 return False
             if dp_sync_state is not None or self.dp_size != 1 or self.pcp_manager is not None:
@@ -225,7 +223,7 @@ def make_speculator_class(base):
                 return False
             if self._sp_runner is None:
                 self._sp_build()
-            return self._sp_runner.engine.device.type == "cpu"
+            return True
 
         def _sp_decode(self, num_reqs, skip_attn, num_speculative_steps):
             """vLLM's chain steps 1..K'−1 as the plan's draft-decode tier K' (one phase: the
@@ -250,9 +248,12 @@ def make_speculator_class(base):
                 # the chain's first position.
                 self.input_buffers.positions[:r],
             )
-            e = runner.last_error()
-            if e is not None:
-                logger.error("specplan draft decode: %s", e)
+            if runner.device.type == "cpu":
+                e = runner.last_error()
+                if e is not None:
+                    logger.error("specplan draft decode: %s", e)
+            # On CUDA nothing waits here: the refusal ring holds both phases' steps and the
+            # next step's poll (no wait, no copy) logs them.
             self.draft_tokens[:r, :num_speculative_steps] = out.draft_tokens
             self._sp_decoded = True
             return True

@@ -15,8 +15,9 @@ use specplan_format::{signature, DType, Replay, ValidatedPlan};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::gpu::{
-    AcceptForm, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GemmPolicy, GpuError,
-    GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode, TableRegistration,
+    AcceptForm, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor,
+    EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode,
+    TableRegistration,
 };
 use specplan_runtime::registration::RegError;
 
@@ -267,19 +268,80 @@ impl Engine {
         self.rt.step_device(&s).map(|_| ()).map_err(py_err)
     }
 
-    /// Draft decode on CUDA tensors: the device step of the phase (its staging and
-    /// per-request checks on the engine's memory) is not built yet, so it is refused with
-    /// that reason rather than run unchecked; CPU tensors run it (`CpuEngine`).
-    #[pyo3(signature = (phase, *_args, **_kwargs))]
+    /// One step of draft-decode phase `phase` (`draft_decode:S`) on CUDA tensors, on the
+    /// caller's stream: the arguments as `CpuEngine.draft_decode`'s (device addresses).
+    /// Returns once enqueued: no synchronization, no host copy; each request is checked on
+    /// the device (`admit_decode`) and a refused one writes nothing (`last_error`).
+    #[pyo3(signature = (phase, b, topk_p, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, prefix_bias, out_parents, out_index, out_tokens, stream=0, bonus=0, bonus_i32=false, out_verify=[0; 5], out_mask=0))]
+    #[allow(clippy::too_many_arguments)]
     fn draft_decode(
         &mut self,
         phase: &str,
-        _args: &Bound<'_, pyo3::types::PyTuple>,
-        _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+        b: usize,
+        topk_p: u64,
+        ids: u64,
+        ids_i32: bool,
+        hidden: u64,
+        req: u64,
+        req_i32: bool,
+        prefix: u64,
+        prefix_i32: bool,
+        prefix_bias: i32,
+        out_parents: u64,
+        out_index: u64,
+        out_tokens: u64,
+        stream: u64,
+        bonus: u64,
+        bonus_i32: bool,
+        out_verify: [u64; 5],
+        out_mask: u64,
     ) -> PyResult<()> {
-        Err(PyRuntimeError::new_err(format!(
-            "{phase}: draft decode on CUDA tensors is not available in this build (the phase's device step on an engine's memory is not built yet; CPU tensors run it)"
-        )))
+        let plan = self.rt.plan();
+        let kind = plan
+            .phase_by_label(phase)
+            .filter(|k| k.steps() > 0)
+            .ok_or_else(|| PyValueError::new_err(format!("phase {phase:?}: the plan has {}", plan.phase_labels())))?;
+        let s = DeviceDecode {
+            b,
+            topk_p,
+            topk_index: ids,
+            ids_i32,
+            hidden_states: hidden,
+            req_pool_indices: DeviceInts { ptr: req, i32: req_i32 },
+            prefix_lens: DeviceInts {
+                ptr: prefix,
+                i32: prefix_i32,
+            },
+            prefix_bias,
+            bonus_tokens: (bonus != 0).then_some(DeviceInts {
+                ptr: bonus,
+                i32: bonus_i32,
+            }),
+            outputs: DecodeOutputs {
+                parent_list: out_parents,
+                top_scores_index: out_index,
+                draft_tokens: out_tokens,
+                verify: out_verify,
+                tree_mask: out_mask,
+            },
+            stream,
+        };
+        self.rt.step_decode_device(kind, &s).map(|_| ()).map_err(py_err)
+    }
+
+    /// Whether draft-decode phase `phase`'s graphs serve a batch of `b` (its largest bucket
+    /// and below; larger batches run in chunks).
+    fn can_run_decode(&self, phase: &str, b: usize) -> PyResult<bool> {
+        let plan = self.rt.plan();
+        let kind = plan
+            .phase_by_label(phase)
+            .filter(|k| k.steps() > 0)
+            .ok_or_else(|| PyValueError::new_err(format!("phase {phase:?}: the plan has {}", plan.phase_labels())))?;
+        Ok(plan.phase(kind).is_some_and(|p| {
+            p.buckets
+                .iter()
+                .any(|x| x.batch as usize >= b && x.replay == Replay::Graph)
+        }))
     }
 
     /// What the device refused in the last step: `None`, or `(count, first request, rule
