@@ -8,10 +8,10 @@
 use std::ffi::c_void;
 
 use cudarc::cublas::sys as cublas;
-use cudarc::driver::sys;
+use cudarc::driver::{result, sys};
 use specplan_format::DType;
 
-use super::device::{cublas_ok, BlasHandle, DevMem, GpuError};
+use super::device::{cublas_ok, cuda, BlasHandle, DevMem, GpuError};
 use super::gemm_cache::GemmCache;
 use super::lt::{GemmChoice, GemmPtrs, GemmShape, Lt};
 
@@ -103,6 +103,10 @@ impl Gemms {
         retune: bool,
         stream: sys::CUstream,
     ) -> Result<GemmLoad, GpuError> {
+        if self.ws.bytes < WORKSPACE_BYTES {
+            // A second preparation chooses among candidates with the full workspace again.
+            self.ws = DevMem::new(WORKSPACE_BYTES)?;
+        }
         let mut lt = Lt::new((self.ws.ptr, self.ws.bytes))?;
         let mut load = GemmLoad::default();
         for &(shape, ptrs) in shapes {
@@ -123,8 +127,25 @@ impl Gemms {
                 _ => self.ensure_blas()?,
             }
         }
+        // The chosen algorithms' largest workspace is all a step needs: the candidates were
+        // timed with the full one, the runtime keeps only that much (cuBLASLt's figures; with
+        // the cublasGemmEx path in use, whose needs are not known, the full one stays).
+        let need = lt.ws_need().div_ceil(256) * 256;
+        if self.blas.is_none() && need < self.ws.bytes {
+            // SAFETY: the runtime's live stream; the timing runs on it are finished before
+            // their workspace is freed.
+            cuda("cuStreamSynchronize", unsafe { result::stream::synchronize(stream) })?;
+            let ws = DevMem::new(need.max(256))?;
+            lt.set_workspace((ws.ptr, ws.bytes));
+            self.ws = ws;
+        }
         self.lt = Some(lt);
         Ok(load)
+    }
+
+    /// Bytes of the GEMM workspace the runtime holds.
+    pub fn workspace_bytes(&self) -> usize {
+        self.ws.bytes
     }
 
     /// Sets the stream eager GEMMs go on (the Lt path takes the stream per call).

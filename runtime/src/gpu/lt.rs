@@ -82,6 +82,8 @@ struct Tuned {
     layouts: [lsys::cublasLtMatrixLayout_t; 3], // W, A, C/D
     algo: lsys::cublasLtMatmulAlgo_t,
     choice: GemmChoice,
+    /// Workspace bytes the kept algorithm needs (cuBLASLt's figure for it).
+    ws_need: usize,
 }
 
 impl Drop for Tuned {
@@ -170,6 +172,7 @@ impl Lt {
                 rank: 0,
                 candidates: 0,
             },
+            ws_need: 0,
         };
         t.layouts[0] = mk(dtype(s.w), k, n, k as i64)?;
         t.layouts[1] = mk(dtype(s.a), k, m, k as i64)?;
@@ -218,6 +221,7 @@ impl Lt {
             return Ok(false);
         }
         t.choice = choice;
+        t.ws_need = check.workspaceSize;
         self.tuned.insert(s, t);
         Ok(true)
     }
@@ -322,6 +326,7 @@ impl Lt {
             return Ok(());
         };
         t.algo = found[rank].algo;
+        t.ws_need = found[rank].workspaceSize;
         t.choice = GemmChoice {
             first_us: timed.iter().find(|x| x.0 == 0).map_or(f32::NAN, |x| x.1),
             best_us,
@@ -396,6 +401,17 @@ impl Lt {
                 stream as lsys::cudaStream_t,
             )
         })
+    }
+
+    /// The largest workspace a kept algorithm needs.
+    pub(crate) fn ws_need(&self) -> usize {
+        self.tuned.values().map(|t| t.ws_need).max().unwrap_or(0)
+    }
+
+    /// Points every later call at workspace `ws` (address, bytes), which must hold
+    /// [`Lt::ws_need`] bytes.
+    pub(crate) fn set_workspace(&mut self, ws: (u64, usize)) {
+        self.ws = ws;
     }
 
     /// Runs a tuned shape; `None` when `s` was not tuned (the caller uses cublasGemmEx).

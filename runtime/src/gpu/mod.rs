@@ -239,6 +239,12 @@ impl GpuRuntime {
         &self.plan
     }
 
+    /// Bytes of the GEMM workspace the runtime holds (after load: what the chosen
+    /// algorithms need).
+    pub fn workspace_bytes(&self) -> usize {
+        self.gemms.workspace_bytes()
+    }
+
     pub fn arena_bytes(&self) -> usize {
         self.mem.arena.bytes
     }

@@ -379,21 +379,26 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
     }
     let load_ms = match load_file(std::path::Path::new(load)).map_err(|e| e.to_string()).and_then(|p| {
         let r = specplan_tests::engine::engine_load_ms(&p);
-        if let Ok((first, second, t)) = &r {
+        if let Ok((first, second, t, m)) = &r {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             println!(
-                "engine load of {} ({} buckets) onto caller memory: first {first:.1} ms, then {second:.1} ms (setup {:.1}, GEMM choice {:.1} ms: {} cached / {} timed, graphs {:.1} ms)",
+                "engine load of {} ({} buckets) onto caller memory: first {first:.1} ms, then {second:.1} ms (setup {:.1}, GEMM choice {:.1} ms: {} cached / {} timed, graphs {:.1} ms); device memory added {:.1} MiB (arena {:.1}, GEMM workspace {:.1}, the rest {:.1}: graphs, modules, libraries)",
                 p.name,
                 p.buckets().len(),
                 t.setup_ms,
                 t.gemm.ms,
                 t.gemm.cached,
                 t.gemm.timed,
-                t.graphs_ms
+                t.graphs_ms,
+                mib(m.measured_bytes),
+                mib(m.arena_bytes),
+                mib(m.workspace_bytes),
+                mib(m.measured_bytes.saturating_sub(m.arena_bytes + m.workspace_bytes)),
             );
         }
         r
     }) {
-        Ok((first, second, _)) => serde_json::json!({"first_ms": first, "second_ms": second}),
+        Ok((first, second, _, m)) => serde_json::json!({"first_ms": first, "second_ms": second, "added_memory": m}),
         Err(e) => {
             println!("engine load: ERROR {e}");
             ok = false;

@@ -19,10 +19,29 @@ use crate::Rng;
 use super::fixture::{err, fixture, upload, Layout};
 use super::{engine_step, Ints};
 
+/// The device memory a runtime loaded onto caller memory adds beyond the caller's weights,
+/// pool and table: measured (free device memory before the load and with the runtime
+/// alive, all its graphs built) and the parts the runtime knows.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct AddedMemory {
+    pub measured_bytes: u64,
+    pub arena_bytes: u64,
+    pub workspace_bytes: u64,
+}
+
+fn free_bytes() -> Result<u64, String> {
+    result::mem_get_info()
+        .map(|(free, _)| free as u64)
+        .map_err(|e| format!("{e:?}"))
+}
+
 /// Load time of a plan onto caller memory (weights, pool and table allocated here, not
 /// initialized: only the addresses matter), twice: the first load may time GEMMs into the
-/// cache and pays the libraries' first use; the second is what an engine process pays.
-pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtime::gpu::LoadTimes), String> {
+/// cache and pays the libraries' first use; the second is what an engine process pays, and
+/// the memory it adds is measured.
+pub fn engine_load_ms(
+    plan: &ValidatedPlan,
+) -> Result<(f64, f64, specplan_runtime::gpu::LoadTimes, AddedMemory), String> {
     let m = &plan.model;
     let act = plan.capture.dtype;
     let mut bufs = Vec::new();
@@ -57,7 +76,8 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
     let table = DeviceBuf::new((cols * 128 * 4) as usize)?;
     let mut times = Vec::new();
     let mut last = None;
-    for _ in 0..2 {
+    let mut added = AddedMemory::default();
+    for round in 0..2 {
         let mem = EngineMemory {
             kv: KvRegistration::dense(k.clone(), v.clone(), slots, stride, plan.model.head_dim as u64),
             table: TableRegistration {
@@ -70,13 +90,21 @@ pub fn engine_load_ms(plan: &ValidatedPlan) -> Result<(f64, f64, specplan_runtim
             },
             weights: &weights,
         };
+        let free0 = free_bytes()?;
         let t0 = Instant::now();
         let rt = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
         times.push(t0.elapsed().as_secs_f64() * 1e3);
         last = Some(rt.load);
+        if round == 1 {
+            added = AddedMemory {
+                measured_bytes: free0.saturating_sub(free_bytes()?),
+                arena_bytes: rt.arena_bytes() as u64,
+                workspace_bytes: rt.workspace_bytes() as u64,
+            };
+        }
     }
     drop(bufs);
-    Ok((times[0], times[1], last.unwrap_or_default()))
+    Ok((times[0], times[1], last.unwrap_or_default(), added))
 }
 
 /// Caller memory and inputs for timing an engine step: every request at prefix `l`, token
