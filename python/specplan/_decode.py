@@ -8,7 +8,8 @@ Every tensor is checked on the host before anything runs (dtype, shape, device, 
 the error names it); each request is checked again by the engine's rules (table row, the
 prefix and its lanes' reach within max_context_len, the lanes' slots, the ids, no lane slot
 another request reads), and a request breaking one writes nothing and gets zero rows
-(`last_error()`).
+(`last_error()`; on CUDA tensors the rules run on the device, and `engine.poll_error()`
+reports refusals without waiting).
 """
 
 from ._runner import DeviceError, _TORCH_DTYPES
@@ -165,8 +166,9 @@ class DraftDecodeRunner:
         return views
 
     def can_run(self, batch_size):
-        """Whether the tier's buckets serve this batch (CPU tensors: every batch up to
-        max_requests, run in chunks of the largest bucket)."""
+        """Whether the tier serves this batch: every batch up to max_requests (above the
+        largest bucket in chunks of it; on CUDA tensors each chunk replays that bucket's
+        graph)."""
         b = int(batch_size)
         return 0 < b <= self._max_b
 

@@ -329,21 +329,6 @@ impl Engine {
         self.rt.step_decode_device(kind, &s).map(|_| ()).map_err(py_err)
     }
 
-    /// Whether draft-decode phase `phase`'s graphs serve a batch of `b` (its largest bucket
-    /// and below; larger batches run in chunks).
-    fn can_run_decode(&self, phase: &str, b: usize) -> PyResult<bool> {
-        let plan = self.rt.plan();
-        let kind = plan
-            .phase_by_label(phase)
-            .filter(|k| k.steps() > 0)
-            .ok_or_else(|| PyValueError::new_err(format!("phase {phase:?}: the plan has {}", plan.phase_labels())))?;
-        Ok(plan.phase(kind).is_some_and(|p| {
-            p.buckets
-                .iter()
-                .any(|x| x.batch as usize >= b && x.replay == Replay::Graph)
-        }))
-    }
-
     /// What the device refused in the last step: `None`, or `(count, first request, rule
     /// description)`. Waits for the last step to finish.
     fn last_error(&self) -> PyResult<Option<Refusal>> {
