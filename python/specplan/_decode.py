@@ -8,8 +8,8 @@ Every tensor is checked on the host before anything runs (dtype, shape, device, 
 the error names it); each request is checked again by the engine's rules (table row, the
 prefix and its lanes' reach within max_context_len, the lanes' slots, the ids, no lane slot
 another request reads), and a request breaking one writes nothing and gets zero rows
-(`last_error()`; on CUDA tensors the rules run on the device, and `engine.poll_error()`
-reports refusals without waiting).
+(`last_error()`; on CUDA tensors the rules run on the device, and the draft-extend runner's
+`poll_error()` reports either phase's refusals without waiting: they share one ring).
 """
 
 from ._runner import DeviceError, _TORCH_DTYPES
