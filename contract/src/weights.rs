@@ -1,0 +1,149 @@
+//! The weights file: every plan weight by its checkpoint name, packed as the plan stores it,
+//! values finite in the activation type, the FR-Spec and d2t id maps in range.
+
+use std::path::Path;
+
+use safetensors::tensor::Dtype;
+use specplan_format::{DType, Packing, ValidatedPlan};
+use specplan_runtime::cpu::WeightData;
+use specplan_runtime::step::{input_error, InputError};
+
+use super::tensors::{floats, ints, parse, read, weights_cap};
+use super::ContractError;
+
+/// Reads the weights file and packs every plan weight (concatenations, FR-Spec gather).
+pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>, ContractError> {
+    let file = path.display().to_string();
+    let bytes = read(path, weights_cap(plan), "the plan's weights")?;
+    let st = parse(&bytes, &file)?;
+    let m = &plan.model;
+    let (h, v) = (m.hidden as usize, m.vocab as usize);
+    let act = plan.capture.dtype;
+    let fail = |e: InputError| ContractError::input(&file, e);
+    // A bias the plan does not expect would be silently dropped: refuse it.
+    if !m.fc_bias && st.tensor("fc.bias").is_ok() {
+        return Err(fail(input_error(
+            "fc.bias",
+            String::new(),
+            "present, but the plan was compiled without an fc bias (bias = false)".into(),
+        )));
+    }
+    let mut out = Vec::with_capacity(plan.weights.len());
+    for w in &plan.weights {
+        let rows_of = |name: &str| -> usize {
+            let hd = m.head_dim as usize;
+            if name.ends_with("q_proj.weight") {
+                m.heads as usize * hd
+            } else if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
+                m.kv_heads as usize * hd
+            } else if name.ends_with("gate_proj.weight") || name.ends_with("up_proj.weight") {
+                m.intermediate as usize
+            } else {
+                w.shape[0] as usize
+            }
+        };
+        let cols: usize = w.shape.iter().skip(1).product::<u64>() as usize;
+        // The plan's dtype decides how a weight is read, never its name: an id map is an
+        // i64 weight the plan declares as such (and a float tensor under an id map's name
+        // is refused by `ints`), every other weight a float of the activation type.
+        let bad = |msg: String| ContractError::input(&file, input_error(&w.name, String::new(), msg));
+        match (w.dtype, &w.packing) {
+            (DType::I64, Packing::Single) if w.name == "d2t" || w.name == "hot_token_ids" => {}
+            (DType::I64, _) => {
+                return Err(bad(
+                    "an i64 weight the run contract does not know (only d2t and hot_token_ids are id maps)".into(),
+                ))
+            }
+            (dt, _) if dt == act => {}
+            (dt, _) => {
+                return Err(bad(format!(
+                    "the plan declares it {}, not its activation type {}",
+                    dt.name(),
+                    act.name()
+                )))
+            }
+        }
+        let data = match w.packing {
+            Packing::Single if w.dtype == DType::I64 && w.name == "hot_token_ids" => {
+                let (ids, _) = ints(&st, "hot_token_ids", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                check_hot_ids(&ids, v).map_err(fail)?;
+                WeightData::I64(ids)
+            }
+            Packing::Single if w.dtype == DType::I64 => {
+                let (d2t, _) = ints(&st, "d2t", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                check_d2t(&d2t, v).map_err(fail)?;
+                WeightData::I64(d2t)
+            }
+            Packing::Single => {
+                let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
+                WeightData::F32(floats(&st, &w.sources[0], &shape, act).map_err(fail)?)
+            }
+            Packing::LeadingRows => {
+                let s = &w.sources[0];
+                let (rows, need) = (
+                    st.tensor(s).map_or(0, |t| t.shape().first().copied().unwrap_or(0)),
+                    w.shape[0] as usize,
+                );
+                if rows < need {
+                    return Err(fail(input_error(
+                        s,
+                        String::new(),
+                        format!("has {rows} rows, {} takes its first {need}", w.name),
+                    )));
+                }
+                let mut all = floats(&st, s, &[rows, cols], act).map_err(fail)?;
+                all.truncate(need * cols);
+                WeightData::F32(all)
+            }
+            Packing::ConcatRows => {
+                let mut all = Vec::with_capacity(w.shape.iter().product::<u64>() as usize);
+                for s in &w.sources {
+                    all.extend(floats(&st, s, &[rows_of(s), cols], act).map_err(fail)?);
+                }
+                WeightData::F32(all)
+            }
+            Packing::GatherRows => {
+                let table = floats(&st, &w.sources[0], &[v, h], act).map_err(fail)?;
+                let (ids, _) = ints(&st, &w.sources[1], Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                check_hot_ids(&ids, v).map_err(fail)?;
+                WeightData::F32(
+                    ids.iter()
+                        .flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec())
+                        .collect(),
+                )
+            }
+        };
+        out.push(data);
+    }
+    Ok(out)
+}
+
+/// EAGLE-3's d2t: draft id d maps to target id d + d2t[d], which must be a target id.
+fn check_d2t(d2t: &[i64], vocab: usize) -> Result<(), InputError> {
+    let bad = d2t
+        .iter()
+        .enumerate()
+        .position(|(d, &x)| (d as i64).checked_add(x).is_none_or(|t| t < 0 || t as usize >= vocab));
+    match bad {
+        Some(d) => Err(input_error(
+            "d2t",
+            format!("[{d}]"),
+            format!(
+                "maps draft id {d} to {}, outside the target vocabulary [0, {vocab})",
+                (d as i64).saturating_add(d2t[d])
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn check_hot_ids(ids: &[i64], vocab: usize) -> Result<(), InputError> {
+    match ids.iter().position(|&x| x < 0 || x as usize >= vocab) {
+        Some(i) => Err(input_error(
+            "hot_token_ids",
+            format!("[{i}]"),
+            format!("{} is outside [0, {vocab})", ids[i]),
+        )),
+        None => Ok(()),
+    }
+}
