@@ -357,6 +357,17 @@ def test_draft_decode_runner_names_its_tier_and_checks_inputs(fake):
         _bare_engine(torch, plain).draft_decode()
 
 
+def test_both_engines_take_the_same_draft_decode_arguments():
+    # The decode runner calls `draft_decode` identically on the CUDA `Engine` and the
+    # `CpuEngine`: the two bindings must keep one signature.
+    from specplan import _native
+
+    cuda, cpu = _native.Engine.draft_decode.__text_signature__, _native.CpuEngine.draft_decode.__text_signature__
+    assert cuda is not None and cuda == cpu, (cuda, cpu)
+    for arg in ("bonus", "out_verify", "out_mask", "stream"):
+        assert arg in cuda
+
+
 def test_sglang_slot_passes_sglangs_fields(fake):
     """The slot's `execute(forward_batch, select_index)` hands SGLang 0.5.23's fields to the
     runner as they are (seq_lens = L + N with bias -N, select_index as the selected rows, a
