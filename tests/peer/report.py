@@ -83,6 +83,64 @@ def read_specbench(path):
     return None, [], None
 
 
+def breakdown_section(doc, ceil):
+    """Where a step goes (specbench's in-graph timeline at L 1024, smallest and largest B): the
+    GEMMs, attention and the small kernels, each beside its own floor — the GEMMs' weight
+    bytes, attention's K/V and q/o bytes (specbench's attention rows), nothing for the small
+    kernels (their bytes are a few rows) — and what the event nodes of the instrumented run
+    add over the plain replay. The spans run from one event to the next, so each op's launch
+    gap is inside its span."""
+    if not isinstance(doc, dict) or not doc.get("breakdown") or not ceil:
+        return []
+    copy = ceil["copy_bytes_per_s"]
+    gemms = {}
+    for g in doc.get("gemms", []):
+        gemms.setdefault(g["plan"], {})[(g["m"], g["n"], g["k"])] = g
+    attn = {(r["plan"], r["batch"], r["prefix"]): r for r in doc.get("rows", [])}
+    out = [
+        "## Where a step goes (in-graph timeline, L2 flushed, L 1024)",
+        "",
+        "GEMM floor: the bucket's weight bytes over the copy ceiling, or its GEMM FLOPs over the matmul ceiling "
+        "when longer. "
+        "Attention floor: its useful bytes (specbench's attention row) over the copy ceiling. "
+        "Events: what the instrumented graph's event nodes add over the plain replay.",
+        "",
+        "| plan | B | replay µs | GEMMs µs (share) | GEMM floor µs | GEMMs/floor | attention µs | attention floor µs "
+        "| small kernels µs (share) | events µs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    spans = {}
+    for sp in doc.get("spans", []):
+        spans.setdefault((sp["plan"], sp["batch"], sp["prefix"]), []).append(sp)
+    for b in doc["breakdown"]:
+        key = (b["plan"], b["batch"], b["prefix"])
+        tot = b["gemm_us"] + b["attention_us"] + b["kernel_us"]
+        share = lambda x: f"{x:.1f} ({x / tot:.0%})" if tot else fmt(x)
+        # The bucket's GEMMs as specbench recorded them: the layers' at B·N rows, the head's at
+        # B rows (the selected rows); weight bytes n·k·2 each (bf16), every weight read once.
+        nm = re.search(r"n(\d+)$", b["plan"])
+        wbytes, flops = 0, 0
+        if nm:
+            rows_bn = b["batch"] * int(nm.group(1))
+            shapes = gemms.get(b["plan"], {})
+            layer = {(n, k) for (m, n, k) in shapes if m == rows_bn}
+            head = {(n, k) for (m, n, k) in shapes if m == b["batch"]} - layer
+            # The head's GEMM is the one the layers do not have (lm_head's vocabulary rows).
+            head = {max(head)} if head else set()
+            wbytes = sum(n * k * 2 for n, k in layer | head)
+            flops = sum(2 * rows_bn * n * k for n, k in layer) + sum(2 * b["batch"] * n * k for n, k in head)
+        gfloor = max(wbytes / copy, flops / ceil["bf16_flops_per_s"]) * 1e6 if wbytes else None
+        r = attn.get(key)
+        afloor = (r["attn_us"] * r["attn_tb_s"] * 1e12 / copy) if r and r.get("attn_tb_s") else None
+        out.append(
+            f"| {b['plan']} | {b['batch']} | {b['replay_us']:.1f} | {share(b['gemm_us'])} | {fmt(gfloor)} "
+            f"| {fmt(ratio(b['gemm_us'], gfloor), 2, '×')} | {b['attention_us']:.1f} | {fmt(afloor)} | {share(b['kernel_us'])} "
+            f"| {b['timeline_us'] - b['replay_us']:.1f} |"
+        )
+    out.append("")
+    return out
+
+
 def fmt(x, nd=1, suffix=""):
     if x is None:
         return "—"
@@ -344,6 +402,7 @@ def main():
     a = ap.parse_args()
 
     ceil, spec_rows, spec_src = read_specbench(a.specbench)
+    spec_doc = load_json(a.specbench) if a.specbench and os.path.exists(a.specbench) else None
     peers, notes = [], []
     for p in a.peer:
         try:
@@ -409,6 +468,7 @@ def main():
             )
         md.append("")
     md += head_pair_section(rows, ceil)
+    md += breakdown_section(spec_doc, ceil)
     md += ["## Attention alone", "", "Useful bytes: K/V read (L + N rows), q read, o written, every layer.", ""]
     targets = [e for e in rows if e["n"] == 4 and (e["batch"], e["prefix"]) in ((32, 4096), (1, 1024))]
     if targets:
