@@ -302,6 +302,65 @@ fn one_slot_pages_step_the_page_stride() {
     }
 }
 
+/// The kernels' `kv_at` (kernels/cuda/common.cuh) on the layout words: slot t's offset.
+fn device_kv_at(w: &[i64; kv::KV_WORDS], t: u64) -> u64 {
+    let (stride, page, page_stride) = (
+        w[kv::KV_WORD_KV_STRIDE] as u64,
+        w[kv::KV_WORD_PHYS_PAGE] as u64,
+        w[kv::KV_WORD_PAGE_STRIDE] as u64,
+    );
+    if page == 1 {
+        t * stride
+    } else {
+        t / page * page_stride + t % page * stride
+    }
+}
+
+#[test]
+fn the_device_places_every_slot_where_the_registration_checked_it() {
+    // Every geometry the registration accepts: the kernels' addressing (from the layout
+    // words) must put each slot where `KvGeometry::offset` (what the registration's bounds
+    // and aliasing checks use) puts it. Pages of 1, 2, 16 tokens; dense, HND, padded pages.
+    let t = TableRegistration {
+        ptr: 0x100,
+        mode: TableMode::TokenSlots,
+        rows: 4,
+        cols: 64,
+        stride: 80,
+        page_size: 1,
+    };
+    let (h, d) = (4u64, 64u64);
+    for page in [1u64, 2, 16] {
+        for (slot_stride, head_stride, page_stride) in [
+            (h * d, d, page * h * d),             // NHD pages back to back
+            (d, page * d, h * page * d),          // HND
+            (h * d, d, page * h * d + 8 * 64),    // NHD with padding between pages
+            (2 * h * d, 2 * d, page * 2 * h * d), // vLLM's packed K|V
+        ] {
+            let g = KvGeometry {
+                slots: 40 * page,
+                page,
+                page_stride,
+                slot_stride,
+                head_stride,
+            };
+            let kv = KvRegistration {
+                k: vec![0x1000],
+                v: vec![0x1000_0000],
+                geom: g,
+            };
+            let w = layout_words(&kv, &t);
+            for slot in 0..g.slots {
+                assert_eq!(
+                    Some(device_kv_at(&w, slot)),
+                    g.offset(slot, 0, 0),
+                    "page {page}, strides slot {slot_stride} head {head_stride} page {page_stride}: slot {slot}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn weights_bind_in_place_or_packed() {
     let p = plan();
