@@ -239,8 +239,14 @@ def make_speculator_class(base):
             runner = self._sp_runner.engine.draft_decode(num_speculative_steps)
             if not runner.can_run(r):
                 return False
+            # The chain's root probability, 1 (vLLM's greedy first draft): one buffer for
+            # every step, not an allocation and a fill per step.
+            ones = getattr(self, "_sp_ones", None)
+            if ones is None or ones.shape[0] < r or ones.device != self.draft_tokens.device:
+                ones = torch.ones((self._sp_plan.max_requests, 1), dtype=torch.float32, device=self.draft_tokens.device)
+                self._sp_ones = ones
             out = runner.run(
-                torch.ones((r, 1), dtype=torch.float32, device=self.draft_tokens.device),
+                ones[:r],
                 self.draft_tokens[:r, :1].contiguous(),
                 self.hidden_states[:r],
                 self.idx_mapping[:r],
