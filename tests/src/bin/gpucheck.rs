@@ -318,7 +318,7 @@ fn engine_decode(plans: &[String]) -> ExitCode {
 }
 
 /// The engine-memory checks and the load time onto caller memory.
-fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
+fn engine(out: &str, sglang: &str, vllm: &str, loads: &[String]) -> ExitCode {
     let mut rng = Rng(seed());
     let mut ok = true;
     let mut all = Vec::new();
@@ -377,7 +377,9 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
             }
         }
     }
-    let load_ms = match load_file(std::path::Path::new(load)).map_err(|e| e.to_string()).and_then(|p| {
+    let mut load_ms = Vec::new();
+    for load in loads {
+        let one = match load_file(std::path::Path::new(load)).map_err(|e| e.to_string()).and_then(|p| {
         let r = specplan_tests::engine::engine_load_ms(&p);
         if let Ok((first, second, t, m)) = &r {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
@@ -398,13 +400,17 @@ fn engine(out: &str, sglang: &str, vllm: &str, load: &str) -> ExitCode {
         }
         r
     }) {
-        Ok((first, second, _, m)) => serde_json::json!({"first_ms": first, "second_ms": second, "added_memory": m}),
+        Ok((first, second, _, m)) => {
+            serde_json::json!({"plan": load, "first_ms": first, "second_ms": second, "added_memory": m})
+        }
         Err(e) => {
-            println!("engine load: ERROR {e}");
+            println!("engine load of {load}: ERROR {e}");
             ok = false;
             serde_json::Value::Null
         }
     };
+        load_ms.push(one);
+    }
     let report = serde_json::json!({"cases": all, "load": load_ms});
     let path = std::path::Path::new(out).join("engine.json");
     if let Err(e) = std::fs::create_dir_all(out)
@@ -513,11 +519,15 @@ fn main() -> ExitCode {
         return engine_decode(plans);
     }
     if args.get(1).map(String::as_str) == Some("engine") {
-        let [_, _, out, sglang, vllm, load, ..] = args.as_slice() else {
-            eprintln!("usage: gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN");
+        let [_, _, out, sglang, vllm, loads @ ..] = args.as_slice() else {
+            eprintln!("usage: gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN [LOAD_PLAN ...]");
             return ExitCode::from(2);
         };
-        return engine(out, sglang, vllm, load);
+        if loads.is_empty() {
+            eprintln!("usage: gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN [LOAD_PLAN ...]");
+            return ExitCode::from(2);
+        }
+        return engine(out, sglang, vllm, loads);
     }
     let [_, dir, out, rest @ ..] = args.as_slice() else {
         eprintln!("usage: gpucheck PLAN_DIR OUT_DIR [--quick]");
