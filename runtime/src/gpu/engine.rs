@@ -405,6 +405,23 @@ impl GpuRuntime {
         }
     }
 
+    /// What every engine-memory step does before its chunks: binds the runtime's context,
+    /// refuses a stream under capture (the step sets graph parameters on the host, which a
+    /// capture would not record) and returns the step's tag in the status words.
+    pub(super) fn begin_engine_step(&mut self, stream: sys::CUstream) -> Result<u32, GpuError> {
+        // The null, legacy and per-thread stream handles mean the current context's.
+        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
+        if super::graph::capturing(stream)? {
+            return Err(GpuError::Step(
+                "the stream is being captured: a step sets its graph's parameters on the host, which a capture would not record; run it outside the capture".into(),
+            ));
+        }
+        match &mut self.mode {
+            Mode::Engine(e) => Ok(e.next_epoch()),
+            Mode::Owned(_) => Err(GpuError::Mode("an engine-memory step")),
+        }
+    }
+
     /// One draft-extend step on the caller's device tensors, on the caller's stream:
     /// returns once the work is enqueued (no synchronization, no copy through the host).
     /// Outputs land in `s.outputs` (and in the runtime's buffers, valid until the next
@@ -445,17 +462,7 @@ impl GpuRuntime {
             }
         }
         let stream = s.stream as sys::CUstream;
-        // The null, legacy and per-thread stream handles mean the current context's.
-        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
-        if super::graph::capturing(stream)? {
-            return Err(GpuError::Step(
-                "the stream is being captured: a step sets its graph's parameters on the host, which a capture would not record; run it outside the capture".into(),
-            ));
-        }
-        let epoch = match &mut self.mode {
-            Mode::Engine(e) => e.next_epoch(),
-            Mode::Owned(_) => return Err(GpuError::Mode("an engine-memory step")),
-        };
+        let epoch = self.begin_engine_step(stream)?;
         let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
         let flags = s.req_pool_indices.i32 as u32
             | (s.prefix_lens.i32 as u32) << 1

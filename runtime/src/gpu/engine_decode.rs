@@ -21,12 +21,12 @@ use specplan_kernels::entries::io_decode::{
 use specplan_kernels::facts::parent_width;
 use specplan_kernels::{kv, Entry};
 
-use super::device::{cuda, cuda_rc, GpuError};
+use super::device::{cuda_rc, GpuError};
 use super::engine::{kernel_of, DeviceInts};
 use super::graph::Exec;
 use super::launch::{launch_packed, pack_slots};
 use super::memory::Memory;
-use super::{GpuRuntime, Mode, StepInfo};
+use super::{GpuRuntime, StepInfo};
 
 /// Where `emit_decode` copies a step's tree (0: not copied), each `[b, ·]` i64 unless noted:
 /// `parent_list [b, (S−1)·K + 1]`, `top_scores_index` and `draft_tokens [b, N−1]`; with the
@@ -409,16 +409,7 @@ impl GpuRuntime {
             }
         }
         let stream = s.stream as sys::CUstream;
-        cuda("cuCtxSetCurrent", self.ctx.bind_to_thread())?;
-        if super::graph::capturing(stream)? {
-            return Err(GpuError::Step(
-                "the stream is being captured: a step sets its graph's parameters on the host, which a capture would not record; run it outside the capture".into(),
-            ));
-        }
-        let epoch = match &mut self.mode {
-            Mode::Engine(e) => e.next_epoch(),
-            Mode::Owned(_) => return Err(GpuError::Mode("an engine-memory step")),
-        };
+        let epoch = self.begin_engine_step(stream)?;
         let (k, h) = (self.plan.spec.topk as u64, self.plan.model.hidden as u64);
         let act = self.plan.capture.dtype.size();
         let steps = kind.steps();
