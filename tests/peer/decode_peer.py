@@ -208,7 +208,6 @@ def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush
     prefix = [L] * B
     step.set_inputs(topk_p, topk_ids, hidden, prefix, table, req)
     graph, outs, capture_ms = fp.capture(step)
-    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     walls, preps = [], []
     for it in range(warmup + runs):
         t0 = time.perf_counter()
@@ -221,16 +220,7 @@ def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush
         if it >= warmup:
             walls.append((t2 - t0) * 1e6)
             preps.append((t1 - t0) * 1e6)
-    reps = []
-    for it in range(warmup + runs):
-        if flush is not None:
-            flush.fill_(it & 0xFF)
-        ev0.record()
-        graph.replay()
-        ev1.record()
-        ev1.synchronize()
-        if it >= warmup:
-            reps.append(ev0.elapsed_time(ev1) * 1e3)
+    replay = fp.replay_median(graph, runs, warmup, flush)
     row = {
         "plan": name or P.get("name"),
         "phase": f"draft_decode:{steps}",
@@ -241,7 +231,7 @@ def bench_decode(fi, m, P, B, L, k, steps, n, runs, warmup, ws, dev, seed, flush
         "draft_tokens": n,
         "prep_us": round(fp.median(preps), 2),
         "step_us": round(fp.median(walls), 1),
-        "replay_us": round(fp.median(reps), 1),
+        "replay_us": round(replay, 1),
         "graph_capture_ms": round(capture_ms, 1),
         "runs": runs,
         "warmup": warmup,

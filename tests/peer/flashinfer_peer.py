@@ -747,6 +747,24 @@ def median(v):
     return v[len(v) // 2]
 
 
+def replay_median(g, runs, warmup, flush=None):
+    """Median µs of `runs` replays of graph `g` after `warmup`, CUDA events, as specbench times
+    replays: L2 flushed before each run (outside the events), so a small step's K/V and
+    weights are read from HBM as in a running engine."""
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    v = []
+    for it in range(warmup + runs):
+        if flush is not None:
+            flush.fill_(it & 0xFF)
+        ev0.record()
+        g.replay()
+        ev1.record()
+        ev1.synchronize()
+        if it >= warmup:
+            v.append(ev0.elapsed_time(ev1) * 1e3)
+    return median(v)
+
+
 def bench_shape(fi, m, P, name, B, L, runs, warmup, ws, dev, seed, flush=None):
     n, ps, dt = P["num_draft_tokens"], P["page_size"], P["act"]
     hq, hkv, D, layers = P["heads"], P["kv_heads"], P["head_dim"], P["layers"]
@@ -785,22 +803,7 @@ def bench_shape(fi, m, P, name, B, L, runs, warmup, ws, dev, seed, flush=None):
             plans.append((t2 - t1) * 1e6)
             evs.append(ev0.elapsed_time(ev1) * 1e3)
 
-    def replay_times(g):
-        # As specbench times replays: L2 flushed before each run (outside the events), so
-        # a small step's K/V and weights are read from HBM as in a running engine.
-        v = []
-        for it in range(warmup + runs):
-            if flush is not None:
-                flush.fill_(it & 0xFF)
-            ev0.record()
-            g.replay()
-            ev1.record()
-            ev1.synchronize()
-            if it >= warmup:
-                v.append(ev0.elapsed_time(ev1) * 1e3)
-        return median(v)
-
-    replay = replay_times(graph)
+    replay = replay_median(graph, runs, warmup, flush)
 
     # FlashInfer attention alone: run() for every layer, captured; plan() stays outside.
     q = torch.empty(B * n, hq, D, dtype=dt, device=dev).uniform_(-1.0, 1.0)
@@ -818,7 +821,7 @@ def bench_shape(fi, m, P, name, B, L, runs, warmup, ws, dev, seed, flush=None):
         for l in range(layers):
             attn.run(l, q, kc[l], vc[l], o)
     torch.cuda.synchronize()
-    attn_us = replay_times(ga)
+    attn_us = replay_median(ga, runs, warmup, flush)
     act = torch.empty((), dtype=dt).element_size()
     # specbench's useful bytes: K/V read (prefix + N rows), q read, o written, every layer.
     attn_bytes = (B * (L + n) * hkv * D * act * 2 + 2 * B * n * hq * D * act) * layers
