@@ -238,16 +238,21 @@ fn table_registration_rules() {
     );
 }
 
-#[test]
-fn layout_words_follow_the_kernels_indices() {
-    let t = TableRegistration {
+/// A token-slot table of 4 rows of 64 entries, 80 apart (the layout-word tests' table).
+fn table_words_case() -> TableRegistration {
+    TableRegistration {
         ptr: 0x100,
         mode: TableMode::TokenSlots,
         rows: 4,
         cols: 64,
         stride: 80,
         page_size: 1,
-    };
+    }
+}
+
+#[test]
+fn layout_words_follow_the_kernels_indices() {
+    let t = table_words_case();
     let w = layout_words(&kv_ok(), &t);
     assert_eq!(w[kv::KV_WORD_MODE], 1);
     assert_eq!(
@@ -287,14 +292,7 @@ fn one_slot_pages_step_the_page_stride() {
         v: vec![0x100000],
         geom: g,
     };
-    let t = TableRegistration {
-        ptr: 0x100,
-        mode: TableMode::TokenSlots,
-        rows: 4,
-        cols: 64,
-        stride: 80,
-        page_size: 1,
-    };
+    let t = table_words_case();
     let w = layout_words(&kv, &t);
     assert_eq!(w[kv::KV_WORD_KV_STRIDE], (h * d) as i64);
     for t in [0u64, 1, 57] {
@@ -321,14 +319,7 @@ fn the_device_places_every_slot_where_the_registration_checked_it() {
     // Every geometry the registration accepts: the kernels' addressing (from the layout
     // words) must put each slot where `KvGeometry::offset` (what the registration's bounds
     // and aliasing checks use) puts it. Pages of 1, 2, 16 tokens; dense, HND, padded pages.
-    let t = TableRegistration {
-        ptr: 0x100,
-        mode: TableMode::TokenSlots,
-        rows: 4,
-        cols: 64,
-        stride: 80,
-        page_size: 1,
-    };
+    let t = table_words_case();
     let (h, d) = (4u64, 64u64);
     for page in [1u64, 2, 16] {
         for (slot_stride, head_stride, page_stride) in [
