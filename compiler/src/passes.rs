@@ -355,6 +355,9 @@ fn gate_up_silu_mul(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
             launches_saved: 2,
             bytes_saved_per_request: 2 * row_bytes(g, ga) * rows_per_request(g, ga),
         });
+        // The product overwrites the gate half of the gate/up rows (each element is read
+        // and written by one thread), so no separate [T, I] buffer is live beside them.
+        g.tensors[g.graph[mul].outs[0].0 as usize].alias_of = Some(gu);
         remove(g, &[lg, lu, s, mul]);
         g.add_op(gemm);
         g.add_op(sm);

@@ -6,7 +6,10 @@
 //!    activation an op reads has a producer.
 //! 3. Every op has the operand arity its kind requires, and each operand the dtype and the
 //!    shape (affine in B) the kind requires — the table is `check_op`.
-//! 4. An in-place output has its alias's dtype and shape.
+//! 4. An in-place output has its alias's dtype and shape, except a column view: the
+//!    SwiGLU product written in the gate half of its gate/up rows (`[T, I]` over
+//!    `[T, 2I]`), which only a GEMM's A operand may read (the GEMM reads it with the row
+//!    stride of its storage; no kernel takes a strided operand).
 //!
 //! Errors name the node (`n7 l0.attention`) and the operand.
 
@@ -44,7 +47,9 @@ pub fn graph(g: &OpGraph, n_rows: u64) -> Result<(), VerifyError> {
             }
             if let Some(a) = g.tensor(t).alias_of {
                 let (x, y) = (g.tensor(t), g.tensor(a));
-                if x.dtype != y.dtype || x.shape != y.shape {
+                // A SwiGLU product's view is checked with its op (`check_op`).
+                let view = g.graph[n].kind == OpKind::SiluMul;
+                if x.dtype != y.dtype || (x.shape != y.shape && !view) {
                     errs.push(format!(
                         "{at}: in-place %{} does not match %{} in dtype or shape",
                         x.name, y.name
@@ -56,10 +61,17 @@ pub fn graph(g: &OpGraph, n_rows: u64) -> Result<(), VerifyError> {
     for n in g.graph.node_indices() {
         let op = &g.graph[n];
         let at = format!("n{} {}", n.index(), op.name);
-        for &t in &op.ins {
+        for (i, &t) in op.ins.iter().enumerate() {
             let tensor = g.tensor(t);
             if matches!(tensor.storage, Storage::Activation { .. }) && producer[t.0 as usize].is_none() {
                 errs.push(format!("{at}: reads %{}, which no op produces", tensor.name));
+            }
+            let gemm_a = i == 0 && matches!(op.kind, OpKind::Linear { .. });
+            if g.is_column_view(t) && !gemm_a {
+                errs.push(format!(
+                    "{at}: reads %{}, a column view of its storage, as operand {i} (only a GEMM's A may)",
+                    tensor.name
+                ));
             }
         }
         if let Err(msg) = check_op(g, &op.kind, &op.ins, &op.outs, n_rows) {
@@ -247,7 +259,10 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             want(
                 c.shape(true, 0) == [r, Dim::fixed(cols.fixed / 2)] && cols.fixed % 2 == 0,
                 || "output must be [T, I] for input [T, 2I]".into(),
-            )
+            )?;
+            want(g.tensor(outs[0]).alias_of == Some(ins[0]), || {
+                "the product is written in place over the gate half of its input".into()
+            })
         }
         OpKind::EmbedConcat { bias } => {
             c.arity(3 + *bias as usize, 1 + *bias as usize)?;

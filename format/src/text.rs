@@ -408,10 +408,15 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                 )
             }
             LaunchKind::Gemm(g) => format!(
-                "#{li} gemm m={} n={} k={} a={} w={} c={}{}",
+                "#{li} gemm m={} n={} k={}{} a={} w={} c={}{}",
                 g.m,
                 g.n,
                 g.k,
+                if g.lda != g.k {
+                    format!(" lda={}", g.lda)
+                } else {
+                    String::new()
+                },
                 bname(g.a),
                 wname(g.w),
                 bname(g.c),

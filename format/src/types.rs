@@ -349,6 +349,10 @@ pub struct GemmDesc {
     pub m: u64,
     pub n: u64,
     pub k: u64,
+    /// A's row stride in elements (≥ k): A is the first `k` columns of an `[m, lda]`
+    /// buffer (the down projection reads the SwiGLU product in place in the gate half of
+    /// the gate/up rows, so no separate `[m, I]` buffer is needed).
+    pub lda: u64,
     pub a: u32,
     pub w: u32,
     pub c: u32,

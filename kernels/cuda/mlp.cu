@@ -1,14 +1,18 @@
-// mlp.cu: SwiGLU activation of the fused gate/up projection.
+// mlp.cu: SwiGLU activation of the fused gate/up projection, in place.
 //
-//   out[r, c] = round(silu(g) * u),  g = gate_up[r, c], u = gate_up[r, INTER + c],
+//   gate_up[r, c] := round(silu(g) * u),  g = gate_up[r, c], u = gate_up[r, INTER + c],
 //   silu(g) = g / (1 + expf(-g)), all in fp32, one rounding to act_t.
+//
+// The product overwrites the gate half of each row (the down projection reads it as A with
+// row stride 2*INTER), so no [rows, INTER] buffer is live beside the gate/up rows. Each
+// element is read and then written by one thread only, which makes the overwrite safe.
 //
 // Entry:     silu_mul
 // Constants: act_t, INTER
 // Launch:    grid (rows, 1, 1), block (SILU_MUL_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
-//   gate_up  const act_t*  [rows, 2*INTER]  gate in columns [0, INTER), up in [INTER, 2*INTER)
-//   out      act_t*        [rows, INTER]
+//   gate_up  act_t*        [rows, 2*INTER]  gate in columns [0, INTER), up in [INTER, 2*INTER);
+//                                           the product replaces the gate columns
 //   rows     unsigned      CTAs with blockIdx.x >= rows do nothing
 // 16-byte vectors when INTER % 8 == 0 and the buffers are 16-byte aligned, else scalar.
 #include "common.cuh"
@@ -22,8 +26,7 @@ __device__ __forceinline__ float silu_times(float g, float u) {
 }
 
 template <int V>
-__device__ __forceinline__ void silu_mul_row(const act_t* gate, const act_t* up, act_t* out,
-                                             long long begin, long long n) {
+__device__ __forceinline__ void silu_mul_row(act_t* gate, const act_t* up, long long begin, long long n) {
     // Element e of this thread's V-wide chunks: [begin + V*k, begin + V*k + V).
     for (long long e = begin + (long long)threadIdx.x * V; e + V <= n; e += (long long)blockDim.x * V) {
         float g[V], u[V], y[V];
@@ -31,7 +34,7 @@ __device__ __forceinline__ void silu_mul_row(const act_t* gate, const act_t* up,
         load_vec<V>(up + e, u);
 #pragma unroll
         for (int k = 0; k < V; ++k) y[k] = silu_times(g[k], u[k]);
-        store_vec<V>(out + e, y);
+        store_vec<V>(gate + e, y);  // the chunk just read, by this thread only
     }
 }
 
@@ -40,14 +43,13 @@ extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS) silu_mul(SiluMulP
     if (r >= p.rows) return;
     constexpr long long I = (long long)INTER;
 
-    const act_t* gate = p.gate_up + (long long)r * (2 * I);
+    act_t* gate = p.gate_up + (long long)r * (2 * I);
     const act_t* up = gate + I;
-    act_t* out = p.out + (long long)r * I;
 
     long long done = 0;
-    if (aligned16(gate) && aligned16(up) && aligned16(out)) {
-        silu_mul_row<8>(gate, up, out, 0, (I / 8) * 8);
+    if (aligned16(gate) && aligned16(up)) {
+        silu_mul_row<8>(gate, up, 0, (I / 8) * 8);
         done = (I / 8) * 8;
     }
-    silu_mul_row<1>(gate, up, out, done, I);  // tail (or everything when unaligned)
+    silu_mul_row<1>(gate, up, done, I);  // tail (or everything when unaligned)
 }

@@ -88,7 +88,9 @@ pub struct Tensor {
     pub shape: Vec<Dim>,
     pub storage: Storage,
     /// Produced in place over this tensor's storage (e.g. a GEMM accumulating into the
-    /// residual stream, RoPE rotating q inside qkv, K/V appended into the cache).
+    /// residual stream, RoPE rotating q inside qkv, K/V appended into the cache). Same
+    /// dtype and shape, except a column view (`OpGraph::is_column_view`): the first
+    /// columns of each of its storage's rows, read with that storage's row stride.
     pub alias_of: Option<TensorId>,
 }
 
@@ -160,7 +162,8 @@ pub enum OpKind {
     /// RoPE on q and k inside qkv (in place) + K/V append. ins: qkv, prefix_lens,
     /// req_slots, page_table, k_cache, v_cache → out: qkv', k_cache', v_cache'.
     RopeAppend { layer: u32, step: u32 },
-    /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up.
+    /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up, written in place over the gate
+    /// half (a column view of gate_up, row stride 2I, which the down GEMM reads as A).
     SiluMul,
     /// Softmax + top-K (+ id map). ins: logits (, map) → out: probs [B,K], ids [B,K].
     SoftmaxTopK { k: u32, map: Option<IdMap> },
@@ -285,6 +288,16 @@ pub struct OpGraph {
 impl OpGraph {
     pub fn tensor(&self, id: TensorId) -> &Tensor {
         &self.tensors[id.0 as usize]
+    }
+
+    /// Whether `t` lives in place over a tensor of another shape: the first columns of
+    /// each of its storage's rows (the SwiGLU product inside the gate/up rows).
+    pub fn is_column_view(&self, t: TensorId) -> bool {
+        let mut r = t;
+        while let Some(a) = self.tensor(r).alias_of {
+            r = a;
+        }
+        r != t && self.tensor(r).shape != self.tensor(t).shape
     }
 
     pub fn add_tensor(&mut self, t: Tensor) -> TensorId {

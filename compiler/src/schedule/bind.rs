@@ -258,9 +258,9 @@ pub(super) fn launches(
                 b.kernel::<RopeAppendParams>(op, false, &sh.facts.at_step(*step), p)
             }
             OpKind::SiluMul => {
+                // In place: the product's storage is gate_up's (`alias_of`).
                 let p = SiluMulPtrs {
                     gate_up: b.arg(op.ins[0]),
-                    out: b.arg(op.outs[0]),
                 };
                 b.kernel::<SiluMulParams>(op, false, sh.facts, p)
             }
@@ -287,12 +287,16 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
     let g = b.sh.g;
     let bb = b.bf.batch as u64;
     let (a, w) = (g.tensor(op.ins[0]), g.tensor(op.ins[1]));
+    // A view in place over a wider tensor (the SwiGLU product in the gate half of the
+    // gate/up rows) is read with its storage's row stride.
+    let lda = g.tensor(root(g, op.ins[0])).shape.last().map_or(0, |d| d.at(bb));
     b.launches.push(Launch {
         op: op.name.clone(),
         kind: LaunchKind::Gemm(GemmDesc {
             m: a.shape[0].at(bb),
             n: w.shape[0].at(bb),
             k: w.shape[1].at(bb),
+            lda,
             a: b.buffer_id(op.ins[0]),
             w: b.buffer_id(op.ins[1]),
             c: b.buffer_id(op.outs[0]),

@@ -418,16 +418,19 @@ fn gemm(
             )
         },
     );
-    e.check(two_d(&a.shape) == Some((g.m, g.k)) && a.dtype == act, || {
+    e.check(g.lda >= g.k && g.lda < 1 << 31, || {
+        lat(None, format!(".lda: {} outside [k, 2^31) with k = {}", g.lda, g.k))
+    });
+    e.check(two_d(&a.shape) == Some((g.m, g.lda)) && a.dtype == act, || {
         lat(
             None,
             format!(
-                ".a: {} {:?} is not {} [m, k] = [{}, {}]",
+                ".a: {} {:?} is not {} [m, lda] = [{}, {}]",
                 a.dtype.name(),
                 a.shape,
                 act.name(),
                 g.m,
-                g.k
+                g.lda
             ),
         )
     });

@@ -1,6 +1,6 @@
 //! mlp.cu: the gated activation between the gate/up and down projections.
 
-use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::abi::{Act, DevPtrMut, Extent, Kernel};
 use crate::facts::{BucketFacts, KernelFacts};
 use crate::source::Constants;
 use crate::Entry;
@@ -8,14 +8,13 @@ use specplan_kernel_derive::KernelParams;
 
 use super::{act, u};
 
-/// `silu_mul`: `out[r, c] = silu(gate_up[r, c]) · gate_up[r, INTER + c]`.
+/// `silu_mul`: `gate_up[r, c] := silu(gate_up[r, c]) · gate_up[r, INTER + c]` for
+/// `c < INTER`, in place over the gate half (the down GEMM reads it with row stride 2·INTER).
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct SiluMulParams {
-    #[arg(buffer)]
-    pub gate_up: DevPtr<Act>,
-    #[arg(buffer)]
-    pub out: DevPtrMut<Act>,
+    #[arg(buffer, rw)]
+    pub gate_up: DevPtrMut<Act>,
     pub rows: u32,
 }
 
@@ -33,7 +32,6 @@ impl Kernel for SiluMulParams {
         let (rows, i) = (s.rows as u64, f.intermediate as u64);
         SiluMulPtrs {
             gate_up: Extent::Elems(rows * 2 * i),
-            out: Extent::Elems(rows * i),
         }
     }
 }

@@ -135,12 +135,13 @@ impl<K: KvStore> Ctx<'_, K> {
 
     pub(super) fn silu_mul(&mut self, k: &KernelDesc, p: &SiluMulPtrs<Ptr>, s: &SiluMulScalars) -> R<()> {
         let inter = c_u32(k, "INTER")?;
-        let (gu, out) = (buf(p.gate_up, "gate_up")?, buf(p.out, "out")?);
+        let gu = buf(p.gate_up, "gate_up")?;
         for r in 0..s.rows as usize {
             for c in 0..inter {
                 let g = self.ld(gu, r * 2 * inter + c)?;
                 let u = self.ld(gu, r * 2 * inter + inter + c)?;
-                self.st(out, r * inter + c, g / (1.0 + (-g).exp()) * u)?;
+                // In place over the gate half, as the kernel.
+                self.st(gu, r * 2 * inter + c, g / (1.0 + (-g).exp()) * u)?;
             }
         }
         Ok(())

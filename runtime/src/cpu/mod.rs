@@ -518,7 +518,10 @@ impl<K: KvStore> Ctx<'_, K> {
         if wv.len() < n * k {
             return Err(format!("GEMM weight {w} holds {} of n·k = {} values", wv.len(), n * k));
         }
-        let a_rows: Vec<f64> = (0..m * k).map(|i| self.ld(a, i)).collect::<R<_>>()?;
+        let lda = g.lda as usize;
+        let a_rows: Vec<f64> = (0..m * k)
+            .map(|i| self.ld(a, (i / k) * lda + i % k))
+            .collect::<R<_>>()?;
         // Output columns split across threads: the big heads' GEMMs would otherwise make
         // the oracle the slowest part of a GPU check.
         let threads = std::thread::available_parallelism()

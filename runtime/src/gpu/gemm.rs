@@ -192,7 +192,7 @@ impl Gemms {
                 s.k as i32,
                 p.a as *const c_void,
                 dtype_cuda(s.a),
-                s.k as i32,
+                s.lda as i32,
                 &beta as *const f32 as *const c_void,
                 p.c as *mut c_void,
                 dtype_cuda(s.c),

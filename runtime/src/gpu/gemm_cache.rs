@@ -21,10 +21,11 @@ pub(crate) struct GemmCache {
 
 fn key(s: &GemmShape) -> String {
     format!(
-        "m{} n{} k{} acc{} w{} a{} c{} al{}",
+        "m{} n{} k{} lda{} acc{} w{} a{} c{} al{}",
         s.m,
         s.n,
         s.k,
+        s.lda,
         s.accumulate as u8,
         s.w.name(),
         s.a.name(),
@@ -134,6 +135,7 @@ mod tests {
             m: 16,
             n: 4096,
             k: 8192,
+            lda: 8192,
             accumulate: true,
             w: DType::Bf16,
             a: DType::Bf16,

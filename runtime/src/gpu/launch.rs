@@ -31,6 +31,7 @@ pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc)
             m: g.m as u32,
             n: g.n as u32,
             k: g.k as u32,
+            lda: g.lda as u32,
             accumulate: g.accumulate,
             w: w.map_or(plan.capture.dtype, |x| x.dtype),
             a: dt(g.a),

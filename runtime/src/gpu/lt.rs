@@ -40,6 +40,9 @@ pub(crate) struct GemmShape {
     pub m: u32,
     pub n: u32,
     pub k: u32,
+    /// A's row stride in elements (≥ k; the down projection reads the SwiGLU product in
+    /// place in the gate/up rows).
+    pub lda: u32,
     pub accumulate: bool,
     pub w: DType,
     pub a: DType,
@@ -175,7 +178,7 @@ impl Lt {
             ws_need: 0,
         };
         t.layouts[0] = mk(dtype(s.w), k, n, k as i64)?;
-        t.layouts[1] = mk(dtype(s.a), k, m, k as i64)?;
+        t.layouts[1] = mk(dtype(s.a), k, m, s.lda as i64)?;
         t.layouts[2] = mk(dtype(s.c), n, m, n as i64)?;
         // cublasOperation_t values (the attribute is an int32): CUBLAS_OP_T = 1, CUBLAS_OP_N = 0.
         let (op_t, op_n) = (1i32, 0i32);

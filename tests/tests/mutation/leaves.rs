@@ -216,6 +216,7 @@ fn launches(p: &mut Plan, f: &mut Visit<'_>) {
                     f(&|| at(".m"), Leaf::U64(&mut g.m));
                     f(&|| at(".n"), Leaf::U64(&mut g.n));
                     f(&|| at(".k"), Leaf::U64(&mut g.k));
+                    f(&|| at(".lda"), Leaf::U64(&mut g.lda));
                     f(&|| at(".a"), Leaf::U32(&mut g.a));
                     f(&|| at(".w"), Leaf::U32(&mut g.w));
                     f(&|| at(".c"), Leaf::U32(&mut g.c));
