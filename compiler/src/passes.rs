@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
 mod eagle3;
+mod select;
 
 type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
 
@@ -27,7 +28,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     (EMBED_CONCAT, embed_concat),
     ("fc_bias_into_embed", fc_bias_into_embed),
     (EMBED_NORM_CONCAT, eagle3::embed_norm_concat),
-    (SELECT_NORM, eagle3::select_norm),
+    (SELECT_NORM, select::select_norm),
     ("qkv_rope_append", qkv_rope_append),
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
@@ -667,6 +668,7 @@ mod tests {
                         | OpKind::Attention { .. }
                         | OpKind::SiluMul
                         | OpKind::SelectRows
+                        | OpKind::SelectNorm
                         | OpKind::SoftmaxTopK { .. }
                 ),
                 "{} ({}) left unfused",

@@ -89,6 +89,17 @@ impl KernelFacts {
         KernelFacts { step, ..self.clone() }
     }
 
+    /// The same facts for an instance over one row per request: the selected rows the
+    /// draft-extend head's last layer computes past its attention (`n` = 1).
+    pub fn selected_rows(&self) -> KernelFacts {
+        KernelFacts { n: 1, ..self.clone() }
+    }
+
+    /// Rows of a bucket an instance over `n` rows per request covers (`batch · n`).
+    pub fn rows(&self, b: &BucketFacts) -> u32 {
+        b.batch * self.n
+    }
+
     /// Rows of a bucket the output head runs on: the selected row per request
     /// (draft-extend), or every lane (draft decode).
     pub fn head_rows(&self, b: &BucketFacts) -> u32 {

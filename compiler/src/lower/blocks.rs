@@ -71,7 +71,19 @@ pub(super) fn eagle3_input(g: &mut Builder, cx: &Cx, emb: TensorId, x: TensorId)
 
 /// One decoder layer over the residual stream `x`; returns the layer's output stream.
 /// `input`: the attention's input when it is not the (normed) stream (EAGLE-3's layer 0).
-pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId, input: Option<TensorId>) -> TensorId {
+/// `select`: the accept lengths when only the selected row of each request leaves the
+/// layer (the draft-extend head's last layer): past the attention every op is row-wise, so
+/// the rows `i·R + A_i − 1` are selected there and the MLP runs on B rows instead of B·R;
+/// the layer then returns the head's `hidden_out` output `[B, H]`.
+pub(super) fn layer(
+    g: &mut Builder,
+    cx: &Cx,
+    inp: &Inputs,
+    l: u32,
+    x: TensorId,
+    input: Option<TensorId>,
+    select: Option<TensorId>,
+) -> TensorId {
     let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
@@ -185,6 +197,20 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
         vec![x, o],
         vec![x_attn],
     );
+    // The MLP's rows: every row, or the selected one per request.
+    let (x_attn, t) = match select {
+        Some(accept) => {
+            let sel = g.act(&format!("{}l{l}.x_sel", cx.pfx()), act, vec![cx.requests, f(h)]);
+            g.op(
+                Entry::SelectRows.name(),
+                OpKind::SelectRows,
+                vec![x_attn, accept],
+                vec![sel],
+            );
+            (sel, cx.requests)
+        }
+        None => (x_attn, t),
+    };
     let pw = w(g, "post_attention_layernorm", vec![f(h)]);
     let h2 = g.act(&format!("{}l{l}.h_mlp", cx.pfx()), act, vec![t, f(h)]);
     g.op(
@@ -206,7 +232,10 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     let wd = w(g, "mlp.down_proj", vec![f(h), f(inter)]);
     let down = g.act(&format!("{}l{l}.down", cx.pfx()), act, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.down_proj", cx.pfx()), mid, wd, None, down);
-    let x_out = g.act(&format!("{}l{l}.x_out", cx.pfx()), act, vec![t, f(h)]);
+    let x_out = match select {
+        Some(_) => g.output(io::HIDDEN_OUT, act, vec![t, f(h)]),
+        None => g.act(&format!("{}l{l}.x_out", cx.pfx()), act, vec![t, f(h)]),
+    };
     g.op(
         &format!("{}l{l}.residual_mlp", cx.pfx()),
         OpKind::Add,
@@ -216,20 +245,11 @@ pub(super) fn layer(g: &mut Builder, cx: &Cx, inp: &Inputs, l: u32, x: TensorId,
     x_out
 }
 
-/// Row select `i·R + A_i − 1` (R the phase's rows per request) → lm_head (hot rows under FR-Spec) → softmax → top-K → id map;
-/// the logits are an output instead of (or besides) the top-K when `capture.outputs` says so.
-pub(super) fn output_head(g: &mut Builder, cx: &Cx, x: TensorId, accept: TensorId) {
+/// The selected rows `hidden_out` (row `i·R + A_i − 1` of each request, selected inside the
+/// last layer) → lm_head (hot rows under FR-Spec) → softmax → top-K → id map; the logits
+/// are an output instead of (or besides) the top-K when `capture.outputs` says so.
+pub(super) fn output_head(g: &mut Builder, cx: &Cx, hidden_out: TensorId) {
     let (cfg, b, f) = (cx.cfg, cx.requests, Dim::fixed);
-    let m = &cfg.model.desc;
-    let act = cfg.capture.dtype;
-    let h = m.hidden as u64;
-    let hidden_out = g.output(io::HIDDEN_OUT, act, vec![b, f(h)]);
-    g.op(
-        Entry::SelectRows.name(),
-        OpKind::SelectRows,
-        vec![x, accept],
-        vec![hidden_out],
-    );
     // EAGLE-3: the final norm of the selected rows feeds lm_head; the rows themselves
     // (pre-norm) leave the head.
     let lm_in = final_norm(g, cx, hidden_out, b);

@@ -64,7 +64,7 @@ pub(super) fn lower(cfg: &Config, steps: u32) -> Result<OpGraph, VerifyError> {
             }
         };
         for l in 0..m.layers {
-            x = layer(&mut g, &cx, &inp, l, x, first_in.take());
+            x = layer(&mut g, &cx, &inp, l, x, first_in.take(), None);
         }
         let (top_p, top_i) = lane_head(&mut g, &cx, x);
 

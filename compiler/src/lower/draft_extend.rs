@@ -1,7 +1,8 @@
 //! The draft-extend phase: the draft model over the N rows per request that target
 //! verification produced (EAGLE draft-extend v2). EAGLE-1/2: embed(ids) ‖ hidden → fc →
 //! layers (identity input norm on layer 0, QKV, RoPE, K/V append, causal paged attention,
-//! O + residual, post norm, SiLU(gate)·up, down + residual) → row select i·N + A_i − 1 →
+//! O + residual; in the last layer the row select i·N + A_i − 1 here, so its MLP runs on
+//! the selected rows only; post norm, SiLU(gate)·up, down + residual) →
 //! lm_head (hot rows under FR-Spec) → softmax → top-K → id map. EAGLE-3: h = fc(hidden
 //! [3·H_t]); layer 0 reads rmsnorm(embed(ids)) ‖ rmsnorm(h) (2H wide) with residual h; the
 //! selected row (pre-norm, the head's hidden output) → final norm → its own lm_head over
@@ -35,10 +36,13 @@ pub(super) fn lower(cfg: &Config) -> Result<OpGraph, VerifyError> {
             (h, Some(a))
         }
     };
-    for l in 0..cfg.model.desc.layers {
-        x = layer(&mut g, &cx, &inp, l, x, first_in.take());
+    let layers = cfg.model.desc.layers;
+    for l in 0..layers {
+        // Only the selected rows leave the last layer (its MLP runs on B rows).
+        let select = (l + 1 == layers).then_some(accept);
+        x = layer(&mut g, &cx, &inp, l, x, first_in.take(), select);
     }
-    output_head(&mut g, &cx, x, accept);
+    output_head(&mut g, &cx, x);
     g.g.rebuild_edges();
     Ok(g.g)
 }

@@ -1,9 +1,9 @@
-//! The EAGLE-3 head's fusions: its layer-0 input (two RMSNorms and a concat around the
-//! embedding) and its output (the selected rows and their final norm).
+//! The EAGLE-3 head's fusion: its layer-0 input (two RMSNorms and a concat around the
+//! embedding).
 
 use specplan_format::FusionRecord;
 
-use super::{names, nodes_where, remove, row_bytes, sole_consumer, EMBED_NORM_CONCAT, SELECT_NORM};
+use super::{names, nodes_where, remove, row_bytes, sole_consumer, EMBED_NORM_CONCAT};
 use crate::config::Config;
 use crate::graph::{Op, OpGraph, OpKind};
 
@@ -50,35 +50,6 @@ pub(super) fn embed_norm_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRec
             bytes_saved_per_request: 6 * row_bytes(g, emb) * rows,
         });
         remove(g, &[e, ne, nh, c]);
-        g.add_op(op);
-    }
-    out
-}
-
-/// EAGLE-3: the selected rows and their final RMSNorm → one kernel (`select_norm`) writing
-/// both (the pre-norm row leaves the head; the normed one feeds lm_head).
-pub(super) fn select_norm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
-    let mut out = Vec::new();
-    for s in nodes_where(g, |k| *k == OpKind::SelectRows) {
-        let sel = g.graph[s].outs[0];
-        let Some(n) = sole_consumer(g, sel).filter(|&n| g.graph[n].kind == OpKind::RmsNorm) else {
-            continue;
-        };
-        let op = Op {
-            name: SELECT_NORM.into(),
-            kind: OpKind::SelectNorm,
-            ins: vec![g.graph[s].ins[0], g.graph[s].ins[1], g.graph[n].ins[1]],
-            outs: vec![sel, g.graph[n].outs[0]],
-            rank: g.graph[s].rank,
-        };
-        out.push(FusionRecord {
-            rule: SELECT_NORM.into(),
-            fused: names(g, &[s, n]),
-            into: op.name.clone(),
-            launches_saved: 1,
-            bytes_saved_per_request: row_bytes(g, sel),
-        });
-        remove(g, &[s, n]);
         g.add_op(op);
     }
     out

@@ -230,19 +230,19 @@ pub(super) fn launches(
             }
             // The rmsnorm entry runs over the bucket's B·N rows; a norm over other rows (the
             // unfused final norm of EAGLE-3) has no kernel of its own.
-            OpKind::RmsNorm if sh.g.tensor(op.ins[0]).shape[0].per_batch != sh.facts.n as u64 => {
-                return Err(ScheduleError::NoKernel {
-                    node: at(),
-                    kind: "rmsnorm over B rows (fused into select_norm when it follows select_rows)",
-                })
-            }
             OpKind::RmsNorm => {
+                let Some(f) = row_facts(sh, op) else {
+                    return Err(ScheduleError::NoKernel {
+                        node: at(),
+                        kind: "rmsnorm over rows that are neither the phase's nor one per request",
+                    });
+                };
                 let p = RmsNormPtrs {
                     x: b.arg(op.ins[0]),
                     weight: b.arg(op.ins[1]),
                     out: b.arg(op.outs[0]),
                 };
-                b.kernel::<RmsNormParams>(op, false, sh.facts, p)
+                b.kernel::<RmsNormParams>(op, false, &f, p)
             }
             OpKind::RopeAppend { step, .. } => {
                 let ins = &op.ins;
@@ -258,11 +258,17 @@ pub(super) fn launches(
                 b.kernel::<RopeAppendParams>(op, false, &sh.facts.at_step(*step), p)
             }
             OpKind::SiluMul => {
+                let Some(f) = row_facts(sh, op) else {
+                    return Err(ScheduleError::NoKernel {
+                        node: at(),
+                        kind: "silu_mul over rows that are neither the phase's nor one per request",
+                    });
+                };
                 // In place: the product's storage is gate_up's (`alias_of`).
                 let p = SiluMulPtrs {
                     gate_up: b.arg(op.ins[0]),
                 };
-                b.kernel::<SiluMulParams>(op, false, sh.facts, p)
+                b.kernel::<SiluMulParams>(op, false, &f, p)
             }
             OpKind::SelectRows => {
                 let p = SelectRowsPtrs {
@@ -281,6 +287,17 @@ pub(super) fn launches(
         }
     }
     Ok(b.launches)
+}
+
+/// The facts of a row-wise op's instance: the phase's over every row, or the selected
+/// rows' (one per request, the draft-extend head's last layer past its attention); `None`
+/// for other rows.
+fn row_facts(sh: &Shared, op: &Op) -> Option<KernelFacts> {
+    match sh.g.tensor(op.ins[0]).shape[0].per_batch {
+        r if r == sh.facts.n as u64 => Some(sh.facts.clone()),
+        1 => Some(sh.facts.selected_rows()),
+        _ => None,
+    }
 }
 
 fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {

@@ -65,11 +65,20 @@ pub(super) fn live_ranges(sh: &Shared, batch: u32, splits: u32) -> Live {
             }
         }
     }
+    // An alias class holding an output is that output's buffer (its name and role): the
+    // head's hidden_out is accumulated in place over the selected rows.
+    let mut output_of: BTreeMap<TensorId, TensorId> = BTreeMap::new();
+    for i in 0..g.tensors.len() as u32 {
+        let t = TensorId(i);
+        if g.tensor(t).storage == (Storage::Activation { output: true }) {
+            output_of.insert(root(g, t), t);
+        }
+    }
     // In tensor-id order, for stable buffer ids.
     let mut items = Vec::new();
     let mut buf_of = BTreeMap::new();
     for (&t, &(first, last)) in &range {
-        let tensor = g.tensor(t);
+        let tensor = g.tensor(output_of.get(&t).copied().unwrap_or(t));
         let role = match tensor.storage {
             Storage::Input => BufferRole::Input,
             Storage::Activation { output: true } => BufferRole::Output,

@@ -17,7 +17,12 @@ use crate::types::*;
 /// steps (multi-step phases specialize some instances per forward).
 pub(crate) fn candidates(p: &Plan, kind: PhaseKind) -> Vec<KernelFacts> {
     let f = crate::facts::phase_facts_of(p, kind);
-    (0..kind.steps().max(1)).map(|s| f.at_step(s)).collect()
+    let steps = (0..kind.steps().max(1)).map(|s| f.at_step(s));
+    // After each step's facts (so an instance over every row matches them first), the
+    // selected rows' instances (one row per request: the draft-extend head's last layer
+    // past its attention).
+    let selected = (0..kind.steps().max(1)).map(|s| f.at_step(s).selected_rows());
+    steps.chain(selected).collect()
 }
 
 /// Every phase's candidates.

@@ -25,8 +25,9 @@ impl Kernel for SiluMulParams {
     fn threads(_: &KernelFacts) -> u32 {
         SILU_THREADS
     }
-    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], SiluMulScalars) {
-        ([b.rows, 1, 1], SiluMulScalars { rows: b.rows })
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], SiluMulScalars) {
+        let rows = f.rows(b);
+        ([rows, 1, 1], SiluMulScalars { rows })
     }
     fn extents(s: &SiluMulScalars, f: &KernelFacts) -> SiluMulPtrs<Extent> {
         let (rows, i) = (s.rows as u64, f.intermediate as u64);
@@ -36,6 +37,8 @@ impl Kernel for SiluMulParams {
     }
 }
 
+/// `N` (rows per request) is not used by the source: it tells an instance over every row
+/// of the phase from one over the selected rows (`KernelFacts::selected_rows`).
 pub fn constants(f: &KernelFacts) -> Constants {
-    vec![act(f), u("INTER", f.intermediate)]
+    vec![act(f), u("INTER", f.intermediate), u("N", f.n)]
 }

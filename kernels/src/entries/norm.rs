@@ -28,8 +28,9 @@ impl Kernel for RmsNormParams {
     fn threads(_: &KernelFacts) -> u32 {
         NORM_THREADS
     }
-    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], RmsNormScalars) {
-        ([b.rows, 1, 1], RmsNormScalars { rows: b.rows })
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], RmsNormScalars) {
+        let rows = f.rows(b);
+        ([rows, 1, 1], RmsNormScalars { rows })
     }
     fn extents(s: &RmsNormScalars, f: &KernelFacts) -> RmsNormPtrs<Extent> {
         let (rows, h) = (s.rows as u64, f.hidden as u64);
@@ -41,6 +42,14 @@ impl Kernel for RmsNormParams {
     }
 }
 
+/// `N` (rows per request) is not used by the source: it tells an instance over every row
+/// of the phase from one over the selected rows (`KernelFacts::selected_rows`), whose
+/// launches cover `batch · N` rows.
 pub fn constants(f: &KernelFacts) -> Constants {
-    vec![act(f), u("HIDDEN", f.hidden), ("EPS".into(), ConstValue::F32(f.eps))]
+    vec![
+        act(f),
+        u("HIDDEN", f.hidden),
+        ("EPS".into(), ConstValue::F32(f.eps)),
+        u("N", f.n),
+    ]
 }
