@@ -384,7 +384,8 @@ fn the_run_contract_takes_bonus_tokens_and_writes_the_verify_inputs() {
 fn the_gpu_contract_checks_files_run_on_the_cpu() {
     let plan = plan(4, 3, 8, 4);
     let dir = tempfile::tempdir().expect("tempdir");
-    let (kind, b) = specplan_tests::decode_contract::write_decode_files(&plan, dir.path(), seed()).expect("files");
+    let files = specplan_tests::decode_contract::write_decode_files(&plan, dir.path(), seed()).expect("files");
+    let (kind, b) = (files.kind, files.requests);
     let w = specplan_contract::load_weights(&plan, &dir.path().join("weights.safetensors")).expect("weights");
     let mut x = specplan_contract::decode::load_decode_inputs(&plan, kind, &dir.path().join("inputs.safetensors"))
         .expect("inputs");
