@@ -116,11 +116,11 @@ def breakdown_section(doc, ceil):
         key = (b["plan"], b["batch"], b["prefix"])
         tot = b["gemm_us"] + b["attention_us"] + b["kernel_us"]
         share = lambda x: f"{x:.1f} ({x / tot:.0%})" if tot else fmt(x)
-        # The bucket's GEMMs as specbench recorded them: the layers' at B·N rows, the head's at
-        # B rows (the selected rows); weight bytes n·k·2 each (bf16), every weight read once.
+        # The bucket's GEMM launches as specbench recorded them (weight bytes, FLOPs); older
+        # runs recorded only the shapes: the layers' at B·N rows, the head's at B rows.
         nm = re.search(r"n(\d+)$", b["plan"])
-        wbytes, flops = 0, 0
-        if nm:
+        wbytes, flops = b.get("gemm_weight_bytes", 0), b.get("gemm_flops", 0)
+        if nm and not wbytes:
             rows_bn = b["batch"] * int(nm.group(1))
             shapes = gemms.get(b["plan"], {})
             layer = {(n, k) for (m, n, k) in shapes if m == rows_bn}

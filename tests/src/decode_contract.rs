@@ -164,18 +164,18 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
         Ok((t.dtype(), t.data().to_vec()))
     };
     let (pw, nodes) = ((s as usize - 1) * ku + 1, kind.draft_tokens(&plan.spec) as usize - 1);
-    let mut agree = vec![false; b];
     let trees: Vec<(Vec<u8>, Vec<u8>)> = [io::PARENT_LIST, io::TOP_SCORES_INDEX, io::DRAFT_TOKENS]
         .iter()
         .map(|n| Ok((read(&outs[1], n)?.1, read(&outs[0], n)?.1)))
         .collect::<Result<_, String>>()?;
-    for r in 0..b {
-        let same = trees.iter().zip([pw, nodes, nodes]).all(|((g, c), w)| {
-            let (lo, hi) = (r * w * 8, (r + 1) * w * 8);
-            g.get(lo..hi) == c.get(lo..hi)
-        });
-        agree[r] = same;
-    }
+    let agree: Vec<bool> = (0..b)
+        .map(|r| {
+            trees.iter().zip([pw, nodes, nodes]).all(|((g, c), w)| {
+                let (lo, hi) = (r * w * 8, (r + 1) * w * 8);
+                g.get(lo..hi) == c.get(lo..hi)
+            })
+        })
+        .collect();
     let equal = agree.iter().filter(|&&x| x).count();
     let mut report = vec![format!("{label}: trees equal {equal}/{b}")];
     // The caches by slot: a slot no lane writes holds its input on both sides (bit for bit);

@@ -142,6 +142,11 @@ pub struct Breakdown {
     pub timeline_us: f64,
     /// The plain graph's replay, µs: `timeline_us − replay_us` is what the event nodes add.
     pub replay_us: f64,
+    /// The bucket's GEMM launches: weight bytes (each launch's n·k) and FLOPs (2·m·n·k), the
+    /// GEMMs' own floor (the last layer's MLP runs on the selected rows, so m is not B·N
+    /// for every layer GEMM).
+    pub gemm_weight_bytes: f64,
+    pub gemm_flops: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -39,10 +39,8 @@ fn g(e: GpuError) -> String {
 
 /// Bytes a step must move and FLOPs it must do (B requests at prefix L), from the plan;
 /// and the bytes the attention must move.
-fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
-    let m = &plan.model;
-    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
-    let (hq, hkv, d, layers) = (m.heads as u64, m.kv_heads as u64, m.head_dim as u64, m.layers as u64);
+/// The draft-extend bucket `b`'s GEMM launches: (weight bytes, FLOPs).
+fn gemm_work(plan: &ValidatedPlan, b: u64) -> (f64, f64) {
     let act = plan.capture.dtype.size();
     let (mut wbytes, mut flops) = (0f64, 0f64);
     if let Some(bk) = plan.buckets().iter().find(|x| x.batch as u64 == b) {
@@ -53,6 +51,15 @@ fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
             }
         }
     }
+    (wbytes, flops)
+}
+
+fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
+    let m = &plan.model;
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
+    let (hq, hkv, d, layers) = (m.heads as u64, m.kv_heads as u64, m.head_dim as u64, m.layers as u64);
+    let act = plan.capture.dtype.size();
+    let (mut wbytes, mut flops) = gemm_work(plan, b);
     // Embedding rows gathered, not the table.
     wbytes += (b * n * m.hidden as u64 * act) as f64;
     let kv_read = (b * (l + n) * hkv * d * act * 2 * layers) as f64;
@@ -289,6 +296,7 @@ fn bench_plan(
                     t.total_us,
                     line.join(", ")
                 );
+                let (gemm_weight_bytes, gemm_flops) = gemm_work(plan, b as u64);
                 bench.breakdown.push(Breakdown {
                     plan: name.into(),
                     batch: b,
@@ -298,6 +306,8 @@ fn bench_plan(
                     kernel_us: sum[2],
                     timeline_us: t.total_us,
                     replay_us: replay,
+                    gemm_weight_bytes,
+                    gemm_flops,
                 });
             }
             rt.synchronize().map_err(g)?;
