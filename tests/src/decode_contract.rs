@@ -1,6 +1,6 @@
 //! `gpucheck contract-decode`: the draft-decode phase's `specplan run` contract on the GPU
 //! (owned memory, graph and eager) against the same files on the CPU: a draft-decode inputs
-//! file of fresh random values (eight requests, prefixes up to 100, pages dealt in random
+//! file of fresh random values (eight requests or the largest bucket's, prefixes up to 100, pages dealt in random
 //! order, the verify inputs' bonus tokens where the plan has them), graph and eager output
 //! files equal byte for byte, the trees and the lanes' inputs equal to the CPU's for at least
 //! `CONTRACT_AGREEMENT` of the requests (a near tie between bf16 and f32 may part one); in the caches, slots no lane
@@ -62,7 +62,12 @@ pub fn write_decode_files(
     write_safetensors(&dir.join("weights.safetensors"), &weight_tensors(plan, seed)?)?;
     let mut rng = Rng(seed ^ 0xdec0);
     let (k, s, ps) = (plan.spec.topk, kind.steps(), plan.capture.page_size as usize);
-    let (b, ku, h) = (8usize, k as usize, plan.model.hidden as usize);
+    // Eight requests, or as many as the phase's largest bucket holds.
+    let largest = plan
+        .phase(kind)
+        .and_then(|p| p.buckets.last())
+        .map_or(1, |x| x.batch as usize);
+    let (b, ku, h) = (8usize.min(largest), k as usize, plan.model.hidden as usize);
     let prefix: Vec<usize> = (0..b).map(|_| rng.below(100)).collect();
     let need: Vec<usize> = prefix
         .iter()
