@@ -26,8 +26,9 @@ vLLM's CUDA .so files fail to load here (libcuda.so.1) and vLLM falls back by it
 `cuda_stubs` serves nothing for vLLM (`CUDA_STUBS` is empty).
 
 `PATCHES` (applied by `prepare()`, once) lists every attribute replaced, each with the
-reason; each stands in for a CUDA-only API or the CUDA platform's choice, except the last,
-which stands in for a package the CPU venv does not carry and is applied only without it.
+reason; each stands in for a CUDA-only API or the CUDA platform's choice, except the last
+two: one keeps vLLM off its CPU extension's AMX GEMMs (applied only on a CPU with AMX tiles),
+one stands in for a package the CPU venv does not carry (applied only without it).
 """
 
 import contextlib
@@ -219,6 +220,17 @@ def prepare():
         "torch.cuda.Stream (distributed/parallel_state.py:1712). With CUDAGraphMode.NONE it captures nothing; "
         "only the speculator's capture() test reaches it.",
     )
+    import vllm.model_executor.layers.utils as layer_utils
+
+    if torch.cpu._is_amx_tile_supported() and not hasattr(torch.ops._C, "convert_weight_packed"):
+        patch(
+            "vllm.model_executor.layers.utils.check_cpu_sgl_kernel", layer_utils, "check_cpu_sgl_kernel",
+            lambda n, k, dtype: False,
+            "On a CPU with AMX tiles, dispatch_cpu_unquantized_gemm (model_executor/layers/utils.py:621-624) "
+            "packs bf16 weights with torch.ops._C.convert_weight_packed, an op of vLLM's CPU extension, which "
+            "the CUDA wheel does not carry. False is the answer on a CPU without AMX (utils.py:501-507): the "
+            "GEMMs stay torch's F.linear. Applied only on such a CPU, where the op is missing.",
+        )
     if importlib.util.find_spec("compressed_tensors") is None:
         patch(
             "vllm.model_executor.model_loader.base_loader._get_online_quantization_config", base_loader,
