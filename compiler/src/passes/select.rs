@@ -42,3 +42,100 @@ pub(super) fn select_norm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    //! The draft-extend head's last layer past its attention: selected rows, the norm fused
+    //! with the select, the SwiGLU product in place; draft decode keeps every lane's row.
+
+    use crate::config::{resolve, Overrides, Source};
+    use crate::graph::{Dim, OpGraph, OpKind, TensorId};
+    use crate::lower::lower;
+    use crate::verify;
+    use specplan_format::{Entry, PhaseKind};
+
+    fn fused(kind: PhaseKind, o: &Overrides) -> OpGraph {
+        let cfg = resolve(&Source::Preset("tiny".into()), o).expect("tiny resolves");
+        let mut g = lower(&cfg, kind).expect("lowers");
+        crate::passes::run(&mut g, &cfg);
+        g
+    }
+
+    fn rows_of(g: &OpGraph, name: &str) -> Dim {
+        let op = g.graph.node_weights().find(|op| op.name == name).expect(name);
+        g.tensor(op.outs[0]).shape[0]
+    }
+
+    #[test]
+    fn the_last_layers_mlp_runs_on_the_selected_rows() {
+        let g = fused(PhaseKind::DraftExtend, &Overrides::default());
+        // tiny: two layers, N = 4. Layer 0 keeps every row, layer 1 one per request.
+        assert_eq!(rows_of(&g, "l0.gate_up_proj"), Dim::batch(4));
+        assert_eq!(rows_of(&g, "l0.down_proj"), Dim::batch(4));
+        assert_eq!(rows_of(&g, "l1.o_proj"), Dim::batch(4));
+        let silu = format!("l1.{}", Entry::SiluMul.name());
+        for op in ["l1.gate_up_proj", &silu, "l1.down_proj", Entry::SelectNorm.name()] {
+            assert_eq!(rows_of(&g, op), Dim::batch(1), "{op}");
+        }
+        // The head reads the down projection's output in place: no select after it.
+        assert_eq!(
+            g.graph
+                .node_weights()
+                .filter(|op| op.kind == OpKind::SelectRows)
+                .count(),
+            0
+        );
+        let down = g
+            .graph
+            .node_weights()
+            .find(|op| op.name == "l1.down_proj")
+            .expect("down");
+        assert_eq!(g.tensor(down.outs[0]).name, specplan_format::io::HIDDEN_OUT);
+    }
+
+    #[test]
+    fn draft_decode_keeps_every_lane() {
+        let o = Overrides {
+            draft_decode_steps: Some("auto".into()),
+            ..Overrides::default()
+        };
+        let g = fused(PhaseKind::DraftDecode { steps: 3 }, &o);
+        let mlp: Vec<Dim> = g
+            .graph
+            .node_weights()
+            .filter(|op| op.kind == OpKind::SiluMul)
+            .map(|op| g.tensor(op.outs[0]).shape[0])
+            .collect();
+        assert!(!mlp.is_empty());
+        assert!(mlp.iter().all(|&d| d == Dim::batch(4)), "{mlp:?}");
+    }
+
+    #[test]
+    fn a_column_view_is_read_only_by_a_gemm() {
+        let mut g = fused(PhaseKind::DraftExtend, &Overrides::default());
+        let view: TensorId = g
+            .graph
+            .node_weights()
+            .find(|op| op.kind == OpKind::SiluMul)
+            .map(|op| op.outs[0])
+            .expect("a SwiGLU op");
+        assert!(g.is_column_view(view));
+        assert!(verify::graph(&g, 4).is_ok());
+        // A kernel op reading the strided product is refused.
+        let out = g.add_tensor(crate::graph::Tensor {
+            name: "bad".into(),
+            alias_of: None,
+            ..g.tensor(view).clone()
+        });
+        g.add_op(crate::graph::Op {
+            name: "bad_reader".into(),
+            kind: OpKind::Silu,
+            ins: vec![view],
+            outs: vec![out],
+            rank: 10_000,
+        });
+        g.rebuild_edges();
+        let err = verify::graph(&g, 4).expect_err("refused").to_string();
+        assert!(err.contains("bad_reader") && err.contains("column view"), "{err}");
+    }
+}
