@@ -228,8 +228,8 @@ pub(super) fn launches(
                 };
                 b.kernel::<SelectNormParams>(op, false, sh.facts, p)
             }
-            // The rmsnorm entry runs over the bucket's B·N rows; a norm over other rows (the
-            // unfused final norm of EAGLE-3) has no kernel of its own.
+            // The rmsnorm entry runs over every row of the phase or over one row per request
+            // (the selected rows: the last layer's post norm, EAGLE-3's final norm).
             OpKind::RmsNorm => {
                 let Some(f) = row_facts(sh, op) else {
                     return Err(ScheduleError::NoKernel {

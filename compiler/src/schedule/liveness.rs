@@ -65,13 +65,16 @@ pub(super) fn live_ranges(sh: &Shared, batch: u32, splits: u32) -> Live {
             }
         }
     }
-    // An alias class holding an output is that output's buffer (its name and role): the
-    // head's hidden_out is accumulated in place over the selected rows.
+    // A scratch alias class holding an output is that output's buffer (its name and role):
+    // the head's hidden_out is accumulated in place over the selected rows. (An input's
+    // class stays the input.)
     let mut output_of: BTreeMap<TensorId, TensorId> = BTreeMap::new();
     for i in 0..g.tensors.len() as u32 {
         let t = TensorId(i);
-        if g.tensor(t).storage == (Storage::Activation { output: true }) {
-            output_of.insert(root(g, t), t);
+        let r = root(g, t);
+        let scratch = g.tensor(r).storage == (Storage::Activation { output: false });
+        if scratch && g.tensor(t).storage == (Storage::Activation { output: true }) {
+            output_of.insert(r, t);
         }
     }
     // In tensor-id order, for stable buffer ids.
