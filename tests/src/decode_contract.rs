@@ -45,6 +45,19 @@ pub struct DecodeFiles {
     pub prefix: Vec<usize>,
 }
 
+impl DecodeFiles {
+    /// Token slot `t` of a `[layers, pages, ps, ..]` cache: (layer, request, position).
+    fn slot(&self, t: usize, ps: usize) -> (usize, usize, usize) {
+        let pages = self.page_owner.len();
+        let (page, off) = ((t / ps) % pages, t % ps);
+        (
+            t / (pages * ps),
+            self.page_owner[page],
+            self.page_index[page] * ps + off,
+        )
+    }
+}
+
 /// Writes `weights.safetensors` and a draft-decode `inputs.safetensors` for the plan's first
 /// draft-decode tier into `dir`.
 pub fn write_decode_files(
@@ -196,23 +209,17 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
         plan.model.head_dim as usize,
     );
     let per_slot = hkv * d;
-    let pages = files.page_owner.len();
     let forwards = kind.forwards();
-    // (request, position) → the (lane, forward) that writes it.
+    // (request, position) → the forward whose lane writes it.
     let mut lane_at = std::collections::HashMap::new();
     for (r, &l) in files.prefix.iter().enumerate() {
         for lane in 0..k {
             for f in 0..forwards {
                 let pos = l as u64 + specplan_kernels::facts::lane_offset(l as u64, lane, s, k, ps as u32) + f as u64;
-                lane_at.insert((r, pos as usize), (lane as usize, f as usize));
+                lane_at.insert((r, pos as usize), f as usize);
             }
         }
     }
-    let slot_of = |t: usize| {
-        let (page, off) = ((t / ps) % pages, t % ps);
-        let r = files.page_owner[page];
-        (t / (pages * ps), r, files.page_index[page] * ps + off)
-    };
     let mut parted = vec![false; b];
     for name in [io::K_CACHE, io::V_CACHE] {
         let f = |(dt, v): (Dtype, Vec<u8>)| -> Vec<f64> {
@@ -236,11 +243,11 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
             ));
         }
         // Forward ≥ 1's lane slots, by (request, layer, forward): each lane's (gpu, cpu) slot.
-        type Lanes<'a> = Vec<(usize, &'a [f64], &'a [f64])>;
+        type Lanes<'a> = Vec<(&'a [f64], &'a [f64])>;
         let mut later: std::collections::BTreeMap<(usize, usize, usize), Lanes> = Default::default();
         let (mut sure_g, mut sure_c) = (Vec::new(), Vec::new());
         for (t, (g, c)) in gpu.chunks(per_slot).zip(cpu.chunks(per_slot)).enumerate() {
-            let (layer, r, pos) = slot_of(t);
+            let (layer, r, pos) = files.slot(t, ps);
             match lane_at.get(&(r, pos)).copied() {
                 None if g != c => {
                     return Err(format!(
@@ -249,11 +256,11 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
                     ))
                 }
                 None => {}
-                Some((_, 0)) => {
+                Some(0) => {
                     sure_g.extend_from_slice(g);
                     sure_c.extend_from_slice(c);
                 }
-                Some((lane, f)) => later.entry((r, layer, f)).or_default().push((lane, g, c)),
+                Some(f) => later.entry((r, layer, f)).or_default().push((g, c)),
             }
         }
         // Lanes take the previous forward's top-K in rank order, so a near tie inside the
@@ -261,8 +268,8 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
         // matching none took another token (the request parted).
         let mut kept: Vec<Vec<(Vec<f64>, Vec<f64>)>> = vec![Vec::new(); b];
         for ((r, _, _), lanes) in &later {
-            let mut free: Vec<&[f64]> = lanes.iter().map(|x| x.2).collect();
-            for &(_, g, _) in lanes {
+            let mut free: Vec<&[f64]> = lanes.iter().map(|x| x.1).collect();
+            for &(g, _) in lanes {
                 let best = (0..free.len()).min_by(|&i, &j| rel_rms(g, free[i]).total_cmp(&rel_rms(g, free[j])));
                 let Some(i) = best else { break };
                 let c = free.swap_remove(i);
@@ -287,7 +294,7 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
         if e > REL_BOUND {
             return Err(format!(
                 "{name}: cuda vs cpu relative error {e:.3e} over the lane slots of forward 0 and of the requests whose later lanes agree; {}",
-                worst_slots(&files, &gpu, &cpu, per_slot * ps, per_slot)
+                worst_slots(&files, &gpu, &cpu, ps, per_slot)
             ));
         }
     }
@@ -303,8 +310,7 @@ pub fn decode_contract_check(plan_path: &str, specplan: &str, dir: &str, seed: u
 
 /// Where two caches differ most: up to six token slots (layer, request, position, the
 /// request's prefix) by their largest difference, for a failure message.
-fn worst_slots(files: &DecodeFiles, gpu: &[f64], cpu: &[f64], per_page: usize, per_slot: usize) -> String {
-    let pages = files.page_owner.len();
+fn worst_slots(files: &DecodeFiles, gpu: &[f64], cpu: &[f64], ps: usize, per_slot: usize) -> String {
     let mut slots: Vec<(f64, usize)> = gpu
         .chunks(per_slot)
         .zip(cpu.chunks(per_slot))
@@ -313,14 +319,11 @@ fn worst_slots(files: &DecodeFiles, gpu: &[f64], cpu: &[f64], per_page: usize, p
         .map(|(i, d)| (d, i))
         .collect();
     slots.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let ps = per_page / per_slot.max(1);
     slots
         .iter()
         .take(6)
-        .map(|&(d, i)| {
-            let (layer, page, off) = (i / (pages * ps), (i / ps) % pages, i % ps);
-            let r = files.page_owner[page];
-            let pos = files.page_index[page] * ps + off;
+        .map(|&(d, t)| {
+            let (layer, r, pos) = files.slot(t, ps);
             format!(
                 "layer {layer} request {r} position {pos} (prefix {}): max diff {d:.3}",
                 files.prefix[r]

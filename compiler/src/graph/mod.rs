@@ -290,13 +290,18 @@ impl OpGraph {
         &self.tensors[id.0 as usize]
     }
 
+    /// The tensor whose storage `t` lives in (itself unless produced in place).
+    pub fn root(&self, mut t: TensorId) -> TensorId {
+        while let Some(a) = self.tensor(t).alias_of {
+            t = a;
+        }
+        t
+    }
+
     /// Whether `t` lives in place over a tensor of another shape: the first columns of
     /// each of its storage's rows (the SwiGLU product inside the gate/up rows).
     pub fn is_column_view(&self, t: TensorId) -> bool {
-        let mut r = t;
-        while let Some(a) = self.tensor(r).alias_of {
-            r = a;
-        }
+        let r = self.root(t);
         r != t && self.tensor(r).shape != self.tensor(t).shape
     }
 

@@ -21,7 +21,7 @@ use specplan_kernels::entries::tree::{
     TreeSelectPtrs, TreeVerifyParams, TreeVerifyPtrs,
 };
 
-use super::liveness::{root, Live, Workspace};
+use super::liveness::{Live, Workspace};
 use super::{ScheduleError, Shared};
 use crate::codegen::KernelTable;
 use crate::graph::{Op, OpKind, Storage, TensorId};
@@ -38,7 +38,7 @@ impl Binder<'_> {
     /// The argument naming tensor `t`'s storage.
     fn arg(&self, t: TensorId) -> ArgValue {
         let g = self.sh.g;
-        let r = root(g, t);
+        let r = g.root(t);
         match g.tensor(r).storage {
             Storage::KvCache { layer, kind } => ArgValue::KvCache { layer, kind },
             Storage::PageTable => ArgValue::PageTable,
@@ -306,7 +306,7 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
     let (a, w) = (g.tensor(op.ins[0]), g.tensor(op.ins[1]));
     // A view in place over a wider tensor (the SwiGLU product in the gate half of the
     // gate/up rows) is read with its storage's row stride.
-    let lda = g.tensor(root(g, op.ins[0])).shape.last().map_or(0, |d| d.at(bb));
+    let lda = g.tensor(g.root(op.ins[0])).shape.last().map_or(0, |d| d.at(bb));
     b.launches.push(Launch {
         op: op.name.clone(),
         kind: LaunchKind::Gemm(GemmDesc {

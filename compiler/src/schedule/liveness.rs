@@ -6,7 +6,7 @@ use petgraph::stable_graph::NodeIndex;
 use specplan_format::{BufferRole, DType};
 
 use super::Shared;
-use crate::graph::{OpGraph, OpKind, Storage, TensorId};
+use crate::graph::{OpKind, Storage, TensorId};
 
 /// A buffer to place: what it holds and when it is live (op positions, 1-based; 0 and
 /// `ops + 1` stand for host prep before the step and the caller after it).
@@ -41,14 +41,6 @@ pub(super) struct Live {
     pub workspace: BTreeMap<NodeIndex, Workspace>,
 }
 
-/// The tensor an in-place result shares its storage with.
-pub(super) fn root(g: &OpGraph, mut t: TensorId) -> TensorId {
-    while let Some(a) = g.tensor(t).alias_of {
-        t = a;
-    }
-    t
-}
-
 pub(super) fn live_ranges(sh: &Shared, batch: u32, splits: u32) -> Live {
     let g = sh.g;
     let bb = batch as u64;
@@ -57,7 +49,7 @@ pub(super) fn live_ranges(sh: &Shared, batch: u32, splits: u32) -> Live {
     for (s, &node) in sh.order.iter().enumerate() {
         let op = &g.graph[node];
         for &t in op.ins.iter().chain(op.outs.iter()) {
-            let r = root(g, t);
+            let r = g.root(t);
             if matches!(g.tensor(r).storage, Storage::Input | Storage::Activation { .. }) {
                 let e = range.entry(r).or_insert((s + 1, s + 1));
                 e.0 = e.0.min(s + 1);
@@ -71,7 +63,7 @@ pub(super) fn live_ranges(sh: &Shared, batch: u32, splits: u32) -> Live {
     let mut output_of: BTreeMap<TensorId, TensorId> = BTreeMap::new();
     for i in 0..g.tensors.len() as u32 {
         let t = TensorId(i);
-        let r = root(g, t);
+        let r = g.root(t);
         let scratch = g.tensor(r).storage == (Storage::Activation { output: false });
         if scratch && g.tensor(t).storage == (Storage::Activation { output: true }) {
             output_of.insert(r, t);
