@@ -49,6 +49,14 @@ pub fn plan_dot(p: &format::Plan, b: &format::BucketPlan) -> String {
                     (g.c, if g.accumulate { Access::ReadWrite } else { Access::Write }),
                 ],
             ),
+            LaunchKind::Collective(c) => (
+                format!("{} {}", c.op.name(), c.count),
+                if c.send == c.recv {
+                    vec![(c.send, Access::ReadWrite)]
+                } else {
+                    vec![(c.send, Access::Read), (c.recv, Access::Write)]
+                },
+            ),
         };
         let _ = writeln!(
             s,

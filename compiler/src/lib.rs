@@ -107,6 +107,7 @@ pub(crate) fn descs(cfg: &Config) -> Descs {
             hot_vocab_size: c.hot_vocab_size,
             outputs: c.outputs,
             decode_verify: c.decode_verify,
+            tp: c.tp,
         },
         inv_freq: config::rope_inv_freq(&cfg.model.desc),
     }
@@ -266,7 +267,12 @@ fn layout_weights(graphs: &[(&OpGraph, &[petgraph::stable_graph::NodeIndex])]) -
         for &node in order {
             for &t in &g.graph[node].ins {
                 let tensor = g.tensor(t);
-                let Storage::Weight { sources, packing } = &tensor.storage else {
+                let Storage::Weight {
+                    sources,
+                    packing,
+                    shard,
+                } = &tensor.storage
+                else {
                     continue;
                 };
                 if descs.iter().any(|w| w.name == tensor.name) {
@@ -279,6 +285,7 @@ fn layout_weights(graphs: &[(&OpGraph, &[petgraph::stable_graph::NodeIndex])]) -
                     shape: tensor.shape.iter().map(|d| d.fixed).collect(),
                     sources: sources.clone(),
                     packing: packing.clone(),
+                    shard: shard.clone(),
                     offset,
                     bytes,
                 });

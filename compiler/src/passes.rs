@@ -14,6 +14,7 @@ use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
 mod eagle3;
 mod select;
+mod tp;
 
 type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
 
@@ -32,6 +33,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("qkv_rope_append", qkv_rope_append),
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
+    ("residual_into_all_reduce", tp::residual_into_all_reduce),
     (SOFTMAX_TOPK, softmax_topk),
 ];
 
@@ -100,6 +102,14 @@ fn packed_weight(g: &mut OpGraph, name: String, parts: &[TensorId]) -> TensorId 
     let first = g.tensor(parts[0]).clone();
     let rows: u64 = parts.iter().map(|&p| g.tensor(p).shape[0].fixed).sum();
     let sources = parts.iter().flat_map(|&p| weight_sources(g, p)).collect();
+    // A sharded part keeps its slice; the parts of one packed weight are all sharded or none.
+    let shard = parts
+        .iter()
+        .flat_map(|&p| match &g.tensor(p).storage {
+            Storage::Weight { shard, .. } => shard.clone(),
+            _ => Vec::new(),
+        })
+        .collect();
     let mut shape = first.shape.clone();
     shape[0] = crate::graph::Dim::fixed(rows);
     g.add_tensor(Tensor {
@@ -109,6 +119,7 @@ fn packed_weight(g: &mut OpGraph, name: String, parts: &[TensorId]) -> TensorId 
         storage: Storage::Weight {
             sources,
             packing: Packing::ConcatRows,
+            shard,
         },
         alias_of: None,
     })

@@ -311,6 +311,9 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             }
             Ok(())
         }
+        OpKind::AllReduce | OpKind::TopKRecords { .. } | OpKind::AllGather { .. } | OpKind::TopKMerge { .. } => {
+            check_tp_op(&c, kind)
+        }
         OpKind::MapIds { .. } => {
             c.arity(2, 1)?;
             c.dtype(false, 0, &[DType::I64])?;
@@ -335,15 +338,69 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
         | OpKind::TreeVerify
         | OpKind::GatherRows { .. } => check_tree_op(&c, kind, rows),
         OpKind::SelectNorm => {
-            c.arity(3, 2)?;
+            // The selected rows, then their norm; the norm alone on a tensor-parallel rank
+            // other than 0 (`residual_into_all_reduce`).
+            let n_out = if outs.len() == 1 { 1 } else { 2 };
+            c.arity(3, n_out)?;
             let (r, h) = c.rank2(false, 0)?;
             want(r == rows, || format!("input rows must be {rows}"))?;
             c.dtype(false, 1, &[DType::I32])?;
             want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
-            want(c.shape(true, 0) == [batch, h] && c.shape(true, 1) == [batch, h], || {
+            want((0..n_out).all(|i| c.shape(true, i) == [batch, h]), || {
                 format!("outputs must be [B, {h}]")
             })
         }
+    }
+}
+
+/// A sharded plan's ops: the collectives and the cross-rank top-K.
+fn check_tp_op(c: &Ctx, kind: &OpKind) -> Result<(), String> {
+    let (g, ins, outs) = (c.g, c.ins, c.outs);
+    match kind {
+        OpKind::AllReduce => {
+            c.arity(1, 1)?;
+            c.same((false, 0), (true, 0))?;
+            want(g.tensor(outs[0]).alias_of == Some(ins[0]), || {
+                "an all-reduce is in place over its input".into()
+            })
+        }
+        OpKind::TopKRecords { k } => {
+            c.arity(1, 1)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            c.dtype(true, 0, &[DType::F32])?;
+            let (m, v) = c.rank2(false, 0)?;
+            let (m2, _) = c.rank2(true, 0)?;
+            want(m == m2, || "records must have the logits' rows".into())?;
+            want(v.fixed >= 1 && *k >= 1, || "no columns or k = 0".into())
+        }
+        OpKind::AllGather { ranks } => {
+            c.arity(1, 1)?;
+            let x = c.shape(false, 0);
+            let mut want_shape = vec![Dim::fixed(*ranks as u64)];
+            want_shape.extend(x.iter().copied());
+            c.dtype(true, 0, &[g.tensor(ins[0]).dtype])?;
+            want(c.shape(true, 0) == want_shape.as_slice(), || {
+                format!("output must be [{ranks}, {}]", fmt(x))
+            })
+        }
+        OpKind::TopKMerge { k, map } => {
+            c.arity(1 + map.is_some() as usize, 2)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            let rec = c.shape(false, 0);
+            want(rec.len() == 3, || "records must be [ranks, M, X]".into())?;
+            let b = rec[1];
+            let kd = Dim::fixed(*k as u64);
+            want(c.shape(true, 0) == [b, kd] && c.shape(true, 1) == [b, kd], || {
+                "outputs must be [M, K]".into()
+            })?;
+            c.dtype(true, 0, &[DType::F32])?;
+            c.dtype(true, 1, &[DType::I64])?;
+            if map.is_some() {
+                c.dtype(false, 1, &[DType::I64])?;
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 

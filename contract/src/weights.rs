@@ -4,14 +4,15 @@
 use std::path::Path;
 
 use safetensors::tensor::Dtype;
-use specplan_format::{DType, Packing, ValidatedPlan};
+use specplan_format::{DType, Packing, Shard, ValidatedPlan};
 use specplan_runtime::cpu::WeightData;
 use specplan_runtime::step::{input_error, InputError};
 
 use super::tensors::{floats, ints, parse, read, weights_cap};
 use super::ContractError;
 
-/// Reads the weights file and packs every plan weight (concatenations, FR-Spec gather).
+/// Reads the weights file and packs every plan weight (concatenations, FR-Spec gather); a
+/// tensor-parallel rank's plan takes its shards of the full checkpoint tensors.
 pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>, ContractError> {
     let file = path.display().to_string();
     let bytes = read(path, weights_cap(plan), "the plan's weights")?;
@@ -63,6 +64,13 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
                 )))
             }
         }
+        // A sharded part is read at its full size (`parts` times the rank's along its
+        // axis) and sliced to the rank's part.
+        let shard = |part: usize| w.shard.get(part).copied();
+        let grow = |n: usize, sh: Option<Shard>, axis: u32| match sh {
+            Some(sh) if sh.axis == axis => n * sh.parts as usize,
+            _ => n,
+        };
         let data = match w.packing {
             Packing::Single if w.dtype == DType::I64 && w.name == "hot_token_ids" => {
                 let (ids, _) = ints(&st, "hot_token_ids", Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
@@ -75,15 +83,19 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
                 WeightData::I64(d2t)
             }
             Packing::Single => {
-                let shape: Vec<usize> = w.shape.iter().map(|&d| d as usize).collect();
-                WeightData::F32(floats(&st, &w.sources[0], &shape, act).map_err(fail)?)
+                let full: Vec<usize> = w
+                    .shape
+                    .iter()
+                    .enumerate()
+                    .map(|(ax, &d)| grow(d as usize, shard(0), ax as u32))
+                    .collect();
+                let all = floats(&st, &w.sources[0], &full, act).map_err(fail)?;
+                WeightData::F32(take_part(all, &full, shard(0)))
             }
             Packing::LeadingRows => {
                 let s = &w.sources[0];
-                let (rows, need) = (
-                    st.tensor(s).map_or(0, |t| t.shape().first().copied().unwrap_or(0)),
-                    w.shape[0] as usize,
-                );
+                let need = grow(w.shape[0] as usize, shard(0), 0);
+                let rows = st.tensor(s).map_or(0, |t| t.shape().first().copied().unwrap_or(0));
                 if rows < need {
                     return Err(fail(input_error(
                         s,
@@ -93,29 +105,50 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
                 }
                 let mut all = floats(&st, s, &[rows, cols], act).map_err(fail)?;
                 all.truncate(need * cols);
-                WeightData::F32(all)
+                WeightData::F32(take_part(all, &[need, cols], shard(0)))
             }
             Packing::ConcatRows => {
                 let mut all = Vec::with_capacity(w.shape.iter().product::<u64>() as usize);
-                for s in &w.sources {
-                    all.extend(floats(&st, s, &[rows_of(s), cols], act).map_err(fail)?);
+                for (i, s) in w.sources.iter().enumerate() {
+                    let full = [grow(rows_of(s), shard(i), 0), grow(cols, shard(i), 1)];
+                    let part = floats(&st, s, &full, act).map_err(fail)?;
+                    all.extend(take_part(part, &full, shard(i)));
                 }
                 WeightData::F32(all)
             }
             Packing::GatherRows => {
                 let table = floats(&st, &w.sources[0], &[v, h], act).map_err(fail)?;
-                let (ids, _) = ints(&st, &w.sources[1], Dtype::I64, Some(&[w.shape[0] as usize])).map_err(fail)?;
+                let count = grow(w.shape[0] as usize, shard(0), 0);
+                let (ids, _) = ints(&st, &w.sources[1], Dtype::I64, Some(&[count])).map_err(fail)?;
                 check_hot_ids(&ids, v).map_err(fail)?;
-                WeightData::F32(
-                    ids.iter()
-                        .flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec())
-                        .collect(),
-                )
+                let rows: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&id| table[id as usize * h..(id as usize + 1) * h].to_vec())
+                    .collect();
+                WeightData::F32(take_part(rows, &[count, h], shard(0)))
             }
         };
         out.push(data);
     }
     Ok(out)
+}
+
+/// Part `sh.index` of `sh.parts` along `sh.axis` of a row-major tensor of shape `full`
+/// (the whole tensor without a shard). The loader sized `full` so the parts are equal.
+fn take_part(data: Vec<f32>, full: &[usize], sh: Option<Shard>) -> Vec<f32> {
+    let Some(sh) = sh else { return data };
+    let (parts, index) = (sh.parts.max(1) as usize, sh.index as usize);
+    let rows = full.first().copied().unwrap_or(0);
+    let cols: usize = full.iter().skip(1).product();
+    if sh.axis == 0 {
+        let per = rows / parts;
+        data[index * per * cols..(index + 1) * per * cols].to_vec()
+    } else {
+        let per = cols / parts;
+        data.chunks(cols.max(1))
+            .flat_map(|row| row[index * per..(index + 1) * per].iter().copied())
+            .collect()
+    }
 }
 
 /// EAGLE-3's d2t: draft id d maps to target id d + d2t[d], which must be a target id.

@@ -27,7 +27,8 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         kv_heads: m.kv_heads,
         head_dim: m.head_dim,
         vocab: m.vocab,
-        cols: c.hot_vocab_size.unwrap_or(m.lm_vocab()),
+        // A rank's share of the lm_head rows (validation holds T to divide them).
+        cols: c.hot_vocab_size.unwrap_or(m.lm_vocab()) / c.tp.size.max(1),
         n: kind.rows_per_request(s),
         topk: s.topk,
         page_size: c.page_size,
@@ -44,6 +45,8 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         id_offset: m.draft_vocab.is_some() && maps,
         out_topk: c.outputs.topk || decode,
         out_logits: c.outputs.logits && !decode,
+        tp_size: c.tp.size,
+        tp_rank: c.tp.rank,
     }
 }
 

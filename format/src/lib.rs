@@ -11,6 +11,7 @@ mod diff;
 mod facts;
 pub mod limits;
 mod location;
+mod parallel;
 pub mod signature;
 mod text;
 mod types;

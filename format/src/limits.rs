@@ -43,6 +43,9 @@ pub const MAX_PLAN_ITEMS: usize = 1 << 18;
 /// Rows of one replay the device admission checks (its write set lives in shared memory).
 pub use specplan_kernels::entries::io::ADMIT_MAX_ROWS;
 pub use specplan_kernels::facts::{MAX_TABLE_ENTRIES, MAX_TOPK};
+/// Largest tensor-parallel degree: a power of two up to one NVLink domain's 8 GPUs (every
+/// rank's top-K records meet in one 32-lane merge warp).
+pub const MAX_TP_SIZE: u32 = 8;
 /// Alignment of every weight in the weight region and every buffer in the arena.
 pub const ALIGN: u64 = 256;
 

@@ -198,6 +198,15 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
             opt(&c.hot_vocab_size), c.outputs.name()
         ) + if c.decode_verify { " decode_verify=true" } else { "" },
     );
+    if c.tp.is_sharded() {
+        fact(
+            "tensor_parallel".into(),
+            format!(
+                "size={} rank={} (model heads, kv_heads, intermediate and the lm_head rows are this rank's share)",
+                c.tp.size, c.tp.rank
+            ),
+        );
+    }
     fact(
         "memory".into(),
         format!(
@@ -227,10 +236,27 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
             Packing::LeadingRows => " leading_rows",
         };
         let sources: Vec<String> = w.sources.iter().map(|s| escape(s)).collect();
+        let shard = if w.shard.is_empty() {
+            String::new()
+        } else {
+            let each: Vec<String> = w
+                .shard
+                .iter()
+                .map(|sh| {
+                    format!(
+                        "{}/{}:{}",
+                        sh.index,
+                        sh.parts,
+                        if sh.axis == 0 { "rows" } else { "cols" }
+                    )
+                })
+                .collect();
+            format!(" shard={}", each.join(","))
+        };
         fact(
             format!("weight w{i}"),
             format!(
-                "{} {} {} @{:#x} +{}{packing} from {}",
+                "{} {} {} @{:#x} +{}{packing} from {}{shard}",
                 escape(&w.name),
                 w.dtype.name(),
                 dims(&w.shape),
@@ -421,6 +447,14 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                 wname(g.w),
                 bname(g.c),
                 if g.accumulate { " accumulate" } else { "" }
+            ),
+            LaunchKind::Collective(c) => format!(
+                "#{li} {} {} count={} send={} recv={}",
+                c.op.name(),
+                c.dtype.name(),
+                c.count,
+                bname(c.send),
+                bname(c.recv)
             ),
         };
         fact(format!("{tag} launch {}", escape(&l.op)), v);

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 pub use specplan_kernels::abi::Access;
 pub use specplan_kernels::{io, ConstValue, DType, Entry};
 
+pub use crate::parallel::{CollectiveDesc, CollectiveOp, Shard, TensorParallel};
+
 /// Hugging Face `rope_scaling`, as the Llama family applies it to `inv_freq`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
@@ -145,6 +147,10 @@ pub struct CaptureDesc {
     /// `draft_decode_outputs = "tree,verify"`): `verify_tokens`, `verify_positions`,
     /// `retrieve_*` and `tree_mask`, from the caller's `bonus_tokens`.
     pub decode_verify: bool,
+    /// The tensor-parallel rank this plan computes (`docs/tensor-parallel.md`): with
+    /// `size` T > 1 the model's heads, kv heads, intermediate rows and lm_head rows are the
+    /// rank's share (`ModelDesc` holds the rank's), and the launches include collectives.
+    pub tp: TensorParallel,
 }
 
 /// The head's per-request outputs besides `hidden_out`: the fused top-K (`topk_probs`,
@@ -251,6 +257,11 @@ pub struct WeightDesc {
     pub shape: Vec<u64>,
     pub sources: Vec<String>,
     pub packing: Packing,
+    /// A tensor-parallel rank's slices: empty for the whole tensors, else one per packed
+    /// part — each stacked source of `ConcatRows` (q, k and v may differ: replicated kv
+    /// heads), the packed tensor of the other packings (the gathered hot rows, the leading
+    /// rows).
+    pub shard: Vec<Shard>,
     /// Byte offset in the weight region.
     pub offset: u64,
     pub bytes: u64,
@@ -370,6 +381,7 @@ pub enum LaunchKind {
         args: Vec<ArgValue>,
     },
     Gemm(GemmDesc),
+    Collective(CollectiveDesc),
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -10,7 +10,10 @@
 //                       (FR-Spec's hot list; EAGLE-3's d2t: draft id d -> target id d + d2t[d])
 // NaN free for finite inputs. If COLS < TOPK, the missing entries get prob 0, id -1.
 //
-// Constants: COLS, TOPK (1..32), HOT_MAP, ID_OFFSET, FULL_VOCAB (act_t is not used)
+// Constants: COLS, TOPK (1..32), HOT_MAP, ID_OFFSET, FULL_VOCAB, RANKS, COL_OFFSET (act_t is
+// not used). A tensor-parallel rank (RANKS = T > 1) holds COLS columns of a T·COLS-column row,
+// starting at column COL_OFFSET; its records carry full-row columns, every rank's records are
+// gathered rank-major and topk_merge reads all of them (docs/tensor-parallel.md).
 //
 // Entry softmax_topk: the whole row in one CTA (used when the plan does not split rows).
 //   Launch:  grid (batch, 1, 1), block (SOFTMAX_TOPK_THREADS = 512, 1, 1),
@@ -38,11 +41,15 @@
 //   topk_partial: grid (batch, chunks, 1), block (TOPK_PARTIAL_THREADS = 512, 1, 1), shared memory as softmax_topk.
 //     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
 //             batch unsigned, chunks unsigned (1..32)
+//     A record's columns are full-row columns: c + COL_OFFSET.
 //   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 32, 1, 1), no shared memory.
 //     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
-//             batch unsigned, chunks unsigned
-//     m = max_ch m_ch, S = sum_ch S_ch * expf(m_ch - m), the TOPK best of all records'
-//     candidates (same order), then probs and ids exactly as softmax_topk's.
+//             batch unsigned, chunks unsigned (RANKS * chunks <= 32)
+//     The records of rank t (0..RANKS) follow each other: (t, row i, chunk ch) at
+//     part[((t*batch + i)*chunks + ch)*R ...] (RANKS = 1: the layout above).
+//     m = max m_ch, S = sum S_ch * expf(m_ch - m) over every rank's chunks, the TOPK best of
+//     all records' candidates (same order), then probs and ids exactly as softmax_topk's
+//     (over the RANKS*COLS columns of the full row).
 //
 // Method (one CTA over a column range): each thread keeps an online (max, sum of exp)
 // pair and a sorted top-TOPK list of its columns in shared memory. Then the 512 lists are
@@ -63,11 +70,16 @@ static_assert(TOPK_MERGE_THREADS == 32u, "topk_merge is one warp: lane l owns ch
 static_assert((kThreads & (kThreads - 1)) == 0, "the tree merge halves the block: a power of two");
 constexpr int kK = (int)TOPK;
 constexpr long long kCols = (long long)COLS;
+constexpr int kRanks = (int)RANKS;
+// Columns of the full row (every rank's share): the bound of a valid column in the records.
+constexpr long long kAllCols = (long long)COLS * (long long)RANKS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
 static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
-static_assert(COLS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
+static_assert(RANKS >= 1u && RANKS <= 32u, "1..32 tensor-parallel ranks");
+static_assert(COL_OFFSET % COLS == 0u && COL_OFFSET / COLS < RANKS, "a rank's share starts at rank * COLS");
+static_assert((unsigned long long)COLS * RANKS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
 static_assert(!(HOT_MAP && ID_OFFSET), "one id map at most");
-static_assert(COLS < (1u << 24), "column indices travel as exact floats between the split kernels");
+static_assert((unsigned long long)COLS * RANKS < (1ull << 24), "column indices travel as exact floats between the split kernels");
 
 // Strict order "a ranks before b": larger value, then lower column.
 __device__ __forceinline__ bool better(float av, int ai, float bv, int bi) {
@@ -208,7 +220,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 // Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.
 __device__ __forceinline__ void emit(float v, int c, float m, float sum, const long long* hot_ids, float* probs,
                                      long long* ids, long long at) {
-    const bool valid = c >= 0 && (long long)c < kCols;
+    const bool valid = c >= 0 && (long long)c < kAllCols;
     float prob = 0.0f;
     if (valid && m != neg_inf() && sum > 0.0f) prob = expf(v - m) / sum;
     long long id = -1;
@@ -259,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS) topk_partial(
         const int c = lists.col(t, 0);
         const bool valid = c >= 0 && (long long)c < kCols;
         rec[2 + t] = valid ? lists.val(t, 0) : neg_inf();
-        rec[2 + kK + t] = valid ? (float)c : -1.0f;
+        rec[2 + kK + t] = valid ? (float)(c + (long long)COL_OFFSET) : -1.0f;
     }
 }
 
@@ -267,12 +279,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
     using namespace topk;
     const unsigned i = blockIdx.x;
     const int lane = (int)threadIdx.x;
-    if (i >= p.batch || p.chunks == 0u || p.chunks > 32u) return;  // uniform per CTA
+    if (i >= p.batch || p.chunks == 0u || p.chunks * RANKS > 32u) return;  // uniform per CTA
     const int chunks = (int)p.chunks;
-    const float* part = p.part + (long long)i * chunks * (2 + 2 * kK);
-    // Lane l owns chunk l's record.
-    const float* rec = part + (long long)lane * (2 + 2 * kK);
-    const bool mine = lane < chunks;
+    // Lane l owns record (rank l / chunks, chunk l % chunks) of row i.
+    const bool mine = lane < chunks * kRanks;
+    const int r = mine ? lane / chunks : 0, ch = mine ? lane % chunks : 0;
+    const float* rec = p.part + (((long long)r * p.batch + i) * chunks + ch) * (2 + 2 * kK);
     const float ml = mine ? rec[0] : neg_inf();
     const float sl = mine ? rec[1] : 0.0f;
     const float m = warp_max(ml);

@@ -21,6 +21,7 @@
 // Params: x const act_t* [batch*N, HIDDEN], accept_lens const int* [batch],
 //         weight const act_t* [HIDDEN], out act_t* [batch, HIDDEN],
 //         normed act_t* [batch, HIDDEN], batch unsigned.
+//         out may be null (a tensor-parallel rank other than 0 needs no selected rows).
 #include "common.cuh"
 
 // SelectRowsParams and SelectNormParams are declared by the generated prelude, from specplan_kernels
@@ -48,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(Se
     int a = p.accept_lens[i];
     a = a < 1 ? 1 : (a > kN ? kN : a);
     const act_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
-    block_copy_act(p.out + (long long)i * H, src, H);
+    if (p.out != nullptr) block_copy_act(p.out + (long long)i * H, src, H);
     // Normalize from the source row (the copy above may still be in flight in other threads).
     rmsnorm_row(src, p.weight, p.normed + (long long)i * H, H, EPS, scratch);
 }

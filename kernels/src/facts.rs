@@ -73,6 +73,11 @@ pub struct KernelFacts {
     pub out_topk: bool,
     /// The plan emits the selected rows' logits (`logits`, `[B, cols]` f32).
     pub out_logits: bool,
+    /// Tensor-parallel ranks T of the plan (1: unsharded) and the plan's rank: `heads`,
+    /// `kv_heads`, `intermediate` and `cols` are the rank's share, its logits columns start
+    /// at `tp_rank · cols` of the full row.
+    pub tp_size: u32,
+    pub tp_rank: u32,
 }
 
 impl KernelFacts {
@@ -130,9 +135,15 @@ impl KernelFacts {
         (self.heads + 2 * self.kv_heads) * self.head_dim
     }
 
-    /// Column chunks (one CTA each) of a logits row; 1 = no split.
+    /// Column chunks (one CTA each) of a rank's logits row; 1 = no split. Every rank's
+    /// chunks meet in one `topk_merge` warp (a lane per record), so T ranks share its 32.
     pub fn topk_chunks(&self) -> u32 {
-        topk_chunks(self.cols)
+        rank_topk_chunks(self.cols, self.tp_size)
+    }
+
+    /// The full logits row's first column of this rank's share.
+    pub fn col_offset(&self) -> u32 {
+        self.tp_rank.saturating_mul(self.cols)
     }
 
     /// Attention tiling fixed at plan time: (KV_TILE, STAGES), or `None` when even 16-key
@@ -164,6 +175,12 @@ pub struct BucketFacts {
 /// Column chunks of a logits row of `cols` columns; 1 = no split.
 pub fn topk_chunks(cols: u32) -> u32 {
     cols.div_ceil(TOPK_CHUNK_COLS).clamp(1, MAX_TOPK_CHUNKS)
+}
+
+/// Column chunks of each of `ranks` ranks' `cols`-column share of a logits row: every
+/// rank's records meet in one 32-lane `topk_merge` warp.
+pub fn rank_topk_chunks(cols: u32, ranks: u32) -> u32 {
+    topk_chunks(cols).min(MAX_TOPK_CHUNKS / ranks.max(1)).max(1)
 }
 
 /// Floats per chunk record of `topk_partial`: max, sum, TOPK values, TOPK columns.

@@ -47,6 +47,7 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
         let writes = |l: &specplan_format::Launch, id: u32| {
             match &l.kind {
             LaunchKind::Gemm(d) => d.c == id,
+            LaunchKind::Collective(c) => c.recv == id,
             LaunchKind::Kernel { kernel, args, .. } => plan.kernels.get(*kernel as usize).is_some_and(|k| {
                 k.entry.abi().fields.iter().zip(args).any(|(f, a)| {
                     matches!((f.kind, a), (specplan_kernels::abi::FieldKind::Ptr(pf), specplan_format::ArgValue::Buffer(b)) if *b == id && pf.access.writes())
@@ -61,6 +62,7 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
                 .filter(|l| writes(l, id as u32))
                 .map(|l| match &l.kind {
                     LaunchKind::Gemm(_) => format!("gemm:{}", l.op),
+                    LaunchKind::Collective(_) => format!("collective:{}", l.op),
                     LaunchKind::Kernel { .. } => format!("kernel:{}", l.op),
                 })
                 .collect();
@@ -159,6 +161,9 @@ pub fn kernel_steps(plan: &ValidatedPlan, rng: &mut Rng) -> Result<(), String> {
                     rt.write_buffer(batch, &x.name, &data).map_err(g)?;
                 }
                 LaunchKind::Kernel { .. } => rt.replay_only(batch, Some(&l.op)).map_err(g)?,
+                LaunchKind::Collective(_) => {
+                    return Err(format!("{}: a sharded plan (the GPU runtime refuses it)", l.op))
+                }
             }
         }
         rt.synchronize().map_err(g)?;

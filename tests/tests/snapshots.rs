@@ -45,6 +45,22 @@ fn tiny_with_logits_output() {
     settings().bind(|| insta::assert_snapshot!("tiny-logits", common::snapshot_text(&plan)));
 }
 
+/// A tensor-parallel rank's plan (rank 1 of 2, draft decode too): its shards of the
+/// checkpoint, the all-reduces with rank 0 alone carrying the residual, the cross-rank
+/// top-K (docs/tensor-parallel.md).
+#[test]
+fn tiny_tensor_parallel_rank() {
+    let o = Overrides {
+        tp_size: Some(2),
+        tp_rank: Some(1),
+        buckets: Some("1,4".into()),
+        draft_decode_steps: Some("3".into()),
+        ..Overrides::default()
+    };
+    let plan = common::compile_preset("tiny", &o);
+    settings().bind(|| insta::assert_snapshot!("tiny-tp2-rank1", common::snapshot_text(&plan)));
+}
+
 /// The draft-decode phase beside draft-extend: a chain (topk 1) with three step-count tiers
 /// (SGLang's adaptive speculation), and a tree (topk 4, 3 steps, N 8) over pages of 4.
 #[test]

@@ -143,7 +143,9 @@ macro_rules! flags {
     };
 }
 
-use crate::config::limits::{MAX_BATCH, MAX_CONTEXT, MAX_PAGE_SIZE, MAX_POOL_PAGES, MAX_REQUESTS, MAX_STEPS, MAX_TOPK};
+use crate::config::limits::{
+    MAX_BATCH, MAX_CONTEXT, MAX_PAGE_SIZE, MAX_POOL_PAGES, MAX_REQUESTS, MAX_STEPS, MAX_TOPK, MAX_TP_SIZE,
+};
 
 const fn b(lo: u64, hi: u32) -> Option<(u64, u64)> {
     Some((lo, hi as u64))
@@ -207,6 +209,14 @@ flags! {
     /// retrieve_next_token / retrieve_next_sibling and the tree mask, from bonus_tokens).
     draft_decode_outputs: String { table: "capture", cli: "draft-decode-outputs",
         python: ["draft_decode_outputs"], kind: TextList, bounds: None, default: "tree" }
+    /// Tensor-parallel degree T of the engine's draft head (a power of two): the plan
+    /// computes one rank's share (column-parallel q/k/v and gate/up, row-parallel o and down
+    /// with an all-reduce after each, vocabulary-parallel lm_head with a cross-rank top-K).
+    tp_size: u32 { table: "capture", cli: "tp-size", python: ["tp_size", "tensor_parallel_size"],
+        kind: U32, bounds: b(1, MAX_TP_SIZE), default: "1" }
+    /// The rank whose share the plan computes (below tp_size).
+    tp_rank: u32 { table: "capture", cli: "tp-rank", python: ["tp_rank"], kind: U32,
+        bounds: b(0, MAX_TP_SIZE - 1), default: "0" }
 }
 
 /// The flag a Python keyword or a TOML/field key names.

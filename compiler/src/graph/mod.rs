@@ -73,6 +73,9 @@ pub enum Storage {
     Weight {
         sources: Vec<String>,
         packing: specplan_format::Packing,
+        /// A tensor-parallel rank's slices, one per packed part (`WeightDesc::shard`;
+        /// empty: whole).
+        shard: Vec<specplan_format::Shard>,
     },
     /// One layer's K or V pool (outside the arena).
     KvCache { layer: u32, kind: KvKind },
@@ -155,6 +158,18 @@ pub enum OpKind {
     TreeVerify,
     /// ins x [M,H], src [T] i32 → out [T,H] = x[src] (`gather_rows`; step 0: M = B).
     GatherRows { step: u32 },
+    // --- Tensor parallel (lowering of a sharded plan; docs/tensor-parallel.md) ---
+    /// ins x → out x' in place: the sum of every rank's x (after a row-parallel GEMM).
+    AllReduce,
+    /// A rank's share of a logits row → its softmax/top-K chunk records: ins logits [M,C]
+    /// f32 (columns `rank·C ..` of the full row) → out records [M, chunks·R] f32
+    /// (`topk_partial`, full-row columns).
+    TopKRecords { k: u32 },
+    /// ins x [M,X] → out [ranks, M, X]: every rank's x, rank-major.
+    AllGather { ranks: u32 },
+    /// Every rank's records → the global top-K: ins records [ranks, M, chunks·R] f32
+    /// (, map) → out probs [M,K] f32, ids [M,K] i64 (`topk_merge`).
+    TopKMerge { k: u32, map: Option<IdMap> },
     // --- Fused (passes) ---
     /// Embed ‖ hidden: ins ids, table, hidden [T,H] (, fc bias [H]) → out [T,2H]
     /// (, the fc output [T,H] initialized to the bias, which the fc GEMM accumulates onto).
@@ -222,6 +237,10 @@ impl OpKind {
             OpKind::TreeFinish => Entry::TreeFinish.name(),
             OpKind::TreeVerify => Entry::TreeVerify.name(),
             OpKind::GatherRows { .. } => Entry::GatherRows.name(),
+            OpKind::AllReduce => "all_reduce",
+            OpKind::TopKRecords { .. } => Entry::TopkPartial.name(),
+            OpKind::AllGather { .. } => "all_gather",
+            OpKind::TopKMerge { .. } => Entry::TopkMerge.name(),
         }
     }
 
@@ -254,7 +273,11 @@ impl OpKind {
             | OpKind::TreeSelect { .. }
             | OpKind::TreeFinish
             | OpKind::TreeVerify
-            | OpKind::GatherRows { .. } => false,
+            | OpKind::GatherRows { .. }
+            | OpKind::AllReduce
+            | OpKind::TopKRecords { .. }
+            | OpKind::AllGather { .. }
+            | OpKind::TopKMerge { .. } => false,
         }
     }
 }

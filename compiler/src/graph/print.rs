@@ -28,7 +28,11 @@ fn kind_args(k: &OpKind) -> String {
         OpKind::TreeSelect { step } | OpKind::GatherRows { step } => format!("(step={step})"),
         OpKind::TopK { k } => format!("(k={k})"),
         OpKind::EmbedConcat { bias } => format!("(bias={bias})"),
-        OpKind::SoftmaxTopK { k, map } => format!("(k={k}, map={})", map.map_or("none", |m| m.name())),
+        OpKind::SoftmaxTopK { k, map } | OpKind::TopKMerge { k, map } => {
+            format!("(k={k}, map={})", map.map_or("none", |m| m.name()))
+        }
+        OpKind::TopKRecords { k } => format!("(k={k})"),
+        OpKind::AllGather { ranks } => format!("(ranks={ranks})"),
         OpKind::MapIds { map } => format!("({})", map.name()),
         _ => String::new(),
     }

@@ -119,9 +119,17 @@ pub(super) fn layer(
         hn
     };
     let kin = g.g.tensor(hn).shape[1].fixed;
+    // Tensor parallel: q/k/v and gate/up split by rows (column-parallel), o and down by
+    // columns (row-parallel, an all-reduce after each); kv heads replicated when T > Hkv.
+    let tp = cfg.capture.tp;
+    let (r, kvp) = (tp.rank, cfg.capture.kv_parts);
+    let kv_index = r / (tp.size / kvp.max(1)).max(1);
     let wq = w(g, "self_attn.q_proj", vec![f(hq * d), f(kin)]);
+    let wq = g.shard(wq, 0, tp.size, r);
     let wk = w(g, "self_attn.k_proj", vec![f(hkv * d), f(kin)]);
+    let wk = g.shard(wk, 0, kvp, kv_index);
     let wv = w(g, "self_attn.v_proj", vec![f(hkv * d), f(kin)]);
+    let wv = g.shard(wv, 0, kvp, kv_index);
     let q = g.act(&format!("{}l{l}.q", cx.pfx()), act, vec![t, f(hq * d)]);
     let k = g.act(&format!("{}l{l}.k", cx.pfx()), act, vec![t, f(hkv * d)]);
     let v = g.act(&format!("{}l{l}.v", cx.pfx()), act, vec![t, f(hkv * d)]);
@@ -188,8 +196,16 @@ pub(super) fn layer(
         vec![attn],
     );
     let wo = w(g, "self_attn.o_proj", vec![f(h), f(hq * d)]);
+    let wo = g.shard(wo, 1, tp.size, r);
     let o = g.act(&format!("{}l{l}.o", cx.pfx()), act, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.o_proj", cx.pfx()), attn, wo, None, o);
+    let o = all_reduce(
+        g,
+        o,
+        &format!("{}l{l}.o_sum", cx.pfx()),
+        &format!("{}l{l}.o_all_reduce", cx.pfx()),
+        cx,
+    );
     let x_attn = g.act(&format!("{}l{l}.x_attn", cx.pfx()), act, vec![t, f(h)]);
     g.op(
         &format!("{}l{l}.residual_attn", cx.pfx()),
@@ -220,7 +236,9 @@ pub(super) fn layer(
         vec![h2],
     );
     let wg = w(g, "mlp.gate_proj", vec![f(inter), f(h)]);
+    let wg = g.shard(wg, 0, tp.size, r);
     let wu = w(g, "mlp.up_proj", vec![f(inter), f(h)]);
+    let wu = g.shard(wu, 0, tp.size, r);
     let gate = g.act(&format!("{}l{l}.gate", cx.pfx()), act, vec![t, f(inter)]);
     let up = g.act(&format!("{}l{l}.up", cx.pfx()), act, vec![t, f(inter)]);
     g.linear(&format!("{}l{l}.gate_proj", cx.pfx()), h2, wg, None, gate);
@@ -230,8 +248,16 @@ pub(super) fn layer(
     let mid = g.act(&format!("{}l{l}.mlp_mid", cx.pfx()), act, vec![t, f(inter)]);
     g.op(&format!("{}l{l}.mul", cx.pfx()), OpKind::Mul, vec![ga, up], vec![mid]);
     let wd = w(g, "mlp.down_proj", vec![f(h), f(inter)]);
+    let wd = g.shard(wd, 1, tp.size, r);
     let down = g.act(&format!("{}l{l}.down", cx.pfx()), act, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.down_proj", cx.pfx()), mid, wd, None, down);
+    let down = all_reduce(
+        g,
+        down,
+        &format!("{}l{l}.down_sum", cx.pfx()),
+        &format!("{}l{l}.down_all_reduce", cx.pfx()),
+        cx,
+    );
     let x_out = match select {
         Some(_) => g.output(io::HIDDEN_OUT, act, vec![t, f(h)]),
         None => g.act(&format!("{}l{l}.x_out", cx.pfx()), act, vec![t, f(h)]),
@@ -243,6 +269,19 @@ pub(super) fn layer(
         vec![x_out],
     );
     x_out
+}
+
+/// A sharded plan's sum of every rank's `partial` (a row-parallel GEMM's output), in place;
+/// `partial` itself when the plan is unsharded.
+fn all_reduce(g: &mut Builder, partial: TensorId, name: &str, op: &str, cx: &Cx) -> TensorId {
+    if !cx.cfg.capture.tp.is_sharded() {
+        return partial;
+    }
+    let p = g.g.tensor(partial).clone();
+    let sum = g.act(name, p.dtype, p.shape.clone());
+    g.g.tensors[sum.0 as usize].alias_of = Some(partial);
+    g.op(op, OpKind::AllReduce, vec![partial], vec![sum]);
+    sum
 }
 
 /// The selected rows `hidden_out` (row `i·R + A_i − 1` of each request, selected inside the
@@ -309,6 +348,20 @@ fn final_norm(g: &mut Builder, cx: &Cx, x: TensorId, rows: Dim) -> TensorId {
 /// The lm_head weight and its rows (the hot rows under FR-Spec, the draft vocabulary of an
 /// EAGLE-3 head, or the vocabulary).
 fn lm_head_weight(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
+    let (w, rows) = lm_head_full(g, cx);
+    // Vocabulary parallel: rank r holds rows [r·V/T, (r+1)·V/T) (config::tp checked T
+    // divides them).
+    let tp = cx.cfg.capture.tp;
+    if !tp.is_sharded() {
+        return (w, rows);
+    }
+    let local = rows / tp.size as u64;
+    g.g.tensors[w.0 as usize].shape[0] = Dim::fixed(local);
+    (g.shard(w, 0, tp.size, tp.rank), local)
+}
+
+/// The unsharded lm_head weight and its rows.
+fn lm_head_full(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
     let (cfg, f) = (cx.cfg, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
@@ -337,6 +390,7 @@ fn lm_head_weight(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
             let storage = Storage::Weight {
                 sources: vec!["lm_head.weight".into(), "hot_token_ids".into()],
                 packing: Packing::GatherRows,
+                shard: Vec::new(),
             };
             (
                 g.tensor("lm_head.hot", act, vec![f(vh as u64), f(h)], storage),
@@ -353,13 +407,16 @@ fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p:
     let m = &cfg.model.desc;
     let k = cfg.spec.topk as u64;
     let vh = g.g.tensor(logits).shape[1].fixed;
-    let probs = g.act(&cx.n("probs"), DType::F32, vec![rows, f(vh)]);
-    g.op(&cx.n("softmax"), OpKind::Softmax, vec![logits], vec![probs]);
     let map = if map {
         (cfg.capture.hot_vocab_size, m.draft_vocab)
     } else {
         (None, None)
     };
+    if cfg.capture.tp.is_sharded() {
+        return rank_topk(g, cx, logits, rows, map, top_p, top_i);
+    }
+    let probs = g.act(&cx.n("probs"), DType::F32, vec![rows, f(vh)]);
+    g.op(&cx.n("softmax"), OpKind::Softmax, vec![logits], vec![probs]);
     match map {
         (None, Some(vd)) => {
             let draft_idx = g.act(&cx.n("topk_draft_ids"), DType::I64, vec![rows, f(k)]);
@@ -402,4 +459,59 @@ fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p:
             );
         }
     }
+}
+
+/// A sharded plan's top-K: this rank's records over its logits columns, every rank's
+/// records gathered (2 + 2K floats per chunk and row, never the logits), the global top-K
+/// merged from them (ids mapped to target ids by `map`: the hot rows or d2t, both full).
+fn rank_topk(
+    g: &mut Builder,
+    cx: &Cx,
+    logits: TensorId,
+    rows: Dim,
+    map: (Option<u32>, Option<u32>),
+    top_p: TensorId,
+    top_i: TensorId,
+) {
+    let (cfg, f) = (cx.cfg, Dim::fixed);
+    let tp = cfg.capture.tp;
+    let k = cfg.spec.topk;
+    let cols = g.g.tensor(logits).shape[1].fixed as u32;
+    let chunks = specplan_kernels::facts::rank_topk_chunks(cols, tp.size) as u64;
+    let rec = chunks * specplan_kernels::facts::topk_record_floats(k) as u64;
+    let records = g.act(&cx.n("topk_records"), DType::F32, vec![rows, f(rec)]);
+    g.op(
+        &cx.n("topk_records"),
+        OpKind::TopKRecords { k },
+        vec![logits],
+        vec![records],
+    );
+    let all = g.act(
+        &cx.n("topk_records_all"),
+        DType::F32,
+        vec![f(tp.size as u64), rows, f(rec)],
+    );
+    g.op(
+        &cx.n("topk_all_gather"),
+        OpKind::AllGather { ranks: tp.size },
+        vec![records],
+        vec![all],
+    );
+    let (ins, id_map) = match map {
+        (Some(vh), _) => (
+            vec![all, g.weight("hot_token_ids", DType::I64, vec![f(vh as u64)])],
+            Some(IdMap::Hot),
+        ),
+        (None, Some(vd)) => (
+            vec![all, g.weight("d2t", DType::I64, vec![f(vd as u64)])],
+            Some(IdMap::Offset),
+        ),
+        (None, None) => (vec![all], None),
+    };
+    g.op(
+        &cx.n(Entry::TopkMerge.name()),
+        OpKind::TopKMerge { k, map: id_map },
+        ins,
+        vec![top_p, top_i],
+    );
 }

@@ -178,6 +178,7 @@ impl Builder {
         let storage = Storage::Weight {
             sources: vec![source.to_string()],
             packing,
+            shard: Vec::new(),
         };
         self.tensor(name, dtype, shape, storage)
     }
@@ -185,8 +186,19 @@ impl Builder {
         let storage = Storage::Weight {
             sources: vec![name.to_string()],
             packing: Packing::Single,
+            shard: Vec::new(),
         };
         self.tensor(name, dtype, shape, storage)
+    }
+    /// Makes weight `t` rank `index`'s part of `parts` along `axis` of its full tensors
+    /// (nothing when `parts` is 1: an unsharded plan names no shard).
+    pub(crate) fn shard(&mut self, t: TensorId, axis: u32, parts: u32, index: u32) -> TensorId {
+        if parts > 1 {
+            if let Storage::Weight { shard, .. } = &mut self.g.tensors[t.0 as usize].storage {
+                *shard = vec![specplan_format::Shard { axis, parts, index }];
+            }
+        }
+        t
     }
     pub(crate) fn op(&mut self, name: &str, kind: OpKind, ins: Vec<TensorId>, outs: Vec<TensorId>) {
         self.rank += 1;

@@ -3,7 +3,7 @@
 //! are bound here through the entry's typed builder (`<Entry>Ptrs`), so an argument that is
 //! misnamed or missing does not compile.
 
-use specplan_format::{ArgValue, BucketFacts, GemmDesc, KernelFacts, Launch, LaunchKind};
+use specplan_format::{ArgValue, BucketFacts, CollectiveDesc, CollectiveOp, GemmDesc, KernelFacts, Launch, LaunchKind};
 use specplan_kernels::abi::{Kernel, Slot};
 use specplan_kernels::entries::attention::{AttnMergeParams, AttnMergePtrs, AttnPartialParams, AttnPartialPtrs};
 use specplan_kernels::entries::embed::{
@@ -187,6 +187,9 @@ pub(super) fn launches(
                 // One instance reads the request rows (step 0), one the lanes (after).
                 b.kernel::<GatherRowsParams>(op, false, &sh.facts.at_step((*step).min(1)), p)
             }
+            OpKind::AllReduce => collective(&mut b, op, CollectiveOp::AllReduceSum),
+            OpKind::AllGather { .. } => collective(&mut b, op, CollectiveOp::AllGather),
+            OpKind::TopKRecords { .. } | OpKind::TopKMerge { .. } => rank_topk(&mut b, op),
             OpKind::SoftmaxTopK { map, .. } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::TopK(p)) => Some(*p),
@@ -223,8 +226,9 @@ pub(super) fn launches(
                     x: b.arg(op.ins[0]),
                     accept_lens: b.arg(op.ins[1]),
                     weight: b.arg(op.ins[2]),
-                    out: b.arg(op.outs[0]),
-                    normed: b.arg(op.outs[1]),
+                    // One output: a tensor-parallel rank that needs no selected rows.
+                    out: b.arg_if(op.outs.len() == 2, op.outs.first()),
+                    normed: b.arg(op.outs[op.outs.len() - 1]),
                 };
                 b.kernel::<SelectNormParams>(op, false, sh.facts, p)
             }
@@ -318,6 +322,48 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
             w: b.buffer_id(op.ins[1]),
             c: b.buffer_id(op.outs[0]),
             accumulate,
+        }),
+    });
+}
+
+/// A sharded plan's top-K: this rank's records (`topk_partial` over its columns), or the
+/// merge of every rank's gathered records (`topk_merge`).
+fn rank_topk(b: &mut Binder, op: &Op) {
+    let f = b.sh.facts;
+    match op.kind {
+        OpKind::TopKMerge { map, .. } => {
+            let p = TopkMergePtrs {
+                part: b.arg(op.ins[0]),
+                hot_ids: b.arg_if(map.is_some(), op.ins.get(1)),
+                probs: b.arg(op.outs[0]),
+                ids: b.arg(op.outs[1]),
+            };
+            b.kernel::<TopkMergeParams>(op, false, f, p)
+        }
+        _ => {
+            let p = TopkPartialPtrs {
+                logits: b.arg(op.ins[0]),
+                part: b.arg(op.outs[0]),
+            };
+            b.kernel::<TopkPartialParams>(op, false, f, p)
+        }
+    }
+}
+
+/// A collective over the ranks: the all-reduce in place over its input's storage, the
+/// all-gather from its input into its output; `count` is the input's elements.
+fn collective(b: &mut Binder, op: &Op, kind: CollectiveOp) {
+    let g = b.sh.g;
+    let x = g.tensor(op.ins[0]);
+    let count = x.shape.iter().map(|d| d.at(b.bf.batch as u64)).product();
+    b.launches.push(Launch {
+        op: op.name.clone(),
+        kind: LaunchKind::Collective(CollectiveDesc {
+            op: kind,
+            send: b.buffer_id(op.ins[0]),
+            recv: b.buffer_id(op.outs[0]),
+            count,
+            dtype: x.dtype,
         }),
     });
 }

@@ -156,6 +156,23 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
                     }
                 }
             }
+            LaunchKind::Collective(c) => {
+                collective(p, b, c, &lat, &mut buf_touched, e);
+                let pairs: &[(u32, Access)] = match c.op {
+                    CollectiveOp::AllReduceSum => &[(c.send, Access::ReadWrite)],
+                    CollectiveOp::AllGather => &[(c.send, Access::Read), (c.recv, Access::Write)],
+                };
+                let pairs = pairs.iter().copied();
+                for (buf, access) in pairs {
+                    if (buf as usize) < b.buffers.len() {
+                        uses.push(Use {
+                            buf,
+                            access,
+                            launch: li,
+                        });
+                    }
+                }
+            }
             LaunchKind::Gemm(g) => {
                 gemm(p, b, g, &lat, touched, &mut buf_touched, e);
                 let c = if g.accumulate { Access::ReadWrite } else { Access::Write };
@@ -468,6 +485,73 @@ fn gemm(
         .insert(g.w, touched.weights.get(&g.w).copied().unwrap_or(0).max(w.bytes));
     buf_touched[g.a as usize] = buf_touched[g.a as usize].max(a.bytes);
     buf_touched[g.c as usize] = buf_touched[g.c as usize].max(c.bytes);
+}
+
+/// A collective launch: only in a sharded plan; an all-reduce in place over a whole buffer
+/// of `count` elements, an all-gather of a whole buffer into one T times its size, of the
+/// declared dtype (the activation type or f32).
+fn collective(
+    p: &Plan,
+    b: &BucketPlan,
+    c: &CollectiveDesc,
+    lat: &dyn Fn(Option<u32>, String) -> (Location, String),
+    buf_touched: &mut [u64],
+    e: &mut Errors,
+) {
+    let tp = p.capture.tp;
+    e.check(tp.is_sharded(), || {
+        lat(None, format!(": a {} in a plan of tp size {}", c.op.name(), tp.size))
+    });
+    let (send, recv) = (b.buffers.get(c.send as usize), b.buffers.get(c.recv as usize));
+    e.check(send.is_some() && recv.is_some(), || {
+        lat(
+            None,
+            format!(": buffer out of range (send = {}, recv = {})", c.send, c.recv),
+        )
+    });
+    let (Some(send), Some(recv)) = (send, recv) else { return };
+    e.check(c.dtype == p.capture.dtype || c.dtype == DType::F32, || {
+        lat(
+            None,
+            format!(".dtype: {} is neither the activation type nor f32", c.dtype.name()),
+        )
+    });
+    let elems = |d: &BufferDesc| d.bytes / d.dtype.size().max(1);
+    let ranks = match c.op {
+        CollectiveOp::AllReduceSum => 1,
+        CollectiveOp::AllGather => tp.size as u64,
+    };
+    e.check((c.op == CollectiveOp::AllReduceSum) == (c.send == c.recv), || {
+        lat(
+            None,
+            ": an all-reduce is in place (send = recv), an all-gather is not".into(),
+        )
+    });
+    e.check(
+        send.dtype == c.dtype
+            && recv.dtype == c.dtype
+            && c.count >= 1
+            && elems(send) == c.count
+            && Some(elems(recv)) == c.count.checked_mul(ranks),
+        || {
+            lat(
+                None,
+                format!(
+                    ": count {} of {} does not match %{} ({} {}) and %{} ({} {})",
+                    c.count,
+                    c.dtype.name(),
+                    send.name,
+                    elems(send),
+                    send.dtype.name(),
+                    recv.name,
+                    elems(recv),
+                    recv.dtype.name()
+                ),
+            )
+        },
+    );
+    buf_touched[c.send as usize] = buf_touched[c.send as usize].max(send.bytes);
+    buf_touched[c.recv as usize] = buf_touched[c.recv as usize].max(recv.bytes);
 }
 
 /// Rule 8 over a bucket's uses, in launch order.

@@ -18,10 +18,13 @@
 //! 3. Capture: power-of-two page size ≤ 1024, page-table width = ceil(context / page), the
 //!    page table within `MAX_TABLE_ENTRIES`, at least as many request slots as the largest
 //!    bucket, the scratch page the pool's last, an activation dtype, hot vocabulary in
-//!    `[topk, vocab]`.
+//!    `[topk, vocab]`; tensor parallelism: a power-of-two size ≤ `MAX_TP_SIZE`, the rank
+//!    below it, the lm_head rows divisible by it.
 //! 4. Weights: `bytes = prod(shape) · dtype`, 256-byte aligned, inside the weight region,
 //!    no two overlapping, the region no larger than its last weight (rounded), packing
-//!    arities; every weight used by a launch and no larger than what its uses touch.
+//!    arities; shards only in a sharded plan, one per packed part, each its rank's part of
+//!    T (or, for replicated kv heads, of fewer) along an axis the weight has; every
+//!    weight used by a launch and no larger than what its uses touch.
 //! 5. Kernels (`rules.rs`): unique names, each the instance's mangled name; constants
 //!    exactly the entry template's constants for the plan's facts (attention: for the
 //!    window of the layers it serves);
@@ -434,6 +437,19 @@ fn capture(p: &Plan, e: &mut Errors) {
     e.field(printable(&p.name, 256), "name", || {
         "must be 1–256 printable characters".into()
     });
+    let tp = c.tp;
+    e.field(
+        tp.size.is_power_of_two() && tp.size <= MAX_TP_SIZE,
+        "capture.tp.size",
+        || format!("{} is not a power of two in [1, {MAX_TP_SIZE}]", tp.size),
+    );
+    e.field(tp.rank < tp.size, "capture.tp.rank", || {
+        format!("{} is not below tp size {}", tp.rank, tp.size)
+    });
+    let lm_rows = c.hot_vocab_size.unwrap_or(p.model.lm_vocab());
+    e.field(lm_rows.is_multiple_of(tp.size.max(1)), "capture.tp.size", || {
+        format!("{} does not divide the {lm_rows} lm_head rows", tp.size)
+    });
 }
 
 fn weights(p: &Plan, e: &mut Errors) {
@@ -485,6 +501,38 @@ fn weights(p: &Plan, e: &mut Errors) {
         e.check(w.sources.iter().all(|s| printable(s, 256)), || {
             at("a source name is not printable".into())
         });
+        let tp = p.capture.tp;
+        let parts = if w.packing == Packing::ConcatRows {
+            w.sources.len()
+        } else {
+            1
+        };
+        e.check(
+            w.shard.is_empty() || (tp.is_sharded() && w.shard.len() == parts),
+            || {
+                at(format!(
+                    "{} shards for {parts} packed parts in a plan of tp size {}",
+                    w.shard.len(),
+                    tp.size
+                ))
+            },
+        );
+        for sh in &w.shard {
+            // Kv heads replicated over ranks (T > kv heads) split into fewer parts than T.
+            let parts_ok = sh.parts > 1 && sh.parts <= tp.size && tp.size.is_multiple_of(sh.parts);
+            let index_ok = parts_ok && sh.index == tp.rank / (tp.size / sh.parts);
+            e.check(index_ok && (sh.axis as usize) < w.shape.len(), || {
+                at(format!(
+                    "shard {} of {} along axis {} does not fit rank {} of tp size {} (a rank-{} weight)",
+                    sh.index,
+                    sh.parts,
+                    sh.axis,
+                    tp.rank,
+                    tp.size,
+                    w.shape.len()
+                ))
+            });
+        }
         let float = w.dtype == p.capture.dtype;
         let ids = w.dtype == DType::I64 && w.packing == Packing::Single;
         e.check(float || ids, || {

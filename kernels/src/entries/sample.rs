@@ -63,9 +63,10 @@ fn topk_smem(f: &KernelFacts) -> u64 {
     TOPK_THREADS as u64 * f.topk as u64 * 8
 }
 
+/// The id map covers the full row's columns (every rank's share).
 fn hot(f: &KernelFacts) -> Extent {
     if f.hot_map || f.id_offset {
-        Extent::Elems(f.cols as u64)
+        Extent::Elems(f.cols as u64 * f.tp_size.max(1) as u64)
     } else {
         Extent::Unused
     }
@@ -136,8 +137,9 @@ impl Kernel for TopkMergeParams {
     }
     fn extents(s: &TopkMergeScalars, f: &KernelFacts) -> TopkMergePtrs<Extent> {
         let (b, k) = (s.batch as u64, f.topk as u64);
+        let ranks = f.tp_size.max(1) as u64;
         TopkMergePtrs {
-            part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
+            part: Extent::Elems(ranks * b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
             hot_ids: hot(f),
             probs: Extent::Elems(b * k),
             ids: Extent::Elems(b * k),
@@ -153,5 +155,7 @@ pub fn constants(f: &KernelFacts) -> Constants {
         ("HOT_MAP".into(), ConstValue::Bool(f.hot_map)),
         ("ID_OFFSET".into(), ConstValue::Bool(f.id_offset)),
         u("FULL_VOCAB", f.vocab),
+        u("RANKS", f.tp_size),
+        u("COL_OFFSET", f.col_offset()),
     ]
 }

@@ -22,8 +22,10 @@ pub struct SelectRowsParams {
     pub batch: u32,
 }
 
-/// `select_norm` (EAGLE-3): `out[i] = x[i·N + A_i − 1]` (the pre-norm row that leaves the
-/// head) and `normed[i] = rmsnorm(out[i], weight)` (what lm_head reads).
+/// `select_norm`: `out[i] = x[i·N + A_i − 1]` (the selected pre-norm row: the residual of
+/// the last layer's MLP) and `normed[i] = rmsnorm(out[i], weight)` (the MLP's input). On a
+/// tensor-parallel rank other than 0, `out` is null: only rank 0's down projection adds the
+/// residual (`residual_into_all_reduce`), so no other rank reads the selected rows.
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct SelectNormParams {
@@ -56,7 +58,11 @@ impl Kernel for SelectNormParams {
             x: Extent::Elems(b * f.n as u64 * h),
             accept_lens: Extent::Elems(b),
             weight: Extent::Elems(h),
-            out: Extent::Elems(b * h),
+            out: if f.tp_rank > 0 {
+                Extent::Unused
+            } else {
+                Extent::Elems(b * h)
+            },
             normed: Extent::Elems(b * h),
         }
     }

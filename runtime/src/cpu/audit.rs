@@ -112,6 +112,7 @@ fn writes_of(plan: &Plan, b: &BucketPlan) -> Vec<Writes> {
             let mut w = Writes::default();
             match &l.kind {
                 LaunchKind::Gemm(g) => w.cells.extend(cells(g.c)),
+                LaunchKind::Collective(c) => w.cells.extend(cells(c.recv)),
                 LaunchKind::Kernel { kernel, args, .. } => {
                     let fields = plan
                         .kernels

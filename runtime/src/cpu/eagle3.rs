@@ -54,18 +54,24 @@ impl<K: KvStore> Ctx<'_, K> {
         s: &SelectNormScalars,
     ) -> R<()> {
         let (h, n, eps) = (c_pos(k, "HIDDEN")?, c_pos(k, "N")?, c_f32(k, "EPS")? as f64);
-        let (x, acc, w, out, normed) = (
+        let (x, acc, w, normed) = (
             buf(p.x, "x")?,
             buf(p.accept_lens, io::ACCEPT_LENS)?,
             weight(p.weight, "weight")?,
-            buf(p.out, "out")?,
             buf(p.normed, "normed")?,
         );
+        // Null on a tensor-parallel rank other than 0 (the header).
+        let out = match p.out {
+            super::Ptr::Null => None,
+            o => Some(buf(o, "out")?),
+        };
         for i in 0..s.batch as usize {
             let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
             let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
-            for (c, v) in row.iter().enumerate() {
-                self.st(out, i * h + c, *v)?;
+            if let Some(out) = out {
+                for (c, v) in row.iter().enumerate() {
+                    self.st(out, i * h + c, *v)?;
+                }
             }
             self.norm_into(&row, w, eps, normed, i * h)?;
         }

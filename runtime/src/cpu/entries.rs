@@ -460,6 +460,9 @@ impl<K: KvStore> Ctx<'_, K> {
 
     pub(super) fn topk_partial(&mut self, k: &KernelDesc, p: &TopkPartialPtrs<Ptr>, s: &TopkPartialScalars) -> R<()> {
         let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
+        // A tensor-parallel rank's columns start at COL_OFFSET of the full row; its records
+        // carry full-row columns.
+        let offset = c_u32(k, "COL_OFFSET")?;
         let (logits, part) = (buf(p.logits, io::LOGITS)?, buf(p.part, "part")?);
         let chunks = s.chunks as usize;
         if chunks == 0 {
@@ -486,7 +489,7 @@ impl<K: KvStore> Ctx<'_, K> {
                 self.st(part, base + 1, sum as f32 as f64)?;
                 for slot in 0..topk {
                     let (v, c) = match order.get(slot) {
-                        Some(&j) => (vals[j], (c0 + j) as f64),
+                        Some(&j) => (vals[j], (offset + c0 + j) as f64),
                         None => (f64::NEG_INFINITY, -1.0),
                     };
                     self.st(part, base + 2 + slot, v)?;
@@ -498,12 +501,15 @@ impl<K: KvStore> Ctx<'_, K> {
     }
 
     pub(super) fn topk_merge(&mut self, k: &KernelDesc, p: &TopkMergePtrs<Ptr>, s: &TopkMergeScalars) -> R<()> {
-        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
+        let (cols, topk, ranks) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_u32(k, "RANKS")?.max(1));
         let (part, probs, ids) = (buf(p.part, "part")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
-        let chunks = s.chunks as usize;
+        let (chunks, batch) = (s.chunks as usize, s.batch as usize);
         let rec = 2 + 2 * topk;
-        for i in 0..s.batch as usize {
-            let base = |ch: usize| (i * chunks + ch) * rec;
+        // Every rank's records, rank-major (sample.cu's contract); columns of the full row.
+        let all_cols = cols * ranks;
+        for i in 0..batch {
+            let base = |x: usize| (((x / chunks) * batch + i) * chunks + x % chunks) * rec;
+            let chunks = chunks * ranks;
             let mut heads = Vec::with_capacity(chunks);
             for ch in 0..chunks {
                 heads.push((self.ld(part, base(ch))?, self.ld(part, base(ch) + 1)?));
@@ -529,9 +535,9 @@ impl<K: KvStore> Ctx<'_, K> {
             }
             cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
             for slot in 0..topk {
-                // The kernel's guard: a column outside [0, COLS) yields probability 0, id -1.
+                // The kernel's guard: a column outside [0, COLS·RANKS) yields probability 0, id -1.
                 let (prob, id) = match cand.get(slot) {
-                    Some(&(v, c)) if c >= 0.0 && (c as usize) < cols => {
+                    Some(&(v, c)) if c >= 0.0 && (c as usize) < all_cols => {
                         let prob = if m != f64::NEG_INFINITY && sum > 0.0 {
                             ((v - m).exp() / sum) as f32 as f64
                         } else {

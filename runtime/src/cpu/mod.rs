@@ -14,6 +14,7 @@
 //! without a panic, and bad data (a page outside the pool) is an error, not a fault.
 
 mod audit;
+pub mod collective;
 mod eagle3;
 pub mod engine;
 pub mod engine_decode;
@@ -27,7 +28,9 @@ use std::borrow::Cow;
 
 pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
 pub use kv::{KvPool, KvStore, StridedKv};
-use specplan_format::{ArgValue, BucketPlan, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan};
+use specplan_format::{
+    ArgValue, BucketPlan, CollectiveDesc, CollectiveOp, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan,
+};
 use specplan_kernels::abi::{KernelParams, Slot};
 use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select, tree as tree_entries};
 use specplan_kernels::Entry;
@@ -82,6 +85,8 @@ pub const MAX_CPU_ARENA_BYTES: u64 = 1 << 30;
 pub struct CpuExecutor<'p> {
     plan: &'p Plan,
     weights: Cow<'p, [WeightData]>,
+    /// The ranks' communicator of a sharded plan (`capture.tp`).
+    comm: Option<&'p dyn collective::Communicator>,
 }
 
 /// The executor's state after host prep (`launch: None`) and after each launch, for
@@ -149,7 +154,26 @@ impl<'p> CpuExecutor<'p> {
                 )));
             }
         }
-        Ok(CpuExecutor { plan, weights })
+        Ok(CpuExecutor {
+            plan,
+            weights,
+            comm: None,
+        })
+    }
+
+    /// The executor of one rank of a sharded plan, meeting the other ranks' executors at
+    /// every collective launch through `comm` (a group of the plan's `capture.tp.size`).
+    pub fn with_communicator(mut self, comm: &'p dyn collective::Communicator) -> Result<Self, ExecError> {
+        let tp = self.plan.capture.tp;
+        if comm.size() != tp.size {
+            return Err(ExecError::Setup(format!(
+                "capture.tp: a communicator of {} ranks for a plan of tp size {}",
+                comm.size(),
+                tp.size
+            )));
+        }
+        self.comm = Some(comm);
+        Ok(self)
     }
 
     /// Runs one bucket on padded inputs, updating `kv` in place.
@@ -327,6 +351,7 @@ impl<'p> CpuExecutor<'p> {
             };
             match &launch.kind {
                 LaunchKind::Gemm(g) => ctx.gemm(g).map_err(err)?,
+                LaunchKind::Collective(c) => ctx.collective(c, self.comm).map_err(err)?,
                 LaunchKind::Kernel { kernel, grid, args, .. } => {
                     let k = self
                         .plan
@@ -408,6 +433,41 @@ impl<K: KvStore> Ctx<'_, K> {
             None => Ok(Vec::new()),
         }
     }
+    /// A collective launch through the ranks' communicator: the all-reduce sums every
+    /// rank's values in rank order, the all-gather lays them out rank-major.
+    fn collective(&mut self, c: &CollectiveDesc, comm: Option<&dyn collective::Communicator>) -> R<()> {
+        let tp = self.plan.capture.tp;
+        let comm = comm.ok_or_else(|| {
+            format!(
+                "a {} of a plan of tp size {}: the CPU executor runs a sharded plan only with its ranks' communicator (CpuExecutor::with_communicator)",
+                c.op.name(),
+                tp.size
+            )
+        })?;
+        let (send, recv, n) = (c.send as usize, c.recv as usize, c.count as usize);
+        let mine = (0..n).map(|i| self.ld(send, i)).collect::<R<Vec<f64>>>()?;
+        let all = comm.exchange(tp.rank, mine)?;
+        if all.len() != tp.size as usize || all.iter().any(|v| v.len() != n) {
+            return Err(format!("the ranks gave different counts to a {}", c.op.name()));
+        }
+        match c.op {
+            CollectiveOp::AllReduceSum => {
+                for i in 0..n {
+                    let sum = all.iter().map(|v| v[i]).fold(0.0, |a, x| a + x);
+                    self.st(recv, i, sum)?;
+                }
+            }
+            CollectiveOp::AllGather => {
+                for (r, v) in all.iter().enumerate() {
+                    for (i, &x) in v.iter().enumerate() {
+                        self.st(recv, r * n + i, x)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Element `i` of weight `w` (floats and ids alike, as f64).
     fn wf(&self, w: usize, i: usize) -> R<f64> {
         match self.weights.get(w) {

@@ -10,6 +10,8 @@ use cudarc::driver::{result, sys};
 pub enum GpuError {
     #[error("no CUDA driver (libcuda.so.1) or no GPU on this machine")]
     NoDriver,
+    #[error("capture.tp: the plan is rank {rank} of tp size {size}, and this runtime has no communicator for its collective launches (NCCL is not built yet; docs/tensor-parallel.md)")]
+    NoCommunicator { size: u32, rank: u32 },
     #[error("CUDA call {call} failed: {message}")]
     Cuda { call: &'static str, message: String },
     #[error("cuBLAS call {call} failed with status {status}")]

@@ -137,6 +137,14 @@ impl Launcher<'_> {
                     let (shape, ptrs) = gemm_call(self.mem, self.plan, b, g);
                     self.gemms.run(&shape, ptrs, self.stream)?
                 }
+                // `GpuRuntime::core` refuses a sharded plan, so none reaches here.
+                LaunchKind::Collective(_) => {
+                    let tp = self.plan.capture.tp;
+                    return Err(GpuError::NoCommunicator {
+                        size: tp.size,
+                        rank: tp.rank,
+                    });
+                }
                 LaunchKind::Kernel {
                     kernel,
                     grid,

@@ -155,6 +155,15 @@ impl GpuRuntime {
     }
 
     fn core(plan: &Plan, opts: &GpuOptions) -> Result<Core, GpuError> {
+        let tp = plan.capture.tp;
+        if tp.is_sharded() {
+            // Refused before any device work: a sharded plan's collectives need the ranks'
+            // communicator, which this runtime cannot take yet.
+            return Err(GpuError::NoCommunicator {
+                size: tp.size,
+                rank: tp.rank,
+            });
+        }
         if !Self::available() {
             return Err(GpuError::NoDriver);
         }

@@ -12,6 +12,7 @@ fn plan() -> Plan {
         shape,
         sources: sources.iter().map(|s| s.to_string()).collect(),
         packing,
+        shard: Vec::new(),
         offset: 0,
     };
     Plan {
@@ -50,6 +51,7 @@ fn plan() -> Plan {
             hot_vocab_size: None,
             outputs: specplan_format::HeadOutputs::TOPK,
             decode_verify: false,
+            tp: specplan_format::TensorParallel::SINGLE,
         },
         target: TargetDesc { sm: 90, nvrtc: None },
         rope_inv_freq: vec![],
@@ -417,6 +419,7 @@ fn leading_rows_bind_in_place() {
         bytes: 600 * 256 * 2,
         sources: vec!["embed_tokens.weight".into()],
         packing: Packing::LeadingRows,
+        shard: Vec::new(),
         offset: 0,
     });
     let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {

@@ -222,6 +222,11 @@ fn launches(p: &mut Plan, f: &mut Visit<'_>) {
                     f(&|| at(".c"), Leaf::U32(&mut g.c));
                     f(&|| at(".accumulate"), Leaf::Bool(&mut g.accumulate));
                 }
+                LaunchKind::Collective(c) => {
+                    f(&|| at(".send"), Leaf::U32(&mut c.send));
+                    f(&|| at(".recv"), Leaf::U32(&mut c.recv));
+                    f(&|| at(".count"), Leaf::U64(&mut c.count));
+                }
             }
         }
     }

@@ -398,6 +398,12 @@ fn repoint(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             *slot = to(n, rng);
             Some(format!("{at}.{name}: {old} -> {slot}"))
         }
+        LaunchKind::Collective(c) => {
+            let slot = if rng.below(2) == 0 { &mut c.send } else { &mut c.recv };
+            let old = *slot;
+            *slot = to(nb, rng);
+            Some(format!("{at}: collective buffer {old} -> {slot}"))
+        }
     }
 }
 

@@ -1,0 +1,62 @@
+//! Tensor parallelism in the plan: a plan's rank facts, the slices of the checkpoint its
+//! weights hold, and its collective launches (docs/tensor-parallel.md).
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::DType;
+
+/// A plan's tensor-parallel facts: T ranks, this plan being rank `rank`'s. `size` 1 is the
+/// unsharded plan (no collective launch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorParallel {
+    pub size: u32,
+    pub rank: u32,
+}
+
+impl TensorParallel {
+    pub const SINGLE: TensorParallel = TensorParallel { size: 1, rank: 0 };
+
+    pub fn is_sharded(self) -> bool {
+        self.size > 1
+    }
+}
+
+/// Which slice of a full checkpoint tensor a rank's weight holds: part `index` of `parts`
+/// equal parts along `axis` (0: rows, 1: columns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shard {
+    pub axis: u32,
+    pub parts: u32,
+    pub index: u32,
+}
+
+/// A collective over the plan's T tensor-parallel ranks, each rank's launch on its own
+/// buffers at the same arena offsets (`docs/tensor-parallel.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CollectiveOp {
+    /// Every rank's `count` elements become the sum over the ranks (in place: `send` =
+    /// `recv`), rounded to the buffer's dtype.
+    AllReduceSum,
+    /// Rank r's `count` elements of `send` land at `recv[r·count ..]` on every rank.
+    AllGather,
+}
+
+impl CollectiveOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduceSum => "all_reduce_sum",
+            CollectiveOp::AllGather => "all_gather",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CollectiveDesc {
+    pub op: CollectiveOp,
+    /// Bucket buffers (`send` = `recv` for an in-place all-reduce).
+    pub send: u32,
+    pub recv: u32,
+    /// Elements each rank contributes.
+    pub count: u64,
+    pub dtype: DType,
+}
