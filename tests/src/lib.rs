@@ -19,6 +19,7 @@ pub mod report;
 pub mod sanitize;
 pub mod soak;
 pub mod tolerance;
+pub mod tp_check;
 
 /// xorshift64*: no dependency, reproducible from the printed seed.
 pub struct Rng(pub u64);

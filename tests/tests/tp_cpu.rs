@@ -389,3 +389,16 @@ fn refusals_name_the_field() {
         assert!(e.contains(field), "{o:?}: the error does not name {field}: {e}");
     }
 }
+
+/// The GPU runtime refuses a sharded plan without its communicator before any device
+/// work (so this runs on a machine without a GPU too), naming the plan's rank.
+#[test]
+fn gpu_runtime_refuses_a_sharded_plan_without_a_communicator() {
+    let p = plan(&Source::Preset("tiny".into()), &Overrides::default(), 2, 1);
+    let weights = specplan_tests::random::random_weights(&p, &mut Rng(1));
+    let e = match specplan_runtime::gpu::GpuRuntime::new(p, &weights, Default::default()) {
+        Ok(_) => panic!("a rank-1-of-2 plan loaded without a communicator"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("capture.tp") && e.contains("rank 1 of tp size 2"), "{e}");
+}

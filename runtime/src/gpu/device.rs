@@ -10,8 +10,14 @@ use cudarc::driver::{result, sys};
 pub enum GpuError {
     #[error("no CUDA driver (libcuda.so.1) or no GPU on this machine")]
     NoDriver,
-    #[error("capture.tp: the plan is rank {rank} of tp size {size}, and this runtime has no communicator for its collective launches (NCCL is not built yet; docs/tensor-parallel.md)")]
+    #[error("capture.tp: the plan is rank {rank} of tp size {size}; its collective launches need the ranks' NCCL communicator (GpuOptions::communicator), and none was given")]
     NoCommunicator { size: u32, rank: u32 },
+    #[error("capture.tp: the communicator is {comm}, the plan is {plan}")]
+    CommunicatorMismatch { comm: String, plan: String },
+    #[error("no NCCL (libnccl.so) on this machine: a sharded plan's collectives need it")]
+    NoNccl,
+    #[error("NCCL call {call} failed with {status}")]
+    Nccl { call: &'static str, status: String },
     #[error("CUDA call {call} failed: {message}")]
     Cuda { call: &'static str, message: String },
     #[error("cuBLAS call {call} failed with status {status}")]

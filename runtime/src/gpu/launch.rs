@@ -105,6 +105,8 @@ pub(crate) struct Launcher<'a> {
     pub mem: &'a Memory,
     pub funcs: &'a [sys::CUfunction],
     pub gemms: &'a Gemms,
+    /// A sharded plan's communicator (`GpuRuntime::core` holds one exactly then).
+    pub comm: Option<&'a super::Communicator>,
     pub stream: sys::CUstream,
 }
 
@@ -137,13 +139,14 @@ impl Launcher<'_> {
                     let (shape, ptrs) = gemm_call(self.mem, self.plan, b, g);
                     self.gemms.run(&shape, ptrs, self.stream)?
                 }
-                // `GpuRuntime::core` refuses a sharded plan, so none reaches here.
-                LaunchKind::Collective(_) => {
+                LaunchKind::Collective(c) => {
                     let tp = self.plan.capture.tp;
-                    return Err(GpuError::NoCommunicator {
+                    let comm = self.comm.ok_or(GpuError::NoCommunicator {
                         size: tp.size,
                         rank: tp.rank,
-                    });
+                    })?;
+                    let at = |id: u32| self.mem.arena.ptr + b.buffers.get(id as usize).map_or(0, |x| x.offset);
+                    comm.issue(c, at(c.send), at(c.recv), self.stream)?;
                 }
                 LaunchKind::Kernel {
                     kernel,

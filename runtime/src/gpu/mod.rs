@@ -27,6 +27,7 @@ mod graph;
 mod launch;
 mod lt;
 mod memory;
+mod nccl;
 mod owned;
 mod probes;
 mod refusals;
@@ -54,6 +55,7 @@ use launch::{gemm_call, load_kernels, Launcher};
 pub use lt::GemmChoice;
 use memory::Memory;
 pub use memory::{DeviceTensor, EngineMemory, KvGeometry, KvRegistration, TableRegistration};
+pub use nccl::{selftest as nccl_selftest, Communicator, Selftest as NcclSelftest};
 pub use owned::{Hidden, HostOutputs, StepInfo, StepRequest};
 pub use refusals::{DeviceError, StepPoll};
 pub use specplan_kernels::kv::{DeviceRule, TableMode};
@@ -67,6 +69,9 @@ pub struct GpuOptions {
     pub gemms: GemmPolicy,
     /// CUDA device ordinal (its primary context, the one PyTorch uses).
     pub device: usize,
+    /// A sharded plan's communicator over the ranks (`capture.tp`): its rank and size are
+    /// the plan's; required exactly when the plan is sharded.
+    pub communicator: Option<Arc<Communicator>>,
 }
 
 impl Default for GpuOptions {
@@ -76,6 +81,7 @@ impl Default for GpuOptions {
             build_graphs: true,
             gemms: GemmPolicy::Cached,
             device: 0,
+            communicator: None,
         }
     }
 }
@@ -106,6 +112,9 @@ enum Mode {
 
 pub struct GpuRuntime {
     plan: ValidatedPlan,
+    /// A sharded plan's communicator (dropped after the graphs that use it: fields drop in
+    /// declaration order and `Drop` clears the graphs first).
+    comm: Option<Arc<Communicator>>,
     ctx: Arc<CudaContext>,
     /// The runtime's own stream: owned-memory steps, loading, capture.
     stream: Arc<CudaStream>,
@@ -137,6 +146,7 @@ impl Drop for GpuRuntime {
 
 /// What every load does before memory is set up: context, architecture, stream, kernels.
 struct Core {
+    comm: Option<Arc<Communicator>>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     modules: Vec<Module>,
@@ -155,15 +165,28 @@ impl GpuRuntime {
     }
 
     fn core(plan: &Plan, opts: &GpuOptions) -> Result<Core, GpuError> {
+        // Checked before any device work: a sharded plan's collectives need the ranks'
+        // communicator, of the plan's rank and size; an unsharded plan takes none.
         let tp = plan.capture.tp;
-        if tp.is_sharded() {
-            // Refused before any device work: a sharded plan's collectives need the ranks'
-            // communicator, which this runtime cannot take yet.
-            return Err(GpuError::NoCommunicator {
-                size: tp.size,
-                rank: tp.rank,
-            });
-        }
+        let comm = match (&opts.communicator, tp.is_sharded()) {
+            (Some(c), true) => {
+                c.check(tp)?;
+                Some(c.clone())
+            }
+            (None, true) => {
+                return Err(GpuError::NoCommunicator {
+                    size: tp.size,
+                    rank: tp.rank,
+                })
+            }
+            (Some(c), false) => {
+                return Err(GpuError::CommunicatorMismatch {
+                    comm: format!("rank {} of {}", c.rank(), c.size()),
+                    plan: "unsharded (tp size 1)".into(),
+                })
+            }
+            (None, false) => None,
+        };
         if !Self::available() {
             return Err(GpuError::NoDriver);
         }
@@ -185,6 +208,7 @@ impl GpuRuntime {
         let (modules, funcs) = load_kernels(plan)?;
         let gemms = Gemms::new(stream.cu_stream())?;
         Ok(Core {
+            comm,
             ctx,
             stream,
             modules,
@@ -207,6 +231,7 @@ impl GpuRuntime {
         let nb = plan.bucket_count();
         let mut rt = GpuRuntime {
             plan,
+            comm: core.comm,
             ctx: core.ctx,
             stream: core.stream,
             _modules: core.modules,
@@ -264,6 +289,7 @@ impl GpuRuntime {
             mem: &self.mem,
             funcs: &self.funcs,
             gemms: &self.gemms,
+            comm: self.comm.as_deref(),
             stream,
         }
     }

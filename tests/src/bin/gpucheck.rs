@@ -11,6 +11,8 @@
 //! gpucheck soak OUT_DIR PLAN [STEPS] [EVERY]     random steps: graph == eager, cache kept, CPU samples
 //! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
 //!                                               engine memory (`specplan_tests::engine`)
+//! gpucheck nccl                                 NCCL on one GPU (`specplan_tests::tp_check`)
+//! gpucheck tp WORK_DIR FULL_PLAN RANK_PLAN...    T ranks on T GPUs against the unsharded plan
 //! ```
 //!
 //! Per plan and batch size b (bucket sizes and sizes in between, so padding is exercised,
@@ -466,6 +468,39 @@ fn main() -> ExitCode {
             }
             Err(e) => {
                 println!("contract: FAILED: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    if args.get(1).map(String::as_str) == Some("nccl") {
+        return match specplan_tests::tp_check::nccl_check() {
+            Ok(r) => {
+                println!("nccl: ok: {r}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("nccl: FAILED: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    if args.get(1).map(String::as_str) == Some("tp") {
+        let [_, _, work, full, ranks @ ..] = args.as_slice() else {
+            eprintln!("usage: gpucheck tp WORK_DIR FULL_PLAN RANK_PLAN...");
+            return ExitCode::from(2);
+        };
+        let load = |p: &String| load_file(std::path::Path::new(p)).map_err(|e| format!("{p}: {e}"));
+        let r = load(full).and_then(|f| {
+            let rs = ranks.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+            specplan_tests::tp_check::tp_check(&f, &rs, std::path::Path::new(work), seed())
+        });
+        return match r {
+            Ok(r) => {
+                println!("tp: ok: {r}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!("tp: FAILED: {e}");
                 ExitCode::from(1)
             }
         };
