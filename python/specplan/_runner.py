@@ -73,6 +73,33 @@ class DraftExtendOutput:
 _DTYPE_NAMES = None
 
 
+def _nccl_comm(group):
+    """The ncclComm_t address of an engine's tensor-parallel group (0: none): SGLang 0.5.23
+    keeps it at `get_tp_group().pynccl_comm.comm` (srt/distributed/parallel_state.py:462-464,
+    device_communicators/pynccl.py:125-129), vLLM 0.33.0 at `get_tp_group()
+    .device_communicator.pynccl_comm.comm` (distributed/device_communicators/
+    cuda_communicator.py:106-108, pynccl.py:180); both a ctypes.c_void_p."""
+    if group is None:
+        return 0
+    if isinstance(group, bool):
+        raise TypeError("tp_group: expected a tensor-parallel group, a PyNccl communicator or an address")
+    if isinstance(group, int):
+        return group
+    for path in (("value",), ("comm",), ("pynccl_comm", "comm"), ("device_communicator", "pynccl_comm", "comm")):
+        x = group
+        for attr in path:
+            x = getattr(x, attr, None)
+            if x is None:
+                break
+        if x is None:
+            continue
+        x = getattr(x, "value", x)
+        if isinstance(x, int) and not isinstance(x, bool) and x:
+            return x
+    raise TypeError(f"tp_group: {type(group).__name__} has no NCCL communicator (pynccl_comm.comm or "
+                    f"device_communicator.pynccl_comm.comm); pass the engine's get_tp_group() or an ncclComm_t address")
+
+
 def _dtype_name(torch, dt):
     global _DTYPE_NAMES
     if _DTYPE_NAMES is None:
@@ -132,13 +159,19 @@ class Engine:
                   block when its kernel blocks, the pool's pages, are smaller)
     gemms         "cached" (default: cuBLASLt algorithms from the on-disk cache, timed once
                   per shape), "heuristic" or "retune"
+    tp_group      a sharded plan's (`tp_size` > 1) communicator over the engine's ranks: the
+                  engine's tensor-parallel group (SGLang 0.5.23's and vLLM 0.33.0's
+                  `get_tp_group()`), its PyNccl communicator, or an `ncclComm_t` address;
+                  its rank and size must be the plan's. The NCCL library specplan loads
+                  (`libnccl.so` on the loader path) must be the engine's (a link to torch's
+                  `libnccl.so.2`), so the communicator is the same object
 
     The registered tensors must stay alive and in place for the runner's life (it keeps
     references to them).
     """
 
     def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
-                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached"):
+                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached", tp_group=None):
         from . import Plan
 
         torch = _torch()
@@ -169,10 +202,13 @@ class Engine:
                 listed.append((name[len("model."):], t.data_ptr(), _dtype_name(torch, t.dtype), list(t.shape)))
         self._pools_kept = (kept, table)
         args = (plan._p, kp, vp, geom, table.data_ptr(), mode, table.shape[0], table.shape[1], table.stride(0), tpage, listed)
+        comm, self._tp_kept = _nccl_comm(tp_group), tp_group
         if self._cuda:
             with torch.cuda.device(self._index):
-                self._engine = _native.Engine(*args, self._index, gemms)
+                self._engine = _native.Engine(*args, self._index, gemms, comm)
         else:
+            if comm:
+                raise ValueError("tp_group: the CPU engine runs unsharded plans only")
             if gemms not in ("cached", "heuristic", "retune"):
                 raise ValueError(f"gemms {gemms!r}: expected \"cached\", \"heuristic\" or \"retune\"")
             self._engine = _native.CpuEngine(*args)
@@ -381,7 +417,7 @@ class DraftExtendRunner:
     """
 
     def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
-                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached"):
+                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached", tp_group=None):
         self._attach(Engine(plan, weights, k_cache, v_cache, req_to_token, block_table, kv_cache=kv_cache,
                             kv_layout=kv_layout, block_size=block_size, gemms=gemms))
 

@@ -15,9 +15,9 @@ use specplan_format::{signature, DType, Replay, ValidatedPlan};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::gpu::{
-    AcceptForm, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor,
-    EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll, TableMode,
-    TableRegistration,
+    AcceptForm, Communicator, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep,
+    DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll,
+    TableMode, TableRegistration,
 };
 use specplan_runtime::registration::RegError;
 
@@ -167,7 +167,9 @@ impl Engine {
     /// `page_size`-token pages); `rows × cols`, `row_stride` i32 entries apart. `weights`:
     /// `(name, address, dtype, shape)`.
     #[new]
-    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights, device=0, gemms="cached"))]
+    /// `communicator`: a sharded plan's NCCL communicator, the address of the engine's
+    /// `ncclComm_t` (0: none), which the Python side keeps alive with the engine.
+    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights, device=0, gemms="cached", communicator=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         plan: &Plan,
@@ -183,6 +185,7 @@ impl Engine {
         weights: Vec<(String, u64, String, Vec<u64>)>,
         device: usize,
         gemms: &str,
+        communicator: usize,
     ) -> PyResult<Engine> {
         let gemms = match gemms {
             "cached" => GemmPolicy::Cached,
@@ -202,9 +205,21 @@ impl Engine {
             table: r.table,
             weights: &r.weights,
         };
+        let communicator = if communicator == 0 {
+            None
+        } else {
+            // SAFETY: the Python Engine keeps the engine's communicator object (and so its
+            // ncclComm_t) alive as long as this runtime, and steps run on the engine's
+            // thread, which issues nothing else on the communicator meanwhile (the engines'
+            // own collectives run between draft steps, on the same stream).
+            Some(std::sync::Arc::new(
+                unsafe { Communicator::borrowed(communicator) }.map_err(py_err)?,
+            ))
+        };
         let opts = GpuOptions {
             gemms,
             device,
+            communicator,
             ..GpuOptions::default()
         };
         let vp = plan.inner.clone();

@@ -520,3 +520,29 @@ def test_an_fp16_plan_makes_fp16_buffers(fake):
     e._act = torch.float16
     r = e.draft_extend()
     assert r._out_h.dtype is torch.float16 and r._out_p.dtype is torch.float32
+
+
+def test_tensor_parallel_plans_and_the_engines_communicator():
+    # A rank's plan: its share of the heads, its shards of the checkpoint, refusals by field.
+    plan = specplan.Plan.compile(preset="tiny", tp_size=2, tp_rank=1, no_kernels=True)
+    assert plan.num_kv_heads == 1
+    assert "tensor_parallel size=2 rank=1" in plan.text()
+    with pytest.raises(ValueError, match="tp_rank"):
+        specplan.Plan.compile(preset="tiny", tp_size=2, tp_rank=2, no_kernels=True)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        specplan.Plan.compile(preset="tiny", tp_size=8, no_kernels=True)
+    # The communicator of the engines' tensor-parallel groups, as SGLang 0.5.23 and vLLM
+    # 0.33.0 hold it (a ctypes.c_void_p), or an address.
+    import ctypes
+
+    from specplan._runner import _nccl_comm
+
+    comm = ctypes.c_void_p(0x1234)
+    sglang = types.SimpleNamespace(pynccl_comm=types.SimpleNamespace(comm=comm))
+    vllm = types.SimpleNamespace(device_communicator=types.SimpleNamespace(pynccl_comm=types.SimpleNamespace(comm=comm)))
+    assert _nccl_comm(sglang) == _nccl_comm(vllm) == _nccl_comm(comm) == _nccl_comm(0x1234) == 0x1234
+    assert _nccl_comm(None) == 0
+    with pytest.raises(TypeError, match="tp_group"):
+        _nccl_comm(types.SimpleNamespace(pynccl_comm=None))
+    with pytest.raises(TypeError, match="tp_group"):
+        _nccl_comm(True)
