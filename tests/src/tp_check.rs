@@ -65,6 +65,8 @@ struct RankRun {
     eager_diffs: usize,
     kv: Vec<(Vec<u16>, Vec<u16>)>,
     us: Vec<f64>,
+    /// Per case: the in-graph time of the collective launches (the timeline's spans).
+    collective_us: Vec<f64>,
 }
 
 /// What every rank's run shares: the weights file, the cases (of the unsharded plan's
@@ -100,7 +102,14 @@ fn run_rank(
         eager_diffs: 0,
         kv: Vec::new(),
         us: Vec::new(),
+        collective_us: Vec::new(),
     };
+    let collectives: std::collections::HashSet<String> = plan
+        .all_buckets()
+        .flat_map(|(_, b)| &b.launches)
+        .filter(|l| matches!(l.kind, specplan_format::LaunchKind::Collective(_)))
+        .map(|l| l.op.clone())
+        .collect();
     let mut rng = Rng(seed);
     for c in cases {
         for (i, &s) in c.slots.iter().enumerate() {
@@ -126,6 +135,15 @@ fn run_rank(
         out.kv.push((kg, vg));
         let prefix = c.step.prefix_lens.iter().copied().max().unwrap_or(0).max(0) as usize;
         out.us.push(replay_us(&mut rt, plan, &mut rng, c.b, prefix)?.0);
+        let bucket = plan.bucket_for(c.b as u32).map_or(1, |x| x.batch);
+        let tl = rt.timeline(bucket, 20).map_err(g)?;
+        out.collective_us.push(
+            tl.ops
+                .iter()
+                .filter(|o| collectives.contains(&o.op))
+                .map(|o| o.us)
+                .sum(),
+        );
     }
     Ok(out)
 }

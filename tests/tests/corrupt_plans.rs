@@ -298,3 +298,74 @@ fn lost_results_and_foreign_pools_are_rejected() {
     let msgs = invalid(|p| p.model.rope_scaling = specplan_format::RopeScaling::Linear { factor: f32::NAN });
     assert!(msgs.contains("model.rope_scaling"), "{msgs}");
 }
+
+/// A sharded plan's facts, shards and collectives, each broken in one place, are refused
+/// naming what broke (and the unbroken rank plan is valid).
+#[test]
+fn tensor_parallel_facts_are_validated() {
+    use specplan_format::{CollectiveOp, Shard};
+    let o = Overrides {
+        tp_size: Some(2),
+        tp_rank: Some(1),
+        ..Overrides::default()
+    };
+    let rank = common::compile_preset("tiny", &o).into_inner();
+    let single = common::compile_preset("tiny", &Overrides::default()).into_inner();
+    let check = |base: &specplan_format::Plan, what: &str, want: &str, m: &dyn Fn(&mut specplan_format::Plan)| {
+        let mut p = base.clone();
+        m(&mut p);
+        let e = match validate(p) {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(want), "{what}: the error does not say {want:?}: {e}");
+    };
+    let collective = |p: &mut specplan_format::Plan, op: CollectiveOp| -> Option<usize> {
+        p.phases[0].buckets[0]
+            .launches
+            .iter()
+            .position(|l| matches!(&l.kind, LaunchKind::Collective(c) if c.op == op))
+    };
+    check(&rank, "rank above size", "capture.tp.rank", &|p| p.capture.tp.rank = 2);
+    check(&rank, "size 3", "capture.tp.size", &|p| p.capture.tp.size = 3);
+    check(&rank, "another rank's shard", "does not fit rank 1", &|p| {
+        let w = p
+            .weights
+            .iter_mut()
+            .find(|w| !w.shard.is_empty())
+            .expect("a sharded weight");
+        w.shard[0].index = 0;
+    });
+    check(&rank, "a shard too few", "shards for", &|p| {
+        let w = p
+            .weights
+            .iter_mut()
+            .find(|w| w.shard.len() > 1)
+            .expect("a packed sharded weight");
+        w.shard.pop();
+    });
+    check(&single, "a shard in an unsharded plan", "tp size 1", &|p| {
+        p.weights[0].shard = vec![Shard {
+            axis: 0,
+            parts: 2,
+            index: 0,
+        }];
+    });
+    check(&rank, "an all-gather of the wrong count", "does not match", &|p| {
+        let i = collective(p, CollectiveOp::AllGather).expect("an all-gather");
+        if let LaunchKind::Collective(c) = &mut p.phases[0].buckets[0].launches[i].kind {
+            c.count += 1;
+        }
+    });
+    check(&rank, "an all-reduce out of place", "in place", &|p| {
+        let i = collective(p, CollectiveOp::AllReduceSum).expect("an all-reduce");
+        if let LaunchKind::Collective(c) = &mut p.phases[0].buckets[0].launches[i].kind {
+            c.recv = (c.send + 1) % 3;
+        }
+    });
+    check(&rank, "a collective in an unsharded plan", "tp size 1", &|p| {
+        p.capture.tp = specplan_format::TensorParallel::SINGLE;
+    });
+    // The rank's own plan is valid as compiled.
+    assert!(validate(rank).is_ok());
+}

@@ -72,6 +72,11 @@ fn subjects(jit: Option<&Jit>) -> Vec<Subject> {
             x.page_size = Some(1);
         }),
         tiny("tiny-n24", &|x| x.num_draft_tokens = Some(24)),
+        // A tensor-parallel rank: shards, all-reduces, the cross-rank top-K.
+        tiny("tiny-tp2-rank1", &|x| {
+            x.tp_size = Some(2);
+            x.tp_rank = Some(1);
+        }),
         tiny("tiny-n36", &|x| x.num_draft_tokens = Some(36)),
         tiny("engine-sglang (page 1)", &|x| {
             x.page_size = Some(1);

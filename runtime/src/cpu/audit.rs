@@ -178,7 +178,17 @@ pub fn audit_bucket(
         )));
     }
     let (inputs, table, mut kv) = synthetic_inputs(plan, b, limits)?;
-    let exec = match CpuExecutor::borrowing(plan, weights) {
+    // A sharded plan's collectives meet mirrored ranks (`collective::Mirror`).
+    let mirror = super::collective::Mirror {
+        size: plan.capture.tp.size,
+    };
+    let exec = match CpuExecutor::borrowing(plan, weights).and_then(|x| {
+        if plan.capture.tp.is_sharded() {
+            x.with_communicator(&mirror)
+        } else {
+            Ok(x)
+        }
+    }) {
         Ok(x) => x,
         Err(e) => return Ok(Audit::Refused(e)),
     };

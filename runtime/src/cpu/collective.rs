@@ -163,3 +163,23 @@ pub fn lockstep<R: Send>(
     }
     Ok(results.into_iter().filter_map(Result::ok).collect())
 }
+
+/// A stand-in group for auditing one rank's plan alone (`audit_bucket`): every other rank
+/// gives this rank's values. The values are not a real forward's (an all-reduce comes out
+/// T times this rank's partial); what the audit checks — that every launch stays inside
+/// what it may touch — holds for any values.
+pub struct Mirror {
+    pub size: u32,
+}
+
+impl Communicator for Mirror {
+    fn size(&self) -> u32 {
+        self.size
+    }
+
+    fn exchange(&self, _rank: u32, values: Vec<f64>) -> Result<Arc<Vec<Vec<f64>>>, String> {
+        Ok(Arc::new(vec![values; self.size as usize]))
+    }
+
+    fn abort(&self) {}
+}
