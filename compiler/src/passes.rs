@@ -171,7 +171,11 @@ fn embed_concat(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
 fn fc_bias_into_embed(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for e in nodes_where(g, |k| *k == OpKind::EmbedConcat { bias: false }) {
-        let fc_in = g.graph[e].outs[0];
+        let mut fc_in = g.graph[e].outs[0];
+        // A vocabulary-parallel embedding's fc input is all-reduced first.
+        if let Some(r) = sole_consumer(g, fc_in).filter(|&r| g.graph[r].kind == OpKind::AllReduce) {
+            fc_in = g.graph[r].outs[0];
+        }
         let Some(l) = sole_consumer(g, fc_in).filter(|&l| {
             matches!(
                 g.graph[l].kind,

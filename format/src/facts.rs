@@ -47,6 +47,9 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         out_logits: c.outputs.logits && !decode,
         tp_size: c.tp.size,
         tp_rank: c.tp.rank,
+        embed_rows: c.tp.embedding_rows(m.vocab).0,
+        embed_start: c.tp.embedding_rows(m.vocab).1,
+        zero_hidden: c.tp.vocab_embedding && c.tp.rank > 0,
     }
 }
 

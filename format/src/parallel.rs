@@ -11,10 +11,29 @@ use crate::types::DType;
 pub struct TensorParallel {
     pub size: u32,
     pub rank: u32,
+    /// The embedding split by vocabulary like the engines' `VocabParallelEmbedding`: rank r
+    /// holds rows `[r·V/T, (r+1)·V/T)`, looks up only its ids (zeros for the others), and
+    /// the fc input rows are all-reduced (rank 0 carries the hidden half). `false`: every
+    /// rank holds the whole table and no collective is needed (the default).
+    pub vocab_embedding: bool,
 }
 
 impl TensorParallel {
-    pub const SINGLE: TensorParallel = TensorParallel { size: 1, rank: 0 };
+    pub const SINGLE: TensorParallel = TensorParallel {
+        size: 1,
+        rank: 0,
+        vocab_embedding: false,
+    };
+
+    /// Rows of the embedding table this rank holds, and the first one's id.
+    pub fn embedding_rows(self, vocab: u32) -> (u32, u32) {
+        if self.vocab_embedding && self.size > 1 {
+            let rows = vocab / self.size;
+            (rows, self.rank.saturating_mul(rows))
+        } else {
+            (vocab, 0)
+        }
+    }
 
     pub fn is_sharded(self) -> bool {
         self.size > 1

@@ -202,8 +202,10 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
         fact(
             "tensor_parallel".into(),
             format!(
-                "size={} rank={} (model heads, kv_heads, intermediate and the lm_head rows are this rank's share)",
-                c.tp.size, c.tp.rank
+                "size={} rank={} embedding={} (model heads, kv_heads, intermediate and the lm_head rows are this rank's share)",
+                c.tp.size,
+                c.tp.rank,
+                if c.tp.vocab_embedding { "vocab" } else { "replicated" }
             ),
         );
     }

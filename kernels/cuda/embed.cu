@@ -7,11 +7,17 @@
 //   bias_out[r, :]          = bias[:]            (only when HAS_BIAS and both pointers are set)
 //
 // Entry:     embed_concat
-// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS, EPS (unused here)
+//   A vocabulary-parallel embedding (a tensor-parallel rank's 1/T of the table): the table
+//   holds rows EMBED_START .. EMBED_START + EMBED_ROWS of the vocabulary; an id outside them
+//   gets a zero row, and with ZERO_HIDDEN (ranks other than 0) the hidden half is zeros, so
+//   the all-reduce of `out` over the ranks gives every rank embed(ids) ‖ hidden.
+//   Unsharded: EMBED_START 0, EMBED_ROWS VOCAB, ZERO_HIDDEN false.
+// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS, EPS (unused here), EMBED_ROWS, EMBED_START,
+//            ZERO_HIDDEN
 // Launch:    grid (rows, 1, 1), block (EMBED_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
 //   ids       const long long*  [rows]            token ids (int64)
-//   table     const act_t*      [VOCAB, HIDDEN]   embedding table
+//   table     const act_t*      [EMBED_ROWS, HIDDEN]   embedding table (the rank's rows)
 //   hidden    const act_t*      [rows, HIDDEN]    target hidden states
 //   bias      const act_t*      [HIDDEN]          fc bias, or null when !HAS_BIAS
 //   out       act_t*            [rows, 2*HIDDEN]
@@ -44,12 +50,23 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
     if (r >= p.rows) return;
     constexpr long long H = (long long)HIDDEN;
 
+    static_assert(EMBED_ROWS >= 1u && (unsigned long long)EMBED_START + EMBED_ROWS <= VOCAB,
+                  "the table's rows are a range of the vocabulary");
     long long id = p.ids[r];
     if (id < 0 || id >= (long long)VOCAB) id = 0;  // bad ids must not fault
+    const long long local = id - (long long)EMBED_START;
 
     act_t* dst = p.out + (long long)r * (2 * H);
-    block_copy_act(dst, p.table + id * H, H);
-    block_copy_act(dst + H, p.hidden + (long long)r * H, H);
+    if (local >= 0 && local < (long long)EMBED_ROWS) {
+        block_copy_act(dst, p.table + local * H, H);
+    } else {
+        for (long long i = threadIdx.x; i < H; i += blockDim.x) dst[i] = to_act(0.0f);
+    }
+    if constexpr (ZERO_HIDDEN) {
+        for (long long i = threadIdx.x; i < H; i += blockDim.x) dst[H + i] = to_act(0.0f);
+    } else {
+        block_copy_act(dst + H, p.hidden + (long long)r * H, H);
+    }
     if constexpr (HAS_BIAS) {
         if (p.bias != nullptr && p.bias_out != nullptr) block_copy_act(p.bias_out + (long long)r * H, p.bias, H);
     }

@@ -78,6 +78,13 @@ pub struct KernelFacts {
     /// at `tp_rank · cols` of the full row.
     pub tp_size: u32,
     pub tp_rank: u32,
+    /// Rows of the embedding table the plan holds (`vocab`, or a rank's 1/T under a
+    /// vocabulary-parallel embedding) and the first one's id.
+    pub embed_rows: u32,
+    pub embed_start: u32,
+    /// A vocabulary-parallel embedding on a rank other than 0: `embed_concat` writes zeros
+    /// in the hidden half (rank 0 carries it through the fc input's all-reduce).
+    pub zero_hidden: bool,
 }
 
 impl KernelFacts {

@@ -526,7 +526,7 @@ def test_tensor_parallel_plans_and_the_engines_communicator():
     # A rank's plan: its share of the heads, its shards of the checkpoint, refusals by field.
     plan = specplan.Plan.compile(preset="tiny", tp_size=2, tp_rank=1, no_kernels=True)
     assert plan.num_kv_heads == 1
-    assert "tensor_parallel size=2 rank=1" in plan.text()
+    assert "tensor_parallel size=2 rank=1 embedding=replicated" in plan.text()
     with pytest.raises(ValueError, match="tp_rank"):
         specplan.Plan.compile(preset="tiny", tp_size=2, tp_rank=2, no_kernels=True)
     with pytest.raises(ValueError, match="num_attention_heads"):

@@ -294,6 +294,30 @@ fn eagle1_gqa_with_bias_at_tp_2_and_4() {
     check("tiny", Source::Preset("tiny".into()), tiny_overrides(), &[2, 4]);
 }
 
+/// The embedding split by vocabulary as SGLang's and vLLM's `VocabParallelEmbedding` hold
+/// it (`tp_embedding = "vocab"`): each rank looks up its ids, the fc input is all-reduced.
+#[test]
+fn vocabulary_parallel_embedding_at_tp_2_4_8() {
+    let o = Overrides {
+        tp_embedding: Some("vocab".into()),
+        ..tiny_overrides()
+    };
+    check(
+        "tiny vocab-embedding",
+        Source::Preset("tiny".into()),
+        o.clone(),
+        &[2, 4],
+    );
+    let text = TINY
+        .replace("num_attention_heads = 4", "num_attention_heads = 8")
+        .replace("head_dim = 64", "head_dim = 32");
+    let src = Source::Toml {
+        name: "tiny8".into(),
+        text,
+    };
+    check("tiny8 vocab-embedding", src, o, &[8]);
+}
+
 #[test]
 fn fr_spec_hot_rows_at_tp_2() {
     let o = Overrides {
@@ -341,7 +365,15 @@ fn eagle3_with_d2t_at_tp_2_and_4() {
 #[test]
 fn refusals_name_the_field() {
     let src = Source::Preset("tiny".into());
-    let cases: [(Overrides, &str); 5] = [
+    let cases: [(Overrides, &str); 6] = [
+        (
+            Overrides {
+                tp_size: Some(2),
+                tp_embedding: Some("rows".into()),
+                ..Overrides::default()
+            },
+            "tp_embedding",
+        ),
         (
             Overrides {
                 tp_size: Some(8),

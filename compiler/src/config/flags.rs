@@ -214,6 +214,11 @@ flags! {
     /// with an all-reduce after each, vocabulary-parallel lm_head with a cross-rank top-K).
     tp_size: u32 { table: "capture", cli: "tp-size", python: ["tp_size", "tensor_parallel_size"],
         kind: U32, bounds: b(1, MAX_TP_SIZE), default: "1" }
+    /// With tp_size > 1: replicated (every rank holds the whole embedding) or vocab (rank r
+    /// holds its 1/T of the rows, as SGLang's and vLLM's VocabParallelEmbedding: what an
+    /// engine's draft weights are in place; costs an all-reduce of the fc input).
+    tp_embedding: String { table: "capture", cli: "tp-embedding", python: ["tp_embedding"], kind: Text,
+        bounds: None, default: "replicated" }
     /// The rank whose share the plan computes (below tp_size).
     tp_rank: u32 { table: "capture", cli: "tp-rank", python: ["tp_rank"], kind: U32,
         bounds: b(0, MAX_TP_SIZE - 1), default: "0" }

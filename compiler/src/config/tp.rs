@@ -22,6 +22,20 @@ pub(super) fn read_tp(v: &Value, o: &Overrides, e: &mut Errors) -> TensorParalle
         .tp_rank
         .or_else(|| uint_field(v, "tp_rank", &rank_label, e))
         .unwrap_or(0);
+    let embed_label = flags::label("tp_embedding");
+    let embed = o
+        .tp_embedding
+        .clone()
+        .or_else(|| v.get("tp_embedding").and_then(|x| x.as_str()).map(str::to_string))
+        .unwrap_or_else(|| "replicated".into());
+    let vocab_embedding = match embed.trim() {
+        "replicated" => false,
+        "vocab" => true,
+        other => {
+            e.push(embed_label, format!("{other:?}: expected \"replicated\" or \"vocab\""));
+            false
+        }
+    };
     if !size.is_power_of_two() || size > MAX_TP_SIZE {
         e.push(
             size_label,
@@ -33,7 +47,11 @@ pub(super) fn read_tp(v: &Value, o: &Overrides, e: &mut Errors) -> TensorParalle
         e.push(rank_label, format!("{rank} is not below tp_size {size}"));
         return TensorParallel::SINGLE;
     }
-    TensorParallel { size, rank }
+    TensorParallel {
+        size,
+        rank,
+        vocab_embedding,
+    }
 }
 
 /// Replaces the model's heads, kv heads and intermediate rows by rank `c.tp.rank`'s share
@@ -42,6 +60,8 @@ pub(super) fn shard(m: &mut ModelConfig, c: &mut CaptureConfig, topk: u32, prefi
     let t = c.tp.size;
     c.kv_parts = 1;
     if t <= 1 {
+        // One rank: the table is whole whatever the flag says.
+        c.tp.vocab_embedding = false;
         return;
     }
     let d = &mut m.desc;
@@ -91,6 +111,23 @@ pub(super) fn shard(m: &mut ModelConfig, c: &mut CaptureConfig, topk: u32, prefi
             flags::label("tp_size"),
             format!("{t} leaves each rank {} lm_head rows, below topk = {}", rows / t, topk),
         );
+    }
+    if c.tp.vocab_embedding {
+        if d.head == specplan_format::HeadKind::Eagle3 {
+            e.push(
+                flags::label("tp_embedding"),
+                "vocab is built for EAGLE-1/2 heads (EAGLE-3 norms the whole embedded row before anything could sum the ranks' parts); use replicated".into(),
+            );
+        }
+        if !d.vocab.is_multiple_of(t) {
+            e.push(
+                format!("{prefix}vocab_size"),
+                format!(
+                    "{} embedding rows do not split over {why} (tp_embedding vocab)",
+                    d.vocab
+                ),
+            );
+        }
     }
     if c.outputs.logits {
         e.push(

@@ -14,7 +14,11 @@ pub(super) fn embed(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
     let (cfg, t, f) = (cx.cfg, cx.rows, Dim::fixed);
     let m = &cfg.model.desc;
     let act = cfg.capture.dtype;
-    let embed_w = g.weight("embed_tokens.weight", act, vec![f(m.vocab as u64), f(m.hidden as u64)]);
+    // A vocabulary-parallel embedding holds the rank's rows (`capture.tp.vocab_embedding`).
+    let tp = cfg.capture.tp;
+    let (rows, _) = tp.embedding_rows(m.vocab);
+    let embed_w = g.weight("embed_tokens.weight", act, vec![f(rows as u64), f(m.hidden as u64)]);
+    let embed_w = g.shard(embed_w, 0, if rows < m.vocab { tp.size } else { 1 }, tp.rank);
     let emb = g.act(&cx.n("embeds"), act, vec![t, f(m.hidden as u64)]);
     g.op(&cx.n("embed"), OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
     emb
@@ -29,6 +33,13 @@ pub(super) fn fc(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
     let emb = embed(g, cx, inp);
     let fc_in = g.act(&cx.n("fc_in"), act, vec![t, f(2 * h)]);
     g.op(&cx.n("concat"), OpKind::Concat, vec![emb, inp.hidden], vec![fc_in]);
+    // A vocabulary-parallel embedding: each rank's rows hold its ids' embeddings (zeros for
+    // the others) and, past rank 0, zeros for the hidden half; their sum is the input.
+    let fc_in = if cfg.capture.tp.vocab_embedding {
+        all_reduce(g, fc_in, &cx.n("fc_in_sum"), &cx.n("fc_in_all_reduce"), cx)
+    } else {
+        fc_in
+    };
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(2 * h)]);
     let fc_b = m.fc_bias.then(|| g.weight("fc.bias", act, vec![f(h)]));
     let x = g.act(&cx.n("x"), act, vec![t, f(h)]);

@@ -446,6 +446,17 @@ fn capture(p: &Plan, e: &mut Errors) {
     e.field(tp.rank < tp.size, "capture.tp.rank", || {
         format!("{} is not below tp size {}", tp.rank, tp.size)
     });
+    e.field(
+        !tp.vocab_embedding
+            || (tp.is_sharded() && p.model.vocab.is_multiple_of(tp.size) && p.model.head == HeadKind::Eagle1),
+        "capture.tp.vocab_embedding",
+        || {
+            format!(
+                "needs tp size > 1 dividing vocab {} and an EAGLE-1/2 head",
+                p.model.vocab
+            )
+        },
+    );
     let lm_rows = c.hot_vocab_size.unwrap_or(p.model.lm_vocab());
     e.field(lm_rows.is_multiple_of(tp.size.max(1)), "capture.tp.size", || {
         format!("{} does not divide the {lm_rows} lm_head rows", tp.size)

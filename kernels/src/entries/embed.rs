@@ -92,7 +92,7 @@ impl Kernel for EmbedConcatParams {
         let bias = |n: u64| if f.has_bias { Extent::Elems(n) } else { Extent::Unused };
         EmbedConcatPtrs {
             ids: Extent::Elems(rows),
-            table: Extent::Elems(f.vocab as u64 * h),
+            table: Extent::Elems(f.embed_rows as u64 * h),
             hidden: Extent::Elems(rows * h),
             bias: bias(h),
             out: Extent::Elems(rows * 2 * h),
@@ -108,5 +108,8 @@ pub fn constants(f: &KernelFacts) -> Constants {
         u("VOCAB", f.vocab),
         ("HAS_BIAS".into(), ConstValue::Bool(f.has_bias)),
         ("EPS".into(), ConstValue::F32(f.eps)),
+        u("EMBED_ROWS", f.embed_rows),
+        u("EMBED_START", f.embed_start),
+        ("ZERO_HIDDEN".into(), ConstValue::Bool(f.zero_hidden)),
     ]
 }

@@ -88,6 +88,9 @@ fn kv(p: Ptr, want: KvKind, name: &str) -> R<usize> {
 impl<K: KvStore> Ctx<'_, K> {
     pub(super) fn embed_concat(&mut self, k: &KernelDesc, p: &EmbedConcatPtrs<Ptr>, s: &EmbedConcatScalars) -> R<()> {
         let (h, vocab) = (c_u32(k, "HIDDEN")?, c_u32(k, "VOCAB")? as i64);
+        // A vocabulary-parallel rank's rows of the table (embed.cu's header).
+        let (rows, start) = (c_u32(k, "EMBED_ROWS")? as i64, c_u32(k, "EMBED_START")? as i64);
+        let zero_hidden = c_bool(k, "ZERO_HIDDEN")?;
         let (ids, table, hid, out) = (
             buf(p.ids, "ids")?,
             weight(p.table, "table")?,
@@ -107,11 +110,16 @@ impl<K: KvStore> Ctx<'_, K> {
                 }
             }
             let id = self.ld(ids, r)? as i64;
-            let id = if (0..vocab).contains(&id) { id as usize } else { 0 };
+            let id = if (0..vocab).contains(&id) { id } else { 0 };
+            let local = id - start;
             for c in 0..h {
-                let e = self.wf(table, id * h + c)?;
+                let e = if (0..rows).contains(&local) {
+                    self.wf(table, local as usize * h + c)?
+                } else {
+                    0.0
+                };
                 self.st(out, r * 2 * h + c, e)?;
-                let x = self.ld(hid, r * h + c)?;
+                let x = if zero_hidden { 0.0 } else { self.ld(hid, r * h + c)? };
                 self.st(out, r * 2 * h + h + c, x)?;
             }
         }

@@ -80,8 +80,9 @@ impl Communicator {
     /// destroyed here.
     ///
     /// # Safety
-    /// `addr` is a live `ncclComm_t` of this process that outlives the returned value and
-    /// every runtime built with it, and no other thread issues on it while the runtime does.
+    /// SAFETY: `addr` is a live `ncclComm_t` of this process that outlives the returned
+    /// value and every runtime built with it, and no other thread issues on it while the
+    /// runtime does.
     pub unsafe fn borrowed(addr: usize) -> Result<Communicator, GpuError> {
         if !Self::available() {
             return Err(GpuError::NoNccl);
