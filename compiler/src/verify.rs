@@ -311,9 +311,11 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             }
             Ok(())
         }
-        OpKind::AllReduce | OpKind::TopKRecords { .. } | OpKind::AllGather { .. } | OpKind::TopKMerge { .. } => {
-            check_tp_op(&c, kind)
-        }
+        OpKind::AllReduce
+        | OpKind::TopKRecords { .. }
+        | OpKind::AllGather { .. }
+        | OpKind::TopKMerge { .. }
+        | OpKind::LogitsGather { .. } => check_tp_op(&c, kind),
         OpKind::MapIds { .. } => {
             c.arity(2, 1)?;
             c.dtype(false, 0, &[DType::I64])?;
@@ -399,6 +401,19 @@ fn check_tp_op(c: &Ctx, kind: &OpKind) -> Result<(), String> {
                 c.dtype(false, 1, &[DType::I64])?;
             }
             Ok(())
+        }
+        OpKind::LogitsGather { ranks } => {
+            c.arity(1, 1)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            c.dtype(true, 0, &[DType::F32])?;
+            let x = c.shape(false, 0);
+            want(x.len() == 3 && x[0] == Dim::fixed(*ranks as u64), || {
+                format!("input must be [{ranks}, M, C]")
+            })?;
+            let (m, cols) = (x[1], x[2].fixed);
+            want(c.shape(true, 0) == [m, Dim::fixed(cols * *ranks as u64)], || {
+                format!("output must be [M, {ranks}·C]")
+            })
         }
         _ => Ok(()),
     }

@@ -51,6 +51,12 @@
 //     all records' candidates (same order), then probs and ids exactly as softmax_topk's
 //     (over the RANKS*COLS columns of the full row).
 //
+// Entry logits_gather (a sharded plan's logits output): out[i, t*COLS + c] =
+//   part[(t*batch + i)*COLS + c] for every rank t < RANKS — the all-gathered shares,
+//   rank-major, as full rows.
+//   Launch: grid (batch, RANKS, 1), block (LOGITS_GATHER_THREADS = 256, 1, 1), no shared memory.
+//   Params: part const float* [RANKS*batch*COLS], out float* [batch, RANKS*COLS], batch unsigned
+//
 // Method (one CTA over a column range): each thread keeps an online (max, sum of exp)
 // pair and a sorted top-TOPK list of its columns in shared memory. Then the 512 lists are
 // merged pairwise in a 9-level tree (each merge keeps the best TOPK of two sorted lists).
@@ -321,4 +327,13 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
             emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(LOGITS_GATHER_THREADS) logits_gather(LogitsGatherParams p) {
+    using namespace topk;
+    const unsigned i = blockIdx.x, t = blockIdx.y;
+    if (i >= p.batch || t >= RANKS) return;  // uniform per CTA
+    const float* src = p.part + ((long long)t * p.batch + i) * kCols;
+    float* dst = p.out + (long long)i * kAllCols + (long long)t * kCols;
+    for (long long c = threadIdx.x; c < kCols; c += blockDim.x) dst[c] = src[c];
 }

@@ -76,7 +76,12 @@ impl Template {
             Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
             Template::Mlp => &[Entry::SiluMul],
             Template::Select => &[Entry::SelectRows, Entry::SelectNorm],
-            Template::Sample => &[Entry::SoftmaxTopk, Entry::TopkPartial, Entry::TopkMerge],
+            Template::Sample => &[
+                Entry::SoftmaxTopk,
+                Entry::TopkPartial,
+                Entry::TopkMerge,
+                Entry::LogitsGather,
+            ],
             Template::Tree => &[
                 Entry::TreeInit,
                 Entry::TreeSelect,
@@ -165,6 +170,7 @@ entries! {
     SoftmaxTopk => sample::SoftmaxTopkParams, "softmax_topk", Sample;
     TopkPartial => sample::TopkPartialParams, "topk_partial", Sample;
     TopkMerge => sample::TopkMergeParams, "topk_merge", Sample;
+    LogitsGather => sample::LogitsGatherParams, "logits_gather", Sample;
     TreeInit => tree::TreeInitParams, "tree_init", Tree;
     TreeSelect => tree::TreeSelectParams, "tree_select", Tree;
     TreeFinish => tree::TreeFinishParams, "tree_finish", Tree;

@@ -148,6 +148,12 @@ impl KernelFacts {
         rank_topk_chunks(self.cols, self.tp_size)
     }
 
+    /// Columns of the logits the plan emits: every rank's share (a sharded plan gathers
+    /// them), `cols` unsharded.
+    pub fn logits_cols(&self) -> u32 {
+        self.cols.saturating_mul(self.tp_size.max(1))
+    }
+
     /// The full logits row's first column of this rank's share.
     pub fn col_offset(&self) -> u32 {
         self.tp_rank.saturating_mul(self.cols)

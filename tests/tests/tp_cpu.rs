@@ -174,6 +174,17 @@ fn compare(tag: &str, kind: PhaseKind, want: &Outs, got: &Outs, k: usize, (b, bb
                 worst = worst.max(rel(gh[i], wh[i]));
             }
             assert!(worst <= 1e-5, "{tag}: hidden_out differs by {worst:.3e} relative");
+            // The logits output (full rows, every rank's share gathered) when compiled.
+            if want.iter().any(|(n, _)| n == specplan_format::io::LOGITS) {
+                let (wl, gl) = (get(want, io::LOGITS), get(got, io::LOGITS));
+                assert_eq!(wl.len(), gl.len(), "{tag}: logits sizes");
+                let cols = wl.len() / bb;
+                let d = (0..b * cols).map(|i| rel(gl[i], wl[i])).fold(0.0f64, f64::max);
+                assert!(d <= 1e-5, "{tag}: logits differ by {d:.3e} relative");
+            }
+            if !want.iter().any(|(n, _)| n == io::TOPK_PROBS) {
+                return worst;
+            }
             let (wp, gp) = (get(want, io::TOPK_PROBS), get(got, io::TOPK_PROBS));
             let (wi, gi) = (get(want, io::TOPK_IDS), get(got, io::TOPK_IDS));
             for r in 0..b {
@@ -318,6 +329,24 @@ fn vocabulary_parallel_embedding_at_tp_2_4_8() {
     check("tiny8 vocab-embedding", src, o, &[8]);
 }
 
+/// SGLang's draft-extend slot takes the selected rows' logits: a sharded plan gathers every
+/// rank's columns into full rows (beside the top-K, and alone).
+#[test]
+fn logits_output_at_tp_2_and_4() {
+    for outputs in ["topk,logits", "logits"] {
+        let o = Overrides {
+            outputs: Some(outputs.into()),
+            ..Overrides::default()
+        };
+        check(
+            &format!("tiny outputs {outputs}"),
+            Source::Preset("tiny".into()),
+            o,
+            &[2, 4],
+        );
+    }
+}
+
 #[test]
 fn fr_spec_hot_rows_at_tp_2() {
     let o = Overrides {
@@ -365,7 +394,7 @@ fn eagle3_with_d2t_at_tp_2_and_4() {
 #[test]
 fn refusals_name_the_field() {
     let src = Source::Preset("tiny".into());
-    let cases: [(Overrides, &str); 6] = [
+    let cases: [(Overrides, &str); 5] = [
         (
             Overrides {
                 tp_size: Some(2),
@@ -395,14 +424,6 @@ fn refusals_name_the_field() {
                 ..Overrides::default()
             },
             "tp_rank",
-        ),
-        (
-            Overrides {
-                tp_size: Some(2),
-                outputs: Some("logits".into()),
-                ..Overrides::default()
-            },
-            "outputs",
         ),
         (
             Overrides {

@@ -129,12 +129,6 @@ pub(super) fn shard(m: &mut ModelConfig, c: &mut CaptureConfig, topk: u32, prefi
             );
         }
     }
-    if c.outputs.logits {
-        e.push(
-            flags::label("outputs"),
-            format!("logits with {why}: each rank holds {} of the {rows} columns and no gather of logits is built; use topk or topk-draft", rows / t),
-        );
-    }
     d.heads /= t;
     d.kv_heads = kv_local;
     d.intermediate /= t;

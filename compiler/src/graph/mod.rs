@@ -170,6 +170,9 @@ pub enum OpKind {
     /// Every rank's records → the global top-K: ins records [ranks, M, chunks·R] f32
     /// (, map) → out probs [M,K] f32, ids [M,K] i64 (`topk_merge`).
     TopKMerge { k: u32, map: Option<IdMap> },
+    /// Every rank's gathered logits `[ranks, M, C]` → full rows `[M, ranks·C]` f32 (the
+    /// sharded plan's `logits` output, `logits_gather`).
+    LogitsGather { ranks: u32 },
     // --- Fused (passes) ---
     /// Embed ‖ hidden: ins ids, table, hidden [T,H] (, fc bias [H]) → out [T,2H]
     /// (, the fc output [T,H] initialized to the bias, which the fc GEMM accumulates onto).
@@ -241,6 +244,7 @@ impl OpKind {
             OpKind::TopKRecords { .. } => Entry::TopkPartial.name(),
             OpKind::AllGather { .. } => "all_gather",
             OpKind::TopKMerge { .. } => Entry::TopkMerge.name(),
+            OpKind::LogitsGather { .. } => Entry::LogitsGather.name(),
         }
     }
 
@@ -277,7 +281,8 @@ impl OpKind {
             | OpKind::AllReduce
             | OpKind::TopKRecords { .. }
             | OpKind::AllGather { .. }
-            | OpKind::TopKMerge { .. } => false,
+            | OpKind::TopKMerge { .. }
+            | OpKind::LogitsGather { .. } => false,
         }
     }
 }

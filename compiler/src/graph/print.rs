@@ -32,7 +32,7 @@ fn kind_args(k: &OpKind) -> String {
             format!("(k={k}, map={})", map.map_or("none", |m| m.name()))
         }
         OpKind::TopKRecords { k } => format!("(k={k})"),
-        OpKind::AllGather { ranks } => format!("(ranks={ranks})"),
+        OpKind::AllGather { ranks } | OpKind::LogitsGather { ranks } => format!("(ranks={ranks})"),
         OpKind::MapIds { map } => format!("({})", map.name()),
         _ => String::new(),
     }

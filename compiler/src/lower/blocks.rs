@@ -307,12 +307,36 @@ pub(super) fn output_head(g: &mut Builder, cx: &Cx, hidden_out: TensorId) {
     // The logits leave the head when the plan emits them (`capture.outputs`); the fused
     // top-K reads the same buffer.
     let outputs = cfg.capture.outputs;
-    let logits = if outputs.logits {
-        g.output(io::LOGITS, DType::F32, vec![b, f(vh)])
+    let tp = cfg.capture.tp;
+    let logits = if outputs.logits && tp.is_sharded() {
+        // Every rank's share gathered into full rows (the top-K reads the rank's own).
+        let local = g.act(&cx.n("logits_local"), DType::F32, vec![b, f(vh)]);
+        let t = tp.size as u64;
+        let all = g.act(&cx.n("logits_all"), DType::F32, vec![f(t), b, f(vh)]);
+        let full = g.output(io::LOGITS, DType::F32, vec![b, f(vh * t)]);
+        g.linear(&cx.n("lm_head"), lm_in, lm_w, None, local);
+        g.op(
+            &cx.n("logits_all_gather"),
+            OpKind::AllGather { ranks: tp.size },
+            vec![local],
+            vec![all],
+        );
+        g.op(
+            &cx.n(Entry::LogitsGather.name()),
+            OpKind::LogitsGather { ranks: tp.size },
+            vec![all],
+            vec![full],
+        );
+        local
     } else {
-        g.act(io::LOGITS, DType::F32, vec![b, f(vh)])
+        let logits = if outputs.logits {
+            g.output(io::LOGITS, DType::F32, vec![b, f(vh)])
+        } else {
+            g.act(io::LOGITS, DType::F32, vec![b, f(vh)])
+        };
+        g.linear(&cx.n("lm_head"), lm_in, lm_w, None, logits);
+        logits
     };
-    g.linear(&cx.n("lm_head"), lm_in, lm_w, None, logits);
     if !outputs.topk {
         return;
     }

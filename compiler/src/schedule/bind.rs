@@ -13,7 +13,8 @@ use specplan_kernels::entries::mlp::{SiluMulParams, SiluMulPtrs};
 use specplan_kernels::entries::norm::{RmsNormParams, RmsNormPtrs};
 use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
 use specplan_kernels::entries::sample::{
-    SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs, TopkPartialParams, TopkPartialPtrs,
+    LogitsGatherParams, LogitsGatherPtrs, SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs,
+    TopkPartialParams, TopkPartialPtrs,
 };
 use specplan_kernels::entries::select::{SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs};
 use specplan_kernels::entries::tree::{
@@ -189,7 +190,9 @@ pub(super) fn launches(
             }
             OpKind::AllReduce => collective(&mut b, op, CollectiveOp::AllReduceSum),
             OpKind::AllGather { .. } => collective(&mut b, op, CollectiveOp::AllGather),
-            OpKind::TopKRecords { .. } | OpKind::TopKMerge { .. } => rank_topk(&mut b, op),
+            OpKind::TopKRecords { .. } | OpKind::TopKMerge { .. } | OpKind::LogitsGather { .. } => {
+                rank_head(&mut b, op)
+            }
             OpKind::SoftmaxTopK { map, .. } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::TopK(p)) => Some(*p),
@@ -326,11 +329,19 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
     });
 }
 
-/// A sharded plan's top-K: this rank's records (`topk_partial` over its columns), or the
-/// merge of every rank's gathered records (`topk_merge`).
-fn rank_topk(b: &mut Binder, op: &Op) {
+/// A sharded plan's head: this rank's top-K records (`topk_partial` over its columns), the
+/// merge of every rank's gathered records (`topk_merge`), or the gathered logits' full rows
+/// (`logits_gather`).
+fn rank_head(b: &mut Binder, op: &Op) {
     let f = b.sh.facts;
     match op.kind {
+        OpKind::LogitsGather { .. } => {
+            let p = LogitsGatherPtrs {
+                part: b.arg(op.ins[0]),
+                out: b.arg(op.outs[0]),
+            };
+            b.kernel::<LogitsGatherParams>(op, false, f, p)
+        }
         OpKind::TopKMerge { map, .. } => {
             let p = TopkMergePtrs {
                 part: b.arg(op.ins[0]),

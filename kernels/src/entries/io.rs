@@ -120,7 +120,7 @@ pub fn admit_smem_bytes(batch: u32, n: u32) -> u32 {
 /// CTAs per request row of `emit` (the logits row is split across them).
 pub fn emit_y(f: &KernelFacts) -> u32 {
     if f.out_logits {
-        f.cols.div_ceil(8192).clamp(1, 32)
+        f.logits_cols().div_ceil(8192).clamp(1, 32)
     } else {
         1
     }
@@ -217,7 +217,11 @@ impl Kernel for AdmitParams {
             out_probs: Extent::Elems(s.b as u64 * f.topk as u64),
             out_ids: Extent::Elems(s.b as u64 * f.topk as u64),
             out_hidden: Extent::Elems(s.b as u64 * h),
-            out_logits: Extent::Elems(if f.out_logits { s.b as u64 * f.cols as u64 } else { 0 }),
+            out_logits: Extent::Elems(if f.out_logits {
+                s.b as u64 * f.logits_cols() as u64
+            } else {
+                0
+            }),
             ids: Extent::Elems(bb * n),
             hidden: Extent::Elems(bb * n * hin),
             req_slots: Extent::Elems(bb),
@@ -246,7 +250,7 @@ impl Kernel for EmitParams {
             probs: Extent::Elems(bb * k),
             ids: Extent::Elems(bb * k),
             hidden: Extent::Elems(bb * f.hidden as u64),
-            logits: Extent::Elems(if f.out_logits { bb * f.cols as u64 } else { 0 }),
+            logits: Extent::Elems(if f.out_logits { bb * f.logits_cols() as u64 } else { 0 }),
             status: Extent::Elems(crate::kv::STATUS_WORDS as u64),
         }
     }
@@ -262,7 +266,8 @@ pub fn constants(f: &KernelFacts) -> Constants {
         u("TOPK", f.topk),
         u("PAGE_SIZE", f.page_size),
         u("MAX_CONTEXT", f.max_context),
-        u("COLS", f.cols),
+        // The emitted logits' columns (every rank's under tensor parallelism).
+        u("COLS", f.logits_cols()),
         u("OUT_TOPK", f.out_topk as u32),
         u("OUT_LOGITS", f.out_logits as u32),
     ]

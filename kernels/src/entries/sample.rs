@@ -54,6 +54,40 @@ pub struct TopkMergeParams {
     pub chunks: u32,
 }
 
+/// `logits_gather`: a sharded plan's logits rows from every rank's gathered share
+/// (rank-major `[RANKS, batch, COLS]`) into `[batch, RANKS·COLS]`.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct LogitsGatherParams {
+    #[arg(buffer)]
+    pub part: DevPtr<f32>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<f32>,
+    pub batch: u32,
+}
+
+pub const LOGITS_GATHER_THREADS: u32 = 256;
+
+impl Kernel for LogitsGatherParams {
+    const ENTRY: Entry = Entry::LogitsGather;
+    fn threads(_: &KernelFacts) -> u32 {
+        LOGITS_GATHER_THREADS
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], LogitsGatherScalars) {
+        (
+            [f.head_rows(b), f.tp_size.max(1), 1],
+            LogitsGatherScalars { batch: f.head_rows(b) },
+        )
+    }
+    fn extents(s: &LogitsGatherScalars, f: &KernelFacts) -> LogitsGatherPtrs<Extent> {
+        let n = s.batch as u64 * f.logits_cols() as u64;
+        LogitsGatherPtrs {
+            part: Extent::Elems(n),
+            out: Extent::Elems(n),
+        }
+    }
+}
+
 pub const TOPK_THREADS: u32 = 512;
 /// `topk_merge`: one warp per row; lane l owns chunk l's record.
 pub const TOPK_MERGE_THREADS: u32 = 32;

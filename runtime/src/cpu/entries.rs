@@ -11,7 +11,8 @@ use specplan_kernels::entries::mlp::{SiluMulPtrs, SiluMulScalars};
 use specplan_kernels::entries::norm::{RmsNormPtrs, RmsNormScalars};
 use specplan_kernels::entries::rope::{RopeAppendPtrs, RopeAppendScalars};
 use specplan_kernels::entries::sample::{
-    SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkMergePtrs, TopkMergeScalars, TopkPartialPtrs, TopkPartialScalars,
+    LogitsGatherPtrs, LogitsGatherScalars, SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkMergePtrs, TopkMergeScalars,
+    TopkPartialPtrs, TopkPartialScalars,
 };
 use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
 
@@ -502,6 +503,27 @@ impl<K: KvStore> Ctx<'_, K> {
                     };
                     self.st(part, base + 2 + slot, v)?;
                     self.st(part, base + 2 + topk + slot, c)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `logits_gather`: every rank's share (rank-major) into full rows (sample.cu's header).
+    pub(super) fn logits_gather(
+        &mut self,
+        k: &KernelDesc,
+        p: &LogitsGatherPtrs<Ptr>,
+        s: &LogitsGatherScalars,
+    ) -> R<()> {
+        let (cols, ranks) = (c_u32(k, "COLS")?, c_u32(k, "RANKS")?.max(1));
+        let (part, out) = (buf(p.part, "part")?, buf(p.out, "out")?);
+        let batch = s.batch as usize;
+        for t in 0..ranks {
+            for i in 0..batch {
+                for c in 0..cols {
+                    let v = self.ld(part, (t * batch + i) * cols + c)?;
+                    self.st(out, i * cols * ranks + t * cols + c, v)?;
                 }
             }
         }

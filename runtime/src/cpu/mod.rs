@@ -538,6 +538,10 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<sample::TopkPartialParams>(&slots)?;
                 self.topk_partial(k, &p, &s)
             }
+            Entry::LogitsGather => {
+                let (p, s) = typed::<sample::LogitsGatherParams>(&slots)?;
+                self.logits_gather(k, &p, &s)
+            }
             Entry::TopkMerge => {
                 let (p, s) = typed::<sample::TopkMergeParams>(&slots)?;
                 self.topk_merge(k, &p, &s)
