@@ -156,6 +156,9 @@ for _name, _doc in [
     ("outputs", "what the head emits besides its hidden row: 'topk', 'logits' or 'topk,logits'"),
     ("logits_size", "columns of the logits output (the lm_head's rows)"),
     ("hot_vocab_size", "FR-Spec's hot vocabulary size (None without FR-Spec)"),
+    ("tp_size", "tensor-parallel ranks of the plan (1: unsharded)"),
+    ("tp_rank", "the rank whose share the plan computes"),
+    ("tp_embedding", "'vocab' (the embedding split by vocabulary, as the engines hold it) or 'replicated'"),
 ]:
     setattr(Plan, _name, _plan_property(_name, _doc))
 

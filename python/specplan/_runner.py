@@ -73,6 +73,25 @@ class DraftExtendOutput:
 _DTYPE_NAMES = None
 
 
+def _engine_tp(plan, engine, size, rank, get_group):
+    """The tensor-parallel group a plan needs on an engine running its draft over `size`
+    ranks (this one `rank`), or None unsharded: the plan must be this rank's, with the
+    embedding split by vocabulary (the engines' VocabParallelEmbedding shard is used in place).
+    `get_group` gives the engine's `get_tp_group()` (called only when sharded)."""
+    size, rank = int(size or 1), int(rank or 0)
+    if plan.tp_size == 1 and size == 1:
+        return None
+    if (plan.tp_size, plan.tp_rank) != (size, rank):
+        raise ValueError(
+            f"plan: rank {plan.tp_rank} of tp_size {plan.tp_size}, but {engine} runs the draft as rank {rank} of "
+            f"{size}; compile this rank's plan (tp_size={size}, tp_rank={rank}, tp_embedding=\"vocab\")")
+    if plan.tp_embedding != "vocab":
+        raise ValueError(
+            f"plan: {engine} holds the draft's embedding split by vocabulary over its {size} ranks "
+            "(VocabParallelEmbedding): compile with tp_embedding=\"vocab\"")
+    return get_group()
+
+
 def _nccl_comm(group):
     """The ncclComm_t address of an engine's tensor-parallel group (0: none): SGLang 0.5.23
     keeps it at `get_tp_group().pynccl_comm.comm` (srt/distributed/parallel_state.py:462-464,

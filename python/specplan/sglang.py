@@ -189,18 +189,39 @@ class SGLangDraftExtendRunner:
         weights = _weights(draft_worker, plan)
         # One registration of SGLang's memory; the draft-extend phase runs on it (a later
         # phase of the same plan would share it: `engine.<phase>()`).
+        sa = getattr(draft_worker, "server_args", None)
+        tp_group = _sglang_tp(plan, sa, draft_worker)
         engine = Engine(
             plan, weights, [k for k, _ in pools], [v for _, v in pools], req_to_token=table,
-            kv_layout=layout, gemms=gemms,
+            kv_layout=layout, gemms=gemms, tp_group=tp_group,
         )
         runner = engine.draft_extend()
-        sa = getattr(draft_worker, "server_args", None)
         return cls(
             runner,
             draft_runner=dr,
             dp_attention=bool(getattr(sa, "enable_dp_attention", False)),
             disable_padding=bool(getattr(sa, "disable_cuda_graph_padding", False)),
         )
+
+
+def _sglang_tp(plan, server_args, draft_worker):
+    """SGLang 0.5.23's draft runs with the target's tp_size (server_args.tp_size; this rank's
+    get_tensor_model_parallel_rank()): a sharded plan of that rank and its NCCL group
+    (get_tp_group(), srt/distributed/parallel_state.py:2228, 3196)."""
+    from ._runner import _engine_tp
+
+    def group():
+        from sglang.srt.distributed import get_tp_group
+
+        return get_tp_group()
+
+    size = int(getattr(server_args, "tp_size", 1) or 1) if server_args is not None else 1
+    rank = 0
+    if size > 1:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+    return _engine_tp(plan, "SGLang", size, rank, group)
 
 
 def _decode_reach(L, steps, topk, page):

@@ -171,7 +171,7 @@ def make_speculator_class(base):
             block = self.block_tables.block_sizes[group]
             engine = Engine(
                 plan, _weights(self.model, plan), kv_cache=kv, kv_layout="BHNC", block_table=table,
-                block_size=block, gemms=_STATE["gemms"],
+                block_size=block, gemms=_STATE["gemms"], tp_group=_vllm_tp(plan),
             )
             runner = engine.draft_extend()
             self._sp_runner = runner
@@ -340,6 +340,21 @@ def make_speculator_class(base):
 
     SpecplanEagleSpeculator.__qualname__ = "SpecplanEagleSpeculator"
     return SpecplanEagleSpeculator
+
+
+def _vllm_tp(plan):
+    """vLLM 0.33.0 runs the draft with the target's tensor parallelism: a sharded plan of
+    this rank and its NCCL group (vllm.distributed's get_tp_group())."""
+    from ._runner import _engine_tp
+
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        rank = ps.get_tensor_model_parallel_rank() if size > 1 else 0
+    except ImportError:
+        size, rank = 1, 0
+    return _engine_tp(plan, "vLLM", size, rank, lambda: ps.get_tp_group())
 
 
 def _weights(model, plan):

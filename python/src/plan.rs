@@ -336,6 +336,25 @@ impl Plan {
     fn num_layers(&self) -> u64 {
         self.inner.model.layers as u64
     }
+    /// Tensor-parallel ranks of the plan (1: unsharded).
+    #[getter]
+    fn tp_size(&self) -> u32 {
+        self.inner.capture.tp.size
+    }
+    /// The rank whose share the plan computes.
+    #[getter]
+    fn tp_rank(&self) -> u32 {
+        self.inner.capture.tp.rank
+    }
+    /// "vocab" (the embedding split by vocabulary, as the engines hold it) or "replicated".
+    #[getter]
+    fn tp_embedding(&self) -> &'static str {
+        if self.inner.capture.tp.vocab_embedding {
+            "vocab"
+        } else {
+            "replicated"
+        }
+    }
     #[getter]
     fn num_kv_heads(&self) -> u64 {
         self.inner.model.kv_heads as u64

@@ -546,3 +546,20 @@ def test_tensor_parallel_plans_and_the_engines_communicator():
         _nccl_comm(types.SimpleNamespace(pynccl_comm=None))
     with pytest.raises(TypeError, match="tp_group"):
         _nccl_comm(True)
+
+
+def test_engine_adapters_match_the_engines_tensor_parallelism():
+    from specplan._runner import _engine_tp
+
+    plan1 = specplan.Plan.compile(preset="tiny", no_kernels=True)
+    rank1 = specplan.Plan.compile(preset="tiny", tp_size=2, tp_rank=1, tp_embedding="vocab", no_kernels=True)
+    whole = specplan.Plan.compile(preset="tiny", tp_size=2, tp_rank=1, no_kernels=True)
+    never = lambda: pytest.fail("the group is asked for only when sharded")  # noqa: E731
+    assert _engine_tp(plan1, "SGLang", 1, 0, never) is None
+    assert _engine_tp(rank1, "SGLang", 2, 1, lambda: "group") == "group"
+    with pytest.raises(ValueError, match="rank 1 of tp_size 2.*rank 0 of 2"):
+        _engine_tp(rank1, "vLLM", 2, 0, never)
+    with pytest.raises(ValueError, match="tp_size=2, tp_rank=0"):
+        _engine_tp(plan1, "SGLang", 2, 0, never)
+    with pytest.raises(ValueError, match="tp_embedding"):
+        _engine_tp(whole, "SGLang", 2, 1, never)
