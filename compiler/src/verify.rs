@@ -315,7 +315,8 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
         | OpKind::TopKRecords { .. }
         | OpKind::AllGather { .. }
         | OpKind::TopKMerge { .. }
-        | OpKind::LogitsGather { .. } => check_tp_op(&c, kind),
+        | OpKind::LogitsGather { .. }
+        | OpKind::NormConcat => check_tp_op(&c, kind),
         OpKind::MapIds { .. } => {
             c.arity(2, 1)?;
             c.dtype(false, 0, &[DType::I64])?;
@@ -401,6 +402,15 @@ fn check_tp_op(c: &Ctx, kind: &OpKind) -> Result<(), String> {
                 c.dtype(false, 1, &[DType::I64])?;
             }
             Ok(())
+        }
+        OpKind::NormConcat => {
+            c.arity(3, 1)?;
+            let (_, w2) = c.rank2(false, 0)?;
+            let h = Dim::fixed(w2.fixed / 2);
+            want(c.shape(false, 1) == [h] && c.shape(false, 2) == [h], || {
+                format!("weights must be [{h}]")
+            })?;
+            c.same((false, 0), (true, 0))
         }
         OpKind::LogitsGather { ranks } => {
             c.arity(1, 1)?;

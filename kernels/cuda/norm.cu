@@ -16,6 +16,14 @@
 //                                           by the thread that read it)
 //   rows    unsigned      CTAs with blockIdx.x >= rows do nothing
 // The row is read twice (sum of squares, then scaling); the second read hits L1/L2.
+//
+// Entry:     norm_concat (EAGLE-3's layer-0 input after a vocabulary-parallel embedding's
+//            all-reduce of embed(ids) ‖ h)
+//   out[r, 0:HIDDEN]        = rmsnorm(x[r, 0:HIDDEN], w_a)
+//   out[r, HIDDEN:2*HIDDEN] = rmsnorm(x[r, HIDDEN:2*HIDDEN], w_b), each as rmsnorm above.
+// Launch:    grid (rows, 1, 1), block (NORM_CONCAT_THREADS = 256, 1, 1).
+// Params:    x const act_t* [rows, 2*HIDDEN], w_a, w_b const act_t* [HIDDEN],
+//            out act_t* [rows, 2*HIDDEN], rows unsigned
 #include "common.cuh"
 
 // RmsNormParams is declared by the generated prelude, from specplan_kernels
@@ -27,4 +35,15 @@ extern "C" __global__ void __launch_bounds__(RMSNORM_THREADS) rmsnorm(RmsNormPar
     if (r >= p.rows) return;  // uniform per CTA: no thread reaches the barrier below
     constexpr long long H = (long long)HIDDEN;
     rmsnorm_row(p.x + (long long)r * H, p.weight, p.out + (long long)r * H, H, EPS, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_CONCAT_THREADS) norm_concat(NormConcatParams p) {
+    __shared__ float scratch[32];
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;  // uniform per CTA
+    constexpr long long H = (long long)HIDDEN;
+    const act_t* x = p.x + (long long)r * (2 * H);
+    act_t* out = p.out + (long long)r * (2 * H);
+    rmsnorm_row(x, p.w_a, out, H, EPS, scratch);
+    rmsnorm_row(x + H, p.w_b, out + H, H, EPS, scratch);
 }

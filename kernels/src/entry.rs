@@ -71,7 +71,7 @@ impl Template {
     pub fn entries(self) -> &'static [Entry] {
         match self {
             Template::Embed => &[Entry::EmbedConcat, Entry::EmbedNormConcat],
-            Template::Norm => &[Entry::RmsNorm],
+            Template::Norm => &[Entry::RmsNorm, Entry::NormConcat],
             Template::RopeAppend => &[Entry::RopeAppend],
             Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
             Template::Mlp => &[Entry::SiluMul],
@@ -161,6 +161,7 @@ entries! {
     EmbedConcat => embed::EmbedConcatParams, "embed_concat", Embed;
     EmbedNormConcat => embed::EmbedNormConcatParams, "embed_norm_concat", Embed;
     RmsNorm => norm::RmsNormParams, "rmsnorm", Norm;
+    NormConcat => norm::NormConcatParams, "norm_concat", Norm;
     RopeAppend => rope::RopeAppendParams, "rope_append", RopeAppend;
     AttnPartial => attention::AttnPartialParams, "attn_partial", Attention;
     AttnMerge => attention::AttnMergeParams, "attn_merge", Attention;

@@ -388,7 +388,14 @@ fn eagle3_with_d2t_at_tp_2_and_4() {
         draft_decode_steps: Some("3".into()),
         ..Overrides::default()
     };
-    check("tiny-eagle3", src, o, &[2, 4]);
+    check("tiny-eagle3", src.clone(), o.clone(), &[2, 4]);
+    // The embedding split by vocabulary, as SGLang's EAGLE-3 head holds it: the ranks'
+    // `embed(ids) ‖ h` summed before both norms (`norm_concat`).
+    let o = Overrides {
+        tp_embedding: Some("vocab".into()),
+        ..o
+    };
+    check("tiny-eagle3 vocab-embedding", src, o, &[2, 4]);
 }
 
 #[test]

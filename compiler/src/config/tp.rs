@@ -112,22 +112,14 @@ pub(super) fn shard(m: &mut ModelConfig, c: &mut CaptureConfig, topk: u32, prefi
             format!("{t} leaves each rank {} lm_head rows, below topk = {}", rows / t, topk),
         );
     }
-    if c.tp.vocab_embedding {
-        if d.head == specplan_format::HeadKind::Eagle3 {
-            e.push(
-                flags::label("tp_embedding"),
-                "vocab is built for EAGLE-1/2 heads (EAGLE-3 norms the whole embedded row before anything could sum the ranks' parts); use replicated".into(),
-            );
-        }
-        if !d.vocab.is_multiple_of(t) {
-            e.push(
-                format!("{prefix}vocab_size"),
-                format!(
-                    "{} embedding rows do not split over {why} (tp_embedding vocab)",
-                    d.vocab
-                ),
-            );
-        }
+    if c.tp.vocab_embedding && !d.vocab.is_multiple_of(t) {
+        e.push(
+            format!("{prefix}vocab_size"),
+            format!(
+                "{} embedding rows do not split over {why} (tp_embedding vocab)",
+                d.vocab
+            ),
+        );
     }
     d.heads /= t;
     d.kv_heads = kv_local;

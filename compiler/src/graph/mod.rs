@@ -173,6 +173,9 @@ pub enum OpKind {
     /// Every rank's gathered logits `[ranks, M, C]` → full rows `[M, ranks·C]` f32 (the
     /// sharded plan's `logits` output, `logits_gather`).
     LogitsGather { ranks: u32 },
+    /// EAGLE-3's layer-0 input from the all-reduced `embed(ids) ‖ h` of a vocabulary-parallel
+    /// embedding: ins x [T,2H], w_embed [H], w_hidden [H] → out [T,2H] (`norm_concat`).
+    NormConcat,
     // --- Fused (passes) ---
     /// Embed ‖ hidden: ins ids, table, hidden [T,H] (, fc bias [H]) → out [T,2H]
     /// (, the fc output [T,H] initialized to the bias, which the fc GEMM accumulates onto).
@@ -245,6 +248,7 @@ impl OpKind {
             OpKind::AllGather { .. } => "all_gather",
             OpKind::TopKMerge { .. } => Entry::TopkMerge.name(),
             OpKind::LogitsGather { .. } => Entry::LogitsGather.name(),
+            OpKind::NormConcat => Entry::NormConcat.name(),
         }
     }
 
@@ -282,7 +286,8 @@ impl OpKind {
             | OpKind::TopKRecords { .. }
             | OpKind::AllGather { .. }
             | OpKind::TopKMerge { .. }
-            | OpKind::LogitsGather { .. } => false,
+            | OpKind::LogitsGather { .. }
+            | OpKind::NormConcat => false,
         }
     }
 }

@@ -70,6 +70,22 @@ pub(super) fn eagle3_input(g: &mut Builder, cx: &Cx, emb: TensorId, x: TensorId)
     let act = cfg.capture.dtype;
     let h = m.hidden as u64;
     let w_in = g.weight("midlayer.input_layernorm.weight", act, vec![f(h)]);
+    if cfg.capture.tp.vocab_embedding {
+        // A vocabulary-parallel embedding: each rank's `embed(ids) ‖ x` (its ids' rows, zeros
+        // for the others; x on rank 0 only) summed over the ranks, then both norms.
+        let w_hn = g.weight("midlayer.hidden_norm.weight", act, vec![f(h)]);
+        let cat = g.act(&cx.n("embeds_x"), act, vec![t, f(2 * h)]);
+        g.op(&cx.n("concat"), OpKind::Concat, vec![emb, x], vec![cat]);
+        let sum = all_reduce(g, cat, &cx.n("embeds_x_sum"), &cx.n("embeds_x_all_reduce"), cx);
+        let a = g.act(&cx.n("l0.in"), act, vec![t, f(2 * h)]);
+        g.op(
+            &cx.n(Entry::NormConcat.name()),
+            OpKind::NormConcat,
+            vec![sum, w_in, w_hn],
+            vec![a],
+        );
+        return a;
+    }
     let en = g.act(&cx.n("embeds_norm"), act, vec![t, f(h)]);
     g.op(&cx.n("embed_norm"), OpKind::RmsNorm, vec![emb, w_in], vec![en]);
     let w_hn = g.weight("midlayer.hidden_norm.weight", act, vec![f(h)]);

@@ -10,7 +10,7 @@ use specplan_kernels::entries::embed::{
     EmbedConcatParams, EmbedConcatPtrs, EmbedNormConcatParams, EmbedNormConcatPtrs,
 };
 use specplan_kernels::entries::mlp::{SiluMulParams, SiluMulPtrs};
-use specplan_kernels::entries::norm::{RmsNormParams, RmsNormPtrs};
+use specplan_kernels::entries::norm::{NormConcatParams, NormConcatPtrs, RmsNormParams, RmsNormPtrs};
 use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
 use specplan_kernels::entries::sample::{
     LogitsGatherParams, LogitsGatherPtrs, SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs,
@@ -123,76 +123,17 @@ pub(super) fn launches(
                 };
                 attention(&mut b, op, *window, *step, ws)?
             }
-            OpKind::TreeInit => {
-                let (ins, outs) = (&op.ins, &op.outs);
-                let p = TreeInitPtrs {
-                    topk_probs: b.arg(ins[0]),
-                    topk_ids: b.arg(ins[1]),
-                    scores: b.arg(outs[0]),
-                    ids: b.arg(outs[1]),
-                    score_list: b.arg(outs[2]),
-                    token_list: b.arg(outs[3]),
-                    parent_list: b.arg(outs[4]),
-                    src: b.arg_if(true, outs.get(5)),
-                };
-                b.kernel::<TreeInitParams>(op, false, sh.facts, p)
-            }
-            OpKind::TreeSelect { step } => {
-                let (ins, outs) = (&op.ins, &op.outs);
-                let more = outs.len() >= 5;
-                let p = TreeSelectPtrs {
-                    scores: b.arg(ins[0]),
-                    probs: b.arg(ins[1]),
-                    ids: b.arg(ins[2]),
-                    score_list: b.arg(outs[0]),
-                    token_list: b.arg(outs[1]),
-                    parent_list: b.arg_if(more, outs.get(2)),
-                    scores_out: b.arg_if(more, outs.get(3)),
-                    next_ids: b.arg_if(more, outs.get(4)),
-                    src: b.arg_if(more, outs.get(5)),
-                };
-                b.kernel::<TreeSelectParams>(op, false, &sh.facts.at_step(*step), p)
-            }
-            OpKind::TreeFinish => {
-                let p = TreeFinishPtrs {
-                    score_list: b.arg(op.ins[0]),
-                    token_list: b.arg(op.ins[1]),
-                    top_scores_index: b.arg(op.outs[0]),
-                    draft_tokens: b.arg(op.outs[1]),
-                };
-                b.kernel::<TreeFinishParams>(op, false, sh.facts, p)
-            }
-            OpKind::TreeVerify => {
-                let (ins, outs) = (&op.ins, &op.outs);
-                let p = TreeVerifyPtrs {
-                    parent_list: b.arg(ins[0]),
-                    top_scores_index: b.arg(ins[1]),
-                    draft_tokens: b.arg(ins[2]),
-                    bonus_tokens: b.arg(ins[3]),
-                    prefix_lens: b.arg(ins[4]),
-                    tokens: b.arg(outs[0]),
-                    positions: b.arg(outs[1]),
-                    retrieve_index: b.arg(outs[2]),
-                    next_token: b.arg(outs[3]),
-                    next_sibling: b.arg(outs[4]),
-                    mask: b.arg(outs[5]),
-                };
-                b.kernel::<TreeVerifyParams>(op, false, sh.facts, p)
-            }
-            OpKind::GatherRows { step } => {
-                let p = GatherRowsPtrs {
-                    x: b.arg(op.ins[0]),
-                    src: b.arg(op.ins[1]),
-                    out: b.arg(op.outs[0]),
-                };
-                // One instance reads the request rows (step 0), one the lanes (after).
-                b.kernel::<GatherRowsParams>(op, false, &sh.facts.at_step((*step).min(1)), p)
-            }
-            OpKind::AllReduce => collective(&mut b, op, CollectiveOp::AllReduceSum),
-            OpKind::AllGather { .. } => collective(&mut b, op, CollectiveOp::AllGather),
-            OpKind::TopKRecords { .. } | OpKind::TopKMerge { .. } | OpKind::LogitsGather { .. } => {
-                rank_head(&mut b, op)
-            }
+            OpKind::TreeInit
+            | OpKind::TreeSelect { .. }
+            | OpKind::TreeFinish
+            | OpKind::TreeVerify
+            | OpKind::GatherRows { .. } => tree_op(&mut b, op),
+            OpKind::AllReduce
+            | OpKind::AllGather { .. }
+            | OpKind::TopKRecords { .. }
+            | OpKind::TopKMerge { .. }
+            | OpKind::LogitsGather { .. }
+            | OpKind::NormConcat => tp_op(&mut b, op),
             OpKind::SoftmaxTopK { map, .. } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::TopK(p)) => Some(*p),
@@ -329,12 +270,97 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
     });
 }
 
-/// A sharded plan's head: this rank's top-K records (`topk_partial` over its columns), the
-/// merge of every rank's gathered records (`topk_merge`), or the gathered logits' full rows
-/// (`logits_gather`).
-fn rank_head(b: &mut Binder, op: &Op) {
+/// Draft decode's tree ops and the gather of its lanes' rows.
+fn tree_op(b: &mut Binder, op: &Op) {
+    let sh = b.sh;
+    match &op.kind {
+        OpKind::TreeInit => {
+            let (ins, outs) = (&op.ins, &op.outs);
+            let p = TreeInitPtrs {
+                topk_probs: b.arg(ins[0]),
+                topk_ids: b.arg(ins[1]),
+                scores: b.arg(outs[0]),
+                ids: b.arg(outs[1]),
+                score_list: b.arg(outs[2]),
+                token_list: b.arg(outs[3]),
+                parent_list: b.arg(outs[4]),
+                src: b.arg_if(true, outs.get(5)),
+            };
+            b.kernel::<TreeInitParams>(op, false, sh.facts, p)
+        }
+        OpKind::TreeSelect { step } => {
+            let (ins, outs) = (&op.ins, &op.outs);
+            let more = outs.len() >= 5;
+            let p = TreeSelectPtrs {
+                scores: b.arg(ins[0]),
+                probs: b.arg(ins[1]),
+                ids: b.arg(ins[2]),
+                score_list: b.arg(outs[0]),
+                token_list: b.arg(outs[1]),
+                parent_list: b.arg_if(more, outs.get(2)),
+                scores_out: b.arg_if(more, outs.get(3)),
+                next_ids: b.arg_if(more, outs.get(4)),
+                src: b.arg_if(more, outs.get(5)),
+            };
+            b.kernel::<TreeSelectParams>(op, false, &sh.facts.at_step(*step), p)
+        }
+        OpKind::TreeFinish => {
+            let p = TreeFinishPtrs {
+                score_list: b.arg(op.ins[0]),
+                token_list: b.arg(op.ins[1]),
+                top_scores_index: b.arg(op.outs[0]),
+                draft_tokens: b.arg(op.outs[1]),
+            };
+            b.kernel::<TreeFinishParams>(op, false, sh.facts, p)
+        }
+        OpKind::TreeVerify => {
+            let (ins, outs) = (&op.ins, &op.outs);
+            let p = TreeVerifyPtrs {
+                parent_list: b.arg(ins[0]),
+                top_scores_index: b.arg(ins[1]),
+                draft_tokens: b.arg(ins[2]),
+                bonus_tokens: b.arg(ins[3]),
+                prefix_lens: b.arg(ins[4]),
+                tokens: b.arg(outs[0]),
+                positions: b.arg(outs[1]),
+                retrieve_index: b.arg(outs[2]),
+                next_token: b.arg(outs[3]),
+                next_sibling: b.arg(outs[4]),
+                mask: b.arg(outs[5]),
+            };
+            b.kernel::<TreeVerifyParams>(op, false, sh.facts, p)
+        }
+        OpKind::GatherRows { step } => {
+            let p = GatherRowsPtrs {
+                x: b.arg(op.ins[0]),
+                src: b.arg(op.ins[1]),
+                out: b.arg(op.outs[0]),
+            };
+            // One instance reads the request rows (step 0), one the lanes (after).
+            b.kernel::<GatherRowsParams>(op, false, &sh.facts.at_step((*step).min(1)), p)
+        }
+        _ => {}
+    }
+}
+
+/// A sharded plan's ops around its collectives: this rank's top-K records (`topk_partial`
+/// over its columns), the merge of every rank's gathered records (`topk_merge`), the
+/// gathered logits' full rows (`logits_gather`), or EAGLE-3's layer-0 input from the
+/// all-reduced embedding (`norm_concat`).
+fn tp_op(b: &mut Binder, op: &Op) {
     let f = b.sh.facts;
     match op.kind {
+        OpKind::AllReduce => collective(b, op, CollectiveOp::AllReduceSum),
+        OpKind::AllGather { .. } => collective(b, op, CollectiveOp::AllGather),
+        OpKind::NormConcat => {
+            let p = NormConcatPtrs {
+                x: b.arg(op.ins[0]),
+                w_a: b.arg(op.ins[1]),
+                w_b: b.arg(op.ins[2]),
+                out: b.arg(op.outs[0]),
+            };
+            b.kernel::<NormConcatParams>(op, false, f, p)
+        }
         OpKind::LogitsGather { .. } => {
             let p = LogitsGatherPtrs {
                 part: b.arg(op.ins[0]),

@@ -447,15 +447,9 @@ fn capture(p: &Plan, e: &mut Errors) {
         format!("{} is not below tp size {}", tp.rank, tp.size)
     });
     e.field(
-        !tp.vocab_embedding
-            || (tp.is_sharded() && p.model.vocab.is_multiple_of(tp.size) && p.model.head == HeadKind::Eagle1),
+        !tp.vocab_embedding || (tp.is_sharded() && p.model.vocab.is_multiple_of(tp.size)),
         "capture.tp.vocab_embedding",
-        || {
-            format!(
-                "needs tp size > 1 dividing vocab {} and an EAGLE-1/2 head",
-                p.model.vocab
-            )
-        },
+        || format!("needs tp size > 1 dividing vocab {}", p.model.vocab),
     );
     let lm_rows = c.hot_vocab_size.unwrap_or(p.model.lm_vocab());
     e.field(lm_rows.is_multiple_of(tp.size.max(1)), "capture.tp.size", || {

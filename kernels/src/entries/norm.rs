@@ -21,6 +21,42 @@ pub struct RmsNormParams {
     pub rows: u32,
 }
 
+/// `norm_concat` (EAGLE-3's layer-0 input under a vocabulary-parallel embedding, after the
+/// all-reduce of `embed(ids) ‖ h`): `out[r] = rmsnorm(x[r, :H], w_a) ‖ rmsnorm(x[r, H:], w_b)`.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct NormConcatParams {
+    #[arg(buffer)]
+    pub x: DevPtr<Act>,
+    #[arg(weight)]
+    pub w_a: DevPtr<Act>,
+    #[arg(weight)]
+    pub w_b: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
+impl Kernel for NormConcatParams {
+    const ENTRY: Entry = Entry::NormConcat;
+    fn threads(_: &KernelFacts) -> u32 {
+        NORM_THREADS
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], NormConcatScalars) {
+        let rows = f.rows(b);
+        ([rows, 1, 1], NormConcatScalars { rows })
+    }
+    fn extents(s: &NormConcatScalars, f: &KernelFacts) -> NormConcatPtrs<Extent> {
+        let (rows, h) = (s.rows as u64, f.hidden as u64);
+        NormConcatPtrs {
+            x: Extent::Elems(rows * 2 * h),
+            w_a: Extent::Elems(h),
+            w_b: Extent::Elems(h),
+            out: Extent::Elems(rows * 2 * h),
+        }
+    }
+}
+
 pub const NORM_THREADS: u32 = 256;
 
 impl Kernel for RmsNormParams {

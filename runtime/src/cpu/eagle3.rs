@@ -4,6 +4,7 @@
 use specplan_format::io;
 use specplan_format::KernelDesc;
 use specplan_kernels::entries::embed::{EmbedNormConcatPtrs, EmbedNormConcatScalars};
+use specplan_kernels::entries::norm::{NormConcatPtrs, NormConcatScalars};
 use specplan_kernels::entries::select::{SelectNormPtrs, SelectNormScalars};
 
 use super::entries::{buf, c_f32, c_pos, c_u32, weight};
@@ -43,6 +44,31 @@ impl<K: KvStore> Ctx<'_, K> {
             self.norm_into(&e, we, eps, out, r * 2 * h)?;
             let x: Vec<f64> = (0..h).map(|c| self.ld(hb, r * h + c)).collect::<R<_>>()?;
             self.norm_into(&x, wh, eps, out, r * 2 * h + h)?;
+        }
+        Ok(())
+    }
+
+    /// `norm_concat` (norm.cu's header): both halves of each `[2H]` row normed, each with
+    /// its weight.
+    pub(super) fn norm_concat(
+        &mut self,
+        k: &KernelDesc,
+        p: &NormConcatPtrs<super::Ptr>,
+        s: &NormConcatScalars,
+    ) -> R<()> {
+        let (h, eps) = (c_pos(k, "HIDDEN")?, c_f32(k, "EPS")? as f64);
+        let (x, wa, wb, out) = (
+            buf(p.x, "x")?,
+            weight(p.w_a, "w_a")?,
+            weight(p.w_b, "w_b")?,
+            buf(p.out, "out")?,
+        );
+        for r in 0..s.rows as usize {
+            for (half, w) in [(0, wa), (1, wb)] {
+                let base = r * 2 * h + half * h;
+                let row: Vec<f64> = (0..h).map(|c| self.ld(x, base + c)).collect::<R<_>>()?;
+                self.norm_into(&row, w, eps, out, base)?;
+            }
         }
         Ok(())
     }

@@ -506,6 +506,10 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<select::SelectNormParams>(&slots)?;
                 self.select_norm(k, &p, &s)
             }
+            Entry::NormConcat => {
+                let (p, s) = typed::<norm::NormConcatParams>(&slots)?;
+                self.norm_concat(k, &p, &s)
+            }
             Entry::RmsNorm => {
                 let (p, s) = typed::<norm::RmsNormParams>(&slots)?;
                 self.rmsnorm(k, &p, &s)
