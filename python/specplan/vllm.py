@@ -171,7 +171,7 @@ def make_speculator_class(base):
             block = self.block_tables.block_sizes[group]
             engine = Engine(
                 plan, _weights(self.model, plan), kv_cache=kv, kv_layout="BHNC", block_table=table,
-                block_size=block, gemms=_STATE["gemms"], tp_group=_vllm_tp(plan),
+                block_size=block, gemms=_STATE["gemms"], tp_group=_vllm_tp(plan, self),
             )
             runner = engine.draft_extend()
             self._sp_runner = runner
@@ -342,15 +342,21 @@ def make_speculator_class(base):
     return SpecplanEagleSpeculator
 
 
-def _vllm_tp(plan):
-    """vLLM 0.33.0 runs the draft with the target's tensor parallelism: a sharded plan of
-    this rank and its NCCL group (vllm.distributed's get_tp_group())."""
+def _vllm_tp(plan, speculator):
+    """vLLM 0.33.0 runs the draft with the target's tensor parallelism, or with 1
+    (`draft_tensor_parallel_size`, config/speculative.py:427, 1851-1869: the whole head on
+    every rank): a sharded plan of this rank and its NCCL group (vllm.distributed's
+    get_tp_group()), or an unsharded plan and none."""
     from ._runner import _engine_tp
 
+    cfg = getattr(getattr(speculator, "speculative_config", None), "draft_parallel_config", None)
+    draft_tp = getattr(cfg, "tensor_parallel_size", None)
     try:
         from vllm.distributed import parallel_state as ps
 
         size = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        if draft_tp is not None:
+            size = min(size, int(draft_tp))
         rank = ps.get_tensor_model_parallel_rank() if size > 1 else 0
     except ImportError:
         size, rank = 1, 0
