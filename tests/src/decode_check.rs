@@ -211,6 +211,29 @@ fn min_cut_gap(scores: &[f32], k: usize, steps: usize, nodes: usize) -> f64 {
     m
 }
 
+/// Whether the earliest forward whose candidate tokens differ between the GPU's token list
+/// and the CPU's (blocks of the list: the K roots, then K² per forward) has, at every
+/// differing candidate, scores within `TREE_TIE_REL` of each other: both sides chose nearly
+/// equally likely tokens there, and everything after descends from that choice.
+fn first_token_tie(gpu: &[i64], cpu: &[i64], sg: &[f32], sc: &[f64], k: usize) -> bool {
+    let n = gpu.len().min(cpu.len()).min(sg.len()).min(sc.len());
+    let mut start = 0;
+    let mut size = k;
+    while start < n {
+        let end = (start + size).min(n);
+        let differ: Vec<usize> = (start..end).filter(|&c| gpu[c] != cpu[c]).collect();
+        if !differ.is_empty() {
+            return differ.iter().all(|&c| {
+                let (a, b) = (sg[c] as f64, sc[c]);
+                (a - b).abs() <= TREE_TIE_REL * b.abs().max(a.abs()).max(1e-30)
+            });
+        }
+        start = end;
+        size = k * k;
+    }
+    false
+}
+
 /// Per forward `i` (0..S−1) and lane: whether the lane's input parted from the CPU's (its
 /// token differs, or it descends from a lane that parted), and the candidate it came from
 /// (none at forward 0, whose inputs are the caller's). `parents` is one request's
@@ -405,7 +428,17 @@ pub fn check_decode(
         if !same {
             e.differ += 1;
             let gap = min_cut_gap(&sg[r * cands..(r + 1) * cands], k, steps, nodes);
-            e.near_ties += (gap < TREE_TIE_REL) as usize;
+            // Or the trees first part at a candidate token both sides chose at nearly the
+            // same score (a near tie inside a lane's distribution, which the score list
+            // alone cannot show: with topk 1 the runner-up is in neither list).
+            let first = first_token_tie(
+                &tg[r * cands..(r + 1) * cands],
+                &ctl[r * cands..(r + 1) * cands],
+                &sg[r * cands..(r + 1) * cands],
+                &csl[r * cands..(r + 1) * cands],
+                k,
+            );
+            e.near_ties += (gap < TREE_TIE_REL || first) as usize;
             continue;
         }
         e.equal += 1;
@@ -520,7 +553,21 @@ pub fn check_decode(
 
 #[cfg(test)]
 mod tests {
-    use super::parted_lanes;
+    use super::{first_token_tie, parted_lanes};
+
+    #[test]
+    fn trees_that_part_at_nearly_equal_scores_are_near_ties() {
+        // K 1 (a chain), three forwards: candidates 0 (root), 1, 2.
+        let cpu = [7i64, 11, 13];
+        let sc = [1.0f64, 0.40, 0.20];
+        // Forward 1 took another token at nearly the CPU's score: a near tie (what follows
+        // descends from it and is not judged).
+        assert!(first_token_tie(&[7, 12, 99], &cpu, &[1.0, 0.401, 0.9], &sc, 1));
+        // ... at a clearly different score: not one.
+        assert!(!first_token_tie(&[7, 12, 13], &cpu, &[1.0, 0.30, 0.20], &sc, 1));
+        // Equal token lists part nowhere.
+        assert!(!first_token_tie(&cpu, &cpu, &[1.0, 0.40, 0.20], &sc, 1));
+    }
 
     #[test]
     fn a_lane_parts_where_its_candidate_token_differs_and_its_children_follow() {
