@@ -23,6 +23,12 @@ c tiny-eagle3 --hf-config tests/corpus/valid/tiny-eagle3.json --speculative-eagl
 c tiny-decode-chain --preset tiny --speculative-eagle-topk 1 --speculative-num-steps 3 \
   --speculative-num-draft-tokens 4 --draft-decode-steps 2,3,5 --buckets 1,2 --no-kernels
 c tiny-decode-tree --preset tiny --draft-decode-steps auto --draft-decode-outputs tree,verify --buckets 1,2 --no-kernels
+# Tensor-parallel ranks: shards, collectives, the cross-rank top-K and logits, the
+# vocabulary-split embedding.
+c tiny-tp2-r1 --preset tiny --tp-size 2 --tp-rank 1 --outputs topk,logits --buckets 1,2 --no-kernels
+c tiny-eagle3-tp2-r0 --hf-config tests/corpus/valid/tiny-eagle3.json --speculative-eagle-topk 4 \
+  --speculative-num-steps 3 --speculative-num-draft-tokens 4 --buckets 1,2 --max-context-len 512 \
+  --tp-size 2 --tp-rank 0 --tp-embedding vocab --draft-decode-steps auto --no-kernels
 # One with binaries (the CUBIN and PTX rules).
 c tiny-kernels --preset tiny --buckets 1
 ls -l "$out"
