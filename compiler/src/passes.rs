@@ -390,16 +390,7 @@ fn residual_into_gemm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         let Some(l) = plain_linear(g, g.producer(y)).filter(|_| sole_consumer(g, y) == Some(a)) else {
             continue;
         };
-        let x_t = g.tensor(x);
-        if !matches!(x_t.storage, Storage::Activation { output: false }) || x_t.dtype != g.tensor(y).dtype {
-            continue;
-        }
-        let others_first = g
-            .consumers(x)
-            .into_iter()
-            .filter(|&c| c != a)
-            .all(|c| c != l && has_path_connecting(&g.graph, c, l, None));
-        if !others_first {
+        if !residual_in_place(g, a, x, y, l) {
             continue;
         }
         let sum = g.graph[a].outs[0];
@@ -422,6 +413,19 @@ fn residual_into_gemm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
         remove(g, &[a]);
     }
     out
+}
+
+/// Whether the GEMM `l` may write the residual add `a = x + y` in place over x: x is a
+/// scratch activation of y's dtype and every other reader of x runs before `l` (so
+/// overwriting x is unobservable).
+pub(crate) fn residual_in_place(g: &OpGraph, a: NodeIndex, x: TensorId, y: TensorId, l: NodeIndex) -> bool {
+    let x_t = g.tensor(x);
+    matches!(x_t.storage, Storage::Activation { output: false })
+        && x_t.dtype == g.tensor(y).dtype
+        && g.consumers(x)
+            .into_iter()
+            .filter(|&c| c != a)
+            .all(|c| c != l && has_path_connecting(&g.graph, c, l, None))
 }
 
 /// softmax → top-K (→ hot→full id map) → one kernel per request row.

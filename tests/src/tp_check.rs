@@ -1,4 +1,4 @@
-//! Tensor-parallel plans on the GPU (issue 24, docs/tensor-parallel.md).
+//! Tensor-parallel plans on the GPU (docs/tensor-parallel.md).
 //!
 //! - [`nccl_check`]: the NCCL path on one GPU — a one-rank communicator, an all-reduce and
 //!   an all-gather issued through the runtime's collective code into a captured graph,

@@ -293,6 +293,17 @@ fn check(name: &str, src: Source, o: Overrides, sizes: &[u32]) {
     }
 }
 
+/// tiny with 8 query heads of 32 over its 2 kv heads (GQA 4).
+fn tiny8() -> Source {
+    let text = TINY
+        .replace("num_attention_heads = 4", "num_attention_heads = 8")
+        .replace("head_dim = 64", "head_dim = 32");
+    Source::Toml {
+        name: "tiny8".into(),
+        text,
+    }
+}
+
 fn tiny_overrides() -> Overrides {
     Overrides {
         draft_decode_steps: Some("3".into()),
@@ -319,13 +330,7 @@ fn vocabulary_parallel_embedding_at_tp_2_4_8() {
         o.clone(),
         &[2, 4],
     );
-    let text = TINY
-        .replace("num_attention_heads = 4", "num_attention_heads = 8")
-        .replace("head_dim = 64", "head_dim = 32");
-    let src = Source::Toml {
-        name: "tiny8".into(),
-        text,
-    };
+    let src = tiny8();
     check("tiny8 vocab-embedding", src, o, &[8]);
 }
 
@@ -360,13 +365,7 @@ fn fr_spec_hot_rows_at_tp_2() {
 fn eight_heads_over_two_kv_heads_at_tp_2_4_8() {
     // Query heads split at every T; the two kv heads split at T = 2 and are replicated at
     // T = 4 and 8 (2 and 4 ranks per kv head).
-    let text = TINY
-        .replace("num_attention_heads = 4", "num_attention_heads = 8")
-        .replace("head_dim = 64", "head_dim = 32");
-    let src = Source::Toml {
-        name: "tiny8".into(),
-        text,
-    };
+    let src = tiny8();
     check("tiny8", src, tiny_overrides(), &[2, 4, 8]);
 }
 

@@ -1,12 +1,11 @@
 //! Tensor-parallel fusion: the residual add folded into the row-parallel GEMM and its
 //! all-reduce (docs/tensor-parallel.md).
 
-use petgraph::algo::has_path_connecting;
 use specplan_format::FusionRecord;
 
 use super::{names, plain_linear, remove, row_bytes, rows_per_request, sole_consumer};
 use crate::config::Config;
-use crate::graph::{OpGraph, OpKind, Storage};
+use crate::graph::{OpGraph, OpKind};
 
 /// `x + all_reduce(linear(y))` → rank 0's GEMM accumulates into x (β = 1), every other
 /// rank's GEMM overwrites its copy of x (β = 0), and the all-reduce sums them in place:
@@ -29,16 +28,7 @@ pub(super) fn residual_into_all_reduce(g: &mut OpGraph, cfg: &Config) -> Vec<Fus
         let Some(l) = plain_linear(g, g.producer(p)).filter(|_| sole_consumer(g, p) == Some(r)) else {
             continue;
         };
-        let x_t = g.tensor(x);
-        if !matches!(x_t.storage, Storage::Activation { output: false }) || x_t.dtype != g.tensor(p).dtype {
-            continue;
-        }
-        let others_first = g
-            .consumers(x)
-            .into_iter()
-            .filter(|&c| c != a)
-            .all(|c| c != l && has_path_connecting(&g.graph, c, l, None));
-        if !others_first {
+        if !super::residual_in_place(g, a, x, p, l) {
             continue;
         }
         let sum = g.graph[a].outs[0];
