@@ -32,16 +32,22 @@ const FILE_SLACK: u64 = 64 << 20;
 /// The largest weights file the plan can need: every plan weight's sources at 4 bytes per
 /// element (f32, the widest float the contract takes; FR-Spec's full lm_head for its hot
 /// rows; EAGLE-3's d2t and t2d), twice over for tensors the plan ignores, plus the header.
+/// A tensor-parallel rank's sharded weight is read at its full size (its parts' count times
+/// the rank's share).
 pub fn weights_cap(plan: &ValidatedPlan) -> u64 {
     let m = &plan.model;
     let elems: u64 = plan
         .weights
         .iter()
-        .map(|w| match w.packing {
-            Packing::GatherRows => m.vocab as u64 * w.shape.iter().skip(1).product::<u64>() + w.shape[0],
-            _ => w.shape.iter().product::<u64>(),
+        .map(|w| {
+            let parts = w.shard.iter().map(|s| s.parts as u64).max().unwrap_or(1).max(1);
+            let own = match w.packing {
+                Packing::GatherRows => m.vocab as u64 * w.shape.iter().skip(1).product::<u64>() + w.shape[0],
+                _ => w.shape.iter().product::<u64>(),
+            };
+            own.saturating_mul(parts)
         })
-        .sum();
+        .fold(0u64, u64::saturating_add);
     (elems + m.vocab as u64).saturating_mul(8).saturating_add(FILE_SLACK)
 }
 

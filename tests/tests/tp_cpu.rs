@@ -352,6 +352,17 @@ fn logits_output_at_tp_2_and_4() {
     }
 }
 
+/// One kv head (multi-query attention): every rank holds k and v whole beside its share of
+/// the query heads.
+#[test]
+fn one_kv_head_at_tp_2_and_4() {
+    let src = Source::Toml {
+        name: "tiny-mqa".into(),
+        text: TINY.replace("num_key_value_heads = 2", "num_key_value_heads = 1"),
+    };
+    check("tiny-mqa", src, tiny_overrides(), &[2, 4]);
+}
+
 #[test]
 fn fr_spec_hot_rows_at_tp_2() {
     let o = Overrides {

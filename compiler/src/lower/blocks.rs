@@ -154,9 +154,10 @@ pub(super) fn layer(
     let wq = w(g, "self_attn.q_proj", vec![f(hq * d), f(kin)]);
     let wq = g.shard(wq, 0, tp.size, r);
     let wk = w(g, "self_attn.k_proj", vec![f(hkv * d), f(kin)]);
-    let wk = g.shard(wk, 0, kvp, kv_index);
+    // One kv head (T > Hkv = 1): every rank holds k and v whole, beside its q share.
+    let wk = g.shard_or_whole(wk, 0, kvp, kv_index, tp.is_sharded());
     let wv = w(g, "self_attn.v_proj", vec![f(hkv * d), f(kin)]);
-    let wv = g.shard(wv, 0, kvp, kv_index);
+    let wv = g.shard_or_whole(wv, 0, kvp, kv_index, tp.is_sharded());
     let q = g.act(&format!("{}l{l}.q", cx.pfx()), act, vec![t, f(hq * d)]);
     let k = g.act(&format!("{}l{l}.k", cx.pfx()), act, vec![t, f(hkv * d)]);
     let v = g.act(&format!("{}l{l}.v", cx.pfx()), act, vec![t, f(hkv * d)]);

@@ -507,6 +507,9 @@ fn weights(p: &Plan, e: &mut Errors) {
             at("a source name is not printable".into())
         });
         let tp = p.capture.tp;
+        e.check(w.shard.is_empty() || w.dtype != DType::I64, || {
+            at("an id map is whole on every rank (it has no shard)".into())
+        });
         let parts = if w.packing == Packing::ConcatRows {
             w.sources.len()
         } else {
@@ -523,8 +526,9 @@ fn weights(p: &Plan, e: &mut Errors) {
             },
         );
         for sh in &w.shard {
-            // Kv heads replicated over ranks (T > kv heads) split into fewer parts than T.
-            let parts_ok = sh.parts > 1 && sh.parts <= tp.size && tp.size.is_multiple_of(sh.parts);
+            // Kv heads replicated over ranks (T > kv heads) split into fewer parts than T (one
+            // part: a single kv head every rank holds whole).
+            let parts_ok = sh.parts >= 1 && sh.parts <= tp.size && tp.size.is_multiple_of(sh.parts);
             let index_ok = parts_ok && sh.index == tp.rank / (tp.size / sh.parts);
             e.check(index_ok && (sh.axis as usize) < w.shape.len(), || {
                 at(format!(

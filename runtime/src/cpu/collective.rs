@@ -133,7 +133,9 @@ pub fn lockstep<R: Send>(
             .map(|r| {
                 let (g, f) = (&group, &f);
                 s.spawn(move || {
-                    let out = f(r, g);
+                    // A rank that panics aborts the group too, so the others do not wait.
+                    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(r, g)))
+                        .unwrap_or_else(|_| Err(ExecError::Setup(format!("rank {r} panicked"))));
                     if out.is_err() {
                         g.abort();
                     }

@@ -445,11 +445,25 @@ impl<K: KvStore> Ctx<'_, K> {
             )
         })?;
         let (send, recv, n) = (c.send as usize, c.recv as usize, c.count as usize);
-        let mine = (0..n).map(|i| self.ld(send, i)).collect::<R<Vec<f64>>>()?;
-        let all = comm.exchange(tp.rank, mine)?;
-        if all.len() != tp.size as usize || all.iter().any(|v| v.len() != n) {
-            return Err(format!("the ranks gave different counts to a {}", c.op.name()));
+        // The values after a tag of the op, so ranks meeting at different collectives are an
+        // error, not a silent mix.
+        let tag = match c.op {
+            CollectiveOp::AllReduceSum => 1.0,
+            CollectiveOp::AllGather => 2.0,
+        };
+        let mut mine = Vec::with_capacity(n + 1);
+        mine.push(tag);
+        for i in 0..n {
+            mine.push(self.ld(send, i)?);
         }
+        let all = comm.exchange(tp.rank, mine)?;
+        if all.len() != tp.size as usize || all.iter().any(|v| v.len() != n + 1 || v[0] != tag) {
+            return Err(format!(
+                "the ranks met at a {} with different collectives or counts",
+                c.op.name()
+            ));
+        }
+        let all: Vec<&[f64]> = all.iter().map(|v| &v[1..]).collect();
         match c.op {
             CollectiveOp::AllReduceSum => {
                 for i in 0..n {

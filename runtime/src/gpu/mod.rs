@@ -70,7 +70,9 @@ pub struct GpuOptions {
     /// CUDA device ordinal (its primary context, the one PyTorch uses).
     pub device: usize,
     /// A sharded plan's communicator over the ranks (`capture.tp`): its rank and size are
-    /// the plan's; required exactly when the plan is sharded.
+    /// the plan's; required exactly when the plan is sharded. One runtime per communicator:
+    /// NCCL takes one call at a time on a communicator, and the runtime's steps serialize
+    /// only their own.
     pub communicator: Option<Arc<Communicator>>,
 }
 
