@@ -18,6 +18,7 @@ pub fn kernel_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f3
 pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32], kind: PhaseKind) -> KernelFacts {
     let decode = matches!(kind, PhaseKind::DraftDecode { .. });
     let maps = decode || c.outputs.maps_ids();
+    let embed = c.tp.embedding_rows(m.vocab);
     KernelFacts {
         act: c.dtype,
         hidden: m.hidden,
@@ -47,8 +48,8 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         out_logits: c.outputs.logits && !decode,
         tp_size: c.tp.size,
         tp_rank: c.tp.rank,
-        embed_rows: c.tp.embedding_rows(m.vocab).0,
-        embed_start: c.tp.embedding_rows(m.vocab).1,
+        embed_rows: embed.0,
+        embed_start: embed.1,
         zero_hidden: c.tp.vocab_embedding && c.tp.rank > 0,
     }
 }

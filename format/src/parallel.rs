@@ -25,6 +25,13 @@ impl TensorParallel {
         vocab_embedding: false,
     };
 
+    /// Which of `parts` equal parts (a divisor of `size`) of a weight this rank holds: its
+    /// own when `parts` = size, else the one it shares with `size / parts` ranks (kv heads
+    /// replicated when T exceeds them; one part: the whole tensor).
+    pub fn part_index(self, parts: u32) -> u32 {
+        self.rank / (self.size / parts.max(1)).max(1)
+    }
+
     /// Rows of the embedding table this rank holds, and the first one's id.
     pub fn embedding_rows(self, vocab: u32) -> (u32, u32) {
         if self.vocab_embedding && self.size > 1 {

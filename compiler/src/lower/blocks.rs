@@ -18,7 +18,11 @@ pub(super) fn embed(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
     let tp = cfg.capture.tp;
     let (rows, _) = tp.embedding_rows(m.vocab);
     let embed_w = g.weight("embed_tokens.weight", act, vec![f(rows as u64), f(m.hidden as u64)]);
-    let embed_w = g.shard(embed_w, 0, if rows < m.vocab { tp.size } else { 1 }, tp.rank);
+    let embed_w = if tp.vocab_embedding {
+        g.shard(embed_w, 0, tp, tp.size)
+    } else {
+        embed_w
+    };
     let emb = g.act(&cx.n("embeds"), act, vec![t, f(m.hidden as u64)]);
     g.op(&cx.n("embed"), OpKind::Embed, vec![inp.ids, embed_w], vec![emb]);
     emb
@@ -149,15 +153,14 @@ pub(super) fn layer(
     // Tensor parallel: q/k/v and gate/up split by rows (column-parallel), o and down by
     // columns (row-parallel, an all-reduce after each); kv heads replicated when T > Hkv.
     let tp = cfg.capture.tp;
-    let (r, kvp) = (tp.rank, cfg.capture.kv_parts);
-    let kv_index = r / (tp.size / kvp.max(1)).max(1);
+    let kvp = cfg.capture.kv_parts;
     let wq = w(g, "self_attn.q_proj", vec![f(hq * d), f(kin)]);
-    let wq = g.shard(wq, 0, tp.size, r);
+    let wq = g.shard(wq, 0, tp, tp.size);
     let wk = w(g, "self_attn.k_proj", vec![f(hkv * d), f(kin)]);
-    // One kv head (T > Hkv = 1): every rank holds k and v whole, beside its q share.
-    let wk = g.shard_or_whole(wk, 0, kvp, kv_index, tp.is_sharded());
+    // One kv head (T > Hkv = 1): one part, every rank holds k and v whole.
+    let wk = g.shard(wk, 0, tp, kvp);
     let wv = w(g, "self_attn.v_proj", vec![f(hkv * d), f(kin)]);
-    let wv = g.shard_or_whole(wv, 0, kvp, kv_index, tp.is_sharded());
+    let wv = g.shard(wv, 0, tp, kvp);
     let q = g.act(&format!("{}l{l}.q", cx.pfx()), act, vec![t, f(hq * d)]);
     let k = g.act(&format!("{}l{l}.k", cx.pfx()), act, vec![t, f(hkv * d)]);
     let v = g.act(&format!("{}l{l}.v", cx.pfx()), act, vec![t, f(hkv * d)]);
@@ -224,7 +227,7 @@ pub(super) fn layer(
         vec![attn],
     );
     let wo = w(g, "self_attn.o_proj", vec![f(h), f(hq * d)]);
-    let wo = g.shard(wo, 1, tp.size, r);
+    let wo = g.shard(wo, 1, tp, tp.size);
     let o = g.act(&format!("{}l{l}.o", cx.pfx()), act, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.o_proj", cx.pfx()), attn, wo, None, o);
     let o = all_reduce(
@@ -264,9 +267,9 @@ pub(super) fn layer(
         vec![h2],
     );
     let wg = w(g, "mlp.gate_proj", vec![f(inter), f(h)]);
-    let wg = g.shard(wg, 0, tp.size, r);
+    let wg = g.shard(wg, 0, tp, tp.size);
     let wu = w(g, "mlp.up_proj", vec![f(inter), f(h)]);
-    let wu = g.shard(wu, 0, tp.size, r);
+    let wu = g.shard(wu, 0, tp, tp.size);
     let gate = g.act(&format!("{}l{l}.gate", cx.pfx()), act, vec![t, f(inter)]);
     let up = g.act(&format!("{}l{l}.up", cx.pfx()), act, vec![t, f(inter)]);
     g.linear(&format!("{}l{l}.gate_proj", cx.pfx()), h2, wg, None, gate);
@@ -276,7 +279,7 @@ pub(super) fn layer(
     let mid = g.act(&format!("{}l{l}.mlp_mid", cx.pfx()), act, vec![t, f(inter)]);
     g.op(&format!("{}l{l}.mul", cx.pfx()), OpKind::Mul, vec![ga, up], vec![mid]);
     let wd = w(g, "mlp.down_proj", vec![f(h), f(inter)]);
-    let wd = g.shard(wd, 1, tp.size, r);
+    let wd = g.shard(wd, 1, tp, tp.size);
     let down = g.act(&format!("{}l{l}.down", cx.pfx()), act, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.down_proj", cx.pfx()), mid, wd, None, down);
     let down = all_reduce(
@@ -409,7 +412,7 @@ fn lm_head_weight(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
     }
     let local = rows / tp.size as u64;
     g.g.tensors[w.0 as usize].shape[0] = Dim::fixed(local);
-    (g.shard(w, 0, tp.size, tp.rank), local)
+    (g.shard(w, 0, tp, tp.size), local)
 }
 
 /// The unsharded lm_head weight and its rows.

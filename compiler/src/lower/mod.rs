@@ -190,29 +190,23 @@ impl Builder {
         };
         self.tensor(name, dtype, shape, storage)
     }
-    /// Makes weight `t` rank `index`'s part of `parts` along `axis` of its full tensors
-    /// (nothing when `parts` is 1 and not `whole`: an unsharded plan names no shard; `whole`:
-    /// a sharded plan's weight every rank holds whole, part 0 of 1 — a single kv head).
-    pub(crate) fn shard_or_whole(&mut self, t: TensorId, axis: u32, parts: u32, index: u32, whole: bool) -> TensorId {
-        if parts == 1 && whole {
+    /// Makes weight `t` the rank's part of `parts` equal parts along `axis` of its full
+    /// tensors (`TensorParallel::part_index`; one part: whole on every rank). Nothing in an
+    /// unsharded plan, which names no shard.
+    pub(crate) fn shard(
+        &mut self,
+        t: TensorId,
+        axis: u32,
+        tp: specplan_format::TensorParallel,
+        parts: u32,
+    ) -> TensorId {
+        if tp.is_sharded() {
             if let Storage::Weight { shard, .. } = &mut self.g.tensors[t.0 as usize].storage {
                 *shard = vec![specplan_format::Shard {
                     axis,
-                    parts: 1,
-                    index: 0,
+                    parts,
+                    index: tp.part_index(parts),
                 }];
-            }
-            return t;
-        }
-        self.shard(t, axis, parts, index)
-    }
-
-    /// Makes weight `t` rank `index`'s part of `parts` along `axis` of its full tensors
-    /// (nothing when `parts` is 1: an unsharded plan names no shard).
-    pub(crate) fn shard(&mut self, t: TensorId, axis: u32, parts: u32, index: u32) -> TensorId {
-        if parts > 1 {
-            if let Storage::Weight { shard, .. } = &mut self.g.tensors[t.0 as usize].storage {
-                *shard = vec![specplan_format::Shard { axis, parts, index }];
             }
         }
         t

@@ -529,7 +529,7 @@ fn weights(p: &Plan, e: &mut Errors) {
             // Kv heads replicated over ranks (T > kv heads) split into fewer parts than T (one
             // part: a single kv head every rank holds whole).
             let parts_ok = sh.parts >= 1 && sh.parts <= tp.size && tp.size.is_multiple_of(sh.parts);
-            let index_ok = parts_ok && sh.index == tp.rank / (tp.size / sh.parts);
+            let index_ok = parts_ok && sh.index == tp.part_index(sh.parts);
             e.check(index_ok && (sh.axis as usize) < w.shape.len(), || {
                 at(format!(
                     "shard {} of {} along axis {} does not fit rank {} of tp size {} (a rank-{} weight)",
