@@ -174,8 +174,13 @@ impl Jit {
         {
             return Ok((bin, true));
         }
-        let cubin = self.nvrtc(&k.name, &source, &real, Output::Cubin)?;
-        let ptx_bytes = self.nvrtc(&k.name, &source, &virt, Output::Ptx)?;
+        // The program is named after its source, not the kernel: the name lands in the
+        // binary's internal symbols, and kernels of one source (the entries of a template)
+        // share one cached binary, so a per-kernel name would make a plan's bytes depend on
+        // which entry was compiled first.
+        let program = format!("k{}", &k.source_hash[..k.source_hash.len().min(16)]);
+        let cubin = self.nvrtc(&k.name, &program, &source, &real, Output::Cubin)?;
+        let ptx_bytes = self.nvrtc(&k.name, &program, &source, &virt, Output::Ptx)?;
         let ptx = String::from_utf8_lossy(&ptx_bytes).trim_end_matches('\0').to_string();
         check_ptx_version(&k.name, &ptx)?;
         let bin = KernelBinary {
@@ -191,7 +196,7 @@ impl Jit {
         Ok((bin, false))
     }
 
-    fn nvrtc(&self, kernel: &str, source: &str, arch: &str, out: Output) -> Result<Vec<u8>, JitError> {
+    fn nvrtc(&self, kernel: &str, program: &str, source: &str, arch: &str, out: Output) -> Result<Vec<u8>, JitError> {
         use cudarc::nvrtc::{result, sys};
         let fail = |what: &'static str, e: &dyn std::fmt::Debug| {
             let message = format!("{e:?}");
@@ -208,7 +213,7 @@ impl Jit {
             }
         };
         let src = CString::new(source).map_err(|e| fail("source", &e))?;
-        let name = CString::new(format!("{kernel}.cu")).map_err(|e| fail("name", &e))?;
+        let name = CString::new(format!("{program}.cu")).map_err(|e| fail("name", &e))?;
         let prog = result::create_program(&src, Some(&name)).map_err(|e| fail("create", &e))?;
         let opts = self.options(arch);
         // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and
