@@ -127,6 +127,7 @@ impl Gemms {
                 _ => self.ensure_blas()?,
             }
         }
+        lt.end_tuning();
         // The chosen algorithms' largest workspace is all a step needs: the candidates were
         // timed with the full one, the runtime keeps only that much (cuBLASLt's figures; with
         // the cublasGemmEx path in use, whose needs are not known, the full one stays).

@@ -22,12 +22,18 @@ use cudarc::driver::{result, sys};
 
 use specplan_format::DType;
 
-use super::device::{cuda, Event, GpuError};
+use super::device::{cuda, DevMem, Event, GpuError};
 
 /// Candidates asked of the heuristic per shape.
-const CANDIDATES: i32 = 8;
-/// Timed runs per candidate (after two warm-up runs); their mean is compared.
-const RUNS: usize = 8;
+const CANDIDATES: i32 = 12;
+/// Timed runs per candidate (after one warm-up run); their mean is compared. Each runs with
+/// the L2 cache flushed before it, as in a step, where the other GEMMs' weights (hundreds of
+/// MB) have evicted this one's: timed back to back, a weight of a few tens of MB (o_proj,
+/// 32 MiB) stays in the 50 MB L2 and the choice favours algorithms that stream it badly from
+/// memory (docs/perf-notes.md, "GEMM candidates timed with a cold L2").
+const RUNS: usize = 4;
+/// Bytes written between timed runs to evict the L2 (twice the H200's 50 MB).
+const FLUSH_BYTES: usize = 96 << 20;
 /// What a candidate is charged per graph node beyond its one kernel, µs. Some algorithms
 /// (split-K reductions, stream-K counters) add a memset or a second kernel per call; in a
 /// replayed graph each node is one more launch (a dependency gap on the GPU and the driver's
@@ -106,6 +112,9 @@ pub(crate) struct Lt {
     handle: lsys::cublasLtHandle_t,
     ws: (u64, usize),
     tuned: HashMap<GemmShape, Tuned>,
+    /// The buffer written to evict the L2 between timed runs, while tuning (`end_tuning`
+    /// frees it; if it cannot be allocated the runs are timed back to back).
+    flush: Option<DevMem>,
 }
 
 impl Drop for Lt {
@@ -139,7 +148,13 @@ impl Lt {
             handle,
             ws,
             tuned: HashMap::new(),
+            flush: None,
         })
+    }
+
+    /// Frees the tuning's flush buffer (the choices are made).
+    pub(crate) fn end_tuning(&mut self) {
+        self.flush = None;
     }
 
     pub(crate) fn choice(&self, s: &GemmShape) -> Option<GemmChoice> {
@@ -296,6 +311,10 @@ impl Lt {
         found.truncate(count as usize);
         let (ev0, ev1) = (Event::new(true)?, Event::new(true)?);
         let (e0, e1) = (ev0.0, ev1.0);
+        if self.flush.is_none() {
+            self.flush = DevMem::new(FLUSH_BYTES).ok();
+        }
+        let flush = self.flush.as_ref().map(|f| (f.ptr, f.bytes));
         let mut timed = Vec::new();
         for (i, h) in found.iter().enumerate() {
             if h.state != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || h.workspaceSize > self.ws.1 {
@@ -306,17 +325,22 @@ impl Lt {
                 ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok();
             };
             run();
-            run();
-            // SAFETY: live events on a live stream; synchronizing is the measurement.
-            let us = unsafe {
-                cuda("cuEventRecord", result::event::record(e0, stream))?;
-                for _ in 0..RUNS {
+            let mut total_ms = 0.0f32;
+            for _ in 0..RUNS {
+                // SAFETY: the flush buffer is this tuner's live allocation of `bytes`; live
+                // events on a live stream; synchronizing is the measurement.
+                total_ms += unsafe {
+                    if let Some((ptr, bytes)) = flush {
+                        cuda("cuMemsetD8Async", result::memset_d8_async(ptr, 0x5a, bytes, stream))?;
+                    }
+                    cuda("cuEventRecord", result::event::record(e0, stream))?;
                     run();
-                }
-                cuda("cuEventRecord", result::event::record(e1, stream))?;
-                cuda("cuEventSynchronize", result::event::synchronize(e1))?;
-                cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))? * 1e3 / RUNS as f32
-            };
+                    cuda("cuEventRecord", result::event::record(e1, stream))?;
+                    cuda("cuEventSynchronize", result::event::synchronize(e1))?;
+                    cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))?
+                };
+            }
+            let us = total_ms * 1e3 / RUNS as f32;
             // A candidate that cannot be captured alone could not be captured in a bucket's
             // graph either: skipped.
             if let (true, Ok(extra)) = (ok, self.extra_nodes(&t, &h.algo, s.accumulate, p, stream)) {
