@@ -505,7 +505,8 @@ fn print_summary(p: &format::Plan, out: &Path, file_bytes: usize, secs: f64) -> 
             b.batch,
             b.rows,
             mib(b.arena_bytes),
-            b.attn_splits,
+            // "c": the splits merge in a thread block cluster.
+            format!("{}{}", b.attn_splits, if b.attn_cluster { "c" } else { "" }),
             replay
         );
     }

@@ -30,7 +30,7 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// the `LANE_STEPS`/`STEP` constants of `rope_append` and the attention. 10: the verify inputs
 /// (`CaptureDesc.decode_verify`, `tree_verify`). 11: draft decode's engine-memory prologue and
 /// epilogue (`admit_decode`, `emit_decode`; every plan carries them).
-pub const FORMAT_VERSION: u32 = 13;
+pub const FORMAT_VERSION: u32 = 14;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

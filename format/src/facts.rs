@@ -182,5 +182,6 @@ pub fn bucket_facts(b: &BucketPlan) -> BucketFacts {
         batch: b.batch,
         rows: b.rows,
         splits: b.attn_splits,
+        attn_cluster: b.attn_cluster,
     }
 }

@@ -338,10 +338,11 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
     fact(
         tag.clone(),
         format!(
-            "rows={} arena={} attn_splits={} replay={}",
+            "rows={} arena={} attn_splits={}{} replay={}",
             b.rows,
             b.arena_bytes,
             b.attn_splits,
+            if b.attn_cluster { " attn_cluster" } else { "" },
             replay_text(&b.replay)
         ),
     );
@@ -387,6 +388,7 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                 grid,
                 block,
                 smem,
+                cluster,
                 args,
             } => {
                 let fields = p
@@ -425,13 +427,18 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                     .collect();
                 let kname = p.kernels.get(*kernel as usize).map_or("?".into(), |k| escape(&k.name));
                 format!(
-                    "#{li} kernel k{kernel} {kname} grid=({},{},{}) block=({},{},{}) smem={smem} {}",
+                    "#{li} kernel k{kernel} {kname} grid=({},{},{}) block=({},{},{}) smem={smem}{} {}",
                     grid[0],
                     grid[1],
                     grid[2],
                     block[0],
                     block[1],
                     block[2],
+                    if *cluster > 1 {
+                        format!(" cluster=(1,1,{cluster})")
+                    } else {
+                        String::new()
+                    },
                     args.join(" ")
                 )
             }

@@ -378,6 +378,8 @@ pub enum LaunchKind {
         grid: [u32; 3],
         block: [u32; 3],
         smem: u32,
+        /// CTAs per thread block cluster along z (1: launched without clusters).
+        cluster: u32,
         args: Vec<ArgValue>,
     },
     Gemm(GemmDesc),
@@ -545,6 +547,9 @@ pub struct BucketPlan {
     pub qo_indptr: Vec<u32>,
     /// KV splits of the attention (fixed per bucket from the static row count).
     pub attn_splits: u32,
+    /// The splits run as one thread block cluster per (request, kv head) and merge there
+    /// (sm_90+, more than one split): no `attn_merge` launch, no partials.
+    pub attn_cluster: bool,
     pub buffers: Vec<BufferDesc>,
     pub launches: Vec<Launch>,
     pub replay: Replay,

@@ -10,16 +10,19 @@
 //              WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
 //              KV_TILE (keys per pipeline stage: 64, 32 or 16), STAGES (2..4: tiles in
 //              shared memory, STAGES - 1 of them in flight while one is computed)
-//   Launch:    grid (batch, KV_HEADS, splits), block (ATTN_PARTIAL_THREADS = 128, 1, 1), dynamic shared memory,
+//   Launch:    grid (batch, KV_HEADS, splits), optionally as clusters (1, 1, splits) (sm_90+,
+//              splits <= 16: the plan's `attn_cluster`), block (ATTN_PARTIAL_THREADS = 128, 1, 1), dynamic shared memory,
 //              in bytes, with ROWS = N * (HEADS / KV_HEADS), GR = min(ceil16(ROWS), 64)
 //              (packed rows per pass) and a = sizeof(act_t):
 //
-//                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4)
-//                (q rows)           (K and V tiles of each stage)  (cross-warp merge, aliased)
-//                +  STAGES*KV_TILE*8
-//                   (each key's element offset in the pool, head included, of the tiles in
-//                   flight; kStages - 1 rows are in use at a time, one more keeps the row
-//                   indexing a plain modulo)
+//                GR*HEAD_DIM*a  +  max(STAGES*2*KV_TILE*HEAD_DIM*a,  4*16*HEAD_DIM*4 + 4*16*2*4
+//                                                                     + GR*HEAD_DIM*4 + GR*4)
+//                (q rows)           (K and V tiles of each stage)  (cross-warp merge, then the
+//                                                                   cluster merge's rows; aliased)
+//                +  STAGES*KV_TILE*4
+//                   (each key's offset in the pool, head included, in 16-byte units, of the
+//                   tiles in flight; kStages - 1 rows are in use at a time, one more keeps
+//                   the row indexing a plain modulo)
 //
 //              (mirrored by specplan_kernels::facts::attn_smem_bytes; no static
 //              shared memory is used, so this is the CTA's whole footprint).
@@ -37,6 +40,7 @@
 //     batch       unsigned
 //     splits      unsigned      number of KV splits (== gridDim.z)
 //     q_stride    unsigned      elements between consecutive rows of q
+//     cluster     unsigned      splits when launched as clusters (1, 1, splits) that merge, else 1
 //   Semantics. CTA (i, g, s): request i, kv head g, split s. Its query rows are
 //   (j, hh) for j in [0, N), hh in [0, G): token row r = i*N + j, head h = g*G + hh.
 //   L = prefix_lens[i], kv_len = L + N. Row j sees key positions p with
@@ -51,7 +55,9 @@
 //   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key).
 //   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
-//                   rows = batch*N.
+//                   rows = batch*N;
+//                   as clusters of the splits: out as with gridDim.z == 1, the splits'
+//                   results merged exactly as attn_merge does (part_o, part_lse unused).
 //   Draft decode (LANE_STEPS = S > 0, N = topk, row j = lane j, STEP = the forward):
 //   kv_len = L + N*(STEP+1); key index t < L is position t, t >= L is lane
 //   u = (t-L)/(STEP+1)'s slot position L + lane_offset(L, u) + (t-L)%(STEP+1) (common.cuh);
@@ -141,8 +147,16 @@ constexpr int kQBytes = kGR * kD * 2;
 constexpr int kTileBytes = kTile * kD * 2;
 constexpr int kStageBytes = kStages * 2 * kTileBytes;
 constexpr int kMergeBytes = kWarps * 16 * kD * 4 + kWarps * 16 * 2 * 4;
-constexpr int kSlotBytes = kStages * kTile * 8;  // element offsets, one row per stage
-constexpr int kSmemBytes = kQBytes + imax(kStageBytes, kMergeBytes) + kSlotBytes;
+// Offsets in 16-byte units as 32-bit words (every stride is a multiple of 8 elements and the
+// registration bounds a layer's pool to 2^32 - 1 units): 8-byte offsets put llama's 64-row
+// CTA (113.5 KiB) 512 bytes past two per SM.
+constexpr int kSlotBytes = kStages * kTile * 4;  // one row per stage
+constexpr unsigned kNoSlot = 0xffffffffu;
+// A cluster's merge (below): this CTA's merged o and lse (log2 units) of each packed row of
+// the pass, read by the other CTAs of the cluster. After the merge area, inside the stage
+// area whenever it is large enough (3 x 64-key tiles: it is).
+constexpr int kResBytes = kGR * kD * 4 + kGR * 4;
+constexpr int kSmemBytes = kQBytes + imax(kStageBytes, kMergeBytes + kResBytes) + kSlotBytes;
 static_assert(kSmemBytes <= 227 * 1024, "attn_partial shared memory exceeds 227 KiB");
 
 // Rows of q, K and V tiles are kChunks 16-byte chunks; chunk c of row t is stored at chunk
@@ -169,6 +183,44 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int Pending> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
+
+// ---- Thread block clusters (sm_90+): the splits of one (request, kv head) ---------------
+// The largest cluster the merge reads (MAX_ATTN_SPLITS; a plan validates its splits).
+constexpr unsigned kMaxSplits = 16;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Every thread of every CTA of the cluster; the release / acquire pair orders the shared
+// memory writes before it against the peers' reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The float at `p` (this CTA's shared memory) in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned ra;
+    float v;
+    // No "memory" clobber: every read sits between the two cluster barriers (which have
+    // it), and without it the compiler issues a row's 2 x csize reads back to back.
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(ra));
+    return v;
+}
+#else
+// Before sm_90 there are no clusters: every launch is a cluster of one.
+__device__ __forceinline__ unsigned cluster_size() { return 1u; }
+__device__ __forceinline__ unsigned cluster_rank() { return 0u; }
+__device__ __forceinline__ void cluster_sync() {}
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned) { return *p; }
+#endif
 
 // ---- Tensor-core fragments -------------------------------------------------------------
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const act_t* p) {
@@ -243,17 +295,18 @@ __device__ __forceinline__ void tile_entries(TileEntries& e, int tile0, int hi, 
     }
 }
 
-// The element offset (head `head_off` included) of each key of the tile in the pool, or -1
-// when the key is outside the split (p >= hi) or has no slot (common.cuh kv_token): such
-// keys are zero-filled.
-__device__ __forceinline__ void tile_slots(long long* dst, const TileEntries& e, int tile0, int L, const KvLayout& lay,
+// The offset (head `head_off` included) of each key of the tile in the pool in 16-byte
+// units, or kNoSlot when the key is outside the split (p >= hi) or has no slot (common.cuh
+// kv_token): such keys are zero-filled.
+__device__ __forceinline__ void tile_slots(unsigned* dst, const TileEntries& e, int tile0, int L, const KvLayout& lay,
                                            long long head_off) {
 #pragma unroll
     for (int it = 0; it < kKeyIters; ++it) {
         const int k = (int)threadIdx.x + it * kThreads;
         if (k < kTile) {
             const long long t = kv_resolve(lay, e.has[it], e.entry[it], key_pos(tile0 + k, L), kPage);
-            dst[k] = t < 0 ? -1 : kv_at(lay, t) + head_off;
+            const long long units = t < 0 ? -1 : (kv_at(lay, t) + head_off) >> 3;
+            dst[k] = units < 0 || units >= (long long)kNoSlot ? kNoSlot : (unsigned)units;
         }
     }
 }
@@ -261,15 +314,15 @@ __device__ __forceinline__ void tile_slots(long long* dst, const TileEntries& e,
 // Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
 // are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
-                                           const long long* off) {
+                                           const unsigned* off) {
 #pragma unroll
     for (int it = 0; it < kLoadIters; ++it) {
         const int q = (int)threadIdx.x + it * kThreads;
         if (q < kTile * kChunks) {
             const int t = q / kChunks, c = q % kChunks;
-            const long long o = off[t];
-            const bool valid = o >= 0;
-            const long long at = valid ? o + c * 8 : 0;
+            const unsigned o = off[t];
+            const bool valid = o != kNoSlot;
+            const long long at = valid ? (long long)o * 8 + c * 8 : 0;
             cp_async16(dK + chunk_at(t, c), k_cache + at, valid);
             cp_async16(dV + chunk_at(t, c), v_cache + at, valid);
         }
@@ -299,8 +352,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     float* sO = reinterpret_cast<float*>(stage_base);                // [kWarps][16][kD]
     float* sM = sO + kWarps * 16 * kD;                               // [kWarps][16]
     float* sL = sM + kWarps * 16;                                    // [kWarps][16]
-    // Element offsets of the tiles' keys in flight, [kStages][kTile], outside the aliased area.
-    long long* sSlot = reinterpret_cast<long long*>(stage_base + imax(kStageBytes, kMergeBytes));
+    // Offsets of the tiles' keys in flight, [kStages][kTile], outside the aliased area.
+    unsigned* sSlot = reinterpret_cast<unsigned*>(stage_base + imax(kStageBytes, kMergeBytes + kResBytes));
+    float* sRes = reinterpret_cast<float*>(stage_base + kMergeBytes);  // [kGR][kD]
+    float* sLse = sRes + kGR * kD;                                     // [kGR]
 
     const int i = (int)blockIdx.x;  // request
     const int g = (int)blockIdx.y;  // kv head
@@ -343,7 +398,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 
     const long long rows = (long long)p.batch * kN;
     const bool single = gridDim.z == 1u;
-    const bool can_write = single ? p.out != nullptr : (p.part_o != nullptr && p.part_lse != nullptr);
+    // Launched as clusters of the splits (1, 1, splits): the CTAs merge their results
+    // through distributed shared memory and write `out`; otherwise they write partials.
+    const unsigned csize = cluster_size();
+    const bool clustered = !single && p.cluster == gridDim.z && csize == gridDim.z;
+    const bool can_write = single || clustered ? p.out != nullptr : (p.part_o != nullptr && p.part_lse != nullptr);
     const float scale2 = kScale * kLog2e;  // scores in log2 units: exp2 instead of exp
 
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -602,12 +661,55 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                 const int h = g * kG + hh;
                 if (single) {
                     p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(any ? num / den : 0.0f);
+                } else if (clustered) {
+                    sRes[rl * kD + d] = any ? num / den : 0.0f;
+                    if (d == 0) sLse[rl] = any ? mx + log2f(den) : neg_inf();
                 } else {
                     const long long sr = ((long long)s * rows + r) * kHeads + h;
                     p.part_o[sr * kD + d] = any ? num / den : 0.0f;
                     if (d == 0) p.part_lse[sr] = any ? (mx + log2f(den)) * kLn2 : neg_inf();
                 }
             }
+        }
+        if (clustered) {
+            // ---- The splits' merge inside the cluster ---------------------------------------
+            // Every CTA's rows are in its shared memory; CTA c of the cluster merges packed
+            // rows c, c + csize, ... of the pass over all csize CTAs (the exact log-sum-exp
+            // merge of attn_merge, in log2 units) and writes them. The second barrier keeps
+            // each CTA's shared memory alive (and unchanged) until every peer has read it.
+            cluster_sync();
+            const unsigned me = cluster_rank();
+            const int mine = me < (unsigned)kGR ? (kGR - (int)me + (int)csize - 1) / (int)csize : 0;
+            for (int e = tid; e < mine * kD && can_write; e += kThreads) {
+                const int rl = (int)me + (e / kD) * (int)csize, d = e % kD;
+                const int rr = prow0 + rl;
+                if (rr >= kRows) continue;
+                float lse[kMaxSplits], o[kMaxSplits];
+#pragma unroll
+                for (unsigned c = 0; c < kMaxSplits; ++c) {
+                    lse[c] = c < csize ? ld_cluster(sLse + rl, c) : neg_inf();
+                    o[c] = c < csize ? ld_cluster(sRes + rl * kD + d, c) : 0.0f;
+                }
+                float mx = neg_inf();
+#pragma unroll
+                for (unsigned c = 0; c < kMaxSplits; ++c) mx = fmaxf(mx, lse[c]);
+                float num = 0.0f, den = 0.0f;
+                if (mx != neg_inf()) {
+#pragma unroll
+                    for (unsigned c = 0; c < kMaxSplits; ++c) {
+                        if (lse[c] != neg_inf()) {
+                            const float w = exp2f(lse[c] - mx);
+                            den += w;
+                            num = fmaf(w, o[c], num);
+                        }
+                    }
+                }
+                const int j = rr / kG, hh = rr % kG;
+                const long long r = (long long)i * kN + j;
+                const int h = g * kG + hh;
+                p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(den > 0.0f ? num / den : 0.0f);
+            }
+            cluster_sync();
         }
         if (pass + 1 < kPasses) __syncthreads();  // the merge area becomes stages (and sQ) again
     }
@@ -619,22 +721,34 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
 extern "C" __global__ void __launch_bounds__(ATTN_MERGE_THREADS) attn_merge(AttnMergeParams p) {
     constexpr long long kH = (long long)HEADS;
     constexpr long long kHD = (long long)HEAD_DIM;
+    // Every split's lse and o are loaded before any is used (a loop over a runtime count
+    // waits for each load in turn: 2 x splits memory latencies). The plan validates
+    // splits <= 16 (MAX_ATTN_SPLITS); more read as the first 16.
+    constexpr unsigned kMaxSplits = attn::kMaxSplits;
     const unsigned r = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     if (r >= p.rows || h >= HEADS || d >= HEAD_DIM) return;
 
     const long long rows = p.rows;
+    const unsigned splits = p.splits < kMaxSplits ? p.splits : kMaxSplits;
+    float lse[kMaxSplits], o[kMaxSplits];
+#pragma unroll
+    for (unsigned s = 0; s < kMaxSplits; ++s) {
+        const long long sr = ((long long)s * rows + r) * kH + h;
+        lse[s] = s < splits ? p.part_lse[sr] : neg_inf();
+        o[s] = s < splits ? p.part_o[sr * kHD + d] : 0.0f;
+    }
     float mx = neg_inf();
-    for (unsigned s = 0; s < p.splits; ++s) mx = fmaxf(mx, p.part_lse[((long long)s * rows + r) * kH + h]);
+#pragma unroll
+    for (unsigned s = 0; s < kMaxSplits; ++s) mx = fmaxf(mx, lse[s]);
 
     float num = 0.0f, den = 0.0f;
     if (mx != neg_inf()) {
-        for (unsigned s = 0; s < p.splits; ++s) {
-            const long long sr = ((long long)s * rows + r) * kH + h;
-            const float lse = p.part_lse[sr];
-            if (lse != neg_inf()) {  // an empty split weighs 0 (and its o is 0 anyway)
-                const float w = expf(lse - mx);
+#pragma unroll
+        for (unsigned s = 0; s < kMaxSplits; ++s) {
+            if (lse[s] != neg_inf()) {  // an empty split weighs 0 (and its o is 0 anyway)
+                const float w = expf(lse[s] - mx);
                 den += w;
-                num = fmaf(w, p.part_o[sr * kHD + d], num);
+                num = fmaf(w, o[s], num);
             }
         }
     }

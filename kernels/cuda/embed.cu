@@ -14,7 +14,9 @@
 //   Unsharded: EMBED_START 0, EMBED_ROWS VOCAB, ZERO_HIDDEN false.
 // Constants: act_t, HIDDEN, VOCAB, HAS_BIAS, EPS (unused here), EMBED_ROWS, EMBED_START,
 //            ZERO_HIDDEN
-// Launch:    grid (rows, 1, 1), block (EMBED_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory.
+// Launch:    grid (rows, parts, 1), block (EMBED_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory;
+//            parts = kernels::facts::row_parts (at most 8, 1 from 256 rows): CTA (r, y) copies every parts-th
+//            slice of row r's segments.
 // Params (by value, natural C alignment, fields in this order):
 //   ids       const long long*  [rows]            token ids (int64)
 //   table     const act_t*      [EMBED_ROWS, HIDDEN]   embedding table (the rank's rows)
@@ -31,7 +33,8 @@
 //   out[r, HIDDEN:2*HIDDEN] = rmsnorm(h[r, :], w_hidden)
 //   each RMSNorm as norm.cu's (fp32, eps EPS, one rounding to act_t).
 // Constants: act_t, HIDDEN, VOCAB, HAS_BIAS (unused here), EPS
-// Launch:    grid (rows, 1, 1), block (EMBED_NORM_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory.
+// Launch:    grid (rows, 2, 1), block (EMBED_NORM_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory:
+//            CTA (r, 0) writes the embedding half, CTA (r, 1) the hidden half.
 // Params (by value, natural C alignment, fields in this order):
 //   ids       const long long*  [rows]
 //   table     const act_t*      [VOCAB, HIDDEN]   the target's embedding
@@ -56,19 +59,21 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
     if (id < 0 || id >= (long long)VOCAB) id = 0;  // bad ids must not fault
     const long long local = id - (long long)EMBED_START;
 
+    const unsigned y = blockIdx.y, parts = gridDim.y;
+    const long long t = (long long)y * blockDim.x + threadIdx.x, stride = (long long)blockDim.x * parts;
     act_t* dst = p.out + (long long)r * (2 * H);
     if (local >= 0 && local < (long long)EMBED_ROWS) {
-        block_copy_act(dst, p.table + local * H, H);
+        parts_copy_act(dst, p.table + local * H, H, y, parts);
     } else {
-        for (long long i = threadIdx.x; i < H; i += blockDim.x) dst[i] = to_act(0.0f);
+        for (long long i = t; i < H; i += stride) dst[i] = to_act(0.0f);
     }
     if constexpr (ZERO_HIDDEN) {
-        for (long long i = threadIdx.x; i < H; i += blockDim.x) dst[H + i] = to_act(0.0f);
+        for (long long i = t; i < H; i += stride) dst[H + i] = to_act(0.0f);
     } else {
-        block_copy_act(dst + H, p.hidden + (long long)r * H, H);
+        parts_copy_act(dst + H, p.hidden + (long long)r * H, H, y, parts);
     }
     if constexpr (HAS_BIAS) {
-        if (p.bias != nullptr && p.bias_out != nullptr) block_copy_act(p.bias_out + (long long)r * H, p.bias, H);
+        if (p.bias != nullptr && p.bias_out != nullptr) parts_copy_act(p.bias_out + (long long)r * H, p.bias, H, y, parts);
     }
 }
 
@@ -78,10 +83,12 @@ extern "C" __global__ void __launch_bounds__(EMBED_NORM_CONCAT_THREADS) embed_no
     if (r >= p.rows) return;  // uniform per CTA: every thread reaches both reductions
     constexpr long long H = (long long)HIDDEN;
 
-    long long id = p.ids[r];
-    if (id < 0 || id >= (long long)VOCAB) id = 0;  // bad ids must not fault
-
     act_t* dst = p.out + (long long)r * (2 * H);
-    rmsnorm_row(p.table + id * H, p.w_embed, dst, H, EPS, scratch);
-    rmsnorm_row(p.h + (long long)r * H, p.w_hidden, dst + H, H, EPS, scratch);
+    if (blockIdx.y == 0) {  // uniform per CTA: every thread reaches the reduction
+        long long id = p.ids[r];
+        if (id < 0 || id >= (long long)VOCAB) id = 0;  // bad ids must not fault
+        rmsnorm_row(p.table + id * H, p.w_embed, dst, H, EPS, scratch);
+    } else {
+        rmsnorm_row(p.h + (long long)r * H, p.w_hidden, dst + H, H, EPS, scratch);
+    }
 }

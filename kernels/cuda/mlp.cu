@@ -9,7 +9,10 @@
 //
 // Entry:     silu_mul
 // Constants: act_t, INTER
-// Launch:    grid (rows, 1, 1), block (SILU_MUL_THREADS = 256, 1, 1), no dynamic shared memory.
+// Launch:    grid (rows, parts, 1), block (SILU_MUL_THREADS = 256, 1, 1), no dynamic shared memory;
+//            parts = kernels::facts::row_parts (at most 8, 1 from 256 rows): CTA (r, y) takes every parts-th
+//            256-thread slice of row r, so a short batch still spreads over several SMs
+//            (one CTA walking a row waits for each load in turn).
 // Params (by value, natural C alignment, fields in this order):
 //   gate_up  act_t*        [rows, 2*INTER]  gate in columns [0, INTER), up in [INTER, 2*INTER);
 //                                           the product replaces the gate columns
@@ -27,8 +30,11 @@ __device__ __forceinline__ float silu_times(float g, float u) {
 
 template <int V>
 __device__ __forceinline__ void silu_mul_row(act_t* gate, const act_t* up, long long begin, long long n) {
-    // Element e of this thread's V-wide chunks: [begin + V*k, begin + V*k + V).
-    for (long long e = begin + (long long)threadIdx.x * V; e + V <= n; e += (long long)blockDim.x * V) {
+    // Element e of this thread's V-wide chunks: [begin + V*k, begin + V*k + V); the row's
+    // threads are the gridDim.y CTAs' of the row.
+    const long long t = (long long)blockIdx.y * blockDim.x + threadIdx.x;
+    const long long stride = (long long)blockDim.x * gridDim.y * V;
+    for (long long e = begin + t * V; e + V <= n; e += stride) {
         float g[V], u[V], y[V];
         load_vec<V>(gate + e, g);
         load_vec<V>(up + e, u);

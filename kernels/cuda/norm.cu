@@ -21,7 +21,8 @@
 //            all-reduce of embed(ids) ‖ h)
 //   out[r, 0:HIDDEN]        = rmsnorm(x[r, 0:HIDDEN], w_a)
 //   out[r, HIDDEN:2*HIDDEN] = rmsnorm(x[r, HIDDEN:2*HIDDEN], w_b), each as rmsnorm above.
-// Launch:    grid (rows, 1, 1), block (NORM_CONCAT_THREADS = 256, 1, 1).
+// Launch:    grid (rows, 2, 1), block (NORM_CONCAT_THREADS = 256, 1, 1): CTA (r, y) normalizes
+//            half y of row r.
 // Params:    x const act_t* [rows, 2*HIDDEN], w_a, w_b const act_t* [HIDDEN],
 //            out act_t* [rows, 2*HIDDEN], rows unsigned
 #include "common.cuh"
@@ -44,6 +45,9 @@ extern "C" __global__ void __launch_bounds__(NORM_CONCAT_THREADS) norm_concat(No
     constexpr long long H = (long long)HIDDEN;
     const act_t* x = p.x + (long long)r * (2 * H);
     act_t* out = p.out + (long long)r * (2 * H);
-    rmsnorm_row(x, p.w_a, out, H, EPS, scratch);
-    rmsnorm_row(x + H, p.w_b, out + H, H, EPS, scratch);
+    if (blockIdx.y == 0) {  // uniform per CTA
+        rmsnorm_row(x, p.w_a, out, H, EPS, scratch);
+    } else {
+        rmsnorm_row(x + H, p.w_b, out + H, H, EPS, scratch);
+    }
 }

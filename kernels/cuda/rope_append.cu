@@ -26,8 +26,11 @@
 // Constants: act_t, HEADS, KV_HEADS, HEAD_DIM, N, PAGE_SIZE, LANE_STEPS, STEP, INV_FREQ[HEAD_DIM/2], ROPE_SCALE
 //            (YaRN's and LongRoPE's attention factor, 1 otherwise: cos and sin are scaled by it, so the
 //            rotated q and the cached k are, as SGLang's YaRN cos/sin cache has it)
-// Launch:    grid (rows, 1, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
-//            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table).
+// Launch:    grid (rows, parts, 1), block (ROPE_APPEND_THREADS = 128, 1, 1), no dynamic shared memory
+//            (HEAD_DIM * 4 bytes of static shared memory: the row's cos/sin table);
+//            parts = kernels::facts::row_parts (at most 8, 1 from 256 rows): CTA (r, y)
+//            takes every parts-th 128-unit slice of row r's rotations and V copies (each
+//            computes the row's table and slot).
 // Params (by value, natural C alignment, fields in this order):
 //   qkv          act_t*      [rows, (HEADS + 2*KV_HEADS)*HEAD_DIM], q part rotated in place
 //   prefix_lens  const int*  [batch]              tokens already cached per request
@@ -77,7 +80,8 @@ __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cac
                                     long long hs, const float* cs, const float* sn) {
     constexpr int kUnitsPerHead = kHalf / V;  // rotation units per head
     constexpr int kRotUnits = (kHeads + kKvHeads) * kUnitsPerHead;
-    for (int u = threadIdx.x; u < kRotUnits; u += blockDim.x) {
+    const int t = (int)(blockIdx.y * blockDim.x + threadIdx.x), stride = (int)(blockDim.x * gridDim.y);
+    for (int u = t; u < kRotUnits; u += stride) {
         const int head = u / kUnitsPerHead;  // 0..HEADS-1: q, then HEADS..: k
         const int d0 = (u % kUnitsPerHead) * V;
         const act_t* src = qkv_row + (long long)head * kD + d0;
@@ -93,7 +97,7 @@ __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cac
     // v heads: KV_HEADS*HEAD_DIM contiguous elements in qkv, heads `hs` apart in the cache.
     constexpr long long kVElems = (long long)kKvHeads * kD;
     const act_t* vsrc = qkv_row + (long long)(kHeads + kKvHeads) * kD;
-    for (long long e = (long long)threadIdx.x * V; e < kVElems; e += (long long)blockDim.x * V) {
+    for (long long e = (long long)t * V; e < kVElems; e += (long long)stride * V) {
         copy_vec<V>(v_cache + kbase + (e / kD) * hs + e % kD, vsrc + e);
     }
 }

@@ -172,6 +172,10 @@ pub trait Kernel: KernelParams {
     }
     /// Grid and `u32` arguments of this entry's launch in a bucket.
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], Self::Scalars);
+    /// CTAs per thread block cluster, along the grid's z (1: no cluster; sm_90+ only).
+    fn cluster(_b: &BucketFacts, _f: &KernelFacts) -> u32 {
+        1
+    }
     /// Elements each pointer argument touches for these `u32` arguments.
     fn extents(s: &Self::Scalars, f: &KernelFacts) -> Self::Ptrs<Extent>;
 }
@@ -202,6 +206,8 @@ pub struct LaunchShape {
     pub grid: [u32; 3],
     pub block: [u32; 3],
     pub smem: u64,
+    /// CTAs per cluster along z (1: none).
+    pub cluster: u32,
     /// Per field, in order: the extent of a pointer or the value of a `u32`.
     pub args: Vec<Slot<Extent>>,
 }
@@ -213,6 +219,7 @@ pub fn shape_of<K: Kernel>(b: &BucketFacts, f: &KernelFacts) -> LaunchShape {
         grid,
         block: [K::threads(f), 1, 1],
         smem: K::smem(f),
+        cluster: K::cluster(b, f),
         args: K::assemble(K::extents(&scalars, f), scalars),
     }
 }

@@ -14,8 +14,11 @@ pub const MAX_TOPK: u32 = 32;
 /// Largest number of column chunks a row of the top-K is split into (`topk_merge` has one
 /// lane per chunk).
 pub const MAX_TOPK_CHUNKS: u32 = 32;
-/// Columns per chunk the plan aims at when splitting a logits row across CTAs.
-pub const TOPK_CHUNK_COLS: u32 = 8192;
+/// Rows of at most this many columns are one CTA's (`softmax_topk`, no merge).
+pub const TOPK_SINGLE_COLS: u32 = 8192;
+/// Columns per chunk the plan aims at when splitting a longer logits row across CTAs
+/// (docs/perf-notes.md: the chunk's scan and its 512-list tree merge, not memory, bound it).
+pub const TOPK_CHUNK_COLS: u32 = 2048;
 /// Largest number of KV splits of the attention.
 pub const MAX_ATTN_SPLITS: u32 = 16;
 /// Largest page table (entries): the kernels index it in 32 bits, and every executor
@@ -148,6 +151,20 @@ impl KernelFacts {
         rank_topk_chunks(self.cols, self.tp_size)
     }
 
+    /// Chunks a bucket of `rows` head rows launches: at most [`KernelFacts::topk_chunks`]
+    /// (the records' buffers are sized for it), fewer when the rows alone fill the GPU —
+    /// about 512 CTAs of 512 threads are one wave on 132 SMs, and a chunk's tree merge is a
+    /// fixed cost per CTA — but never more than 8192 columns a chunk. A sharded plan keeps
+    /// the plan's count (its records are all-gathered at a fixed size).
+    pub fn topk_chunks_for(&self, rows: u32) -> u32 {
+        let most = self.topk_chunks();
+        if self.tp_size > 1 || most <= 1 {
+            return most;
+        }
+        let fewest = self.cols.div_ceil(TOPK_SINGLE_COLS).clamp(1, most);
+        512u32.div_ceil(rows.max(1)).clamp(fewest, most)
+    }
+
     /// Columns of the logits the plan emits: every rank's share (a sharded plan gathers
     /// them), `cols` unsharded.
     pub fn logits_cols(&self) -> u32 {
@@ -175,6 +192,16 @@ impl KernelFacts {
     }
 }
 
+/// CTAs per row of a row-wise kernel over `rows` rows, each `units` thread-units of work
+/// for `threads`-thread CTAs: one unit per thread, at most 8 CTAs a row and no more than
+/// about 256 CTAs in all (a short batch then spreads over several SMs instead of one CTA
+/// waiting on each of its loads in turn; a long one keeps one CTA a row, as each part
+/// repeats the row's set-up).
+pub fn row_parts(rows: u32, units: u64, threads: u32) -> u32 {
+    let most = 256u32.div_ceil(rows.max(1)).clamp(1, 8) as u64;
+    units.div_ceil(threads.max(1) as u64).clamp(1, most) as u32
+}
+
 /// One bucket's launch facts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BucketFacts {
@@ -183,11 +210,16 @@ pub struct BucketFacts {
     pub rows: u32,
     /// KV splits of the attention.
     pub splits: u32,
+    /// The splits run as one thread block cluster and merge there (no `attn_merge`).
+    pub attn_cluster: bool,
 }
 
 /// Column chunks of a logits row of `cols` columns; 1 = no split.
 pub fn topk_chunks(cols: u32) -> u32 {
-    cols.div_ceil(TOPK_CHUNK_COLS).clamp(1, MAX_TOPK_CHUNKS)
+    if cols <= TOPK_SINGLE_COLS {
+        return 1;
+    }
+    cols.div_ceil(TOPK_CHUNK_COLS).clamp(2, MAX_TOPK_CHUNKS)
 }
 
 /// Column chunks of each of `ranks` ranks' `cols`-column share of a logits row: every
@@ -211,9 +243,11 @@ pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u
     let warps = crate::entries::attention::ATTN_THREADS as u64 / 32;
     let tiles = st * 2 * t * d * a;
     let merge = warps * 16 * d * 4 + warps * 16 * 2 * 4;
-    // Each key's element offset (i64) per stage.
-    let slots = st * t * 8;
-    rows_per_pass * d * a + tiles.max(merge) + slots
+    // A cluster's merge: the CTA's o and lse of every row of the pass, after the merge area.
+    let res = rows_per_pass * d * 4 + rows_per_pass * 4;
+    // Each key's offset in 16-byte units (u32) per stage.
+    let slots = st * t * 4;
+    rows_per_pass * d * a + tiles.max(merge + res) + slots
 }
 
 /// Draft decode: entries of a request's score and token lists, `K + (S−1)·K²` (the root's

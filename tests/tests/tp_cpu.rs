@@ -472,3 +472,64 @@ fn gpu_runtime_refuses_a_sharded_plan_without_a_communicator() {
     };
     assert!(e.contains("capture.tp") && e.contains("rank 1 of tp size 2"), "{e}");
 }
+
+/// The attention's split merge inside a thread block cluster (`Target::attn_cluster` on
+/// sm_90: one `attn_partial` launch writing `out`) against the same head for sm_80
+/// (partials, then `attn_merge`), on the CPU executor: the same outputs and K/V, both
+/// phases, buckets that split the keys. (Off by default; its GPU check is in
+/// docs/perf-notes.md, item 19.)
+#[test]
+fn clustered_split_merge_equals_partials_and_merge() {
+    let seed = seed();
+    let mut rng = Rng(seed);
+    let src = Source::Preset("tiny".into());
+    let cfg = resolve(&src, &tiny_overrides()).expect("config");
+    let at = |sm: u32| {
+        let target = Target {
+            sm,
+            sm_count: 132,
+            attn_cluster: true,
+        };
+        compile(&cfg, &target, None, &|_, _| {})
+            .unwrap_or_else(|e| panic!("compile for sm_{sm}: {e}"))
+            .plan
+    };
+    let (hopper, ampere) = (at(90), at(80));
+    let clustered = hopper.all_buckets().filter(|(_, b)| b.attn_cluster).count();
+    let merged = ampere.all_buckets().filter(|(_, b)| b.attn_splits > 1).count();
+    assert!(
+        clustered > 0 && merged > 0,
+        "{clustered} clustered vs {merged} split buckets"
+    );
+    assert!(ampere.all_buckets().all(|(_, b)| !b.attn_cluster));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("weights.safetensors");
+    write_safetensors(&path, &weight_tensors(&hopper, seed).expect("weights")).expect("write weights");
+    let load = |p: &ValidatedPlan| load_weights(p, Path::new(&path)).expect("load weights");
+    let (eh, ea) = (
+        CpuExecutor::new(&hopper, load(&hopper)).expect("executor"),
+        CpuExecutor::new(&ampere, load(&ampere)).expect("executor"),
+    );
+    let k = hopper.spec.topk as usize;
+    for ph in &hopper.phases {
+        for bucket in ph.buckets.iter().filter(|b| b.attn_cluster) {
+            let (bb, b) = (bucket.batch as usize, bucket.batch as usize);
+            let tag = format!("tiny {} b {bb} (seed {seed})", ph.kind.label());
+            let (named, table) = inputs(&hopper, ph.kind, bb, b, &mut rng);
+            let pool0 = pool(&hopper, &mut rng);
+            let (mut ph_pool, mut pa_pool) = (pool0.clone(), pool0);
+            let got = eh
+                .run_named(ph.kind, bucket, &named, &table, &mut ph_pool)
+                .expect("sm_90 run");
+            let other = ampere
+                .phase(ph.kind)
+                .and_then(|x| x.bucket_for(bb as u32))
+                .expect("bucket");
+            let want = ea
+                .run_named(ph.kind, other, &named, &table, &mut pa_pool)
+                .expect("sm_80 run");
+            compare(&tag, ph.kind, &want, &got, k, (b, bb));
+            assert!(ph_pool.k == pa_pool.k && ph_pool.v == pa_pool.v, "{tag}: K/V differ");
+        }
+    }
+}

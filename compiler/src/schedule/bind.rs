@@ -81,6 +81,7 @@ impl Binder<'_> {
                 grid,
                 block: [K::threads(f), 1, 1],
                 smem: K::smem(f) as u32,
+                cluster: K::cluster(self.bf, f),
                 args,
             },
         });

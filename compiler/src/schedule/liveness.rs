@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use petgraph::stable_graph::NodeIndex;
 use specplan_format::{BufferRole, DType};
 
-use super::Shared;
+use super::{attn_cluster, Shared};
 use crate::graph::{OpKind, Storage, TensorId};
 
 /// A buffer to place: what it holds and when it is live (op positions, 1-based; 0 and
@@ -109,7 +109,11 @@ pub(super) fn live_ranges(sh: &Shared, batch: u32, splits: u32) -> Live {
 fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BTreeMap<NodeIndex, Workspace> {
     let (f, bb) = (sh.facts, batch as u64);
     let rows = bb * f.n as u64;
-    let chunks = f.topk_chunks();
+    // The head's rows: one per request, or every lane of a draft-decode forward.
+    let head_rows = if f.lanes > 0 { rows } else { bb };
+    let chunks = f.topk_chunks_for(head_rows as u32);
+    // Splits merged in their cluster need no partials (`attn_cluster`).
+    let partials = splits > 1 && !attn_cluster(sh, splits);
     let mut ws = BTreeMap::new();
     let scratch = |items: &mut Vec<Item>, name: String, shape: Vec<u64>, s: usize| {
         items.push(Item {
@@ -126,7 +130,7 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
         let op = &sh.g.graph[node];
         // Named after the op (`l0.`, or a multi-step phase's `s1.l0.`).
         match op.kind {
-            OpKind::Attention { .. } if splits > 1 => {
+            OpKind::Attention { .. } if partials => {
                 let hd = (f.heads * f.head_dim) as u64;
                 let o = scratch(
                     items,
@@ -144,8 +148,6 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
             }
             OpKind::SoftmaxTopK { .. } if chunks > 1 => {
                 let rec = specplan_kernels::facts::topk_record_floats(f.topk) as u64;
-                // The head's rows: one per request, or every lane of a draft-decode forward.
-                let head_rows = if f.lanes > 0 { rows } else { bb };
                 let name = op.renamed(specplan_format::Entry::SoftmaxTopk.name(), "topk_part");
                 let p = scratch(items, name, vec![head_rows, chunks as u64, rec], s);
                 ws.insert(node, Workspace::TopK(p));

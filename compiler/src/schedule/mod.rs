@@ -17,6 +17,8 @@ use std::collections::BTreeMap;
 
 use petgraph::stable_graph::NodeIndex;
 use specplan_format::{bucket_facts, BucketPlan, KernelFacts, Replay};
+use specplan_kernels::abi::Kernel;
+use specplan_kernels::entries::attention::AttnPartialParams;
 
 use crate::codegen::KernelTable;
 use crate::config::Config;
@@ -49,18 +51,36 @@ pub struct Shared<'a> {
     /// Weight index in the plan for each weight tensor.
     pub weight_ids: &'a BTreeMap<TensorId, u32>,
     pub sm_count: u32,
+    /// The target's SM architecture (90: sm_90).
+    pub sm: u32,
+    /// `Target::attn_cluster`.
+    pub attn_cluster: bool,
     /// The phase's rows per request (`PhaseKind::rows_per_request`).
     pub rows_per_request: u32,
 }
 
-/// KV splits for a bucket: enough CTAs to fill the GPU twice, at most one split per
-/// 256 keys of the longest context, at most 16.
-pub fn attn_splits(cfg: &Config, batch: u32, sm_count: u32) -> u32 {
+/// KV splits for a bucket: as many CTAs as fit on the GPU at once (one wave: a second,
+/// partial wave doubles a short context's time), at most one split per 256 keys of the
+/// longest context, at most 16. CTAs per SM follow the attention's shared memory (228 KiB
+/// an SM, 1 KiB reserved a CTA on sm_90) and at most 4 (registers).
+pub fn attn_splits(cfg: &Config, f: &KernelFacts, batch: u32, (cluster, sm_count): (bool, u32)) -> u32 {
     let ctas = batch as u64 * cfg.model.desc.kv_heads as u64;
-    let want = (2 * sm_count as u64).div_ceil(ctas.max(1));
+    let smem = AttnPartialParams::smem(f) + 1024;
+    let per_sm = (228 * 1024 / smem.max(1)).clamp(1, 4);
+    // Clusters (`Target::attn_cluster`: the splits of one request and kv head) must each
+    // fit in one GPC, so the SMs a GPC cannot fill with whole clusters are lost: a quarter
+    // left free keeps every cluster in the first wave.
+    let slots = per_sm * sm_count as u64 * if cluster { 3 } else { 4 } / 4;
+    let want = (slots / ctas.max(1)).max(1);
     let by_len = (cfg.capture.max_context_len as u64).div_ceil(256);
     want.min(by_len)
         .clamp(1, specplan_kernels::facts::MAX_ATTN_SPLITS as u64) as u32
+}
+
+/// Whether a bucket's attention splits merge in a thread block cluster (sm_90+, more than
+/// one split; at most 16, as `attn_splits` gives): one launch instead of partials + merge.
+pub fn attn_cluster(sh: &Shared, splits: u32) -> bool {
+    sh.attn_cluster && sh.sm >= 90 && splits > 1
 }
 
 pub fn schedule_bucket(
@@ -70,7 +90,7 @@ pub fn schedule_bucket(
     replay: Replay,
 ) -> Result<BucketPlan, ScheduleError> {
     let n = sh.rows_per_request;
-    let splits = attn_splits(sh.cfg, batch, sh.sm_count);
+    let splits = attn_splits(sh.cfg, sh.facts, batch, (sh.attn_cluster && sh.sm >= 90, sh.sm_count));
     let live = liveness::live_ranges(sh, batch, splits);
     let (buffers, arena_bytes) = pack::pack(&live.items);
     // The config's lower bound catches most oversized buckets before lowering; the packed
@@ -88,6 +108,7 @@ pub fn schedule_bucket(
         arena_bytes,
         qo_indptr: (0..=batch).map(|i| i * n).collect(),
         attn_splits: splits,
+        attn_cluster: attn_cluster(sh, splits),
         buffers,
         launches: Vec::new(),
         replay,

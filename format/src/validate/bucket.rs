@@ -83,6 +83,13 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
             b.attn_splits
         ))
     });
+    // Clusters exist from sm_90; a cluster of one split would be no merge at all.
+    e.check(!b.attn_cluster || (b.attn_splits > 1 && p.target.sm >= 90), || {
+        at(format!(
+            "attn_cluster: set with {} split(s) on sm_{} (needs more than one split and sm_90+)",
+            b.attn_splits, p.target.sm
+        ))
+    });
     e.check(b.arena_bytes <= MAX_REGION_BYTES, || {
         at(format!("arena_bytes: {} exceeds {MAX_REGION_BYTES}", b.arena_bytes))
     });
@@ -116,6 +123,7 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
                 grid,
                 block,
                 smem,
+                cluster,
                 args,
             } => {
                 let bufs = kernel_launch(
@@ -125,9 +133,9 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
                     b,
                     &bf,
                     *kernel,
-                    *grid,
-                    *block,
+                    [*grid, *block],
                     *smem,
+                    *cluster,
                     args,
                     &lat,
                     touched,

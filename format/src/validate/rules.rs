@@ -207,9 +207,9 @@ pub(crate) fn kernel_launch(
     b: &BucketPlan,
     bf: &BucketFacts,
     kernel: u32,
-    grid: [u32; 3],
-    block: [u32; 3],
+    [grid, block]: [[u32; 3]; 2],
     smem: u32,
+    cluster: u32,
     args: &[ArgValue],
     at: &dyn Fn(Option<u32>, String) -> (Location, String),
     touched: &mut Touched,
@@ -278,6 +278,15 @@ pub(crate) fn kernel_launch(
         at(
             None,
             format!(".smem: {smem} bytes, but {name} needs exactly {}", shape.smem),
+        )
+    });
+    e.check(cluster == shape.cluster, || {
+        at(
+            None,
+            format!(
+                ".cluster: {cluster}, but {name} in this bucket runs clusters of {}",
+                shape.cluster
+            ),
         )
     });
     let fields = k.entry.abi().fields;

@@ -39,6 +39,9 @@ pub struct AttnPartialParams {
     pub batch: u32,
     pub splits: u32,
     pub q_stride: u32,
+    /// CTAs per cluster along z: `splits` when the splits merge in their cluster (then
+    /// `out` is written and the partials are unused), else 1.
+    pub cluster: u32,
 }
 
 /// `attn_merge`: the log-sum-exp merge of the splits' partial results.
@@ -66,6 +69,13 @@ impl Kernel for AttnPartialParams {
         let (tile, stages) = f.attn_tiling().unwrap_or((16, 2));
         attn_smem_bytes(f.n * f.group(), f.head_dim, tile, stages, f.act.size() as u32)
     }
+    fn cluster(b: &BucketFacts, _: &KernelFacts) -> u32 {
+        if b.attn_cluster {
+            b.splits
+        } else {
+            1
+        }
+    }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], AttnPartialScalars) {
         (
             [b.batch, f.kv_heads, b.splits],
@@ -73,6 +83,7 @@ impl Kernel for AttnPartialParams {
                 batch: b.batch,
                 splits: b.splits,
                 q_stride: f.qkv_cols(),
+                cluster: Self::cluster(b, f),
             },
         )
     }
@@ -81,7 +92,8 @@ impl Kernel for AttnPartialParams {
         let rows = b * f.n as u64;
         let hq = f.heads as u64;
         let hd = hq * f.head_dim as u64;
-        let split = |n: u64| if splits > 1 { Extent::Elems(n) } else { Extent::Unused };
+        let partials = splits > 1 && s.cluster <= 1;
+        let split = |n: u64| if partials { Extent::Elems(n) } else { Extent::Unused };
         AttnPartialPtrs {
             q: Extent::Elems(rows * s.q_stride as u64),
             k_cache: Extent::Elems(0),
@@ -90,7 +102,7 @@ impl Kernel for AttnPartialParams {
             page_table: Extent::Elems(0),
             kv_layout: Extent::Elems(crate::kv::KV_WORDS as u64),
             prefix_lens: Extent::Elems(b),
-            out: if splits > 1 {
+            out: if partials {
                 Extent::Unused
             } else {
                 Extent::Elems(rows * hd)

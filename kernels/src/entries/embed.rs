@@ -1,7 +1,7 @@
 //! embed.cu: the embedding lookup concatenated with the target's hidden states.
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
-use crate::facts::{BucketFacts, KernelFacts};
+use crate::facts::{row_parts, BucketFacts, KernelFacts};
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
@@ -64,7 +64,8 @@ impl Kernel for EmbedNormConcatParams {
         EMBED_THREADS
     }
     fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], EmbedNormConcatScalars) {
-        ([b.rows, 1, 1], EmbedNormConcatScalars { rows: b.rows })
+        // One CTA per half: the two norms run side by side.
+        ([b.rows, 2, 1], EmbedNormConcatScalars { rows: b.rows })
     }
     fn extents(s: &EmbedNormConcatScalars, f: &KernelFacts) -> EmbedNormConcatPtrs<Extent> {
         let (rows, h) = (s.rows as u64, f.hidden as u64);
@@ -84,8 +85,9 @@ impl Kernel for EmbedConcatParams {
     fn threads(_: &KernelFacts) -> u32 {
         EMBED_THREADS
     }
-    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], EmbedConcatScalars) {
-        ([b.rows, 1, 1], EmbedConcatScalars { rows: b.rows })
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], EmbedConcatScalars) {
+        let parts = row_parts(b.rows, (f.hidden as u64).div_ceil(8), EMBED_THREADS);
+        ([b.rows, parts, 1], EmbedConcatScalars { rows: b.rows })
     }
     fn extents(s: &EmbedConcatScalars, f: &KernelFacts) -> EmbedConcatPtrs<Extent> {
         let (rows, h) = (s.rows as u64, f.hidden as u64);

@@ -1,7 +1,7 @@
 //! mlp.cu: the gated activation between the gate/up and down projections.
 
 use crate::abi::{Act, DevPtrMut, Extent, Kernel};
-use crate::facts::{BucketFacts, KernelFacts};
+use crate::facts::{row_parts, BucketFacts, KernelFacts};
 use crate::source::Constants;
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
@@ -27,7 +27,8 @@ impl Kernel for SiluMulParams {
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], SiluMulScalars) {
         let rows = f.rows(b);
-        ([rows, 1, 1], SiluMulScalars { rows })
+        let parts = row_parts(rows, (f.intermediate as u64).div_ceil(8), SILU_THREADS);
+        ([rows, parts, 1], SiluMulScalars { rows })
     }
     fn extents(s: &SiluMulScalars, f: &KernelFacts) -> SiluMulPtrs<Extent> {
         let (rows, i) = (s.rows as u64, f.intermediate as u64);

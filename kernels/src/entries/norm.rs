@@ -44,7 +44,8 @@ impl Kernel for NormConcatParams {
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], NormConcatScalars) {
         let rows = f.rows(b);
-        ([rows, 1, 1], NormConcatScalars { rows })
+        // One CTA per half: the two norms run side by side.
+        ([rows, 2, 1], NormConcatScalars { rows })
     }
     fn extents(s: &NormConcatScalars, f: &KernelFacts) -> NormConcatPtrs<Extent> {
         let (rows, h) = (s.rows as u64, f.hidden as u64);

@@ -1,7 +1,7 @@
 //! rope_append.cu: RoPE of q and k, and the append of k and v to the paged cache.
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
-use crate::facts::{BucketFacts, KernelFacts};
+use crate::facts::{row_parts, BucketFacts, KernelFacts};
 use crate::io;
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
@@ -39,8 +39,13 @@ impl Kernel for RopeAppendParams {
     fn threads(_: &KernelFacts) -> u32 {
         ROPE_THREADS
     }
-    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], RopeAppendScalars) {
-        ([b.rows, 1, 1], RopeAppendScalars { rows: b.rows })
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], RopeAppendScalars) {
+        // 16-byte units of the half heads rotated (q and k heads).
+        let units = (f.heads + f.kv_heads) as u64 * (f.head_dim as u64 / 2).div_ceil(8);
+        (
+            [b.rows, row_parts(b.rows, units, ROPE_THREADS), 1],
+            RopeAppendScalars { rows: b.rows },
+        )
     }
     fn extents(s: &RopeAppendScalars, f: &KernelFacts) -> RopeAppendPtrs<Extent> {
         let rows = s.rows as u64;

@@ -137,7 +137,7 @@ impl Kernel for TopkPartialParams {
         topk_smem(f)
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkPartialScalars) {
-        let chunks = f.topk_chunks();
+        let chunks = f.topk_chunks_for(f.head_rows(b));
         (
             [f.head_rows(b), chunks, 1],
             TopkPartialScalars {
@@ -165,7 +165,7 @@ impl Kernel for TopkMergeParams {
             [f.head_rows(b), 1, 1],
             TopkMergeScalars {
                 batch: f.head_rows(b),
-                chunks: f.topk_chunks(),
+                chunks: f.topk_chunks_for(f.head_rows(b)),
             },
         )
     }

@@ -313,6 +313,12 @@ impl<K: KvStore> Ctx<'_, K> {
         }
         let rows = batch * n;
         let g = hq / hkv;
+        // Splits that merge in their cluster (`cluster` = splits) write `out` as one split
+        // does: the merge is exact, so one pass over all the keys is the same result.
+        if s.cluster > 1 && s.cluster as usize != splits {
+            return Err(format!("cluster {} is neither 1 nor the {splits} splits", s.cluster));
+        }
+        let parts = if s.cluster > 1 { 1 } else { splits };
         for i in 0..batch {
             let l = self.ld(prefix, i)?.max(0.0) as usize;
             // Draft decode: the prefix, then every lane's step + 1 slots (attention.cu).
@@ -326,8 +332,8 @@ impl<K: KvStore> Ctx<'_, K> {
                 (w, None) => (l + 1).saturating_sub(w),
             };
             let total = kv_len - kv_start;
-            let chunk = total.div_ceil(splits).div_ceil(tile) * tile;
-            for sp in 0..splits {
+            let chunk = total.div_ceil(parts).div_ceil(tile) * tile;
+            for sp in 0..parts {
                 let lo = (kv_start + sp * chunk).min(kv_len);
                 let hi = (kv_start + (sp + 1) * chunk).min(kv_len);
                 for kvh in 0..hkv {
@@ -370,7 +376,7 @@ impl<K: KvStore> Ctx<'_, K> {
                             } else {
                                 m + den.ln()
                             };
-                            if splits == 1 {
+                            if parts == 1 {
                                 let out = buf(p.out, "out")?;
                                 for (t, v) in o.into_iter().enumerate() {
                                     self.st(out, r * hq * d + head * d + t, v)?;

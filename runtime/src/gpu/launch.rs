@@ -99,6 +99,39 @@ pub(crate) fn launch_packed(
     })
 }
 
+/// Launches one kernel as thread block clusters of `cluster` CTAs along z (the grid's z is
+/// a multiple of it: validated), with `cuLaunchKernelEx`.
+fn launch_cluster(
+    func: sys::CUfunction,
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    cluster: u32,
+    blob: &mut [u8],
+    stream: sys::CUstream,
+) -> Result<(), GpuError> {
+    let mut params = [blob.as_mut_ptr() as *mut c_void];
+    // SAFETY: a zeroed attribute is a plain C value; its id and value are set before use.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid[0],
+        gridDimY: grid[1],
+        gridDimZ: grid[2],
+        blockDimX: block[0],
+        blockDimY: block[1],
+        blockDimZ: block[2],
+        sharedMemBytes: smem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: as `launch_packed`; `config` and its one attribute live until the call returns.
+    let rc = unsafe { sys::cuLaunchKernelEx(&config, func, params.as_mut_ptr(), std::ptr::null_mut()) };
+    cuda_rc("cuLaunchKernelEx", rc)
+}
+
 /// What issuing needs: the plan, its memory, its functions and GEMMs.
 pub(crate) struct Launcher<'a> {
     pub plan: &'a Plan,
@@ -153,17 +186,16 @@ impl Launcher<'_> {
                     grid,
                     block,
                     smem,
+                    cluster,
                     args,
                 } => {
                     let mut blob = pack(self.mem, self.plan, b, *kernel, args);
-                    launch_packed(
-                        self.funcs[*kernel as usize],
-                        *grid,
-                        *block,
-                        *smem,
-                        &mut blob,
-                        self.stream,
-                    )?;
+                    let f = self.funcs[*kernel as usize];
+                    if *cluster > 1 {
+                        launch_cluster(f, *grid, *block, *smem, *cluster, &mut blob, self.stream)?;
+                    } else {
+                        launch_packed(f, *grid, *block, *smem, &mut blob, self.stream)?;
+                    }
                 }
             }
         }
@@ -209,7 +241,15 @@ pub(crate) fn load_kernels(plan: &Plan) -> Result<(Vec<Module>, Vec<sys::CUfunct
     }
     for (_, b) in plan.all_buckets() {
         for l in &b.launches {
-            if let LaunchKind::Kernel { kernel, smem, .. } = &l.kind {
+            if let LaunchKind::Kernel {
+                kernel,
+                cluster,
+                grid,
+                block,
+                smem,
+                ..
+            } = &l.kind
+            {
                 if *smem > 48 * 1024 {
                     // SAFETY: a loaded function; the value is ≤ the validated 227 KiB limit.
                     let rc = unsafe {
@@ -221,8 +261,63 @@ pub(crate) fn load_kernels(plan: &Plan) -> Result<(Vec<Module>, Vec<sys::CUfunct
                     };
                     cuda_rc("cuFuncSetAttribute", rc)?;
                 }
+                if *cluster > 8 {
+                    // Clusters above 8 CTAs (at most 16: validated) are non-portable: the
+                    // function opts in, and the GPU must be able to co-schedule one.
+                    // SAFETY: a loaded function; the attribute is a boolean.
+                    let rc = unsafe {
+                        sys::cuFuncSetAttribute(
+                            funcs[*kernel as usize],
+                            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                            1,
+                        )
+                    };
+                    cuda_rc("cuFuncSetAttribute", rc)?;
+                }
+                if *cluster > 1 {
+                    cluster_fits(funcs[*kernel as usize], *grid, *block, *smem, *cluster, &l.op)?;
+                }
             }
         }
     }
     Ok((modules, funcs))
+}
+
+/// Refuses a clustered launch the GPU cannot run (no cluster of that many CTAs, with this
+/// shared memory, fits on it), naming the launch, before any graph is built.
+fn cluster_fits(
+    func: sys::CUfunction,
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    cluster: u32,
+    op: &str,
+) -> Result<(), GpuError> {
+    // SAFETY: a zeroed attribute is a plain C value; its id and value are set before use.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid[0],
+        gridDimY: grid[1],
+        gridDimZ: grid[2],
+        blockDimX: block[0],
+        blockDimY: block[1],
+        blockDimZ: block[2],
+        sharedMemBytes: smem,
+        hStream: std::ptr::null_mut(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut n = 0i32;
+    // SAFETY: a loaded function; `config` and `n` are valid for the call.
+    let rc = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) };
+    cuda_rc("cuOccupancyMaxActiveClusters", rc)?;
+    if n < 1 {
+        return Err(GpuError::Load {
+            kernel: op.to_string(),
+            message: format!("this GPU cannot run clusters of {cluster} CTAs with {smem} bytes of shared memory each"),
+        });
+    }
+    Ok(())
 }

@@ -144,6 +144,14 @@ pub fn check_kv(plan: &Plan, kv: &KvRegistration) -> Result<(), RegError> {
         .offset(g.slots - 1, heads - 1, d - 1)
         .and_then(|x| x.checked_add(1))
         .ok_or_else(|| bad("k_cache/v_cache", "the pool's extent overflows 64 bits".into()))?;
+    // The attention's tile loader holds each key's offset in 16-byte units in 32 bits
+    // (attention.cu, kSlotBytes): a layer's K or V extent of at most 2^32 - 1 units.
+    if span.div_ceil(8) >= u32::MAX as u64 {
+        return Err(bad(
+            "k_cache/v_cache",
+            format!("a layer's pool spans {span} elements, above the 8 * (2^32 - 2) the attention addresses"),
+        ));
+    }
     let bytes = span.checked_mul(elem);
     for l in 0..layers {
         let (k, v) = (kv.k[l], kv.v[l]);

@@ -110,6 +110,13 @@ fn kv_registration_rules() {
     let mut kv = kv_ok();
     kv.k[0] = u64::MAX - 15;
     assert!(check_kv(&p, &kv).unwrap_err().to_string().contains("overflows"));
+    // A layer's pool past 2^32 - 1 sixteen-byte units (the attention's 32-bit key offsets).
+    let mut kv = kv_ok();
+    kv.geom.slots = 1 << 28;
+    kv.geom.slot_stride = 256;
+    kv.geom.page_stride = 256;
+    let e = check_kv(&p, &kv).unwrap_err().to_string();
+    assert!(e.contains("the attention addresses"), "{e}");
 }
 
 /// The engines' layouts in place: SGLang NHD and HND pools, vLLM's packed `[.., 2·D]`

@@ -167,6 +167,10 @@ fn buckets(p: &mut Plan, f: &mut Visit<'_>) {
         f(&|| format!("buckets[{bi}].rows"), Leaf::U32(&mut b.rows));
         f(&|| format!("buckets[{bi}].arena_bytes"), Leaf::U64(&mut b.arena_bytes));
         f(&|| format!("buckets[{bi}].attn_splits"), Leaf::U32(&mut b.attn_splits));
+        f(
+            &|| format!("buckets[{bi}].attn_cluster"),
+            Leaf::Bool(&mut b.attn_cluster),
+        );
         for (i, x) in b.qo_indptr.iter_mut().enumerate() {
             f(&|| format!("buckets[{bi}].qo_indptr[{i}]"), Leaf::U32(x));
         }
@@ -193,9 +197,11 @@ fn launches(p: &mut Plan, f: &mut Visit<'_>) {
                     grid,
                     block,
                     smem,
+                    cluster,
                     args,
                 } => {
                     f(&|| at(".kernel"), Leaf::U32(kernel));
+                    f(&|| at(".cluster"), Leaf::U32(cluster));
                     for (d, g) in grid.iter_mut().enumerate() {
                         f(&|| at(&format!(".grid[{d}]")), Leaf::U32(g));
                     }
