@@ -371,4 +371,59 @@ __device__ __forceinline__ long long lane_offset(long long L, int lane, int step
     return (long long)lane * run;
 }
 
+// ---------------------------------------------------------------------------------
+// Device primitives of the attention's tile loader and split merge (PTX).
+// ---------------------------------------------------------------------------------
+// ---- cp.async (sm_80+): global -> shared copies that bypass registers -----------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const unsigned long long g = (unsigned long long)__cvta_generic_to_global(gmem);
+    const unsigned bytes = valid ? 16u : 0u;  // 0 source bytes: the 16 bytes are zero-filled
+    // No "memory" clobber here: it would stop the compiler from batching the page-table
+    // loads of a tile ahead of the copies. Ordering against the shared memory reads is
+    // given by cp_async_wait (which has the clobber) and the barriers after it.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int Pending> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
+// ---- Thread block clusters (sm_90+; attention.cu merges the splits of one request and kv
+// head in one) ------------------------------------------------------------------------
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// Every thread of every CTA of the cluster; the release / acquire pair orders the shared
+// memory writes before it against the peers' reads after it.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The float at `p` (this CTA's shared memory) in the shared memory of cluster CTA `rank`.
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    unsigned ra;
+    float v;
+    // No "memory" clobber: every read sits between the two cluster barriers (which have
+    // it), and without it the compiler issues a row's 2 x csize reads back to back.
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(ra));
+    return v;
+}
+#else
+// Before sm_90 there are no clusters: every launch is a cluster of one.
+__device__ __forceinline__ unsigned cluster_size() { return 1u; }
+__device__ __forceinline__ unsigned cluster_rank() { return 0u; }
+__device__ __forceinline__ void cluster_sync() {}
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned) { return *p; }
+#endif
+
 #endif  // SPECPLAN_COMMON_CUH
