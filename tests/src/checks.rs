@@ -191,9 +191,9 @@ pub fn check_case(
     Ok(e)
 }
 
-/// The attention kernels alone (attn_partial, and attn_merge when the bucket splits), on
-/// random q and cache contents with long prefixes: layer 0's launches replayed over
-/// buffers written here, against `attention_row` on the same bf16/fp16 values. Returns
+/// The attention kernels alone (attn_partial, and attn_merge when the bucket splits without a
+/// cluster merge), on random q and cache contents with long prefixes: layer 0's launches
+/// replayed over buffers written here, against `attention_row` on the same bf16/fp16 values. Returns
 /// (relative RMS error, max abs error / output RMS).
 pub fn attention_check(
     plan: &ValidatedPlan,
