@@ -2,7 +2,10 @@
 """Step times of a specbench run against a baseline run: one line per shape both ran, the
 ratio of step time (full_us) and of attention alone, and a verdict against a tolerance.
 
-    compare_bench.py BASELINE.json NEW.json [--tolerance 0.03]
+    compare_bench.py BASELINE.json NEW.json [--tolerance 0.03] [--metric full_us|replay_us]
+
+The metric compared is the step (full_us: host prep + replay, the default) or the replay alone
+(replay_us: the GPU's time, less noisy when both runs are on one machine, as `.ci/gpu ab` has).
 
 Both files are specbench.json (the current object form, or the older list form whose first
 entry is the ceilings). Exit status: 0 when every shared shape's step is within the
@@ -31,27 +34,28 @@ def rows(path):
     return out
 
 
-def compare(base, new, tol):
+def compare(base, new, tol, metric="full_us"):
     """Lines of the table and whether every shape is within tolerance."""
     keys = sorted(set(base) & set(new))
-    lines = ["plan                            B     L   base µs    new µs   step   attn", ""]
+    name = "step" if metric == "full_us" else "replay"
+    lines = [f"plan                            B     L   base µs    new µs {name:>6}   attn", ""]
     ok = True
     ratios = []
     for k in keys:
         b, n = base[k], new[k]
-        r = n["full_us"] / b["full_us"]
+        r = n[metric] / b[metric]
         ra = n["attn_us"] / b["attn_us"] if b.get("attn_us") else float("nan")
         ratios.append(r)
         bad = r > 1.0 + tol
         ok &= not bad
         lines.append(
-            f"{k[0]:<30} {k[1]:>3} {k[2]:>5} {b['full_us']:>9.1f} {n['full_us']:>9.1f} {r:>6.3f} {ra:>6.3f}"
+            f"{k[0]:<30} {k[1]:>3} {k[2]:>5} {b[metric]:>9.1f} {n[metric]:>9.1f} {r:>6.3f} {ra:>6.3f}"
             + ("  SLOWER" if bad else "")
         )
     del lines[1]
     if ratios:
         lines.append(
-            f"{len(ratios)} shapes: step ratio median {statistics.median(ratios):.3f}, "
+            f"{len(ratios)} shapes: {name} ratio median {statistics.median(ratios):.3f}, "
             f"max {max(ratios):.3f} (tolerance +{tol:.0%})"
         )
     return lines, ok, len(keys)
@@ -62,13 +66,14 @@ def main():
     ap.add_argument("baseline")
     ap.add_argument("new")
     ap.add_argument("--tolerance", type=float, default=0.03)
+    ap.add_argument("--metric", choices=["full_us", "replay_us"], default="full_us")
     a = ap.parse_args()
     try:
         base, new = rows(a.baseline), rows(a.new)
     except (OSError, ValueError) as e:
         print(f"compare_bench: {e}", file=sys.stderr)
         return 2
-    lines, ok, n = compare(base, new, a.tolerance)
+    lines, ok, n = compare(base, new, a.tolerance, a.metric)
     if n == 0:
         print("compare_bench: the two runs have no shape in common", file=sys.stderr)
         return 2
