@@ -29,7 +29,10 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// 9: the draft-decode phase (`PhaseKind::DraftDecode { steps }`, the `tree.cu` entries),
 /// the `LANE_STEPS`/`STEP` constants of `rope_append` and the attention. 10: the verify inputs
 /// (`CaptureDesc.decode_verify`, `tree_verify`). 11: draft decode's engine-memory prologue and
-/// epilogue (`admit_decode`, `emit_decode`; every plan carries them).
+/// epilogue (`admit_decode`, `emit_decode`; every plan carries them). 12: `GemmDesc.lda`. 13:
+/// tensor parallelism (`CaptureDesc.tp`, `WeightDesc.shard`, `LaunchKind::Collective`). 14: a
+/// bucket's `attn_cluster` and a kernel launch's `cluster` (the split merge in a thread block
+/// cluster).
 pub const FORMAT_VERSION: u32 = 14;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;

@@ -209,9 +209,9 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 //   tile_entries: thread k < kTile reads the table entry of key k (kv_entry) into a
 //                 register; nothing uses it yet, so the read stays in flight;
 //   tile_slots:   later (after a tile's compute) it turns the entry into the token slot
-//                 (kv_resolve) and that into the key's element offset in the pool, this
-//                 CTA's kv head included (kv_at: the registered geometry), and stores the
-//                 offset in the tile's row of shared memory;
+//                 (kv_resolve) and that into the key's offset in the pool in 16-byte
+//                 units, this CTA's kv head included (kv_at: the registered geometry), and
+//                 stores it in the tile's row of shared memory;
 //   issue_tile:   after a barrier, every thread issues the cp.async copies of its chunks
 //                 at that row's offsets.
 // The table read, the guards and the geometry's arithmetic run once per key, not once per
@@ -351,7 +351,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     // Launched as clusters of the splits (1, 1, splits): the CTAs merge their results
     // through distributed shared memory and write `out`; otherwise they write partials.
     const unsigned csize = cluster_size();
-    const bool clustered = !single && p.cluster == gridDim.z && csize == gridDim.z;
+    // (splits == gridDim.z too: a CTA past the splits returns above, and its peers would
+    // wait for it at the cluster barrier forever; validated plans always match.)
+    const bool clustered = !single && p.cluster == gridDim.z && csize == gridDim.z && splits == gridDim.z;
     const bool can_write = single || clustered ? p.out != nullptr : (p.part_o != nullptr && p.part_lse != nullptr);
     const float scale2 = kScale * kLog2e;  // scores in log2 units: exp2 instead of exp
 

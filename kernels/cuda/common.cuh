@@ -134,9 +134,6 @@ __host__ __device__ __forceinline__ constexpr long long ceil_div(long long a, lo
 __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
-// Copies n activations from src to dst with every thread of the block, in 16-byte
-// vectors when both pointers are 16-byte aligned (any n: the tail is copied one
-// element at a time), otherwise element by element.
 // Part `part` of `parts` of a copy spread over several CTAs (each copies every parts-th
 // blockDim.x-vector slice); block_copy_act is the one-CTA case.
 __device__ __forceinline__ void parts_copy_act(act_t* dst, const act_t* src, long long n, unsigned part,
@@ -151,6 +148,9 @@ __device__ __forceinline__ void parts_copy_act(act_t* dst, const act_t* src, lon
     for (long long e = done + t; e < n; e += stride) dst[e] = src[e];
 }
 
+// Copies n activations from src to dst with every thread of the block, in 16-byte
+// vectors when both pointers are 16-byte aligned (any n: the tail is copied one
+// element at a time), otherwise element by element.
 __device__ __forceinline__ void block_copy_act(act_t* dst, const act_t* src, long long n) {
     long long done = 0;
     if (aligned16(dst) && aligned16(src)) {

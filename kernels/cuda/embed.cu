@@ -80,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
 extern "C" __global__ void __launch_bounds__(EMBED_NORM_CONCAT_THREADS) embed_norm_concat(EmbedNormConcatParams p) {
     __shared__ float scratch[32];
     const unsigned r = blockIdx.x;
-    if (r >= p.rows) return;  // uniform per CTA: every thread reaches both reductions
+    if (r >= p.rows) return;  // uniform per CTA: every thread reaches its half's reduction
     constexpr long long H = (long long)HIDDEN;
 
     act_t* dst = p.out + (long long)r * (2 * H);

@@ -154,8 +154,9 @@ impl KernelFacts {
     /// Chunks a bucket of `rows` head rows launches: at most [`KernelFacts::topk_chunks`]
     /// (the records' buffers are sized for it), fewer when the rows alone fill the GPU —
     /// about 512 CTAs of 512 threads are one wave on 132 SMs, and a chunk's tree merge is a
-    /// fixed cost per CTA — but never more than 8192 columns a chunk. A sharded plan keeps
-    /// the plan's count (its records are all-gathered at a fixed size).
+    /// fixed cost per CTA — and no coarser than 8192 columns a chunk while 32 chunks allow
+    /// it (rows past 262,144 columns get 32). A sharded plan keeps the plan's count (its
+    /// records are all-gathered at a fixed size).
     pub fn topk_chunks_for(&self, rows: u32) -> u32 {
         let most = self.topk_chunks();
         if self.tp_size > 1 || most <= 1 {
@@ -223,9 +224,16 @@ pub fn topk_chunks(cols: u32) -> u32 {
 }
 
 /// Column chunks of each of `ranks` ranks' `cols`-column share of a logits row: every
-/// rank's records meet in one 32-lane `topk_merge` warp.
+/// rank's records meet in one 32-lane `topk_merge` warp. A sharded plan's count is fixed
+/// for every batch (`KernelFacts::topk_chunks_for` keeps it), so it stays at 8192 columns a
+/// chunk: the finer chunks are for small batches only (docs/perf-notes.md, item 18).
 pub fn rank_topk_chunks(cols: u32, ranks: u32) -> u32 {
-    topk_chunks(cols).min(MAX_TOPK_CHUNKS / ranks.max(1)).max(1)
+    let chunks = if ranks > 1 {
+        cols.div_ceil(TOPK_SINGLE_COLS).clamp(1, MAX_TOPK_CHUNKS)
+    } else {
+        topk_chunks(cols)
+    };
+    chunks.min(MAX_TOPK_CHUNKS / ranks.max(1)).max(1)
 }
 
 /// Floats per chunk record of `topk_partial`: max, sum, TOPK values, TOPK columns.
@@ -235,8 +243,8 @@ pub fn topk_record_floats(topk: u32) -> u32 {
 
 /// Dynamic shared memory of `attn_partial` (attention.cu's header states the formula): the
 /// q rows of one pass (at most 64 packed rows, padded to 16), then the larger of the K/V
-/// pipeline stages and the cross-warp merge area that aliases them after the key loop, then
-/// one row of i32 token slots per stage.
+/// pipeline stages and the area that aliases them after the key loop (the cross-warp merge,
+/// then the cluster merge's rows), then one row of u32 key offsets (16-byte units) per stage.
 pub fn attn_smem_bytes(rows_per_cta: u32, head_dim: u32, kv_tile: u32, stages: u32, act_bytes: u32) -> u64 {
     let (d, t, a, st) = (head_dim as u64, kv_tile as u64, act_bytes as u64, stages as u64);
     let rows_per_pass = (rows_per_cta as u64).div_ceil(16).clamp(1, 4) * 16;
