@@ -172,6 +172,28 @@ constexpr float kLn2 = 0.6931471805599453f;
 // The largest cluster the merge reads (MAX_ATTN_SPLITS; a plan validates its splits).
 constexpr unsigned kMaxSplits = 16;
 
+// The exact log-sum-exp merge of the splits' normalized o: sum_s w_s o_s / sum_s w_s with
+// w_s = exp(lse_s - max lse) (base 2 when kLog2, the cluster merge's units; else e, the
+// partials' units); a split with lse = -inf weighs 0; 0 when every split is empty.
+template <bool kLog2>
+__device__ __forceinline__ float merge_splits(const float (&lse)[kMaxSplits], const float (&o)[kMaxSplits]) {
+    float mx = neg_inf();
+#pragma unroll
+    for (unsigned s = 0; s < kMaxSplits; ++s) mx = fmaxf(mx, lse[s]);
+    float num = 0.0f, den = 0.0f;
+    if (mx != neg_inf()) {
+#pragma unroll
+        for (unsigned s = 0; s < kMaxSplits; ++s) {
+            if (lse[s] != neg_inf()) {  // an empty split weighs 0 (and its o is 0 anyway)
+                const float w = kLog2 ? exp2f(lse[s] - mx) : expf(lse[s] - mx);
+                den += w;
+                num = fmaf(w, o[s], num);
+            }
+        }
+    }
+    return den > 0.0f ? num / den : 0.0f;
+}
+
 // ---- Tensor-core fragments -------------------------------------------------------------
 __device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const act_t* p) {
     const unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -642,24 +664,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                     lse[c] = c < csize ? ld_cluster(sLse + rl, c) : neg_inf();
                     o[c] = c < csize ? ld_cluster(sRes + rl * kD + d, c) : 0.0f;
                 }
-                float mx = neg_inf();
-#pragma unroll
-                for (unsigned c = 0; c < kMaxSplits; ++c) mx = fmaxf(mx, lse[c]);
-                float num = 0.0f, den = 0.0f;
-                if (mx != neg_inf()) {
-#pragma unroll
-                    for (unsigned c = 0; c < kMaxSplits; ++c) {
-                        if (lse[c] != neg_inf()) {
-                            const float w = exp2f(lse[c] - mx);
-                            den += w;
-                            num = fmaf(w, o[c], num);
-                        }
-                    }
-                }
                 const int j = rr / kG, hh = rr % kG;
                 const long long r = (long long)i * kN + j;
                 const int h = g * kG + hh;
-                p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(den > 0.0f ? num / den : 0.0f);
+                p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(merge_splits<true>(lse, o));
             }
             cluster_sync();
         }
@@ -689,20 +697,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_MERGE_THREADS) attn_merge(Attn
         lse[s] = s < splits ? p.part_lse[sr] : neg_inf();
         o[s] = s < splits ? p.part_o[sr * kHD + d] : 0.0f;
     }
-    float mx = neg_inf();
-#pragma unroll
-    for (unsigned s = 0; s < kMaxSplits; ++s) mx = fmaxf(mx, lse[s]);
 
-    float num = 0.0f, den = 0.0f;
-    if (mx != neg_inf()) {
-#pragma unroll
-        for (unsigned s = 0; s < kMaxSplits; ++s) {
-            if (lse[s] != neg_inf()) {  // an empty split weighs 0 (and its o is 0 anyway)
-                const float w = expf(lse[s] - mx);
-                den += w;
-                num = fmaf(w, o[s], num);
-            }
-        }
-    }
-    p.out[(long long)r * (kH * kHD) + (long long)h * kHD + d] = to_act(den > 0.0f ? num / den : 0.0f);
+    p.out[(long long)r * (kH * kHD) + (long long)h * kHD + d] = to_act(attn::merge_splits<false>(lse, o));
 }

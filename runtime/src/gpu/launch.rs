@@ -111,11 +111,31 @@ fn launch_cluster(
     stream: sys::CUstream,
 ) -> Result<(), GpuError> {
     let mut params = [blob.as_mut_ptr() as *mut c_void];
+    let mut attr = cluster_attr(cluster);
+    let config = cluster_config(grid, block, smem, stream, &mut attr);
+    // SAFETY: as `launch_packed`; `config` and its one attribute live until the call returns.
+    let rc = unsafe { sys::cuLaunchKernelEx(&config, func, params.as_mut_ptr(), std::ptr::null_mut()) };
+    cuda_rc("cuLaunchKernelEx", rc)
+}
+
+/// The launch attribute of clusters of `cluster` CTAs along z.
+fn cluster_attr(cluster: u32) -> sys::CUlaunchAttribute {
     // SAFETY: a zeroed attribute is a plain C value; its id and value are set before use.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
     attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster };
-    let config = sys::CUlaunchConfig {
+    attr
+}
+
+/// A launch configuration with the one attribute `attr` (which must outlive its use).
+fn cluster_config(
+    grid: [u32; 3],
+    block: [u32; 3],
+    smem: u32,
+    stream: sys::CUstream,
+    attr: &mut sys::CUlaunchAttribute,
+) -> sys::CUlaunchConfig {
+    sys::CUlaunchConfig {
         gridDimX: grid[0],
         gridDimY: grid[1],
         gridDimZ: grid[2],
@@ -124,12 +144,9 @@ fn launch_cluster(
         blockDimZ: block[2],
         sharedMemBytes: smem,
         hStream: stream,
-        attrs: &mut attr,
+        attrs: attr,
         numAttrs: 1,
-    };
-    // SAFETY: as `launch_packed`; `config` and its one attribute live until the call returns.
-    let rc = unsafe { sys::cuLaunchKernelEx(&config, func, params.as_mut_ptr(), std::ptr::null_mut()) };
-    cuda_rc("cuLaunchKernelEx", rc)
+    }
 }
 
 /// What issuing needs: the plan, its memory, its functions and GEMMs.
@@ -293,22 +310,8 @@ fn cluster_fits(
     cluster: u32,
     op: &str,
 ) -> Result<(), GpuError> {
-    // SAFETY: a zeroed attribute is a plain C value; its id and value are set before use.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: cluster };
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid[0],
-        gridDimY: grid[1],
-        gridDimZ: grid[2],
-        blockDimX: block[0],
-        blockDimY: block[1],
-        blockDimZ: block[2],
-        sharedMemBytes: smem,
-        hStream: std::ptr::null_mut(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
+    let mut attr = cluster_attr(cluster);
+    let config = cluster_config(grid, block, smem, std::ptr::null_mut(), &mut attr);
     let mut n = 0i32;
     // SAFETY: a loaded function; `config` and `n` are valid for the call.
     let rc = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func, &config) };
