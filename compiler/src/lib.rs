@@ -195,8 +195,7 @@ pub fn compile(
             facts: &facts,
             weight_ids: &weight_ids,
             sm_count: target.sm_count,
-            sm: target.sm,
-            attn_cluster: target.attn_cluster,
+            clusters: target.attn_cluster && target.sm >= 90,
             rows_per_request: n,
         };
         let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());

@@ -51,10 +51,8 @@ pub struct Shared<'a> {
     /// Weight index in the plan for each weight tensor.
     pub weight_ids: &'a BTreeMap<TensorId, u32>,
     pub sm_count: u32,
-    /// The target's SM architecture (90: sm_90).
-    pub sm: u32,
-    /// `Target::attn_cluster`.
-    pub attn_cluster: bool,
+    /// Splits may merge in thread block clusters: `Target::attn_cluster` on sm_90+.
+    pub clusters: bool,
     /// The phase's rows per request (`PhaseKind::rows_per_request`).
     pub rows_per_request: u32,
 }
@@ -80,7 +78,7 @@ pub fn attn_splits(cfg: &Config, f: &KernelFacts, batch: u32, (cluster, sm_count
 /// Whether a bucket's attention splits merge in a thread block cluster (sm_90+, more than
 /// one split; at most 16, as `attn_splits` gives): one launch instead of partials + merge.
 pub fn attn_cluster(sh: &Shared, splits: u32) -> bool {
-    sh.attn_cluster && sh.sm >= 90 && splits > 1
+    sh.clusters && splits > 1
 }
 
 pub fn schedule_bucket(
@@ -90,7 +88,7 @@ pub fn schedule_bucket(
     replay: Replay,
 ) -> Result<BucketPlan, ScheduleError> {
     let n = sh.rows_per_request;
-    let splits = attn_splits(sh.cfg, sh.facts, batch, (sh.attn_cluster && sh.sm >= 90, sh.sm_count));
+    let splits = attn_splits(sh.cfg, sh.facts, batch, (sh.clusters, sh.sm_count));
     let live = liveness::live_ranges(sh, batch, splits);
     let (buffers, arena_bytes) = pack::pack(&live.items);
     // The config's lower bound catches most oversized buckets before lowering; the packed
