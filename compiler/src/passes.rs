@@ -14,6 +14,7 @@ use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
 mod eagle3;
 mod select;
+mod topk;
 mod tp;
 
 type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
@@ -34,7 +35,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
     ("residual_into_all_reduce", tp::residual_into_all_reduce),
-    (SOFTMAX_TOPK, softmax_topk),
+    (SOFTMAX_TOPK, topk::softmax_topk),
 ];
 
 pub fn run(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
@@ -428,52 +429,6 @@ pub(crate) fn residual_in_place(g: &OpGraph, a: NodeIndex, x: TensorId, y: Tenso
             .all(|c| c != l && has_path_connecting(&g.graph, c, l, None))
 }
 
-/// softmax → top-K (→ hot→full id map) → one kernel per request row.
-fn softmax_topk(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
-    let mut out = Vec::new();
-    for s in nodes_where(g, |k| *k == OpKind::Softmax) {
-        let probs = g.graph[s].outs[0];
-        let Some(t) = sole_consumer(g, probs).filter(|&t| matches!(g.graph[t].kind, OpKind::TopK { .. })) else {
-            continue;
-        };
-        let OpKind::TopK { k } = g.graph[t].kind else { continue };
-        let idx = g.graph[t].outs[1];
-        let map = sole_consumer(g, idx).filter(|&m| matches!(g.graph[m].kind, OpKind::MapIds { .. }));
-        let id_map = map.and_then(|m| match g.graph[m].kind {
-            OpKind::MapIds { map } => Some(map),
-            _ => None,
-        });
-        let mut ins = vec![g.graph[s].ins[0]];
-        let mut outs = vec![g.graph[t].outs[0]];
-        let mut fused = vec![s, t];
-        match map {
-            Some(m) => {
-                ins.push(g.graph[m].ins[1]);
-                outs.push(g.graph[m].outs[0]);
-                fused.push(m);
-            }
-            None => outs.push(idx),
-        }
-        let op = Op {
-            name: g.graph[s].renamed("softmax", SOFTMAX_TOPK),
-            kind: OpKind::SoftmaxTopK { k, map: id_map },
-            ins,
-            outs,
-            rank: g.graph[s].rank,
-        };
-        out.push(FusionRecord {
-            rule: SOFTMAX_TOPK.into(),
-            fused: names(g, &fused),
-            into: op.name.clone(),
-            launches_saved: fused.len() as u32 - 1,
-            bytes_saved_per_request: 2 * row_bytes(g, probs),
-        });
-        remove(g, &fused);
-        g.add_op(op);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     //! Each pass on the lowered `tiny` graph (it matches), and on the same graph with its
@@ -689,6 +644,7 @@ mod tests {
                         | OpKind::SelectRows
                         | OpKind::SelectNorm
                         | OpKind::SoftmaxTopK { .. }
+                        | OpKind::Cast
                 ),
                 "{} ({}) left unfused",
                 op.name,

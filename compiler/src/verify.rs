@@ -156,6 +156,72 @@ fn want(ok: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
 
 const ACT: [DType; 2] = [DType::Bf16, DType::F16];
 
+/// The element-wise ops: operands and output of one shape (the cast from the fp32 stream to
+/// the activation type).
+fn check_elementwise(c: &Ctx, kind: &OpKind) -> Result<(), String> {
+    match kind {
+        OpKind::Add | OpKind::Mul => {
+            c.arity(2, 1)?;
+            c.same((false, 0), (false, 1))?;
+        }
+        OpKind::Cast => {
+            c.arity(1, 1)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            c.dtype(true, 0, &ACT)?;
+        }
+        _ => c.arity(1, 1)?,
+    }
+    c.same((false, 0), (true, 0))
+}
+
+/// Top-K (and the fused softmax + top-K): probabilities or logits in, values and ids out;
+/// the id map and the refinement's inputs (`OpKind::TopK`) after the first.
+fn check_topk(c: &Ctx, kind: &OpKind, ins: &[TensorId]) -> Result<(), String> {
+    let (OpKind::TopK { k, refine } | OpKind::SoftmaxTopK { k, refine, .. }) = kind else {
+        return Err("not a top-K".into());
+    };
+    let hot = matches!(kind, OpKind::SoftmaxTopK { map: Some(_), .. });
+    let base = 1 + hot as usize;
+    // The refinement's x, lm_w (, norm_w): x [B,H] f32, lm_w [V,H].
+    if *refine {
+        want(ins.len() == base + 2 || ins.len() == base + 3, || {
+            format!(
+                "{} inputs, expected {} or {} with the refinement",
+                ins.len(),
+                base + 2,
+                base + 3
+            )
+        })?;
+        c.arity(ins.len(), 2)?;
+        c.dtype(false, base, &[DType::F32])?;
+        let (_, v) = c.rank2(false, 0)?;
+        let (_, h) = c.rank2(false, base)?;
+        want(c.shape(false, base + 1) == [v, h], || {
+            format!("lm_w must be [{v}, {h}]")
+        })?;
+        if ins.len() == base + 3 {
+            want(c.shape(false, base + 2) == [h], || format!("norm_w must be [{h}]"))?;
+        }
+    } else {
+        c.arity(base, 2)?;
+    }
+    c.dtype(false, 0, &[DType::F32])?;
+    let (b, v) = c.rank2(false, 0)?;
+    want(v.fixed >= *k as u64, || {
+        format!("top-{k} over only {} columns", v.fixed)
+    })?;
+    want(
+        c.shape(true, 0) == [b, Dim::fixed(*k as u64)] && c.shape(true, 1) == [b, Dim::fixed(*k as u64)],
+        || "outputs must be [B, K]".into(),
+    )?;
+    c.dtype(true, 0, &[DType::F32])?;
+    c.dtype(true, 1, &[DType::I64])?;
+    if hot {
+        want(c.shape(false, 1) == [v], || format!("hot map must be [{v}]"))?;
+    }
+    Ok(())
+}
+
 /// The per-kind operand rules.
 fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_rows: u64) -> Result<(), String> {
     let c = Ctx { g, ins, outs };
@@ -207,15 +273,7 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             want(c.shape(false, 1) == [h], || format!("weight must be [{h}]"))?;
             c.same((false, 0), (true, 0))
         }
-        OpKind::Add | OpKind::Mul => {
-            c.arity(2, 1)?;
-            c.same((false, 0), (false, 1))?;
-            c.same((false, 0), (true, 0))
-        }
-        OpKind::Silu => {
-            c.arity(1, 1)?;
-            c.same((false, 0), (true, 0))
-        }
+        OpKind::Add | OpKind::Mul | OpKind::Silu | OpKind::Cast => check_elementwise(&c, kind),
         OpKind::Rope { .. } => {
             c.arity(2, 1)?;
             c.dtype(false, 1, &[DType::I32])?;
@@ -292,25 +350,7 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             c.dtype(false, 0, &[DType::F32])?;
             c.same((false, 0), (true, 0))
         }
-        OpKind::TopK { k } | OpKind::SoftmaxTopK { k, .. } => {
-            let hot = matches!(kind, OpKind::SoftmaxTopK { map: Some(_), .. });
-            c.arity(1 + hot as usize, 2)?;
-            c.dtype(false, 0, &[DType::F32])?;
-            let (b, v) = c.rank2(false, 0)?;
-            want(v.fixed >= *k as u64, || {
-                format!("top-{k} over only {} columns", v.fixed)
-            })?;
-            want(
-                c.shape(true, 0) == [b, Dim::fixed(*k as u64)] && c.shape(true, 1) == [b, Dim::fixed(*k as u64)],
-                || "outputs must be [B, K]".into(),
-            )?;
-            c.dtype(true, 0, &[DType::F32])?;
-            c.dtype(true, 1, &[DType::I64])?;
-            if hot {
-                want(c.shape(false, 1) == [v], || format!("hot map must be [{v}]"))?;
-            }
-            Ok(())
-        }
+        OpKind::TopK { .. } | OpKind::SoftmaxTopK { .. } => check_topk(&c, kind, ins),
         OpKind::AllReduce
         | OpKind::TopKRecords { .. }
         | OpKind::AllGather { .. }

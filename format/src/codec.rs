@@ -32,8 +32,10 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// epilogue (`admit_decode`, `emit_decode`; every plan carries them). 12: `GemmDesc.lda`. 13:
 /// tensor parallelism (`CaptureDesc.tp`, `WeightDesc.shard`, `LaunchKind::Collective`). 14: a
 /// bucket's `attn_cluster` and a kernel launch's `cluster` (the split merge in a thread block
-/// cluster).
-pub const FORMAT_VERSION: u32 = 14;
+/// cluster). 15: the fp32 residual stream of the draft-extend phase (the `stream_t` constant
+/// of the norm, select and embed templates, whose stream arguments are f32 there; the
+/// `cast_rows` entry).
+pub const FORMAT_VERSION: u32 = 15;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -3,8 +3,9 @@
 //! so the constants it writes and the ones the validator expects cannot drift apart.
 
 use specplan_kernels::facts::{BucketFacts, KernelFacts};
+use specplan_kernels::DType;
 
-use crate::types::{BucketPlan, CaptureDesc, ModelDesc, PhaseKind, Plan, RopeScaling, SpecDesc};
+use crate::types::{BucketPlan, CaptureDesc, ModelDesc, PhaseKind, Plan, RopeScaling, SpecDesc, TensorParallel};
 
 /// Facts of a plan with these descriptors (window 0: see [`KernelFacts::with_window`]), for
 /// the kernels of the draft-extend phase (`n`: its rows per request, the one definition in
@@ -21,6 +22,7 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
     let embed = c.tp.embedding_rows(m.vocab);
     KernelFacts {
         act: c.dtype,
+        stream: stream_dtype(kind, c.dtype, c.tp),
         hidden: m.hidden,
         hidden_in: m.hidden_in(),
         intermediate: m.intermediate,
@@ -42,6 +44,7 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         step: 0,
         draft_tokens: kind.draft_tokens(s),
         has_bias: m.fc_bias,
+        head_norm: m.head == crate::types::HeadKind::Eagle3,
         hot_map: c.hot_vocab_size.is_some() && maps,
         id_offset: m.draft_vocab.is_some() && maps,
         out_topk: c.outputs.topk || decode,
@@ -51,6 +54,19 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         embed_rows: embed.0,
         embed_start: embed.1,
         zero_hidden: c.tp.vocab_embedding && c.tp.rank > 0,
+    }
+}
+
+/// The residual stream's dtype in phase `kind` (`KernelFacts::stream`; the lowering builds
+/// the stream's tensors with it): f32 in an unsharded draft-extend phase — its fc, o_proj and
+/// down GEMMs accumulate in f32 and the stream is rounded once, into `hidden_out` — and the
+/// activation type in draft decode (whose forwards hand each other activation rows) and in
+/// sharded plans (whose all-reduces sum activation rows).
+pub fn stream_dtype(kind: PhaseKind, act: DType, tp: TensorParallel) -> DType {
+    if matches!(kind, PhaseKind::DraftDecode { .. }) || tp.is_sharded() {
+        act
+    } else {
+        DType::F32
     }
 }
 

@@ -29,12 +29,14 @@
 // ---------------------------------------------------------------------------------
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(float x) { return x; }
 
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 
 __device__ __forceinline__ act_t to_act(float x) { return from_f<act_t>(x); }
 
@@ -113,6 +115,35 @@ template <> __device__ __forceinline__ void store_vec<8>(act_t* p, const float (
         make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
 }
 
+// The same for fp32 rows (the residual stream, `stream_t` = float): V = 2, 4, 8 are
+// 8- and 16-byte accesses and need `p` aligned to min(V, 4) * 4 bytes.
+template <int V> __device__ __forceinline__ void load_vec(const float* p, float (&f)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+            const float4 r = *reinterpret_cast<const float4*>(p + k);
+            f[k] = r.x, f[k + 1] = r.y, f[k + 2] = r.z, f[k + 3] = r.w;
+        }
+    } else if constexpr (V == 2) {
+        const float2 r = *reinterpret_cast<const float2*>(p);
+        f[0] = r.x, f[1] = r.y;
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = p[k];
+    }
+}
+template <int V> __device__ __forceinline__ void store_vec(float* p, const float (&f)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) *reinterpret_cast<float4*>(p + k) = make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]);
+    } else if constexpr (V == 2) {
+        *reinterpret_cast<float2*>(p) = make_float2(f[0], f[1]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) p[k] = f[k];
+    }
+}
+
 // Raw copy of V consecutive activations (bit exact, no conversion).
 template <int V> __device__ __forceinline__ void copy_vec(act_t* dst, const act_t* src) {
 #pragma unroll
@@ -146,6 +177,25 @@ __device__ __forceinline__ void parts_copy_act(act_t* dst, const act_t* src, lon
         done = nv * 8;
     }
     for (long long e = done + t; e < n; e += stride) dst[e] = src[e];
+}
+
+// Part `part` of `parts` of a converting copy dst[e] = (D) src[e] (fp32 <-> act_t, one
+// rounding to nearest even into a 16-bit type; a plain copy when D and S are one type),
+// 8-element vectors when both rows are 16-byte aligned.
+template <typename D, typename S>
+__device__ __forceinline__ void parts_cast(D* dst, const S* src, long long n, unsigned part, unsigned parts) {
+    const long long t = (long long)part * blockDim.x + threadIdx.x, stride = (long long)blockDim.x * parts;
+    long long done = 0;
+    if (aligned16(dst) && aligned16(src)) {
+        const long long nv = n / 8;
+        for (long long v = t; v < nv; v += stride) {
+            float f[8];
+            load_vec<8>(src + v * 8, f);
+            store_vec<8>(dst + v * 8, f);
+        }
+        done = nv * 8;
+    }
+    for (long long e = done + t; e < n; e += stride) dst[e] = from_f<D>(to_f(src[e]));
 }
 
 // Copies n activations from src to dst with every thread of the block, in 16-byte
@@ -207,7 +257,9 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // each element is read before the reduction's barrier and written after it by the thread
 // that read it. 16-byte vectors when all three rows are aligned; the rest element-wise.
 // `scratch`: 32 floats of shared memory. Every thread of the CTA must call it.
-__device__ __forceinline__ void rmsnorm_row(const act_t* x, const act_t* w, act_t* out, long long n, float eps,
+// `X`: act_t, or float for a row of the fp32 residual stream (then `out` cannot alias it).
+template <typename X>
+__device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* out, long long n, float eps,
                                             float* scratch) {
     const bool vec = aligned16(x) && aligned16(out) && aligned16(w);
     const long long nv = vec ? (n / 8) * 8 : 0;

@@ -12,7 +12,7 @@
 //   gets a zero row, and with ZERO_HIDDEN (ranks other than 0) the hidden half is zeros, so
 //   the all-reduce of `out` over the ranks gives every rank embed(ids) ‖ hidden.
 //   Unsharded: EMBED_START 0, EMBED_ROWS VOCAB, ZERO_HIDDEN false.
-// Constants: act_t, HIDDEN, VOCAB, HAS_BIAS, EPS (unused here), EMBED_ROWS, EMBED_START,
+// Constants: act_t, stream_t, HIDDEN, VOCAB, HAS_BIAS, EPS (unused here), EMBED_ROWS, EMBED_START,
 //            ZERO_HIDDEN
 // Launch:    grid (rows, parts, 1), block (EMBED_CONCAT_THREADS = 256, 1, 1), no dynamic shared memory;
 //            parts = kernels::facts::row_parts (at most 8, 1 from 256 rows): CTA (r, y) copies every parts-th
@@ -23,7 +23,9 @@
 //   hidden    const act_t*      [rows, HIDDEN]    target hidden states
 //   bias      const act_t*      [HIDDEN]          fc bias, or null when !HAS_BIAS
 //   out       act_t*            [rows, 2*HIDDEN]
-//   bias_out  act_t*            [rows, HIDDEN]    fc output rows to initialize, or null
+//   bias_out  stream_t*         [rows, HIDDEN]    fc output rows to initialize (the residual
+//                                                 stream: float in an unsharded draft-extend
+//                                                 phase, else act_t), or null
 //   rows      unsigned          number of rows; CTAs with blockIdx.x >= rows do nothing
 // Pure copies: bit exact, 16-byte vectors where the row pointers are 16-byte aligned
 // (always the case when HIDDEN % 8 == 0 and the buffers are), any HIDDEN handled.
@@ -39,7 +41,7 @@
 //   ids       const long long*  [rows]
 //   table     const act_t*      [VOCAB, HIDDEN]   the target's embedding
 //   w_embed   const act_t*      [HIDDEN]          input_layernorm
-//   h         const act_t*      [rows, HIDDEN]    fc(target features): the layer's residual
+//   h         const stream_t*   [rows, HIDDEN]    fc(target features): the layer's residual (the stream)
 //   w_hidden  const act_t*      [HIDDEN]          hidden_norm
 //   out       act_t*            [rows, 2*HIDDEN]
 //   rows      unsigned          CTAs with blockIdx.x >= rows do nothing
@@ -73,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
         parts_copy_act(dst + H, p.hidden + (long long)r * H, H, y, parts);
     }
     if constexpr (HAS_BIAS) {
-        if (p.bias != nullptr && p.bias_out != nullptr) parts_copy_act(p.bias_out + (long long)r * H, p.bias, H, y, parts);
+        if (p.bias != nullptr && p.bias_out != nullptr) parts_cast(p.bias_out + (long long)r * H, p.bias, H, y, parts);
     }
 }
 

@@ -1,20 +1,23 @@
-// norm.cu: RMSNorm of each row.
+// norm.cu: RMSNorm of each row of the residual stream, and the stream's rounding.
 //
 //   inv = rsqrtf(mean_c(x[r, c]^2) + EPS)
 //   out[r, c] = round(x[r, c] * inv * weight[c])
 // with x, weight read as fp32, every step in fp32 and one rounding to act_t at the store.
+// x is a row of the stream: stream_t is float in an unsharded draft-extend phase, act_t
+// elsewhere (specplan_kernels::facts::KernelFacts::stream).
 //
 // Entry:     rmsnorm
-// Constants: act_t, HIDDEN, EPS
+// Constants: act_t, stream_t, HIDDEN, EPS, N (unused here)
 // Launch:    grid (rows, 1, 1), block (RMSNORM_THREADS = 256, 1, 1), no dynamic shared memory
 //            (128 bytes of static shared memory for the block reduction).
 // Params (by value, natural C alignment, fields in this order):
-//   x       const act_t*  [rows, HIDDEN]
-//   weight  const act_t*  [HIDDEN]
-//   out     act_t*        [rows, HIDDEN]   (may alias x: every element is read before the
-//                                           barrier of the reduction and written after it
-//                                           by the thread that read it)
-//   rows    unsigned      CTAs with blockIdx.x >= rows do nothing
+//   x       const stream_t*  [rows, HIDDEN]
+//   weight  const act_t*     [HIDDEN]
+//   out     act_t*           [rows, HIDDEN]   (may alias x when stream_t is act_t: every
+//                                              element is read before the barrier of the
+//                                              reduction and written after it by the
+//                                              thread that read it)
+//   rows    unsigned         CTAs with blockIdx.x >= rows do nothing
 // The row is read twice (sum of squares, then scaling); the second read hits L1/L2.
 //
 // Entry:     norm_concat (EAGLE-3's layer-0 input after a vocabulary-parallel embedding's
@@ -25,6 +28,12 @@
 //            half y of row r.
 // Params:    x const act_t* [rows, 2*HIDDEN], w_a, w_b const act_t* [HIDDEN],
 //            out act_t* [rows, 2*HIDDEN], rows unsigned
+//
+// Entry:     cast_rows (the stream's one rounding: hidden_out, and EAGLE-1's layer-0 input)
+//   out[r, c] = round(x[r, c])
+// Launch:    grid (rows, parts, 1), block (CAST_ROWS_THREADS = 256, 1, 1), no shared memory;
+//            parts = kernels::facts::row_parts: CTA (r, y) converts every parts-th slice.
+// Params:    x const stream_t* [rows, HIDDEN], out act_t* [rows, HIDDEN], rows unsigned
 #include "common.cuh"
 
 // RmsNormParams is declared by the generated prelude, from specplan_kernels
@@ -50,4 +59,11 @@ extern "C" __global__ void __launch_bounds__(NORM_CONCAT_THREADS) norm_concat(No
     } else {
         rmsnorm_row(x + H, p.w_b, out + H, H, EPS, scratch);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(CAST_ROWS_THREADS) cast_rows(CastRowsParams p) {
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;
+    constexpr long long H = (long long)HIDDEN;
+    parts_cast(p.out + (long long)r * H, p.x + (long long)r * H, H, blockIdx.y, gridDim.y);
 }

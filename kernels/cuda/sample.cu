@@ -10,8 +10,16 @@
 //                       (FR-Spec's hot list; EAGLE-3's d2t: draft id d -> target id d + d2t[d])
 // NaN free for finite inputs. If COLS < TOPK, the missing entries get prob 0, id -1.
 //
-// Constants: COLS, TOPK (1..32), HOT_MAP, ID_OFFSET, FULL_VOCAB, RANKS, COL_OFFSET (act_t is
-// not used). A tensor-parallel rank (RANKS = T > 1) holds COLS columns of a T·COLS-column row,
+// Constants: COLS, TOPK (1..32), HOT_MAP, ID_OFFSET, FULL_VOCAB, RANKS, COL_OFFSET, REFINE,
+// HEAD_NORM, HIDDEN, EPS (act_t and stream_t: the refinement's rows).
+//
+// REFINE (KernelFacts::refines_topk: the fp32 stream of an unsharded draft-extend phase):
+// after a row's (or chunk's) best TOPK are found, their values are recomputed from the fp32
+// selected row — v_c = y . lm_w[c], y = x[i] or, with HEAD_NORM, rmsnorm(x[i], norm_w) — the
+// sum corrected to match and the TOPK sorted again (refine_list); the logits buffer itself
+// keeps the GEMM's values. Params x const stream_t* [batch, HIDDEN], norm_w const act_t*
+// [HIDDEN] (HEAD_NORM, else null), lm_w const act_t* [COLS, HIDDEN] follow ids (softmax_topk)
+// or part (topk_partial); all three null without REFINE. A tensor-parallel rank (RANKS = T > 1) holds COLS columns of a T·COLS-column row,
 // starting at column COL_OFFSET; its records carry full-row columns, every rank's records are
 // gathered rank-major and topk_merge reads all of them (docs/tensor-parallel.md).
 //
@@ -223,6 +231,88 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     sum_out = block_sum(part, &lists.val(0, 1));
 }
 
+// REFINE (the fp32 stream: an unsharded draft-extend phase): the logits came from lm_head's
+// bf16 input, a rounding of the fp32 row y = x (EAGLE-1) or y = rmsnorm(x, norm_w) (HEAD_NORM,
+// EAGLE-3's final norm, fp32 as norm.cu's without the rounding). List 0's kK candidates are
+// recomputed as v_c = y . lm_w[c] in fp32 (warp w takes candidates w, w + 16, ...), `sum` is
+// corrected by expf(v_c' - m) - expf(v_c - m) for each (m stays the reference: the scan's
+// uncorrected max), and list 0 is sorted again (same order: larger value, lower column).
+// Every thread of the CTA calls it; it ends with a barrier and returns `sum` to all.
+__device__ __forceinline__ void refine_list(const Lists& L, float m, float& sum, const stream_t* x,
+                                            const act_t* norm_w, const act_t* lm_w) {
+    constexpr long long H = (long long)HIDDEN;
+    const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
+    // Lists 1..511 are dead: entries (0, 1..32) are the reduction scratch, (0, 33..33+kK) the
+    // refined values, (0, 33+kK) the corrected sum.
+    float* red = &L.val(0, 1);
+    float* refined = &L.val(0, 33);
+    float inv = 1.0f;
+    if constexpr (HEAD_NORM) {
+        float ss = 0.0f;
+        for (long long e = t; e < H; e += kThreads) {
+            const float v = to_f(x[e]);
+            ss += v * v;
+        }
+        inv = rsqrtf(block_sum(ss, red) / (float)H + EPS);
+    }
+    const bool vec = H % 8 == 0 && aligned16(x) && aligned16(lm_w) && (!HEAD_NORM || aligned16(norm_w));
+    for (int j = warp; j < kK; j += kThreads / 32) {
+        const int c = L.col(j, 0);
+        if (c < 0 || (long long)c >= kCols) continue;  // uniform per warp: an empty entry
+        const act_t* wr = lm_w + (long long)c * H;
+        float acc = 0.0f;
+        if (vec) {
+            for (long long e = (long long)lane * 8; e < H; e += 32 * 8) {
+                float xv[8], wv[8];
+                load_vec<8>(x + e, xv);
+                load_vec<8>(wr + e, wv);
+                if constexpr (HEAD_NORM) {
+                    float nv[8];
+                    load_vec<8>(norm_w + e, nv);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) xv[k] = xv[k] * inv * nv[k];
+                }
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc += xv[k] * wv[k];
+            }
+        } else {
+            for (long long e = lane; e < H; e += 32) {
+                float y = to_f(x[e]);
+                if constexpr (HEAD_NORM) y = y * inv * to_f(norm_w[e]);
+                acc += y * to_f(wr[e]);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) refined[j] = acc;
+    }
+    __syncthreads();
+    if (t == 0) {
+        float s = sum;
+        for (int j = 0; j < kK; ++j) {
+            const int c = L.col(j, 0);
+            if (c < 0 || (long long)c >= kCols || m == neg_inf()) continue;
+            s += expf(refined[j] - m) - expf(L.val(j, 0) - m);
+            L.val(j, 0) = refined[j];
+        }
+        // Insertion sort of list 0 (kK <= 32 entries) in the candidates' order.
+        for (int j = 1; j < kK; ++j) {
+            const float v = L.val(j, 0);
+            const int c = L.col(j, 0);
+            int k = j;
+            while (k > 0 && better(v, c, L.val(k - 1, 0), L.col(k - 1, 0))) {
+                L.val(k, 0) = L.val(k - 1, 0);
+                L.col(k, 0) = L.col(k - 1, 0);
+                --k;
+            }
+            L.val(k, 0) = v;
+            L.col(k, 0) = c;
+        }
+        refined[kK] = s;
+    }
+    __syncthreads();
+    sum = refined[kK];
+}
+
 // Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.
 __device__ __forceinline__ void emit(float v, int c, float m, float sum, const long long* hot_ids, float* probs,
                                      long long* ids, long long at) {
@@ -250,6 +340,7 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(
     if (i >= p.batch) return;  // uniform per CTA
     float m, sum;
     scan_range(p.logits + (long long)i * kCols, 0, kCols, lists, m, sum);
+    if constexpr (REFINE) refine_list(lists, m, sum, p.x + (long long)i * HIDDEN, p.norm_w, p.lm_w);
     const int t = (int)threadIdx.x;
     if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
 }
@@ -267,6 +358,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS) topk_partial(
     const long long c1 = c0 + width < kCols ? c0 + width : kCols;
     float m, sum;
     scan_range(p.logits + (long long)i * kCols, c0, c1, lists, m, sum);
+    if constexpr (REFINE) refine_list(lists, m, sum, p.x + (long long)i * HIDDEN, p.norm_w, p.lm_w);
     float* rec = p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kK);
     const int t = (int)threadIdx.x;
     if (t == 0) {

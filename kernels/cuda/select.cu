@@ -4,22 +4,24 @@
 //   out[i, :] = x[i*N + A - 1, :]
 //
 // Entry:     select_rows
-// Constants: act_t, HIDDEN, N, EPS (unused here)
+// Constants: act_t, stream_t, HIDDEN, N, EPS (unused here)
 // Launch:    grid (batch, 1, 1), block (SELECT_ROWS_THREADS = 256, 1, 1), no dynamic shared memory.
 // Params (by value, natural C alignment, fields in this order):
-//   x            const act_t*  [batch*N, HIDDEN]
-//   accept_lens  const int*    [batch]  accepted tokens per request (clamped to [1, N])
-//   out          act_t*        [batch, HIDDEN]
-//   batch        unsigned      CTAs with blockIdx.x >= batch do nothing
-// Pure copy: bit exact, 16-byte vectors when the rows are 16-byte aligned.
+//   x            const stream_t*  [batch*N, HIDDEN]   rows of the residual stream (stream_t:
+//                                                     float in an unsharded draft-extend
+//                                                     phase, else act_t)
+//   accept_lens  const int*       [batch]  accepted tokens per request (clamped to [1, N])
+//   out          stream_t*        [batch, HIDDEN]
+//   batch        unsigned         CTAs with blockIdx.x >= batch do nothing
+// Pure copy: bit exact, 8-element vectors when the rows are 16-byte aligned.
 //
 // Entry:     select_norm (EAGLE-3: the pre-norm row leaves the head; its norm feeds lm_head)
 //   out[i, :]    = x[i*N + A - 1, :]            (as select_rows)
 //   normed[i, :] = rmsnorm(out[i, :], weight)   (norm.cu's RMSNorm, eps EPS)
-// Constants: act_t, HIDDEN, N, EPS
+// Constants: act_t, stream_t, HIDDEN, N, EPS
 // Launch:    grid (batch, 1, 1), block (SELECT_NORM_THREADS = 256, 1, 1), no dynamic shared memory.
-// Params: x const act_t* [batch*N, HIDDEN], accept_lens const int* [batch],
-//         weight const act_t* [HIDDEN], out act_t* [batch, HIDDEN],
+// Params: x const stream_t* [batch*N, HIDDEN], accept_lens const int* [batch],
+//         weight const act_t* [HIDDEN], out stream_t* [batch, HIDDEN],
 //         normed act_t* [batch, HIDDEN], batch unsigned.
 //         out may be null (a tensor-parallel rank other than 0 needs no selected rows).
 #include "common.cuh"
@@ -36,7 +38,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_ROWS_THREADS) select_rows(Se
     int a = p.accept_lens[i];
     a = a < 1 ? 1 : (a > kN ? kN : a);
     const long long src_row = (long long)i * kN + (a - 1);
-    block_copy_act(p.out + (long long)i * H, p.x + src_row * H, H);
+    parts_cast(p.out + (long long)i * H, p.x + src_row * H, H, 0, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(SelectNormParams p) {
@@ -48,8 +50,8 @@ extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(Se
 
     int a = p.accept_lens[i];
     a = a < 1 ? 1 : (a > kN ? kN : a);
-    const act_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
-    if (p.out != nullptr) block_copy_act(p.out + (long long)i * H, src, H);
+    const stream_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
+    if (p.out != nullptr) parts_cast(p.out + (long long)i * H, src, H, 0, 1);
     // Normalize from the source row (the copy above may still be in flight in other threads).
     rmsnorm_row(src, p.weight, p.normed + (long long)i * H, H, EPS, scratch);
 }

@@ -16,6 +16,10 @@ use crate::{DType, Entry};
 /// The plan's activation element type (`act_t` in C: bf16 or f16).
 pub struct Act;
 
+/// The residual stream's element type of the instance (`stream_t` in C: f32 in an
+/// unsharded draft-extend phase, else `act_t`; `KernelFacts::stream`).
+pub struct Stream;
+
 /// A device pointer the kernel reads (`const T*` in C).
 #[repr(transparent)]
 pub struct DevPtr<T>(pub u64, PhantomData<*const T>);
@@ -32,15 +36,19 @@ pub enum Elem {
     F32,
     /// The plan's activation type.
     Act,
+    /// The instance's residual stream type (`KernelFacts::stream`).
+    Stream,
 }
 
 impl Elem {
-    pub fn dtype(self, act: DType) -> DType {
+    /// The element's dtype in an instance specialized for `f`.
+    pub fn dtype(self, f: &KernelFacts) -> DType {
         match self {
             Elem::I32 => DType::I32,
             Elem::I64 => DType::I64,
             Elem::F32 => DType::F32,
-            Elem::Act => act,
+            Elem::Act => f.act,
+            Elem::Stream => f.stream,
         }
     }
 }

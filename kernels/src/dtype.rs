@@ -36,6 +36,14 @@ impl DType {
     }
 
     /// The C type of an activation dtype (`act_t`).
+    /// The C type of an element of this dtype as a kernel holds it (`float` for f32).
+    pub fn c_elem(self) -> &'static str {
+        match self {
+            DType::F32 => "float",
+            d => d.c_act(),
+        }
+    }
+
     pub fn c_act(self) -> &'static str {
         match self {
             DType::F16 => "__half",

@@ -71,7 +71,7 @@ impl Template {
     pub fn entries(self) -> &'static [Entry] {
         match self {
             Template::Embed => &[Entry::EmbedConcat, Entry::EmbedNormConcat],
-            Template::Norm => &[Entry::RmsNorm, Entry::NormConcat],
+            Template::Norm => &[Entry::RmsNorm, Entry::NormConcat, Entry::CastRows],
             Template::RopeAppend => &[Entry::RopeAppend],
             Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
             Template::Mlp => &[Entry::SiluMul],
@@ -182,6 +182,7 @@ entries! {
     AdmitDecode => io_decode::AdmitDecodeParams, "admit_decode", Io;
     EmitDecode => io_decode::EmitDecodeParams, "emit_decode", Io;
     Fill => io::FillParams, "fill", Io;
+    CastRows => norm::CastRowsParams, "cast_rows", Norm;
 }
 
 impl Entry {

@@ -30,6 +30,9 @@ pub const MAX_TABLE_ENTRIES: u64 = 1 << 26;
 pub struct KernelFacts {
     /// Activation type (`act_t`).
     pub act: DType,
+    /// The residual stream's type (`stream_t`): f32 in an unsharded draft-extend phase (the
+    /// stream is rounded once, into `hidden_out`), else `act`.
+    pub stream: DType,
     pub hidden: u32,
     /// Width of a row of the head's input hidden states: `hidden` for EAGLE-1/2, three
     /// target layers' (`3 · H_t`) for EAGLE-3.
@@ -68,6 +71,8 @@ pub struct KernelFacts {
     pub draft_tokens: u32,
     /// The fc bias exists (folded into `embed_concat`).
     pub has_bias: bool,
+    /// EAGLE-3: lm_head reads the final norm of the selected rows (`norm.weight`).
+    pub head_norm: bool,
     /// Top-K ids go through the FR-Spec hot map.
     pub hot_map: bool,
     /// Top-K ids go through EAGLE-3's d2t: draft id d → target id d + d2t[d].
@@ -108,6 +113,13 @@ impl KernelFacts {
     /// draft-extend head's last layer computes past its attention (`n` = 1).
     pub fn selected_rows(&self) -> KernelFacts {
         KernelFacts { n: 1, ..self.clone() }
+    }
+
+    /// The top-K candidates' logits are recomputed from the fp32 stream's selected rows
+    /// (the fp32 stream: an unsharded draft-extend phase): lm_head reads their rounding,
+    /// which alone moves a probability by up to ~5e-3·p.
+    pub fn refines_topk(&self) -> bool {
+        self.stream == DType::F32
     }
 
     /// Rows of a bucket an instance over `n` rows per request covers (`batch · n`).

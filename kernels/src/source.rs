@@ -114,7 +114,18 @@ pub fn mangled_name(entry: Entry, constants: &[(String, ConstValue)]) -> String 
             ConstValue::U32(x) => x.to_string(),
             ConstValue::Bool(b) => (*b as u8).to_string(),
             ConstValue::Type(t) => {
-                let _ = write!(s, "_{}", if t == "__half" { "f16" } else { "bf16" });
+                let name = match t.as_str() {
+                    "__half" => "f16",
+                    "float" => "f32",
+                    _ => "bf16",
+                };
+                // act_t's type alone (every instance has it); another type constant with
+                // its name (`stream_t`: `_streamf32`).
+                if k == "act_t" {
+                    let _ = write!(s, "_{name}");
+                } else {
+                    let _ = write!(s, "_{}{name}", k.trim_end_matches("_t"));
+                }
                 continue;
             }
             ConstValue::F32(_) | ConstValue::F32Array(_) => continue,

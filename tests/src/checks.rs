@@ -12,7 +12,14 @@
 //!   reference (the logits are a GEMM of the bf16 hidden row: one rounding of the row);
 //! - graph == eager, bit for bit (outputs and the whole cache);
 //! - every cache element no request writes keeps its bits;
-//! - attention alone: relative RMS ≤ 1e-2 and max |error| ≤ 5e-2 of the output's RMS.
+//! - attention alone: relative RMS ≤ 1e-2 and max |error| ≤ 5e-2 of the output's RMS;
+//! - the numerics targets (`numerics`), reported for every case; where the draft-extend
+//!   stream is fp32, `hidden_out` is asserted at relative RMS ≤ 4e-3 (`HIDDEN_ASSERTED`:
+//!   the 3e-3 target plus the margin the two-layer test model's tail needs; its own bf16
+//!   rounding is 1.5e-3 of it). The probability and id targets are reported, not asserted: with the
+//!   top-K refinement (the candidates' logits recomputed from the fp32 row) the CPU
+//!   emulation puts EAGLE-1 heads at ≤ 4.6e-3·p but EAGLE-3's at up to 6e-3·p (the last
+//!   layer's MLP inputs in bf16).
 
 use specplan_format::PhaseKind;
 use specplan_format::{io, Replay, ValidatedPlan};
@@ -21,6 +28,7 @@ use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::{GpuError, GpuRuntime, Hidden, StepRequest};
 
 use crate::gpu::{median, DeviceBuf, Timer};
+use crate::numerics;
 use crate::random::{make_case, Case};
 use crate::reference::{attention_row, cpu_reference, written_mask};
 use crate::report::CaseReport;
@@ -94,6 +102,23 @@ pub fn check_case(
         + bit_diffs(&kg, &ke)
         + bit_diffs(&vg, &ve);
     let (r, pool) = cpu_reference(plan, weights, c)?;
+    let got = specplan_runtime::cpu::BucketOutputs {
+        hidden_out: og.hidden_out.iter().map(|&u| from_act_bits(u, act)).collect(),
+        topk_probs: og.topk_probs.clone(),
+        topk_ids: og.topk_ids.clone(),
+        logits: og.logits.clone(),
+    };
+    e.numerics = numerics::compare(plan, &got, &r, c.b);
+    let fp32_stream =
+        specplan_format::stream_dtype(PhaseKind::DraftExtend, act, plan.capture.tp) == specplan_format::DType::F32;
+    if fp32_stream && e.numerics.hidden_rel > numerics::HIDDEN_ASSERTED {
+        e.failures.push(format!(
+            "b={}: hidden_out relative error {:.3e} > the fp32 stream's bound {}",
+            c.b,
+            e.numerics.hidden_rel,
+            numerics::HIDDEN_ASSERTED
+        ));
+    }
     for i in 0..c.b {
         let got: Vec<f64> = og.hidden_out[i * h..(i + 1) * h]
             .iter()

@@ -13,6 +13,7 @@ pub mod decode_contract;
 pub mod engine;
 pub mod gpu;
 pub mod host_layouts;
+pub mod numerics;
 pub mod random;
 pub mod reference;
 pub mod report;

@@ -38,6 +38,21 @@ pub fn cpu_reference(
     weights: &[WeightData],
     c: &Case,
 ) -> Result<(BucketOutputs, KvPool), String> {
+    cpu_run(plan, weights, c, false)
+}
+
+/// As [`cpu_reference`] with the device's storage precision (`CpuExecutor::storing_rounded`):
+/// what the plan's buffer types alone cost against the exact executor (`numerics`).
+pub fn cpu_rounded(plan: &ValidatedPlan, weights: &[WeightData], c: &Case) -> Result<(BucketOutputs, KvPool), String> {
+    cpu_run(plan, weights, c, true)
+}
+
+fn cpu_run(
+    plan: &ValidatedPlan,
+    weights: &[WeightData],
+    c: &Case,
+    rounded: bool,
+) -> Result<(BucketOutputs, KvPool), String> {
     let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let h = plan.model.hidden as usize;
     let k = if plan.capture.outputs.topk {
@@ -57,7 +72,8 @@ pub fn cpu_reference(
     for (i, &s) in c.slots.iter().enumerate() {
         table.set_row(s as usize, &c.pages[i]).map_err(|e| e.to_string())?;
     }
-    let exec = CpuExecutor::new(plan, weights.to_vec()).map_err(|e| e.to_string())?;
+    let exec = CpuExecutor::borrowing(plan, weights).map_err(|e| e.to_string())?;
+    let exec = if rounded { exec.storing_rounded() } else { exec };
     let max_b = plan.buckets().last().map_or(1, |x| x.batch as usize);
     let mut r = BucketOutputs {
         hidden_out: vec![],

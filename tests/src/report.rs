@@ -15,6 +15,8 @@ pub struct CaseReport {
     /// that emit logits; 0 otherwise).
     pub logits_rel: f64,
     pub id_mismatch: usize,
+    /// The outputs against the numerics targets (`numerics`: hidden, probabilities, ids).
+    pub numerics: crate::numerics::Numerics,
     pub kv_untouched_changed: usize,
     pub graph_vs_eager_diff: usize,
     pub ok: bool,

@@ -117,6 +117,9 @@ pub enum OpKind {
     RmsNorm,
     /// ins: a, b (same shape) → out.
     Add,
+    /// ins: x [M,H] of the fp32 stream → out [M,H] of the activation type: the stream's
+    /// one rounding (`cast_rows`).
+    Cast,
     /// ins: x [T, heads·D], prefix_lens [B] → out. Position of row r = prefix_lens[r/N] + r%N
     /// (draft decode: prefix_lens[r/K] + step, every lane).
     Rope { heads: u32, step: u32 },
@@ -134,8 +137,11 @@ pub enum OpKind {
     SelectRows,
     /// ins: logits [B,V] f32 → out [B,V] f32.
     Softmax,
-    /// ins: probs [B,V] f32 → out: values [B,K] f32, indices [B,K] i64 (ties to the lower index).
-    TopK { k: u32 },
+    /// ins: probs [B,V] f32 (, with `refine`: x [B,H] the fp32 stream's rows, lm_w [V,H] (,
+    /// norm_w [H])) → out: values [B,K] f32, indices [B,K] i64 (ties to the lower index).
+    /// `refine`: the K candidates' logits recomputed from x (normed by norm_w when given)
+    /// through lm_w, the probabilities with them (docs/semantics.md, "Precision").
+    TopK { k: u32, refine: bool },
     /// ins: ids [B,K] i64, map [C] i64 → out [B,K] i64: FR-Spec's hot → full vocabulary
     /// (`map[id]`) or EAGLE-3's draft → target (`id + map[id]`, the d2t offsets).
     MapIds { map: IdMap },
@@ -186,8 +192,9 @@ pub enum OpKind {
     /// ins: gate_up [T,2I] → out [T,I]: silu(gate)·up, written in place over the gate
     /// half (a column view of gate_up, row stride 2I, which the down GEMM reads as A).
     SiluMul,
-    /// Softmax + top-K (+ id map). ins: logits (, map) → out: probs [B,K], ids [B,K].
-    SoftmaxTopK { k: u32, map: Option<IdMap> },
+    /// Softmax + top-K (+ id map). ins: logits (, map) (, x, lm_w (, norm_w) with `refine`,
+    /// as TopK's) → out: probs [B,K], ids [B,K].
+    SoftmaxTopK { k: u32, map: Option<IdMap>, refine: bool },
     /// EAGLE-3's layer-0 input: ins ids, table [V,H], w_embed [H], h [T,H], w_hidden [H] →
     /// out [T,2H] = rmsnorm(embed(ids), w_embed) ‖ rmsnorm(h, w_hidden).
     EmbedNormConcat,
@@ -223,6 +230,7 @@ impl OpKind {
             OpKind::Linear { .. } => "linear",
             OpKind::RmsNorm => Entry::RmsNorm.name(),
             OpKind::Add => "add",
+            OpKind::Cast => Entry::CastRows.name(),
             OpKind::Rope { .. } => "rope",
             OpKind::KvAppend { .. } => "kv_append",
             OpKind::Attention { .. } => "attention",
@@ -262,6 +270,7 @@ impl OpKind {
             | OpKind::Linear { .. }
             | OpKind::RmsNorm
             | OpKind::Add
+            | OpKind::Cast
             | OpKind::Rope { .. }
             | OpKind::KvAppend { .. }
             | OpKind::Attention { .. }

@@ -26,11 +26,12 @@ fn kind_args(k: &OpKind) -> String {
             )
         }
         OpKind::TreeSelect { step } | OpKind::GatherRows { step } => format!("(step={step})"),
-        OpKind::TopK { k } => format!("(k={k})"),
+        OpKind::TopK { k, refine } => format!("(k={k}, refine={refine})"),
         OpKind::EmbedConcat { bias } => format!("(bias={bias})"),
-        OpKind::SoftmaxTopK { k, map } | OpKind::TopKMerge { k, map } => {
-            format!("(k={k}, map={})", map.map_or("none", |m| m.name()))
+        OpKind::SoftmaxTopK { k, map, refine } => {
+            format!("(k={k}, map={}, refine={refine})", map.map_or("none", |m| m.name()))
         }
+        OpKind::TopKMerge { k, map } => format!("(k={k}, map={})", map.map_or("none", |m| m.name())),
         OpKind::TopKRecords { k } => format!("(k={k})"),
         OpKind::AllGather { ranks } | OpKind::LogitsGather { ranks } => format!("(ranks={ranks})"),
         OpKind::MapIds { map } => format!("({})", map.name()),

@@ -46,7 +46,7 @@ pub(super) fn fc(g: &mut Builder, cx: &Cx, inp: &Inputs) -> TensorId {
     };
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(2 * h)]);
     let fc_b = m.fc_bias.then(|| g.weight("fc.bias", act, vec![f(h)]));
-    let x = g.act(&cx.n("x"), act, vec![t, f(h)]);
+    let x = g.act(&cx.n("x"), cx.stream, vec![t, f(h)]);
     g.linear(&cx.n("fc"), fc_in, fc_w, fc_b, x);
     x
 }
@@ -60,7 +60,7 @@ pub(super) fn fc3(g: &mut Builder, cx: &Cx, inp: &Inputs) -> (TensorId, TensorId
     let h = m.hidden as u64;
     let emb = embed(g, cx, inp);
     let fc_w = g.weight("fc.weight", act, vec![f(h), f(m.hidden_in() as u64)]);
-    let x = g.act(&cx.n("x"), act, vec![t, f(h)]);
+    let x = g.act(&cx.n("x"), cx.stream, vec![t, f(h)]);
     g.linear(&cx.n("fc"), inp.hidden, fc_w, None, x);
     (x, eagle3_input(g, cx, emb, x))
 }
@@ -132,22 +132,9 @@ pub(super) fn layer(
         HeadKind::Eagle3 => "midlayer".to_string(),
     };
     let w = |g: &mut Builder, name: &str, shape: Vec<Dim>| g.weight(&format!("{p}.{name}.weight"), act, shape);
-    // EAGLE heads replace layer 0's input norm by the identity (EAGLE-1/2) or by their own
-    // input (EAGLE-3).
-    let hn = if let Some(a) = input {
-        a
-    } else if l == 0 {
-        x
-    } else {
-        let nw = w(g, "input_layernorm", vec![f(h)]);
-        let hn = g.act(&format!("{}l{l}.h", cx.pfx()), act, vec![t, f(h)]);
-        g.op(
-            &format!("{}l{l}.input_norm", cx.pfx()),
-            OpKind::RmsNorm,
-            vec![x, nw],
-            vec![hn],
-        );
-        hn
+    let hn = match input {
+        Some(a) => a,
+        None => layer_input(g, cx, &p, l, x),
     };
     let kin = g.g.tensor(hn).shape[1].fixed;
     // Tensor parallel: q/k/v and gate/up split by rows (column-parallel), o and down by
@@ -228,7 +215,8 @@ pub(super) fn layer(
     );
     let wo = w(g, "self_attn.o_proj", vec![f(h), f(hq * d)]);
     let wo = g.shard(wo, 1, tp, tp.size);
-    let o = g.act(&format!("{}l{l}.o", cx.pfx()), act, vec![t, f(h)]);
+    // The stream's adds accumulate in its dtype: o_proj and down write it.
+    let o = g.act(&format!("{}l{l}.o", cx.pfx()), cx.stream, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.o_proj", cx.pfx()), attn, wo, None, o);
     let o = all_reduce(
         g,
@@ -237,7 +225,7 @@ pub(super) fn layer(
         &format!("{}l{l}.o_all_reduce", cx.pfx()),
         cx,
     );
-    let x_attn = g.act(&format!("{}l{l}.x_attn", cx.pfx()), act, vec![t, f(h)]);
+    let x_attn = g.act(&format!("{}l{l}.x_attn", cx.pfx()), cx.stream, vec![t, f(h)]);
     g.op(
         &format!("{}l{l}.residual_attn", cx.pfx()),
         OpKind::Add,
@@ -247,7 +235,7 @@ pub(super) fn layer(
     // The MLP's rows: every row, or the selected one per request.
     let (x_attn, t) = match select {
         Some(accept) => {
-            let sel = g.act(&format!("{}l{l}.x_sel", cx.pfx()), act, vec![cx.requests, f(h)]);
+            let sel = g.act(&format!("{}l{l}.x_sel", cx.pfx()), cx.stream, vec![cx.requests, f(h)]);
             g.op(
                 Entry::SelectRows.name(),
                 OpKind::SelectRows,
@@ -280,7 +268,7 @@ pub(super) fn layer(
     g.op(&format!("{}l{l}.mul", cx.pfx()), OpKind::Mul, vec![ga, up], vec![mid]);
     let wd = w(g, "mlp.down_proj", vec![f(h), f(inter)]);
     let wd = g.shard(wd, 1, tp, tp.size);
-    let down = g.act(&format!("{}l{l}.down", cx.pfx()), act, vec![t, f(h)]);
+    let down = g.act(&format!("{}l{l}.down", cx.pfx()), cx.stream, vec![t, f(h)]);
     g.linear(&format!("{}l{l}.down_proj", cx.pfx()), mid, wd, None, down);
     let down = all_reduce(
         g,
@@ -289,9 +277,11 @@ pub(super) fn layer(
         &format!("{}l{l}.down_all_reduce", cx.pfx()),
         cx,
     );
+    // An activation-typed stream ends in hidden_out itself; the fp32 one is rounded into it
+    // after the layer (`hidden_out`).
     let x_out = match select {
-        Some(_) => g.output(io::HIDDEN_OUT, act, vec![t, f(h)]),
-        None => g.act(&format!("{}l{l}.x_out", cx.pfx()), act, vec![t, f(h)]),
+        Some(_) if cx.stream == act => g.output(io::HIDDEN_OUT, act, vec![t, f(h)]),
+        _ => g.act(&format!("{}l{l}.x_out", cx.pfx()), cx.stream, vec![t, f(h)]),
     };
     g.op(
         &format!("{}l{l}.residual_mlp", cx.pfx()),
@@ -300,6 +290,45 @@ pub(super) fn layer(
         vec![x_out],
     );
     x_out
+}
+
+/// Layer `l`'s attention input from the stream `x`: EAGLE heads replace layer 0's input norm
+/// by the identity (EAGLE-1/2; over the fp32 stream, its rounding) — EAGLE-3's layer 0 has
+/// its own input (`eagle3_input`) —, every later layer normalizes x. `p`: the layer's
+/// checkpoint prefix.
+fn layer_input(g: &mut Builder, cx: &Cx, p: &str, l: u32, x: TensorId) -> TensorId {
+    let act = cx.cfg.capture.dtype;
+    let (t, h) = (cx.rows, Dim::fixed(cx.cfg.model.desc.hidden as u64));
+    if l == 0 && cx.stream == act {
+        return x;
+    }
+    if l == 0 {
+        let xin = g.act(&format!("{}l0.x_in", cx.pfx()), act, vec![t, h]);
+        g.op(&format!("{}l0.x_cast", cx.pfx()), OpKind::Cast, vec![x], vec![xin]);
+        return xin;
+    }
+    let nw = g.weight(&format!("{p}.input_layernorm.weight"), act, vec![h]);
+    let hn = g.act(&format!("{}l{l}.h", cx.pfx()), act, vec![t, h]);
+    g.op(
+        &format!("{}l{l}.input_norm", cx.pfx()),
+        OpKind::RmsNorm,
+        vec![x, nw],
+        vec![hn],
+    );
+    hn
+}
+
+/// The head's `hidden_out` output from the last layer's selected stream rows `x`: `x` itself
+/// when the stream has the activation type, else its one rounding (`cast_rows`).
+pub(super) fn hidden_out(g: &mut Builder, cx: &Cx, x: TensorId) -> TensorId {
+    let act = cx.cfg.capture.dtype;
+    if g.g.tensor(x).dtype == act {
+        return x;
+    }
+    let shape = g.g.tensor(x).shape.clone();
+    let out = g.output(io::HIDDEN_OUT, act, shape);
+    g.op(&cx.n("hidden_out_cast"), OpKind::Cast, vec![x], vec![out]);
+    out
 }
 
 /// A sharded plan's sum of every rank's `partial` (a row-parallel GEMM's output), in place;
@@ -315,14 +344,20 @@ fn all_reduce(g: &mut Builder, partial: TensorId, name: &str, op: &str, cx: &Cx)
     sum
 }
 
-/// The selected rows `hidden_out` (row `i·R + A_i − 1` of each request, selected inside the
-/// last layer) → lm_head (hot rows under FR-Spec) → softmax → top-K → id map; the logits
-/// are an output instead of (or besides) the top-K when `capture.outputs` says so.
-pub(super) fn output_head(g: &mut Builder, cx: &Cx, hidden_out: TensorId) {
+/// The selected rows (row `i·R + A_i − 1` of each request, selected inside the last layer:
+/// `stream` the residual stream's, `hidden_out` their rounding, the same tensor when the
+/// stream has the activation type) → lm_head (hot rows under FR-Spec) → softmax → top-K →
+/// id map; the logits are an output instead of (or besides) the top-K when
+/// `capture.outputs` says so.
+pub(super) fn output_head(g: &mut Builder, cx: &Cx, stream: TensorId, hidden_out: TensorId) {
     let (cfg, b, f) = (cx.cfg, cx.requests, Dim::fixed);
-    // EAGLE-3: the final norm of the selected rows feeds lm_head; the rows themselves
-    // (pre-norm) leave the head.
-    let lm_in = final_norm(g, cx, hidden_out, b);
+    // EAGLE-3: the final norm of the selected rows (read from the stream, unrounded) feeds
+    // lm_head; the rows themselves (pre-norm) leave the head. EAGLE-1: lm_head reads
+    // hidden_out.
+    let lm_in = match cfg.model.desc.head {
+        HeadKind::Eagle1 => hidden_out,
+        HeadKind::Eagle3 => final_norm(g, cx, stream, b),
+    };
     let (lm_w, vh) = lm_head_weight(g, cx);
     // The logits leave the head when the plan emits them (`capture.outputs`); the fused
     // top-K reads the same buffer.
@@ -365,7 +400,18 @@ pub(super) fn output_head(g: &mut Builder, cx: &Cx, hidden_out: TensorId) {
     let top_i = g.output(io::TOPK_IDS, DType::I64, vec![b, f(k)]);
     // Ids left unmapped (`topk-draft`): the lm_head's row indices, for an engine that maps
     // them itself.
-    topk(g, cx, logits, b, !outputs.draft_ids, top_p, top_i);
+    // The fp32 stream: the candidates' logits are recomputed from its selected rows.
+    let refine: Vec<TensorId> = if cx.stream == DType::F32 {
+        let mut ins = vec![stream, lm_w];
+        if cfg.model.desc.head == HeadKind::Eagle3 {
+            let h = Dim::fixed(cfg.model.desc.hidden as u64);
+            ins.push(g.weight("norm.weight", cfg.capture.dtype, vec![h]));
+        }
+        ins
+    } else {
+        Vec::new()
+    };
+    topk(g, cx, logits, b, !outputs.draft_ids, top_p, top_i, &refine);
 }
 
 /// Draft decode's head over every lane: (EAGLE-3's final norm →) lm_head → softmax →
@@ -380,7 +426,7 @@ pub(super) fn lane_head(g: &mut Builder, cx: &Cx, x: TensorId) -> (TensorId, Ten
     let k = cx.cfg.spec.topk as u64;
     let top_p = g.act(&cx.n("topk_p"), DType::F32, vec![t, f(k)]);
     let top_i = g.act(&cx.n("topk_index"), DType::I64, vec![t, f(k)]);
-    topk(g, cx, logits, t, true, top_p, top_i);
+    topk(g, cx, logits, t, true, top_p, top_i, &[]);
     (top_p, top_i)
 }
 
@@ -457,8 +503,21 @@ fn lm_head_full(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
 
 /// softmax → top-K of `logits` (`rows` rows) into `top_p`, `top_i`, the ids mapped to target
 /// ids (d2t or the FR-Spec hot map) when `map`.
-fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p: TensorId, top_i: TensorId) {
+/// The top-K of `logits` (`rows` rows), ids mapped when `map`; `refine`: the refinement's
+/// inputs (the fp32 stream's rows, the lm_head weight (, EAGLE-3's final norm weight)).
+#[allow(clippy::too_many_arguments)] // the head's tensors, each from output_head or lane_head
+fn topk(
+    g: &mut Builder,
+    cx: &Cx,
+    logits: TensorId,
+    rows: Dim,
+    map: bool,
+    top_p: TensorId,
+    top_i: TensorId,
+    refine_ins: &[TensorId],
+) {
     let (cfg, f) = (cx.cfg, Dim::fixed);
+    let refine = !refine_ins.is_empty();
     let m = &cfg.model.desc;
     let k = cfg.spec.topk as u64;
     let vh = g.g.tensor(logits).shape[1].fixed;
@@ -472,13 +531,14 @@ fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p:
     }
     let probs = g.act(&cx.n("probs"), DType::F32, vec![rows, f(vh)]);
     g.op(&cx.n("softmax"), OpKind::Softmax, vec![logits], vec![probs]);
+    let topk_ins: Vec<TensorId> = std::iter::once(probs).chain(refine_ins.iter().copied()).collect();
     match map {
         (None, Some(vd)) => {
             let draft_idx = g.act(&cx.n("topk_draft_ids"), DType::I64, vec![rows, f(k)]);
             g.op(
                 &cx.n("topk"),
-                OpKind::TopK { k: k as u32 },
-                vec![probs],
+                OpKind::TopK { k: k as u32, refine },
+                topk_ins.clone(),
                 vec![top_p, draft_idx],
             );
             let d2t = g.weight("d2t", DType::I64, vec![f(vd as u64)]);
@@ -492,8 +552,8 @@ fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p:
         (None, None) => {
             g.op(
                 &cx.n("topk"),
-                OpKind::TopK { k: k as u32 },
-                vec![probs],
+                OpKind::TopK { k: k as u32, refine },
+                topk_ins.clone(),
                 vec![top_p, top_i],
             );
         }
@@ -501,8 +561,8 @@ fn topk(g: &mut Builder, cx: &Cx, logits: TensorId, rows: Dim, map: bool, top_p:
             let hot_idx = g.act(&cx.n("topk_hot_ids"), DType::I64, vec![rows, f(k)]);
             g.op(
                 &cx.n("topk"),
-                OpKind::TopK { k: k as u32 },
-                vec![probs],
+                OpKind::TopK { k: k as u32, refine },
+                topk_ins.clone(),
                 vec![top_p, hot_idx],
             );
             let map = g.weight("hot_token_ids", DType::I64, vec![f(vh as u64)]);

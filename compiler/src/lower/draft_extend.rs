@@ -10,7 +10,7 @@
 
 use specplan_format::{io, HeadKind, PhaseKind};
 
-use super::{fc, fc3, layer, output_head, staged, staged_inputs, Builder, Cx, Inputs};
+use super::{fc, fc3, hidden_out, layer, output_head, staged, staged_inputs, Builder, Cx, Inputs};
 use crate::config::Config;
 use crate::graph::OpGraph;
 use crate::verify::VerifyError;
@@ -42,7 +42,8 @@ pub(super) fn lower(cfg: &Config) -> Result<OpGraph, VerifyError> {
         let select = (l + 1 == layers).then_some(accept);
         x = layer(&mut g, &cx, &inp, l, x, first_in.take(), select);
     }
-    output_head(&mut g, &cx, x);
+    let out = hidden_out(&mut g, &cx, x);
+    output_head(&mut g, &cx, x, out);
     g.g.rebuild_edges();
     Ok(g.g)
 }

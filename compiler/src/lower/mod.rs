@@ -13,7 +13,7 @@ mod draft_extend;
 use specplan_format::signature::{self, Dim as SigDim, Role};
 use specplan_format::{DType, Packing, PhaseKind};
 
-use blocks::{eagle3_input, embed, fc, fc3, lane_head, layer, output_head};
+use blocks::{eagle3_input, embed, fc, fc3, hidden_out, lane_head, layer, output_head};
 
 use crate::config::Config;
 use crate::graph::{Dim, Op, OpGraph, OpKind, Storage, Tensor, TensorId};
@@ -37,6 +37,9 @@ pub(crate) struct Cx<'a> {
     pub requests: Dim,
     /// The forward of a multi-step phase being built (0 otherwise).
     pub step: u32,
+    /// The residual stream's dtype (`specplan_format::facts::stream_dtype`, the rule the
+    /// kernels' facts follow).
+    pub stream: DType,
 }
 
 impl<'a> Cx<'a> {
@@ -47,6 +50,7 @@ impl<'a> Cx<'a> {
             rows: Dim::batch(kind.rows_per_request(&cfg.spec) as u64),
             requests: Dim::batch(1),
             step: 0,
+            stream: specplan_format::stream_dtype(kind, cfg.capture.dtype, cfg.capture.tp),
         }
     }
 

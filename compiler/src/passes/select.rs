@@ -77,7 +77,8 @@ mod tests {
         for op in ["l1.gate_up_proj", &silu, "l1.down_proj", Entry::SelectNorm.name()] {
             assert_eq!(rows_of(&g, op), Dim::batch(1), "{op}");
         }
-        // The head reads the down projection's output in place: no select after it.
+        // The head reads the down projection's output in place (the fp32 stream's selected
+        // rows, rounded once into hidden_out): no select after it.
         assert_eq!(
             g.graph
                 .node_weights()
@@ -90,7 +91,14 @@ mod tests {
             .node_weights()
             .find(|op| op.name == "l1.down_proj")
             .expect("down");
-        assert_eq!(g.tensor(down.outs[0]).name, specplan_format::io::HIDDEN_OUT);
+        let sel = down.outs[0];
+        assert_eq!(g.tensor(sel).dtype, specplan_format::DType::F32);
+        let cast = g
+            .graph
+            .node_weights()
+            .find(|op| op.kind == OpKind::Cast && op.ins[0] == sel)
+            .expect("the stream's rounding");
+        assert_eq!(g.tensor(cast.outs[0]).name, specplan_format::io::HIDDEN_OUT);
     }
 
     #[test]

@@ -10,7 +10,9 @@ use specplan_kernels::entries::embed::{
     EmbedConcatParams, EmbedConcatPtrs, EmbedNormConcatParams, EmbedNormConcatPtrs,
 };
 use specplan_kernels::entries::mlp::{SiluMulParams, SiluMulPtrs};
-use specplan_kernels::entries::norm::{NormConcatParams, NormConcatPtrs, RmsNormParams, RmsNormPtrs};
+use specplan_kernels::entries::norm::{
+    CastRowsParams, CastRowsPtrs, NormConcatParams, NormConcatPtrs, RmsNormParams, RmsNormPtrs,
+};
 use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
 use specplan_kernels::entries::sample::{
     LogitsGatherParams, LogitsGatherPtrs, SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs,
@@ -135,12 +137,12 @@ pub(super) fn launches(
             | OpKind::TopKMerge { .. }
             | OpKind::LogitsGather { .. }
             | OpKind::NormConcat => tp_op(&mut b, op),
-            OpKind::SoftmaxTopK { map, .. } => {
+            OpKind::SoftmaxTopK { map, refine, .. } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::TopK(p)) => Some(*p),
                     _ => None,
                 };
-                softmax_topk(&mut b, op, map.is_some(), ws)
+                softmax_topk(&mut b, op, map.is_some(), *refine, ws)
             }
             OpKind::EmbedConcat { bias } => {
                 let (ins, outs) = (&op.ins, &op.outs);
@@ -192,6 +194,21 @@ pub(super) fn launches(
                     out: b.arg(op.outs[0]),
                 };
                 b.kernel::<RmsNormParams>(op, false, &f, p)
+            }
+            // The stream's rounding: EAGLE-1's layer-0 input (every row) or hidden_out (one
+            // row per request).
+            OpKind::Cast => {
+                let Some(f) = row_facts(sh, op) else {
+                    return Err(ScheduleError::NoKernel {
+                        node: at(),
+                        kind: "cast_rows over rows that are neither the phase's nor one per request",
+                    });
+                };
+                let p = CastRowsPtrs {
+                    x: b.arg(op.ins[0]),
+                    out: b.arg(op.outs[0]),
+                };
+                b.kernel::<CastRowsParams>(op, false, &f, p)
             }
             OpKind::RopeAppend { step, .. } => {
                 let ins = &op.ins;
@@ -379,9 +396,13 @@ fn tp_op(b: &mut Binder, op: &Op) {
             b.kernel::<TopkMergeParams>(op, false, f, p)
         }
         _ => {
+            // A sharded plan's records: no refinement (its stream is an activation).
             let p = TopkPartialPtrs {
                 logits: b.arg(op.ins[0]),
                 part: b.arg(op.outs[0]),
+                x: ArgValue::Null,
+                norm_w: ArgValue::Null,
+                lm_w: ArgValue::Null,
             };
             b.kernel::<TopkPartialParams>(op, false, f, p)
         }
@@ -448,10 +469,17 @@ fn attention(
 }
 
 /// One CTA per row, or split rows (partial + merge) when the plan splits the columns.
-fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, ws: Option<u32>) {
+fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, refine: bool, ws: Option<u32>) {
     let f = b.sh.facts;
     let (ins, outs) = (&op.ins, &op.outs);
     let hot = b.arg_if(hot_map, ins.get(1));
+    // The refinement's x, lm_w (, norm_w) follow the logits and the map.
+    let r = 1 + hot_map as usize;
+    let (x, lm_w, norm_w) = (
+        b.arg_if(refine, ins.get(r)),
+        b.arg_if(refine, ins.get(r + 1)),
+        b.arg_if(refine, ins.get(r + 2)),
+    );
     match ws {
         None => {
             let p = SoftmaxTopkPtrs {
@@ -459,6 +487,9 @@ fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, ws: Option<u32>) {
                 hot_ids: hot,
                 probs: b.arg(outs[0]),
                 ids: b.arg(outs[1]),
+                x,
+                norm_w,
+                lm_w,
             };
             b.kernel::<SoftmaxTopkParams>(op, false, f, p)
         }
@@ -466,6 +497,9 @@ fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, ws: Option<u32>) {
             let p = TopkPartialPtrs {
                 logits: b.arg(ins[0]),
                 part: ArgValue::Buffer(part),
+                x,
+                norm_w,
+                lm_w,
             };
             b.kernel::<TopkPartialParams>(op, true, f, p);
             let p = TopkMergePtrs {

@@ -379,7 +379,7 @@ fn ptr_arg(
         }
         (Extent::Elems(n), _) => n,
     };
-    let want_dtype = pf.elem.dtype(f.act);
+    let want_dtype = pf.elem.dtype(f);
     let a = pf.allowed;
     let (have_bytes, have_dtype) = match v {
         ArgValue::Buffer(id) if a.buffer => {

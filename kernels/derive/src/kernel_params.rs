@@ -75,7 +75,7 @@ fn last_segment(ty: &Type) -> Option<&syn::PathSegment> {
 /// (mutable, Rust element name, C element name) of a pointer type, or `None` for `u32`.
 fn field_type(ty: &Type) -> syn::Result<Option<(bool, &'static str, &'static str)>> {
     const HELP: &str =
-        "unsupported kernel parameter type: use DevPtr<T> or DevPtrMut<T> with T one of i32, i64, f32, Act, or u32";
+        "unsupported kernel parameter type: use DevPtr<T> or DevPtrMut<T> with T one of i32, i64, f32, Act, Stream, or u32";
     let seg = last_segment(ty).ok_or_else(|| syn::Error::new(ty.span(), HELP))?;
     let name = seg.ident.to_string();
     match name.as_str() {
@@ -101,10 +101,11 @@ fn field_type(ty: &Type) -> syn::Result<Option<(bool, &'static str, &'static str
                 Some("i64") => ("I64", "long long"),
                 Some("f32") => ("F32", "float"),
                 Some("Act") => ("Act", "act_t"),
+                Some("Stream") => ("Stream", "stream_t"),
                 _ => {
                     return Err(syn::Error::new(
                         elem.span(),
-                        "unsupported pointer element type: use i32, i64, f32 or Act (the plan's activation type)",
+                        "unsupported pointer element type: use i32, i64, f32, Act (the plan's activation type) or Stream (the residual stream's)",
                     ))
                 }
             };

@@ -1,12 +1,12 @@
 //! embed.cu: the embedding lookup concatenated with the target's hidden states.
 
-use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel, Stream};
 use crate::facts::{row_parts, BucketFacts, KernelFacts};
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
 
-use super::{act, u};
+use super::{act, stream, u};
 
 /// `embed_concat`: `out[r] = embed(ids[r]) ‖ hidden[r]`, and the fc output rows set to the
 /// bias when the model has one (the fc GEMM then accumulates onto them).
@@ -26,9 +26,9 @@ pub struct EmbedConcatParams {
     pub bias: DevPtr<Act>,
     #[arg(buffer)]
     pub out: DevPtrMut<Act>,
-    /// fc output rows initialized to the bias, or null.
+    /// fc output rows (the residual stream) initialized to the bias, or null.
     #[arg(buffer)]
-    pub bias_out: DevPtrMut<Act>,
+    pub bias_out: DevPtrMut<Stream>,
     pub rows: u32,
 }
 
@@ -45,9 +45,9 @@ pub struct EmbedNormConcatParams {
     /// `input_layernorm` of the embedding.
     #[arg(weight)]
     pub w_embed: DevPtr<Act>,
-    /// `fc` of the target features: the layer's residual.
+    /// `fc` of the target features: the layer's residual (the stream).
     #[arg(buffer)]
-    pub h: DevPtr<Act>,
+    pub h: DevPtr<Stream>,
     /// `hidden_norm`.
     #[arg(weight)]
     pub w_hidden: DevPtr<Act>,
@@ -106,6 +106,7 @@ impl Kernel for EmbedConcatParams {
 pub fn constants(f: &KernelFacts) -> Constants {
     vec![
         act(f),
+        stream(f),
         u("HIDDEN", f.hidden),
         u("VOCAB", f.vocab),
         ("HAS_BIAS".into(), ConstValue::Bool(f.has_bias)),

@@ -23,6 +23,12 @@ pub(crate) fn act(f: &KernelFacts) -> (String, ConstValue) {
     ("act_t".into(), ConstValue::Type(f.act.c_act().into()))
 }
 
+/// `stream_t`, the residual stream's element type (`KernelFacts::stream`), in the templates
+/// whose entries read or write the stream.
+pub(crate) fn stream(f: &KernelFacts) -> (String, ConstValue) {
+    ("stream_t".into(), ConstValue::Type(f.stream.c_elem().into()))
+}
+
 pub(crate) fn u(name: &str, v: u32) -> (String, ConstValue) {
     (name.into(), ConstValue::U32(v))
 }

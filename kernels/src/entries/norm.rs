@@ -1,19 +1,19 @@
 //! norm.cu: RMSNorm of activation rows.
 
-use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
-use crate::facts::{BucketFacts, KernelFacts};
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel, Stream};
+use crate::facts::{row_parts, BucketFacts, KernelFacts};
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
 
-use super::{act, u};
+use super::{act, stream, u};
 
-/// `rmsnorm`: `out[r] = x[r] · rsqrt(mean(x[r]²) + EPS) · weight`.
+/// `rmsnorm`: `out[r] = x[r] · rsqrt(mean(x[r]²) + EPS) · weight` (x a row of the stream).
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct RmsNormParams {
     #[arg(buffer)]
-    pub x: DevPtr<Act>,
+    pub x: DevPtr<Stream>,
     #[arg(weight)]
     pub weight: DevPtr<Act>,
     #[arg(buffer)]
@@ -58,6 +58,39 @@ impl Kernel for NormConcatParams {
     }
 }
 
+/// `cast_rows`: `out[r] = round(x[r])`, rows of the fp32 stream into the activation type (the
+/// one rounding of the stream: `hidden_out`, and EAGLE-1's layer-0 input, whose norm is the
+/// identity).
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct CastRowsParams {
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
+impl Kernel for CastRowsParams {
+    const ENTRY: Entry = Entry::CastRows;
+    fn threads(_: &KernelFacts) -> u32 {
+        NORM_THREADS
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], CastRowsScalars) {
+        let rows = f.rows(b);
+        // A short batch spreads each row over several CTAs (8 elements a thread).
+        let parts = row_parts(rows, (f.hidden as u64).div_ceil(8), NORM_THREADS);
+        ([rows, parts, 1], CastRowsScalars { rows })
+    }
+    fn extents(s: &CastRowsScalars, f: &KernelFacts) -> CastRowsPtrs<Extent> {
+        let n = s.rows as u64 * f.hidden as u64;
+        CastRowsPtrs {
+            x: Extent::Elems(n),
+            out: Extent::Elems(n),
+        }
+    }
+}
+
 pub const NORM_THREADS: u32 = 256;
 
 impl Kernel for RmsNormParams {
@@ -85,6 +118,7 @@ impl Kernel for RmsNormParams {
 pub fn constants(f: &KernelFacts) -> Constants {
     vec![
         act(f),
+        stream(f),
         u("HIDDEN", f.hidden),
         ("EPS".into(), ConstValue::F32(f.eps)),
         u("N", f.n),

@@ -1,13 +1,13 @@
 //! sample.cu: softmax and top-K of the logits rows, in one CTA per row or split across
 //! CTAs (per-chunk records, then a one-warp merge) for long rows.
 
-use crate::abi::{DevPtr, DevPtrMut, Extent, Kernel};
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel, Stream};
 use crate::facts::{topk_record_floats, BucketFacts, KernelFacts};
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
 
-use super::{act, u};
+use super::{act, stream, u};
 
 /// `softmax_topk`: one CTA per row.
 #[derive(KernelParams)]
@@ -22,6 +22,16 @@ pub struct SoftmaxTopkParams {
     pub probs: DevPtrMut<f32>,
     #[arg(buffer)]
     pub ids: DevPtrMut<i64>,
+    /// The refinement (`KernelFacts::refines_topk`): the selected rows of the fp32 stream
+    /// `[batch, H]`, else null.
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    /// EAGLE-3's final norm weight `[H]` under the refinement, else null.
+    #[arg(weight)]
+    pub norm_w: DevPtr<Act>,
+    /// The lm_head weight `[COLS, H]` the logits came from, under the refinement, else null.
+    #[arg(weight)]
+    pub lm_w: DevPtr<Act>,
     pub batch: u32,
 }
 
@@ -33,6 +43,13 @@ pub struct TopkPartialParams {
     pub logits: DevPtr<f32>,
     #[arg(buffer)]
     pub part: DevPtrMut<f32>,
+    /// As softmax_topk's.
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    #[arg(weight)]
+    pub norm_w: DevPtr<Act>,
+    #[arg(weight)]
+    pub lm_w: DevPtr<Act>,
     pub batch: u32,
     pub chunks: u32,
 }
@@ -97,6 +114,16 @@ fn topk_smem(f: &KernelFacts) -> u64 {
     TOPK_THREADS as u64 * f.topk as u64 * 8
 }
 
+/// The refinement's arguments over `b` rows: (x, norm_w, lm_w).
+fn refine(f: &KernelFacts, b: u64) -> (Extent, Extent, Extent) {
+    if !f.refines_topk() {
+        return (Extent::Unused, Extent::Unused, Extent::Unused);
+    }
+    let h = f.hidden as u64;
+    let norm = if f.head_norm { Extent::Elems(h) } else { Extent::Unused };
+    (Extent::Elems(b * h), norm, Extent::Elems(f.cols as u64 * h))
+}
+
 /// The id map covers the full row's columns (every rank's share).
 fn hot(f: &KernelFacts) -> Extent {
     if f.hot_map || f.id_offset {
@@ -119,11 +146,15 @@ impl Kernel for SoftmaxTopkParams {
     }
     fn extents(s: &SoftmaxTopkScalars, f: &KernelFacts) -> SoftmaxTopkPtrs<Extent> {
         let (b, k) = (s.batch as u64, f.topk as u64);
+        let (x, norm_w, lm_w) = refine(f, b);
         SoftmaxTopkPtrs {
             logits: Extent::Elems(b * f.cols as u64),
             hot_ids: hot(f),
             probs: Extent::Elems(b * k),
             ids: Extent::Elems(b * k),
+            x,
+            norm_w,
+            lm_w,
         }
     }
 }
@@ -148,9 +179,13 @@ impl Kernel for TopkPartialParams {
     }
     fn extents(s: &TopkPartialScalars, f: &KernelFacts) -> TopkPartialPtrs<Extent> {
         let b = s.batch as u64;
+        let (x, norm_w, lm_w) = refine(f, b);
         TopkPartialPtrs {
             logits: Extent::Elems(b * f.cols as u64),
             part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
+            x,
+            norm_w,
+            lm_w,
         }
     }
 }
@@ -184,8 +219,13 @@ impl Kernel for TopkMergeParams {
 pub fn constants(f: &KernelFacts) -> Constants {
     vec![
         act(f),
+        stream(f),
         u("COLS", f.cols),
         u("TOPK", f.topk),
+        ("REFINE".into(), ConstValue::Bool(f.refines_topk())),
+        ("HEAD_NORM".into(), ConstValue::Bool(f.head_norm && f.refines_topk())),
+        u("HIDDEN", f.hidden),
+        ("EPS".into(), ConstValue::F32(f.eps)),
         ("HOT_MAP".into(), ConstValue::Bool(f.hot_map)),
         ("ID_OFFSET".into(), ConstValue::Bool(f.id_offset)),
         u("FULL_VOCAB", f.vocab),

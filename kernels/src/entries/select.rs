@@ -1,24 +1,24 @@
 //! select.cu: the row of each request that feeds the next top-K.
 
-use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel, Stream};
 use crate::facts::{BucketFacts, KernelFacts};
 use crate::io;
 use crate::source::Constants;
 use crate::Entry;
 use specplan_kernel_derive::KernelParams;
 
-use super::{act, u};
+use super::{act, stream, u};
 
 /// `select_rows`: `out[i] = x[i·N + A_i − 1]`, `A_i` clamped to `[1, N]`.
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct SelectRowsParams {
     #[arg(buffer)]
-    pub x: DevPtr<Act>,
+    pub x: DevPtr<Stream>,
     #[arg(input = io::ACCEPT_LENS)]
     pub accept_lens: DevPtr<i32>,
     #[arg(buffer)]
-    pub out: DevPtrMut<Act>,
+    pub out: DevPtrMut<Stream>,
     pub batch: u32,
 }
 
@@ -30,13 +30,13 @@ pub struct SelectRowsParams {
 #[repr(C)]
 pub struct SelectNormParams {
     #[arg(buffer)]
-    pub x: DevPtr<Act>,
+    pub x: DevPtr<Stream>,
     #[arg(input = io::ACCEPT_LENS)]
     pub accept_lens: DevPtr<i32>,
     #[arg(weight)]
     pub weight: DevPtr<Act>,
     #[arg(buffer)]
-    pub out: DevPtrMut<Act>,
+    pub out: DevPtrMut<Stream>,
     #[arg(buffer)]
     pub normed: DevPtrMut<Act>,
     pub batch: u32,
@@ -89,6 +89,7 @@ impl Kernel for SelectRowsParams {
 pub fn constants(f: &KernelFacts) -> Constants {
     vec![
         act(f),
+        stream(f),
         u("HIDDEN", f.hidden),
         u("N", f.n),
         ("EPS".into(), crate::source::ConstValue::F32(f.eps)),

@@ -8,12 +8,8 @@ use specplan_format::{ConstValue, KernelDesc, KvKind};
 use specplan_kernels::entries::attention::{AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars};
 use specplan_kernels::entries::embed::{EmbedConcatPtrs, EmbedConcatScalars};
 use specplan_kernels::entries::mlp::{SiluMulPtrs, SiluMulScalars};
-use specplan_kernels::entries::norm::{RmsNormPtrs, RmsNormScalars};
+use specplan_kernels::entries::norm::{CastRowsPtrs, CastRowsScalars, RmsNormPtrs, RmsNormScalars};
 use specplan_kernels::entries::rope::{RopeAppendPtrs, RopeAppendScalars};
-use specplan_kernels::entries::sample::{
-    LogitsGatherPtrs, LogitsGatherScalars, SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkMergePtrs, TopkMergeScalars,
-    TopkPartialPtrs, TopkPartialScalars,
-};
 use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
 
 use super::{Ctx, KvStore, Ptr, R};
@@ -142,6 +138,17 @@ impl<K: KvStore> Ctx<'_, K> {
         Ok(())
     }
 
+    /// The stream's rounding; the oracle holds activations unrounded, so a copy here.
+    pub(super) fn cast_rows(&mut self, k: &KernelDesc, p: &CastRowsPtrs<Ptr>, s: &CastRowsScalars) -> R<()> {
+        let h = c_pos(k, "HIDDEN")?;
+        let (x, out) = (buf(p.x, "x")?, buf(p.out, "out")?);
+        for e in 0..s.rows as usize * h {
+            let v = self.ld(x, e)?;
+            self.st(out, e, v)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn silu_mul(&mut self, k: &KernelDesc, p: &SiluMulPtrs<Ptr>, s: &SiluMulScalars) -> R<()> {
         let inter = c_u32(k, "INTER")?;
         let gu = buf(p.gate_up, "gate_up")?;
@@ -195,6 +202,11 @@ impl<K: KvStore> Ctx<'_, K> {
     }
 
     fn kv_store(&mut self, kind: KvKind, layer: usize, slot: usize, head: usize, d: usize, v: f64) -> R<()> {
+        let v = if self.rounded {
+            crate::bits::round_act(v as f32, self.plan.capture.dtype) as f64
+        } else {
+            v
+        };
         self.kv.store(kind, layer, slot, head, d, v)
     }
 
@@ -428,163 +440,6 @@ impl<K: KvStore> Ctx<'_, K> {
                         if total > 0.0 { acc / total } else { 0.0 },
                     )?;
                 }
-            }
-        }
-        Ok(())
-    }
-
-    /// The id of column `c` of a logits row: the hot map's entry (HOT_MAP), `c` plus its
-    /// d2t offset (ID_OFFSET, EAGLE-3), or `c`.
-    fn column_id(&self, k: &KernelDesc, map: Ptr, c: usize) -> R<f64> {
-        let (hot, offset) = (c_bool(k, "HOT_MAP")?, c_bool(k, "ID_OFFSET")?);
-        match (hot, offset, map) {
-            (true, true, _) => Err("HOT_MAP and ID_OFFSET are exclusive".into()),
-            (true, false, Ptr::Weight(w)) => self.wf(w, c),
-            (false, true, Ptr::Weight(w)) => Ok(c as f64 + self.wf(w, c)?),
-            (true, false, other) | (false, true, other) => {
-                Err(format!("an id map without a hot_ids weight ({other:?})"))
-            }
-            (false, false, _) => Ok(c as f64),
-        }
-    }
-
-    pub(super) fn softmax_topk(&mut self, k: &KernelDesc, p: &SoftmaxTopkPtrs<Ptr>, s: &SoftmaxTopkScalars) -> R<()> {
-        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
-        let (logits, probs, ids) = (buf(p.logits, io::LOGITS)?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
-        for i in 0..s.batch as usize {
-            let row: Vec<f64> = (0..cols).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
-            let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = row.iter().map(|x| (x - m).exp()).sum();
-            let mut order: Vec<usize> = (0..cols).collect();
-            // Descending by logit; ties to the lower column (a stable sort keeps them).
-            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            for slot in 0..topk {
-                let (prob, id) = match order.get(slot) {
-                    Some(&c) => (
-                        ((row[c] - m).exp() / sum) as f32 as f64,
-                        self.column_id(k, p.hot_ids, c)?,
-                    ),
-                    None => (0.0, -1.0),
-                };
-                self.st(probs, i * topk + slot, prob)?;
-                self.st(ids, i * topk + slot, id)?;
-            }
-        }
-        Ok(())
-    }
-
-    pub(super) fn topk_partial(&mut self, k: &KernelDesc, p: &TopkPartialPtrs<Ptr>, s: &TopkPartialScalars) -> R<()> {
-        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
-        // A tensor-parallel rank's columns start at COL_OFFSET of the full row; its records
-        // carry full-row columns.
-        let offset = c_u32(k, "COL_OFFSET")?;
-        let (logits, part) = (buf(p.logits, io::LOGITS)?, buf(p.part, "part")?);
-        let chunks = s.chunks as usize;
-        if chunks == 0 {
-            return Err("chunks is 0".into());
-        }
-        let rec = 2 + 2 * topk;
-        // Chunk ch: columns [ch·W, min(cols, (ch+1)·W)), W = ceil(cols/chunks) rounded up
-        // to a multiple of 4 (sample.cu's contract).
-        let width = cols.div_ceil(chunks).div_ceil(4) * 4;
-        for i in 0..s.batch as usize {
-            for ch in 0..chunks {
-                let (c0, c1) = ((ch * width).min(cols), ((ch + 1) * width).min(cols));
-                let vals: Vec<f64> = (c0..c1).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
-                let m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = if m == f64::NEG_INFINITY {
-                    0.0
-                } else {
-                    vals.iter().map(|x| (x - m).exp()).sum()
-                };
-                let mut order: Vec<usize> = (0..vals.len()).collect();
-                order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a])); // stable: ties to lower column
-                let base = (i * chunks + ch) * rec;
-                self.st(part, base, m as f32 as f64)?;
-                self.st(part, base + 1, sum as f32 as f64)?;
-                for slot in 0..topk {
-                    let (v, c) = match order.get(slot) {
-                        Some(&j) => (vals[j], (offset + c0 + j) as f64),
-                        None => (f64::NEG_INFINITY, -1.0),
-                    };
-                    self.st(part, base + 2 + slot, v)?;
-                    self.st(part, base + 2 + topk + slot, c)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// `logits_gather`: every rank's share (rank-major) into full rows (sample.cu's header).
-    pub(super) fn logits_gather(
-        &mut self,
-        k: &KernelDesc,
-        p: &LogitsGatherPtrs<Ptr>,
-        s: &LogitsGatherScalars,
-    ) -> R<()> {
-        let (cols, ranks) = (c_u32(k, "COLS")?, c_u32(k, "RANKS")?.max(1));
-        let (part, out) = (buf(p.part, "part")?, buf(p.out, "out")?);
-        let batch = s.batch as usize;
-        for t in 0..ranks {
-            for i in 0..batch {
-                for c in 0..cols {
-                    let v = self.ld(part, (t * batch + i) * cols + c)?;
-                    self.st(out, i * cols * ranks + t * cols + c, v)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    pub(super) fn topk_merge(&mut self, k: &KernelDesc, p: &TopkMergePtrs<Ptr>, s: &TopkMergeScalars) -> R<()> {
-        let (cols, topk, ranks) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_u32(k, "RANKS")?.max(1));
-        let (part, probs, ids) = (buf(p.part, "part")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
-        let (chunks, batch) = (s.chunks as usize, s.batch as usize);
-        let rec = 2 + 2 * topk;
-        // Every rank's records, rank-major (sample.cu's contract); columns of the full row.
-        let all_cols = cols * ranks;
-        for i in 0..batch {
-            let base = |x: usize| (((x / chunks) * batch + i) * chunks + x % chunks) * rec;
-            let chunks = chunks * ranks;
-            let mut heads = Vec::with_capacity(chunks);
-            for ch in 0..chunks {
-                heads.push((self.ld(part, base(ch))?, self.ld(part, base(ch) + 1)?));
-            }
-            let m = heads.iter().map(|h| h.0).fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = heads
-                .iter()
-                .filter(|&&(mc, _)| mc != f64::NEG_INFINITY)
-                .map(|&(mc, sc)| sc * (mc - m).exp())
-                .sum();
-            // Every chunk's candidates with a column, best first (ties: lower column).
-            let mut cand = Vec::new();
-            for ch in 0..chunks {
-                for sl in 0..topk {
-                    let (v, c) = (
-                        self.ld(part, base(ch) + 2 + sl)?,
-                        self.ld(part, base(ch) + 2 + topk + sl)?,
-                    );
-                    if c >= 0.0 {
-                        cand.push((v, c));
-                    }
-                }
-            }
-            cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
-            for slot in 0..topk {
-                // The kernel's guard: a column outside [0, COLS·RANKS) yields probability 0, id -1.
-                let (prob, id) = match cand.get(slot) {
-                    Some(&(v, c)) if c >= 0.0 && (c as usize) < all_cols => {
-                        let prob = if m != f64::NEG_INFINITY && sum > 0.0 {
-                            ((v - m).exp() / sum) as f32 as f64
-                        } else {
-                            0.0
-                        };
-                        (prob, self.column_id(k, p.hot_ids, c as usize)?)
-                    }
-                    _ => (0.0, -1.0),
-                };
-                self.st(probs, i * topk + slot, prob)?;
-                self.st(ids, i * topk + slot, id)?;
             }
         }
         Ok(())

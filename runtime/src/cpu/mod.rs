@@ -20,6 +20,7 @@ pub mod engine;
 pub mod engine_decode;
 mod entries;
 mod kv;
+mod topk;
 mod tree;
 
 use specplan_format::io;
@@ -29,7 +30,8 @@ use std::borrow::Cow;
 pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
 pub use kv::{KvPool, KvStore, StridedKv};
 use specplan_format::{
-    ArgValue, BucketPlan, CollectiveDesc, CollectiveOp, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan,
+    ArgValue, BucketPlan, CollectiveDesc, CollectiveOp, DType, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan,
+    ValidatedPlan,
 };
 use specplan_kernels::abi::{KernelParams, Slot};
 use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select, tree as tree_entries};
@@ -87,6 +89,9 @@ pub struct CpuExecutor<'p> {
     weights: Cow<'p, [WeightData]>,
     /// The ranks' communicator of a sharded plan (`capture.tp`).
     comm: Option<&'p dyn collective::Communicator>,
+    /// Round every value stored into a 16-bit float buffer or the K/V store to that type,
+    /// as the device's memory does ([`CpuExecutor::storing_rounded`]); off for the oracle.
+    rounded: bool,
 }
 
 /// The executor's state after host prep (`launch: None`) and after each launch, for
@@ -120,6 +125,8 @@ struct Ctx<'a, K: KvStore> {
     cells: Vec<f64>,
     kv: &'a mut K,
     table: &'a PageTable,
+    /// Stores rounded to 16-bit buffers' types and the cache's (`CpuExecutor::rounded`).
+    rounded: bool,
 }
 
 type R<T> = Result<T, String>;
@@ -158,7 +165,18 @@ impl<'p> CpuExecutor<'p> {
             plan,
             weights,
             comm: None,
+            rounded: false,
         })
+    }
+
+    /// The same executor with the device's storage precision: every value stored into a
+    /// bf16/f16 buffer or the K/V cache is rounded to that type (the math between stores
+    /// stays f32/f64). Not an oracle: it predicts how far the device's results lie from the
+    /// exact executor's, from the plan's buffer types alone (`specplan-tests`' numerics
+    /// test compares a plan's two runs).
+    pub fn storing_rounded(mut self) -> Self {
+        self.rounded = true;
+        self
     }
 
     /// The executor of one rank of a sharded plan, meeting the other ranks' executors at
@@ -332,6 +350,7 @@ impl<'p> CpuExecutor<'p> {
             cells: arena,
             kv,
             table,
+            rounded: self.rounded,
         };
         let setup = |e: String| ExecError::Setup(format!("inputs: {e}"));
         for (name, values) in inputs {
@@ -416,7 +435,10 @@ impl<K: KvStore> Ctx<'_, K> {
     }
     fn st(&mut self, buf: usize, elem: usize, v: f64) -> R<()> {
         let c = self.cell(buf, elem)?;
-        self.cells[c] = v;
+        self.cells[c] = match self.bucket.buffers.get(buf).map(|b| b.dtype) {
+            Some(d @ (DType::Bf16 | DType::F16)) if self.rounded => crate::bits::round_act(v as f32, d) as f64,
+            _ => v,
+        };
         Ok(())
     }
     fn store_input(&mut self, name: &str, values: impl Iterator<Item = f64>) -> R<()> {
@@ -527,6 +549,10 @@ impl<K: KvStore> Ctx<'_, K> {
             Entry::RmsNorm => {
                 let (p, s) = typed::<norm::RmsNormParams>(&slots)?;
                 self.rmsnorm(k, &p, &s)
+            }
+            Entry::CastRows => {
+                let (p, s) = typed::<norm::CastRowsParams>(&slots)?;
+                self.cast_rows(k, &p, &s)
             }
             Entry::RopeAppend => {
                 let (p, s) = typed::<rope::RopeAppendParams>(&slots)?;

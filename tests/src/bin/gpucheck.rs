@@ -13,6 +13,8 @@
 //!                                               engine memory (`specplan_tests::engine`)
 //! gpucheck nccl                                 NCCL on one GPU (`specplan_tests::tp_check`)
 //! gpucheck tp WORK_DIR FULL_PLAN RANK_PLAN...    T ranks on T GPUs against the unsharded plan
+//! gpucheck numerics PLAN...                      no GPU: each plan's storage precision against
+//!                                               the exact CPU executor (`specplan_tests::numerics`)
 //! ```
 //!
 //! Per plan and batch size b (bucket sizes and sizes in between, so padding is exercised,
@@ -70,7 +72,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         match check_case(plan, &mut rt, &weights, &c) {
             Ok(e) => {
                 println!(
-                    "{:<28} {:>5} {:>6} {:>10.2e} {:>9.1e} {:>9.2e} {:>8} {:>9}  {}",
+                    "{:<28} {:>5} {:>6} {:>10.2e} {:>9.1e} {:>9.2e} {:>8} {:>9}  {}  (targets: p rel {:.2e}, {} p off, {} ids off{})",
                     name,
                     b,
                     e.bucket,
@@ -79,7 +81,11 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
                     e.kv_rel,
                     e.id_mismatch,
                     e.graph_vs_eager_diff,
-                    if e.ok { "ok" } else { "FAIL" }
+                    if e.ok { "ok" } else { "FAIL" },
+                    e.numerics.prob_rel,
+                    e.numerics.prob_off,
+                    e.numerics.id_off,
+                    if e.numerics.meets_targets() { ": all met" } else { "" }
                 );
                 for f in &e.failures {
                     println!("    {f}");
@@ -426,6 +432,50 @@ fn engine(out: &str, sglang: &str, vllm: &str, loads: &[String]) -> ExitCode {
     ExitCode::from(if ok { 0 } else { 1 })
 }
 
+/// `gpucheck numerics`: the CPU-only prediction of each plan's numerics (b 1 and 5, prefixes
+/// up to 256), one line per plan; exit 1 when a plan misses a target.
+fn numerics(paths: &[String]) -> ExitCode {
+    use specplan_tests::numerics::{emulate, Numerics};
+    let mut ok = true;
+    for path in paths {
+        let r = load_file(std::path::Path::new(path))
+            .map_err(|e| e.to_string())
+            .and_then(|plan| {
+                let mut rng = Rng(seed());
+                let weights = random_weights(&plan, &mut rng);
+                let mut worst = Numerics::default();
+                for b in [1usize, 5] {
+                    let b = b.min(plan.capture.max_requests as usize);
+                    let c = make_case(&plan, &mut rng, b, 256);
+                    worst = worst.max(emulate(&plan, &weights, &c)?);
+                }
+                Ok(worst)
+            });
+        match r {
+            Ok(n) => {
+                ok &= n.meets_targets();
+                println!(
+                    "numerics {path}: hidden rel {:.2e}, prob rel {:.2e} ({} off), ids off {}: {}",
+                    n.hidden_rel,
+                    n.prob_rel,
+                    n.prob_off,
+                    n.id_off,
+                    if n.meets_targets() {
+                        "meets the targets"
+                    } else {
+                        "MISSES a target"
+                    }
+                );
+            }
+            Err(e) => {
+                ok = false;
+                println!("numerics {path}: FAILED: {e}");
+            }
+        }
+    }
+    ExitCode::from(if ok { 0 } else { 1 })
+}
+
 fn passed(r: &PlanReport) -> bool {
     r.errors.is_empty()
         && r.cases.iter().all(|c| c.ok)
@@ -435,6 +485,9 @@ fn passed(r: &PlanReport) -> bool {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("numerics") {
+        return numerics(&args[2..]);
+    }
     if !GpuRuntime::available() {
         println!("SKIP: no CUDA driver or device on this machine");
         return ExitCode::SUCCESS;

@@ -1,0 +1,89 @@
+//! The plans' precision design, on the CPU: the executor with the device's storage
+//! rounding (every store into a bf16 buffer or the cache rounded, `storing_rounded`)
+//! against the exact executor, on fresh random weights and inputs. The fp32 residual stream
+//! of the draft-extend phase must keep `hidden_out` within the asserted bound (the target
+//! 3e-3 with the two-layer test model's margin, `numerics::HIDDEN_ASSERTED`); the GPU check
+//! asserts the same bound on the device (`specplan_tests::checks`).
+
+mod common;
+
+use specplan_compiler::config::{resolve, Overrides, Source};
+use specplan_compiler::{compile, Target};
+use specplan_format::{DType, PhaseKind, ValidatedPlan};
+use specplan_tests::numerics::{emulate, Numerics, HIDDEN_ASSERTED};
+use specplan_tests::random::{make_case, random_weights};
+use specplan_tests::{seed, Rng};
+
+/// The worst of `cases` random cases per batch size in {1, 5}.
+fn worst(plan: &ValidatedPlan, rng: &mut Rng, cases: usize) -> Numerics {
+    let weights = random_weights(plan, rng);
+    let mut w = Numerics::default();
+    for b in [1usize, 5] {
+        for _ in 0..cases {
+            let c = make_case(plan, rng, b, 256);
+            w = w.max(emulate(plan, &weights, &c).expect("runs"));
+        }
+    }
+    w
+}
+
+fn eagle3() -> ValidatedPlan {
+    let text = std::fs::read_to_string(common::corpus("valid/tiny-eagle3.json")).expect("tiny-eagle3.json");
+    let src = Source::HfConfig {
+        name: "tiny-eagle3".into(),
+        text,
+    };
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some("1,2,4,8".into()),
+        page_size: Some(4),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    };
+    let cfg = resolve(&src, &o).expect("config");
+    compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan
+}
+
+#[test]
+fn the_fp32_stream_keeps_hidden_out_within_the_target() {
+    let mut rng = Rng(seed());
+    let swa = Overrides {
+        sliding_window: Some(16),
+        hot_vocab_size: Some(256),
+        ..Overrides::default()
+    };
+    let n24 = Overrides {
+        num_draft_tokens: Some(24),
+        ..Overrides::default()
+    };
+    let plans = [
+        ("tiny", common::compile_preset("tiny", &Overrides::default())),
+        ("tiny swa16 hot256", common::compile_preset("tiny", &swa)),
+        ("tiny N 24", common::compile_preset("tiny", &n24)),
+        ("tiny-eagle3", eagle3()),
+    ];
+    for (name, plan) in &plans {
+        assert_eq!(
+            specplan_format::stream_dtype(PhaseKind::DraftExtend, plan.capture.dtype, plan.capture.tp),
+            DType::F32,
+            "{name}"
+        );
+        let n = worst(plan, &mut rng, 2);
+        eprintln!("{name}: {n:?}");
+        assert!(
+            n.hidden_rel <= HIDDEN_ASSERTED,
+            "{name}: hidden_out {:.3e} > {HIDDEN_ASSERTED}",
+            n.hidden_rel
+        );
+        // The rounding is real (a zero here would mean the emulation rounds nothing).
+        assert!(n.hidden_rel > 1e-4, "{name}: {n:?}");
+        // The top-K refinement: ids equal outside near ties, and probabilities well inside
+        // the old 2.5e-2·p bound (measured ≤ 6e-3; the 5e-3 target is the GPU check's report).
+        assert_eq!(n.id_off, 0, "{name}: {n:?}");
+        assert!(n.prob_rel <= 1e-2, "{name}: probabilities {:.3e}", n.prob_rel);
+    }
+}
