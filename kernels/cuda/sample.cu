@@ -234,16 +234,17 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 // REFINE (the fp32 stream: an unsharded draft-extend phase): the logits came from lm_head's
 // bf16 input, a rounding of the fp32 row y = x (EAGLE-1) or y = rmsnorm(x, norm_w) (HEAD_NORM,
 // EAGLE-3's final norm, fp32 as norm.cu's without the rounding). List 0's kK candidates are
-// recomputed as v_c = y . lm_w[c] in fp32 (warp w takes candidates w, w + 16, ...), `sum` is
-// corrected by expf(v_c' - m) - expf(v_c - m) for each (m stays the reference: the scan's
-// uncorrected max), and list 0 is sorted again (same order: larger value, lower column).
-// Every thread of the CTA calls it; it ends with a barrier and returns `sum` to all.
-__device__ __forceinline__ void refine_list(const Lists& L, float m, float& sum, const stream_t* x,
+// recomputed as v_c = y . lm_w[c] in fp32 (warp w takes candidates w, w + 16, ...), the
+// reference max becomes m' = max(m, v_c'), `sum` is rescaled to it and corrected by
+// expf(v_c' - m') - expf(v_c - m') for each (no term exceeds 1, so a large correction cannot
+// overflow), and list 0 is sorted again (same order: larger value, lower column).
+// Every thread of the CTA calls it; it ends with a barrier and returns m' and `sum` to all.
+__device__ __forceinline__ void refine_list(const Lists& L, float& m, float& sum, const stream_t* x,
                                             const act_t* norm_w, const act_t* lm_w) {
     constexpr long long H = (long long)HIDDEN;
     const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
     // Lists 1..511 are dead: entries (0, 1..32) are the reduction scratch, (0, 33..33+kK) the
-    // refined values, (0, 33+kK) the corrected sum.
+    // refined values, (0, 33+kK) and (0, 34+kK) the corrected sum and max.
     float* red = &L.val(0, 1);
     float* refined = &L.val(0, 33);
     float inv = 1.0f;
@@ -286,12 +287,17 @@ __device__ __forceinline__ void refine_list(const Lists& L, float m, float& sum,
         if (lane == 0) refined[j] = acc;
     }
     __syncthreads();
-    if (t == 0) {
-        float s = sum;
+    if (t == 0 && m != neg_inf()) {  // an empty range keeps its (-inf, 0)
+        float m2 = m;
         for (int j = 0; j < kK; ++j) {
             const int c = L.col(j, 0);
-            if (c < 0 || (long long)c >= kCols || m == neg_inf()) continue;
-            s += expf(refined[j] - m) - expf(L.val(j, 0) - m);
+            if (c >= 0 && (long long)c < kCols) m2 = fmaxf(m2, refined[j]);
+        }
+        float s = sum * expf(m - m2);
+        for (int j = 0; j < kK; ++j) {
+            const int c = L.col(j, 0);
+            if (c < 0 || (long long)c >= kCols) continue;
+            s += expf(refined[j] - m2) - expf(L.val(j, 0) - m2);
             L.val(j, 0) = refined[j];
         }
         // Insertion sort of list 0 (kK <= 32 entries) in the candidates' order.
@@ -308,9 +314,13 @@ __device__ __forceinline__ void refine_list(const Lists& L, float m, float& sum,
             L.col(k, 0) = c;
         }
         refined[kK] = s;
+        refined[kK + 1] = m2;
     }
     __syncthreads();
-    sum = refined[kK];
+    if (m != neg_inf()) {  // uniform: every thread holds the same m
+        sum = refined[kK];
+        m = refined[kK + 1];
+    }
 }
 
 // Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.

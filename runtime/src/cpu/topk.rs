@@ -29,10 +29,20 @@ impl<K: KvStore> Ctx<'_, K> {
 
     /// REFINE (sample.cu's contract): the candidates `(value, column)` recomputed from row
     /// `i` of the fp32 stream `x` — normed by `norm_w` with HEAD_NORM — through the lm_head
-    /// rows `lm_w[column]`, `sum` corrected by exp(v' − m) − exp(v − m) each, and sorted
-    /// again (descending, ties to the lower column). Nothing without REFINE.
-    fn refine(&self, k: &KernelDesc, r: Refine, i: usize, m: f64, sum: &mut f64, cands: &mut [(f64, usize)]) -> R<()> {
-        if !c_bool(k, "REFINE")? {
+    /// rows `lm_w[column]`, the reference max raised to m' = max(m, v'), `sum` rescaled to it
+    /// and corrected by exp(v' − m') − exp(v − m') each, and sorted again (descending, ties
+    /// to the lower column). Nothing without REFINE, or for an empty range (m = −∞).
+    #[allow(clippy::too_many_arguments)] // the kernel's row state, as refine_list has it
+    fn refine(
+        &self,
+        k: &KernelDesc,
+        r: Refine,
+        i: usize,
+        m: &mut f64,
+        sum: &mut f64,
+        cands: &mut [(f64, usize)],
+    ) -> R<()> {
+        if !c_bool(k, "REFINE")? || *m == f64::NEG_INFINITY {
             return Ok(());
         }
         let h = c_pos(k, "HIDDEN")?;
@@ -46,17 +56,21 @@ impl<K: KvStore> Ctx<'_, K> {
                 *v *= inv * self.wf(nw, e)?;
             }
         }
-        for (v, c) in cands.iter_mut() {
+        let mut refined = Vec::with_capacity(cands.len());
+        for (_, c) in cands.iter() {
             let mut acc = 0.0;
             for (e, ye) in y.iter().enumerate() {
                 acc += ye * self.wf(lm, *c * h + e)?;
             }
-            let acc = acc as f32 as f64;
-            if m != f64::NEG_INFINITY {
-                *sum += (acc - m).exp() - (*v - m).exp();
-            }
-            *v = acc;
+            refined.push(acc as f32 as f64);
         }
+        let m2 = refined.iter().cloned().fold(*m, f64::max);
+        let mut s = *sum * (*m - m2).exp();
+        for ((v, _), v2) in cands.iter_mut().zip(&refined) {
+            s += (v2 - m2).exp() - (*v - m2).exp();
+            *v = *v2;
+        }
+        (*m, *sum) = (m2, s);
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         Ok(())
     }
@@ -71,13 +85,13 @@ impl<K: KvStore> Ctx<'_, K> {
         };
         for i in 0..s.batch as usize {
             let row: Vec<f64> = (0..cols).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
-            let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let mut m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let mut sum: f64 = row.iter().map(|x| (x - m).exp()).sum();
             let mut order: Vec<usize> = (0..cols).collect();
             // Descending by logit; ties to the lower column (a stable sort keeps them).
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
             let mut cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&c| (row[c], c)).collect();
-            self.refine(k, r, i, m, &mut sum, &mut cands)?;
+            self.refine(k, r, i, &mut m, &mut sum, &mut cands)?;
             for slot in 0..topk {
                 let (prob, id) = match cands.get(slot) {
                     Some(&(v, c)) => (((v - m).exp() / sum) as f32 as f64, self.column_id(k, p.hot_ids, c)?),
@@ -113,7 +127,7 @@ impl<K: KvStore> Ctx<'_, K> {
             for ch in 0..chunks {
                 let (c0, c1) = ((ch * width).min(cols), ((ch + 1) * width).min(cols));
                 let vals: Vec<f64> = (c0..c1).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
-                let m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let mut m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let mut sum: f64 = if m == f64::NEG_INFINITY {
                     0.0
                 } else {
@@ -123,7 +137,7 @@ impl<K: KvStore> Ctx<'_, K> {
                 order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a])); // stable: ties to lower column
                                                                      // Candidates by the rank's own column (the lm_head row).
                 let mut cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&j| (vals[j], c0 + j)).collect();
-                self.refine(k, r, i, m, &mut sum, &mut cands)?;
+                self.refine(k, r, i, &mut m, &mut sum, &mut cands)?;
                 let base = (i * chunks + ch) * rec;
                 self.st(part, base, m as f32 as f64)?;
                 self.st(part, base + 1, sum as f32 as f64)?;
