@@ -194,8 +194,10 @@ fn check_topk(c: &Ctx, kind: &OpKind, ins: &[TensorId]) -> Result<(), String> {
         })?;
         c.arity(ins.len(), 2)?;
         c.dtype(false, base, &[DType::F32])?;
-        let (_, v) = c.rank2(false, 0)?;
-        let (_, h) = c.rank2(false, base)?;
+        c.dtype(false, base + 1, &ACT)?;
+        let (rows, v) = c.rank2(false, 0)?;
+        let (xr, h) = c.rank2(false, base)?;
+        want(xr == rows, || format!("x must have the logits' {rows} rows"))?;
         want(c.shape(false, base + 1) == [v, h], || {
             format!("lm_w must be [{v}, {h}]")
         })?;
@@ -343,6 +345,7 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             let (r, h) = c.rank2(false, 0)?;
             want(r == rows, || format!("input rows must be {rows}"))?;
             c.dtype(false, 1, &[DType::I32])?;
+            c.dtype(true, 0, &[g.tensor(ins[0]).dtype])?;
             want(c.shape(true, 0) == [batch, h], || format!("output must be [B, {h}]"))
         }
         OpKind::Softmax => {
@@ -389,6 +392,10 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             want(r == rows, || format!("input rows must be {rows}"))?;
             c.dtype(false, 1, &[DType::I32])?;
             want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
+            // The selected rows keep the stream's dtype; the norm is the GEMM's input.
+            if n_out == 2 {
+                c.dtype(true, 0, &[g.tensor(ins[0]).dtype])?;
+            }
             want((0..n_out).all(|i| c.shape(true, i) == [batch, h]), || {
                 format!("outputs must be [B, {h}]")
             })

@@ -8,11 +8,13 @@
 // includes nothing and reads no constant except those.
 //
 // Contents:
-//   * scalar conversions: to_f(act_t) -> float, from_f<T>(float), to_act(float), all
-//     rounding to nearest even;
+//   * scalar conversions: to_f(act_t or float) -> float, from_f<T>(float), to_act(float),
+//     all rounding to nearest even;
 //   * conversions for 2, 4 and 8 elements packed in 32, 64 and 128 bits, used for
-//     vectorized global and shared memory traffic (load_vec / store_vec);
-//   * alignment tests, ceil_div, and a block-wide row copy;
+//     vectorized global and shared memory traffic (load_vec / store_vec), and the same for
+//     fp32 rows (the residual stream);
+//   * alignment tests, ceil_div, block-wide row copies and converting copies (parts_cast);
+//   * rmsnorm_row over an act_t or fp32 row;
 //   * warp and block sum/max reductions;
 //   * neg_inf() (NVRTC has no <cmath>, so no INFINITY macro);
 //   * KvLayout: the registered K/V cache and page-table geometry, and the token slot of a
@@ -179,12 +181,23 @@ __device__ __forceinline__ void parts_copy_act(act_t* dst, const act_t* src, lon
     for (long long e = done + t; e < n; e += stride) dst[e] = src[e];
 }
 
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+
 // Part `part` of `parts` of a converting copy dst[e] = (D) src[e] (fp32 <-> act_t, one
-// rounding to nearest even into a 16-bit type; a plain copy when D and S are one type),
-// 8-element vectors when both rows are 16-byte aligned.
+// rounding to nearest even into a 16-bit type; a raw, bit-exact copy when D and S are one
+// type), 8-element vectors when both rows are 16-byte aligned.
 template <typename D, typename S>
 __device__ __forceinline__ void parts_cast(D* dst, const S* src, long long n, unsigned part, unsigned parts) {
     const long long t = (long long)part * blockDim.x + threadIdx.x, stride = (long long)blockDim.x * parts;
+    if constexpr (SameType<D, S>::value) {
+        if constexpr (SameType<D, act_t>::value) {
+            parts_copy_act(dst, src, n, part, parts);
+        } else {
+            for (long long e = t; e < n; e += stride) dst[e] = src[e];
+        }
+        return;
+    }
     long long done = 0;
     if (aligned16(dst) && aligned16(src)) {
         const long long nv = n / 8;

@@ -2,7 +2,8 @@
 // (the draft model's candidates; with FR-Spec the columns are a hot sub-vocabulary).
 //
 // For request i, x = logits[i*COLS .. (i+1)*COLS):
-//   m = max_c x[c],  S = sum_c expf(x[c] - m)            (fp32)
+//   m = max_c x[c],  S = sum_c expf(x[c] - m)            (fp32; with REFINE, m and S after the
+//                                                        refinement below)
 //   the TOPK columns c_0..c_{TOPK-1} with the largest x, in descending order, ties
 //   broken toward the LOWER column index;
 //   probs[i*TOPK + k] = expf(x[c_k] - m) / S
@@ -16,8 +17,10 @@
 // REFINE (KernelFacts::refines_topk: the fp32 stream of an unsharded draft-extend phase):
 // after a row's (or chunk's) best TOPK are found, their values are recomputed from the fp32
 // selected row — v_c = y . lm_w[c], y = x[i] or, with HEAD_NORM, rmsnorm(x[i], norm_w) — the
-// sum corrected to match and the TOPK sorted again (refine_list); the logits buffer itself
-// keeps the GEMM's values. Params x const stream_t* [batch, HIDDEN], norm_w const act_t*
+// reference max raised to the refined values, the sum rescaled and corrected to match, and the
+// TOPK sorted again (refine_list); the logits buffer itself keeps the GEMM's values. The split
+// path refines each chunk's TOPK, so a plan whose chunk count changes with the bucket can
+// differ between buckets near a tie at the TOPK-th place. Params x const stream_t* [batch, HIDDEN], norm_w const act_t*
 // [HIDDEN] (HEAD_NORM, else null), lm_w const act_t* [COLS, HIDDEN] follow ids (softmax_topk)
 // or part (topk_partial); all three null without REFINE. A tensor-parallel rank (RANKS = T > 1) holds COLS columns of a T·COLS-column row,
 // starting at column COL_OFFSET; its records carry full-row columns, every rank's records are
@@ -34,6 +37,7 @@
 //                                d2t offsets (ID_OFFSET); read only when either is set
 //     probs    float*            [batch, TOPK]
 //     ids      long long*        [batch, TOPK]
+//     x, norm_w, lm_w            the refinement's (below; null without REFINE)
 //     batch    unsigned          CTAs with blockIdx.x >= batch do nothing
 //
 // Entries topk_partial + topk_merge: the row split in `chunks` column ranges, one CTA each
@@ -42,13 +46,14 @@
 //   Chunk ch of a row covers columns [ch*W, min(COLS, (ch+1)*W)), W = ceil(COLS/chunks)
 //   rounded up to a multiple of 4 (may be empty).
 //   Record of (row i, chunk ch): part[(i*chunks + ch)*R ...], R = 2 + 2*TOPK floats:
-//     [0] = the chunk's max m_ch (-inf if empty), [1] = sum over its columns of
-//     expf(x - m_ch) (0 if empty), [2 .. 2+TOPK) = its TOPK largest values in the order
+//     [0] = the chunk's max m_ch (-inf if empty; with REFINE the max of it and the refined
+//     candidates), [1] = sum over its columns of expf(x - m_ch) (0 if empty; with REFINE the
+//     refined candidates' terms in place of theirs), [2 .. 2+TOPK) = its TOPK largest values in the order
 //     above, [2+TOPK .. 2+2*TOPK) = their columns as floats (exact: COLS < 2^24), -1 where
 //     the chunk has fewer than TOPK columns (value -inf).
 //   topk_partial: grid (batch, chunks, 1), block (TOPK_PARTIAL_THREADS = 512, 1, 1), shared memory as softmax_topk.
 //     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
-//             batch unsigned, chunks unsigned (1..32)
+//             x, norm_w, lm_w (the refinement's, below), batch unsigned, chunks unsigned (1..32)
 //     A record's columns are full-row columns: c + COL_OFFSET.
 //   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 32, 1, 1), no shared memory.
 //     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
@@ -293,11 +298,18 @@ __device__ __forceinline__ void refine_list(const Lists& L, float& m, float& sum
             const int c = L.col(j, 0);
             if (c >= 0 && (long long)c < kCols) m2 = fmaxf(m2, refined[j]);
         }
+        // The other columns' share (never negative; rounding could make the difference so),
+        // then the refined candidates'.
         float s = sum * expf(m - m2);
         for (int j = 0; j < kK; ++j) {
             const int c = L.col(j, 0);
+            if (c >= 0 && (long long)c < kCols) s -= expf(L.val(j, 0) - m2);
+        }
+        s = fmaxf(s, 0.0f);
+        for (int j = 0; j < kK; ++j) {
+            const int c = L.col(j, 0);
             if (c < 0 || (long long)c >= kCols) continue;
-            s += expf(refined[j] - m2) - expf(L.val(j, 0) - m2);
+            s += expf(refined[j] - m2);
             L.val(j, 0) = refined[j];
         }
         // Insertion sort of list 0 (kK <= 32 entries) in the candidates' order.

@@ -35,7 +35,6 @@ impl DType {
         matches!(self, DType::Bf16 | DType::F16)
     }
 
-    /// The C type of an activation dtype (`act_t`).
     /// The C type of an element of this dtype as a kernel holds it (`float` for f32).
     pub fn c_elem(self) -> &'static str {
         match self {
@@ -44,6 +43,7 @@ impl DType {
         }
     }
 
+    /// The C type of an activation dtype (`act_t`).
     pub fn c_act(self) -> &'static str {
         match self {
             DType::F16 => "__half",

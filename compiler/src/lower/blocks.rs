@@ -105,7 +105,9 @@ pub(super) fn eagle3_input(g: &mut Builder, cx: &Cx, emb: TensorId, x: TensorId)
 /// `select`: the accept lengths when only the selected row of each request leaves the
 /// layer (the draft-extend head's last layer): past the attention every op is row-wise, so
 /// the rows `i·R + A_i − 1` are selected there and the MLP runs on B rows instead of B·R;
-/// the layer then returns the head's `hidden_out` output `[B, H]`.
+/// the layer then returns those B rows of the stream (`[B, H]`: the head's `hidden_out`
+/// output itself when the stream has the activation type, else the fp32 rows `hidden_out`
+/// rounds).
 pub(super) fn layer(
     g: &mut Builder,
     cx: &Cx,
@@ -502,9 +504,8 @@ fn lm_head_full(g: &mut Builder, cx: &Cx) -> (TensorId, u64) {
 }
 
 /// softmax → top-K of `logits` (`rows` rows) into `top_p`, `top_i`, the ids mapped to target
-/// ids (d2t or the FR-Spec hot map) when `map`.
-/// The top-K of `logits` (`rows` rows), ids mapped when `map`; `refine`: the refinement's
-/// inputs (the fp32 stream's rows, the lm_head weight (, EAGLE-3's final norm weight)).
+/// ids (d2t or the FR-Spec hot map) when `map`; `refine_ins`: the refinement's inputs (the
+/// fp32 stream's rows, the lm_head weight (, EAGLE-3's final norm weight)), or none.
 #[allow(clippy::too_many_arguments)] // the head's tensors, each from output_head or lane_head
 fn topk(
     g: &mut Builder,

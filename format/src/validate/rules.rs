@@ -307,7 +307,7 @@ pub(crate) fn kernel_launch(
                 e.check(x == w, || fat(format!("{x}, but {name} in this bucket takes {w}")));
             }
             (FieldKind::Ptr(pf), Slot::Ptr(extent), v) => {
-                let check = ptr_arg(p, b, f, k, pf, *extent, v, touched, buf_touched);
+                let check = ptr_arg(p, b, &kf, k, pf, *extent, v, touched, buf_touched);
                 if let Err(msg) = check {
                     e.check(false, || fat(msg));
                 } else if let ArgValue::Buffer(id) = v {

@@ -30,8 +30,9 @@ impl<K: KvStore> Ctx<'_, K> {
     /// REFINE (sample.cu's contract): the candidates `(value, column)` recomputed from row
     /// `i` of the fp32 stream `x` — normed by `norm_w` with HEAD_NORM — through the lm_head
     /// rows `lm_w[column]`, the reference max raised to m' = max(m, v'), `sum` rescaled to it
-    /// and corrected by exp(v' − m') − exp(v − m') each, and sorted again (descending, ties
-    /// to the lower column). Nothing without REFINE, or for an empty range (m = −∞).
+    /// with each candidate's exp(v − m') replaced by exp(v' − m') (the others' share clamped
+    /// at 0), and sorted again (descending, ties to the lower column). Nothing without
+    /// REFINE, or for an empty range (m = −∞).
     #[allow(clippy::too_many_arguments)] // the kernel's row state, as refine_list has it
     fn refine(
         &self,
@@ -65,9 +66,12 @@ impl<K: KvStore> Ctx<'_, K> {
             refined.push(acc as f32 as f64);
         }
         let m2 = refined.iter().cloned().fold(*m, f64::max);
-        let mut s = *sum * (*m - m2).exp();
+        // The other columns' share (clamped at 0, as the kernel does), then the refined
+        // candidates'.
+        let others = *sum * (*m - m2).exp() - cands.iter().map(|(v, _)| (v - m2).exp()).sum::<f64>();
+        let mut s = others.max(0.0);
         for ((v, _), v2) in cands.iter_mut().zip(&refined) {
-            s += (v2 - m2).exp() - (*v - m2).exp();
+            s += (v2 - m2).exp();
             *v = *v2;
         }
         (*m, *sum) = (m2, s);
