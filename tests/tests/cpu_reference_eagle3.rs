@@ -14,6 +14,7 @@ use specplan_contract::{load_inputs, load_weights, run_cpu, write_outputs};
 use specplan_format::ValidatedPlan;
 use specplan_tests::{seed, Rng};
 
+mod common;
 mod naive;
 use naive::*;
 
@@ -125,21 +126,8 @@ fn naive_eagle3(hd: &Head, st: &Step, n: usize, ps: usize, k_top: usize) -> Expe
 
 fn check(page_size: u32, batches: &[usize]) {
     let mut rng = Rng(seed());
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/valid/tiny-eagle3.json");
-    let text = std::fs::read_to_string(&path).expect("tiny-eagle3.json");
-    let src = Source::HfConfig {
-        name: "tiny-eagle3".into(),
-        text,
-    };
-    let o = Overrides {
-        topk: Some(4),
-        num_steps: Some(3),
-        num_draft_tokens: Some(4),
-        buckets: Some("1,2,4,8".into()),
-        page_size: Some(page_size),
-        max_context_len: Some(512),
-        ..Overrides::default()
-    };
+    let (src, mut o) = common::tiny_eagle3();
+    o.page_size = Some(page_size);
     let cfg = resolve(&src, &o).expect("config");
     let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
         .expect("compile")

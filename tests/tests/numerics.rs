@@ -7,7 +7,7 @@
 
 mod common;
 
-use specplan_compiler::config::{resolve, Overrides, Source};
+use specplan_compiler::config::{resolve, Overrides};
 use specplan_compiler::{compile, Target};
 use specplan_format::{DType, PhaseKind, ValidatedPlan};
 use specplan_tests::numerics::{emulate, Numerics, HIDDEN_ASSERTED};
@@ -28,20 +28,7 @@ fn worst(plan: &ValidatedPlan, rng: &mut Rng, cases: usize) -> Numerics {
 }
 
 fn eagle3() -> ValidatedPlan {
-    let text = std::fs::read_to_string(common::corpus("valid/tiny-eagle3.json")).expect("tiny-eagle3.json");
-    let src = Source::HfConfig {
-        name: "tiny-eagle3".into(),
-        text,
-    };
-    let o = Overrides {
-        topk: Some(4),
-        num_steps: Some(3),
-        num_draft_tokens: Some(4),
-        buckets: Some("1,2,4,8".into()),
-        page_size: Some(4),
-        max_context_len: Some(512),
-        ..Overrides::default()
-    };
+    let (src, o) = common::tiny_eagle3();
     let cfg = resolve(&src, &o).expect("config");
     compile(&cfg, &Target::default(), None, &|_, _| {})
         .expect("compile")

@@ -16,6 +16,8 @@
 //! The CPU executor holds activations unrounded, so the only difference between the runs is
 //! the order of the sums the sharding splits: the bounds are far below bf16's 4e-3.
 
+mod common;
+
 use std::path::Path;
 
 use specplan_compiler::config::{resolve, Overrides, Source};
@@ -382,22 +384,9 @@ fn eight_heads_over_two_kv_heads_at_tp_2_4_8() {
 
 #[test]
 fn eagle3_with_d2t_at_tp_2_and_4() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/valid/tiny-eagle3.json");
-    let text = std::fs::read_to_string(&path).expect("tiny-eagle3.json");
-    let src = Source::HfConfig {
-        name: "tiny-eagle3".into(),
-        text,
-    };
-    let o = Overrides {
-        topk: Some(4),
-        num_steps: Some(3),
-        num_draft_tokens: Some(4),
-        buckets: Some("1,2,4".into()),
-        page_size: Some(4),
-        max_context_len: Some(512),
-        draft_decode_steps: Some("3".into()),
-        ..Overrides::default()
-    };
+    let (src, mut o) = common::tiny_eagle3();
+    o.buckets = Some("1,2,4".into());
+    o.draft_decode_steps = Some("3".into());
     check("tiny-eagle3", src.clone(), o.clone(), &[2, 4]);
     // The embedding split by vocabulary, as SGLang's EAGLE-3 head holds it: the ranks'
     // `embed(ids) ‖ h` summed before both norms (`norm_concat`).
