@@ -138,8 +138,9 @@ impl<K: KvStore> Ctx<'_, K> {
                     vals.iter().map(|x| (x - m).exp()).sum()
                 };
                 let mut order: Vec<usize> = (0..vals.len()).collect();
-                order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a])); // stable: ties to lower column
-                                                                     // Candidates by the rank's own column (the lm_head row).
+                // Stable: ties to the lower column.
+                order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a]));
+                // Candidates by the rank's own column (the lm_head row).
                 let mut cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&j| (vals[j], c0 + j)).collect();
                 self.refine(k, r, i, &mut m, &mut sum, &mut cands)?;
                 let base = (i * chunks + ch) * rec;
