@@ -15,14 +15,16 @@
 // HEAD_NORM, HIDDEN, EPS (act_t and stream_t: the refinement's rows).
 //
 // REFINE (KernelFacts::refines_topk: the fp32 stream of an unsharded draft-extend phase):
-// after a row's (or chunk's) best TOPK are found, their values are recomputed from the fp32
-// selected row — v_c = y . lm_w[c], y = x[i] or, with HEAD_NORM, rmsnorm(x[i], norm_w) — the
-// reference max raised to the refined values, the sum rescaled and corrected to match, and the
-// TOPK sorted again (refine_list); the logits buffer itself keeps the GEMM's values. The split
-// path refines each chunk's TOPK, so a plan whose chunk count changes with the bucket can
-// differ between buckets near a tie at the TOPK-th place. Params x const stream_t* [batch, HIDDEN], norm_w const act_t*
-// [HIDDEN] (HEAD_NORM, else null), lm_w const act_t* [COLS, HIDDEN] follow ids (softmax_topk)
-// or part (topk_partial); all three null without REFINE. A tensor-parallel rank (RANKS = T > 1) holds COLS columns of a T·COLS-column row,
+// after a row's best TOPK are found, their values are recomputed from the fp32 selected row
+// — v_c = y . lm_w[c], y = x[i] or, with HEAD_NORM, rmsnorm(x[i], norm_w) — the reference max
+// raised to the refined values, the sum rescaled and corrected to match, and the TOPK sorted
+// again (refine_cands); the logits buffer itself keeps the GEMM's values. Both paths refine
+// the row's final TOPK (softmax_topk its list, topk_merge the merged winners), so the result
+// does not depend on the bucket's chunk count. Params x const stream_t* [batch, HIDDEN],
+// norm_w const act_t* [HIDDEN] (HEAD_NORM, else null), lm_w const act_t* [COLS, HIDDEN]
+// follow ids (softmax_topk, topk_merge); all three null without REFINE.
+//
+// A tensor-parallel rank (RANKS = T > 1) holds COLS columns of a T·COLS-column row,
 // starting at column COL_OFFSET; its records carry full-row columns, every rank's records are
 // gathered rank-major and topk_merge reads all of them (docs/tensor-parallel.md).
 //
@@ -46,23 +48,24 @@
 //   Chunk ch of a row covers columns [ch*W, min(COLS, (ch+1)*W)), W = ceil(COLS/chunks)
 //   rounded up to a multiple of 4 (may be empty).
 //   Record of (row i, chunk ch): part[(i*chunks + ch)*R ...], R = 2 + 2*TOPK floats:
-//     [0] = the chunk's max m_ch (-inf if empty; with REFINE the max of it and the refined
-//     candidates), [1] = sum over its columns of expf(x - m_ch) (0 if empty; with REFINE the
-//     refined candidates' terms in place of theirs), [2 .. 2+TOPK) = its TOPK largest values in the order
+//     [0] = the chunk's max m_ch (-inf if empty), [1] = sum over its columns of
+//     expf(x - m_ch) (0 if empty), [2 .. 2+TOPK) = its TOPK largest values in the order
 //     above, [2+TOPK .. 2+2*TOPK) = their columns as floats (exact: COLS < 2^24), -1 where
 //     the chunk has fewer than TOPK columns (value -inf).
 //   topk_partial: grid (batch, chunks, 1), block (TOPK_PARTIAL_THREADS = 512, 1, 1), shared memory as softmax_topk.
 //     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
-//             x, norm_w, lm_w (the refinement's, below), batch unsigned, chunks unsigned (1..32)
+//             batch unsigned, chunks unsigned (1..32)
 //     A record's columns are full-row columns: c + COL_OFFSET.
-//   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 32, 1, 1), no shared memory.
+//   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 256, 1, 1), no dynamic shared
+//     memory (warp 0 merges; with REFINE every warp then refines the winners).
 //     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
-//             batch unsigned, chunks unsigned (RANKS * chunks <= 32)
+//             x, norm_w, lm_w (the refinement's, above), batch unsigned,
+//             chunks unsigned (RANKS * chunks <= 32)
 //     The records of rank t (0..RANKS) follow each other: (t, row i, chunk ch) at
 //     part[((t*batch + i)*chunks + ch)*R ...] (RANKS = 1: the layout above).
 //     m = max m_ch, S = sum S_ch * expf(m_ch - m) over every rank's chunks, the TOPK best of
-//     all records' candidates (same order), then probs and ids exactly as softmax_topk's
-//     (over the RANKS*COLS columns of the full row).
+//     all records' candidates (same order), refined with REFINE, then probs and ids exactly
+//     as softmax_topk's (over the RANKS*COLS columns of the full row).
 //
 // Entry logits_gather (a sharded plan's logits output): out[i, t*COLS + c] =
 //   part[(t*batch + i)*COLS + c] for every rank t < RANKS — the all-gathered shares,
@@ -85,7 +88,7 @@ namespace topk {
 constexpr int kThreads = (int)SOFTMAX_TOPK_THREADS;
 // The per-row and per-chunk kernels share the list code below, sized by kThreads.
 static_assert(SOFTMAX_TOPK_THREADS == TOPK_PARTIAL_THREADS, "softmax_topk and topk_partial share one block size");
-static_assert(TOPK_MERGE_THREADS == 32u, "topk_merge is one warp: lane l owns chunk l");
+static_assert(TOPK_MERGE_THREADS % 32u == 0u && TOPK_MERGE_THREADS >= 64u, "topk_merge: warp 0 merges (lane l owns chunk l), every warp refines");
 static_assert((kThreads & (kThreads - 1)) == 0, "the tree merge halves the block: a power of two");
 constexpr int kK = (int)TOPK;
 constexpr long long kCols = (long long)COLS;
@@ -238,101 +241,132 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 
 // REFINE (the fp32 stream: an unsharded draft-extend phase): the logits came from lm_head's
 // bf16 input, a rounding of the fp32 row y = x (EAGLE-1) or y = rmsnorm(x, norm_w) (HEAD_NORM,
-// EAGLE-3's final norm, fp32 as norm.cu's without the rounding). List 0's kK candidates are
-// recomputed as v_c = y . lm_w[c] in fp32 (warp w takes candidates w, w + 16, ...), the
-// reference max becomes m' = max(m, v_c'), `sum` is rescaled to it and corrected by
-// expf(v_c' - m') - expf(v_c - m') for each (no term exceeds 1, so a large correction cannot
-// overflow), and list 0 is sorted again (same order: larger value, lower column).
-// Every thread of the CTA calls it; it ends with a barrier and returns m' and `sum` to all.
-__device__ __forceinline__ void refine_list(const Lists& L, float& m, float& sum, const stream_t* x,
-                                            const act_t* norm_w, const act_t* lm_w) {
+// EAGLE-3's final norm, fp32 as norm.cu's without the rounding). The row's final kK candidates
+// (values cv[k*stride], columns cc[k*stride], best first; a column outside [0, COLS) is an
+// empty entry) are recomputed as v_c = y . lm_w[c] in fp32, the reference max becomes
+// m' = max(m, v_c'), `sum` is rescaled to it and corrected by expf(v_c' - m') - expf(v_c - m')
+// for each (no term exceeds 1, so a large correction cannot overflow; the other columns'
+// share is clamped at 0), and the candidates are sorted again (larger value, lower column).
+//
+// Work: thread t owns elements t*8, t*8 + kT*8, ... of the row (single elements when the
+// row or a weight is not 16-byte aligned) and keeps kK dot products, so every candidate's
+// weight loads are in flight together (one CTA reads kK*H weights; measured in
+// docs/perf-notes.md, "Top-K refinement in the merge"). With HEAD_NORM the row's sum of
+// squares accumulates beside them and its rsqrt scales the sums: y . w = inv * (x*n) . w.
+// Every thread of the CTA (kT of them) calls it with m != -inf; it ends with a barrier and
+// returns m' and `sum` to all.
+template <int kT>
+__device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, float& m, float& sum,
+                                             const stream_t* x, const act_t* norm_w, const act_t* lm_w) {
     constexpr long long H = (long long)HIDDEN;
+    constexpr int kWarps = kT / 32;
+    static_assert(kT % 32 == 0 && kK + 2 <= kT, "whole warps; one thread per candidate");
+    __shared__ float part[kWarps][kK + 1];  // per-warp dot products, then the sum of squares
+    __shared__ float fin[kK + 2];           // refined values, then the corrected sum and max
     const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
-    // Lists 1..511 are dead: entries (0, 1..32) are the reduction scratch, (0, 33..33+kK) the
-    // refined values, (0, 33+kK) and (0, 34+kK) the corrected sum and max.
-    float* red = &L.val(0, 1);
-    float* refined = &L.val(0, 33);
-    float inv = 1.0f;
-    if constexpr (HEAD_NORM) {
-        float ss = 0.0f;
-        for (long long e = t; e < H; e += kThreads) {
-            const float v = to_f(x[e]);
-            ss += v * v;
-        }
-        inv = rsqrtf(block_sum(ss, red) / (float)H + EPS);
+    int col[kK];  // lm_head row of each candidate (row 0 for an empty entry: read, ignored)
+    float acc[kK];
+#pragma unroll
+    for (int j = 0; j < kK; ++j) {
+        const int c = cc[j * stride];
+        col[j] = c >= 0 && (long long)c < kCols ? c : 0;
+        acc[j] = 0.0f;
     }
+    float ss = 0.0f;
     const bool vec = H % 8 == 0 && aligned16(x) && aligned16(lm_w) && (!HEAD_NORM || aligned16(norm_w));
-    for (int j = warp; j < kK; j += kThreads / 32) {
-        const int c = L.col(j, 0);
-        if (c < 0 || (long long)c >= kCols) continue;  // uniform per warp: an empty entry
-        const act_t* wr = lm_w + (long long)c * H;
-        float acc = 0.0f;
-        if (vec) {
-            for (long long e = (long long)lane * 8; e < H; e += 32 * 8) {
-                float xv[8], wv[8];
-                load_vec<8>(x + e, xv);
-                load_vec<8>(wr + e, wv);
-                if constexpr (HEAD_NORM) {
-                    float nv[8];
-                    load_vec<8>(norm_w + e, nv);
+    if (vec) {
+        for (long long e = (long long)t * 8; e < H; e += (long long)kT * 8) {
+            float xv[8];
+            load_vec<8>(x + e, xv);
+            if constexpr (HEAD_NORM) {
+                float nv[8];
+                load_vec<8>(norm_w + e, nv);
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) xv[k] = xv[k] * inv * nv[k];
+                for (int k = 0; k < 8; ++k) {
+                    ss += xv[k] * xv[k];
+                    xv[k] *= nv[k];
                 }
-#pragma unroll
-                for (int k = 0; k < 8; ++k) acc += xv[k] * wv[k];
             }
-        } else {
-            for (long long e = lane; e < H; e += 32) {
-                float y = to_f(x[e]);
-                if constexpr (HEAD_NORM) y = y * inv * to_f(norm_w[e]);
-                acc += y * to_f(wr[e]);
+#pragma unroll
+            for (int j = 0; j < kK; ++j) {
+                float wv[8];
+                load_vec<8>(lm_w + (long long)col[j] * H + e, wv);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) acc[j] += xv[k] * wv[k];
             }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) refined[j] = acc;
+    } else {
+        for (long long e = t; e < H; e += kT) {
+            float y = to_f(x[e]);
+            if constexpr (HEAD_NORM) {
+                ss += y * y;
+                y *= to_f(norm_w[e]);
+            }
+#pragma unroll
+            for (int j = 0; j < kK; ++j) acc[j] += y * to_f(lm_w[(long long)col[j] * H + e]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kK; ++j) {
+        const float s = warp_sum(acc[j]);
+        if (lane == 0) part[warp][j] = s;
+    }
+    if constexpr (HEAD_NORM) {
+        const float s = warp_sum(ss);
+        if (lane == 0) part[warp][kK] = s;
     }
     __syncthreads();
-    if (t == 0 && m != neg_inf()) {  // an empty range keeps its (-inf, 0)
+    if (t < kK) {  // candidate t's dot product over the warps, scaled by the norm's rsqrt
+        float inv = 1.0f;
+        if constexpr (HEAD_NORM) {
+            float tot = 0.0f;
+            for (int w = 0; w < kWarps; ++w) tot += part[w][kK];
+            inv = rsqrtf(tot / (float)H + EPS);
+        }
+        float dot = 0.0f;
+        for (int w = 0; w < kWarps; ++w) dot += part[w][t];
+        fin[t] = inv * dot;
+    }
+    __syncthreads();
+    if (t == 0) {
         float m2 = m;
         for (int j = 0; j < kK; ++j) {
-            const int c = L.col(j, 0);
-            if (c >= 0 && (long long)c < kCols) m2 = fmaxf(m2, refined[j]);
+            const int c = cc[j * stride];
+            if (c >= 0 && (long long)c < kCols) m2 = fmaxf(m2, fin[j]);
         }
         // The other columns' share (never negative; rounding could make the difference so),
         // then the refined candidates'.
         float s = sum * expf(m - m2);
         for (int j = 0; j < kK; ++j) {
-            const int c = L.col(j, 0);
-            if (c >= 0 && (long long)c < kCols) s -= expf(L.val(j, 0) - m2);
+            const int c = cc[j * stride];
+            if (c >= 0 && (long long)c < kCols) s -= expf(cv[j * stride] - m2);
         }
         s = fmaxf(s, 0.0f);
         for (int j = 0; j < kK; ++j) {
-            const int c = L.col(j, 0);
+            const int c = cc[j * stride];
             if (c < 0 || (long long)c >= kCols) continue;
-            s += expf(refined[j] - m2);
-            L.val(j, 0) = refined[j];
+            s += expf(fin[j] - m2);
+            cv[j * stride] = fin[j];
         }
-        // Insertion sort of list 0 (kK <= 32 entries) in the candidates' order.
+        // Insertion sort of the candidates (kK <= 32 entries, nearly in order) in their order.
         for (int j = 1; j < kK; ++j) {
-            const float v = L.val(j, 0);
-            const int c = L.col(j, 0);
+            const float v = cv[j * stride];
+            const int c = cc[j * stride];
             int k = j;
-            while (k > 0 && better(v, c, L.val(k - 1, 0), L.col(k - 1, 0))) {
-                L.val(k, 0) = L.val(k - 1, 0);
-                L.col(k, 0) = L.col(k - 1, 0);
+            while (k > 0 && better(v, c, cv[(k - 1) * stride], cc[(k - 1) * stride])) {
+                cv[k * stride] = cv[(k - 1) * stride];
+                cc[k * stride] = cc[(k - 1) * stride];
                 --k;
             }
-            L.val(k, 0) = v;
-            L.col(k, 0) = c;
+            cv[k * stride] = v;
+            cc[k * stride] = c;
         }
-        refined[kK] = s;
-        refined[kK + 1] = m2;
+        fin[kK] = s;
+        fin[kK + 1] = m2;
     }
     __syncthreads();
-    if (m != neg_inf()) {  // uniform: every thread holds the same m
-        sum = refined[kK];
-        m = refined[kK + 1];
-    }
+    sum = fin[kK];
+    m = fin[kK + 1];
 }
 
 // Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.
@@ -362,7 +396,11 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(
     if (i >= p.batch) return;  // uniform per CTA
     float m, sum;
     scan_range(p.logits + (long long)i * kCols, 0, kCols, lists, m, sum);
-    if constexpr (REFINE) refine_list(lists, m, sum, p.x + (long long)i * HIDDEN, p.norm_w, p.lm_w);
+    if constexpr (REFINE) {
+        if (m != neg_inf())  // uniform: every thread holds the range max
+            refine_cands<kThreads>(&lists.val(0, 0), &lists.col(0, 0), kThreads, m, sum,
+                                   p.x + (long long)i * HIDDEN, p.norm_w, p.lm_w);
+    }
     const int t = (int)threadIdx.x;
     if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
 }
@@ -380,7 +418,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS) topk_partial(
     const long long c1 = c0 + width < kCols ? c0 + width : kCols;
     float m, sum;
     scan_range(p.logits + (long long)i * kCols, c0, c1, lists, m, sum);
-    if constexpr (REFINE) refine_list(lists, m, sum, p.x + (long long)i * HIDDEN, p.norm_w, p.lm_w);
     float* rec = p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kK);
     const int t = (int)threadIdx.x;
     if (t == 0) {
@@ -397,49 +434,76 @@ extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS) topk_partial(
 
 extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(TopkMergeParams p) {
     using namespace topk;
+    // With REFINE: the winners and the row's (m, sum), for the whole CTA's refinement.
+    __shared__ float win_v[kK];
+    __shared__ int win_c[kK];
+    __shared__ float row_ms[2];
     const unsigned i = blockIdx.x;
-    const int lane = (int)threadIdx.x;
+    const int t = (int)threadIdx.x;
     if (i >= p.batch || p.chunks == 0u || p.chunks * RANKS > 32u) return;  // uniform per CTA
-    const int chunks = (int)p.chunks;
-    // Lane l owns record (rank l / chunks, chunk l % chunks) of row i.
-    const bool mine = lane < chunks * kRanks;
-    const int r = mine ? lane / chunks : 0, ch = mine ? lane % chunks : 0;
-    const float* rec = p.part + (((long long)r * p.batch + i) * chunks + ch) * (2 + 2 * kK);
-    const float ml = mine ? rec[0] : neg_inf();
-    const float sl = mine ? rec[1] : 0.0f;
-    const float m = warp_max(ml);
-    const float sum = warp_sum((ml == neg_inf() || m == neg_inf()) ? 0.0f : sl * expf(ml - m));
-    // K rounds: every lane offers the head of its (sorted) candidate list; the best head
-    // wins (larger value, then lower column) and its lane advances.
-    int head = 0;
-    for (int k = 0; k < kK; ++k) {
-        float v = neg_inf();
-        int c = kNoCol;
-        if (mine && head < kK) {
-            const float cf = rec[2 + kK + head];
-            if (cf >= 0.0f) {
-                v = rec[2 + head];
-                c = (int)cf;
+    if (!REFINE && t >= 32) return;  // warp 0 merges; the other warps only refine
+    if (t < 32) {
+        const int lane = t;
+        const int chunks = (int)p.chunks;
+        // Lane l owns record (rank l / chunks, chunk l % chunks) of row i.
+        const bool mine = lane < chunks * kRanks;
+        const int r = mine ? lane / chunks : 0, ch = mine ? lane % chunks : 0;
+        const float* rec = p.part + (((long long)r * p.batch + i) * chunks + ch) * (2 + 2 * kK);
+        const float ml = mine ? rec[0] : neg_inf();
+        const float sl = mine ? rec[1] : 0.0f;
+        const float m = warp_max(ml);
+        const float sum = warp_sum((ml == neg_inf() || m == neg_inf()) ? 0.0f : sl * expf(ml - m));
+        // K rounds: every lane offers the head of its (sorted) candidate list; the best head
+        // wins (larger value, then lower column) and its lane advances.
+        int head = 0;
+        for (int k = 0; k < kK; ++k) {
+            float v = neg_inf();
+            int c = kNoCol;
+            if (mine && head < kK) {
+                const float cf = rec[2 + kK + head];
+                if (cf >= 0.0f) {
+                    v = rec[2 + head];
+                    c = (int)cf;
+                }
             }
-        }
-        float bv = v;
-        int bc = c, bl = lane;
+            float bv = v;
+            int bc = c, bl = lane;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oc = __shfl_xor_sync(0xffffffffu, bc, o);
-            const int ol = __shfl_xor_sync(0xffffffffu, bl, o);
-            if (better(ov, oc, bv, bc) || (ov == bv && oc == bc && ol < bl)) {
-                bv = ov;
-                bc = oc;
-                bl = ol;
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oc = __shfl_xor_sync(0xffffffffu, bc, o);
+                const int ol = __shfl_xor_sync(0xffffffffu, bl, o);
+                if (better(ov, oc, bv, bc) || (ov == bv && oc == bc && ol < bl)) {
+                    bv = ov;
+                    bc = oc;
+                    bl = ol;
+                }
+            }
+            if (lane == bl) ++head;
+            if (lane == 0) {
+                const int col = bc == kNoCol ? -1 : bc;
+                if constexpr (REFINE) {
+                    win_v[k] = bv;
+                    win_c[k] = col;
+                } else {
+                    emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
+                }
             }
         }
-        if (lane == bl) ++head;
-        if (lane == 0) {
-            const int col = bc == kNoCol ? -1 : bc;
-            emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
+        if (REFINE && lane == 0) {
+            row_ms[0] = m;
+            row_ms[1] = sum;
         }
+    }
+    if constexpr (REFINE) {
+        // The row's final kK only (as softmax_topk refines its list): K lm_head rows per row,
+        // and the same candidates whatever the bucket's chunk count.
+        __syncthreads();
+        float m = row_ms[0], sum = row_ms[1];
+        if (m != neg_inf())  // uniform: read from shared memory after the barrier
+            refine_cands<(int)TOPK_MERGE_THREADS>(win_v, win_c, 1, m, sum, p.x + (long long)i * HIDDEN,
+                                                  p.norm_w, p.lm_w);
+        if (t < kK) emit(win_v[t], win_c[t], m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
     }
 }
 

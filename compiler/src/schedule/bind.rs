@@ -387,22 +387,23 @@ fn tp_op(b: &mut Binder, op: &Op) {
             b.kernel::<LogitsGatherParams>(op, false, f, p)
         }
         OpKind::TopKMerge { map, .. } => {
+            // A sharded plan's merge: no refinement (its stream is an activation).
             let p = TopkMergePtrs {
                 part: b.arg(op.ins[0]),
                 hot_ids: b.arg_if(map.is_some(), op.ins.get(1)),
                 probs: b.arg(op.outs[0]),
                 ids: b.arg(op.outs[1]),
+                x: ArgValue::Null,
+                norm_w: ArgValue::Null,
+                lm_w: ArgValue::Null,
             };
             b.kernel::<TopkMergeParams>(op, false, f, p)
         }
         _ => {
-            // A sharded plan's records: no refinement (its stream is an activation).
+            // A sharded plan's records.
             let p = TopkPartialPtrs {
                 logits: b.arg(op.ins[0]),
                 part: b.arg(op.outs[0]),
-                x: ArgValue::Null,
-                norm_w: ArgValue::Null,
-                lm_w: ArgValue::Null,
             };
             b.kernel::<TopkPartialParams>(op, false, f, p)
         }
@@ -497,16 +498,17 @@ fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, refine: bool, ws: Option
             let p = TopkPartialPtrs {
                 logits: b.arg(ins[0]),
                 part: ArgValue::Buffer(part),
-                x,
-                norm_w,
-                lm_w,
             };
             b.kernel::<TopkPartialParams>(op, true, f, p);
+            // The merge refines the row's final K (sample.cu).
             let p = TopkMergePtrs {
                 part: ArgValue::Buffer(part),
                 hot_ids: hot,
                 probs: b.arg(outs[0]),
                 ids: b.arg(outs[1]),
+                x,
+                norm_w,
+                lm_w,
             };
             b.kernel::<TopkMergeParams>(op, true, f, p)
         }

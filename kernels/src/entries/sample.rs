@@ -1,5 +1,5 @@
 //! sample.cu: softmax and top-K of the logits rows, in one CTA per row or split across
-//! CTAs (per-chunk records, then a one-warp merge) for long rows.
+//! CTAs (per-chunk records, then a merge that refines the winners) for long rows.
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel, Stream};
 use crate::facts::{topk_record_floats, BucketFacts, KernelFacts};
@@ -43,13 +43,6 @@ pub struct TopkPartialParams {
     pub logits: DevPtr<f32>,
     #[arg(buffer)]
     pub part: DevPtrMut<f32>,
-    /// As softmax_topk's.
-    #[arg(buffer)]
-    pub x: DevPtr<Stream>,
-    #[arg(weight)]
-    pub norm_w: DevPtr<Act>,
-    #[arg(weight)]
-    pub lm_w: DevPtr<Act>,
     pub batch: u32,
     pub chunks: u32,
 }
@@ -67,6 +60,13 @@ pub struct TopkMergeParams {
     pub probs: DevPtrMut<f32>,
     #[arg(buffer)]
     pub ids: DevPtrMut<i64>,
+    /// As softmax_topk's: the merged winners are refined.
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    #[arg(weight)]
+    pub norm_w: DevPtr<Act>,
+    #[arg(weight)]
+    pub lm_w: DevPtr<Act>,
     pub batch: u32,
     pub chunks: u32,
 }
@@ -106,8 +106,9 @@ impl Kernel for LogitsGatherParams {
 }
 
 pub const TOPK_THREADS: u32 = 512;
-/// `topk_merge`: one warp per row; lane l owns chunk l's record.
-pub const TOPK_MERGE_THREADS: u32 = 32;
+/// `topk_merge`: one CTA per row; warp 0 merges (lane l owns chunk l's record), every warp
+/// refines the winners (REFINE: K lm_head rows read by the whole CTA).
+pub const TOPK_MERGE_THREADS: u32 = 256;
 
 /// Shared memory of the per-row and per-chunk kernels: a top-K list per thread.
 fn topk_smem(f: &KernelFacts) -> u64 {
@@ -179,13 +180,9 @@ impl Kernel for TopkPartialParams {
     }
     fn extents(s: &TopkPartialScalars, f: &KernelFacts) -> TopkPartialPtrs<Extent> {
         let b = s.batch as u64;
-        let (x, norm_w, lm_w) = refine(f, b);
         TopkPartialPtrs {
             logits: Extent::Elems(b * f.cols as u64),
             part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
-            x,
-            norm_w,
-            lm_w,
         }
     }
 }
@@ -207,11 +204,15 @@ impl Kernel for TopkMergeParams {
     fn extents(s: &TopkMergeScalars, f: &KernelFacts) -> TopkMergePtrs<Extent> {
         let (b, k) = (s.batch as u64, f.topk as u64);
         let ranks = f.tp_size.max(1) as u64;
+        let (x, norm_w, lm_w) = refine(f, b);
         TopkMergePtrs {
             part: Extent::Elems(ranks * b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
             hot_ids: hot(f),
             probs: Extent::Elems(b * k),
             ids: Extent::Elems(b * k),
+            x,
+            norm_w,
+            lm_w,
         }
     }
 }

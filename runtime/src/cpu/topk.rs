@@ -33,7 +33,7 @@ impl<K: KvStore> Ctx<'_, K> {
     /// with each candidate's exp(v − m') replaced by exp(v' − m') (the others' share clamped
     /// at 0), and sorted again (descending, ties to the lower column). Nothing without
     /// REFINE, or for an empty range (m = −∞).
-    #[allow(clippy::too_many_arguments)] // the kernel's row state, as refine_list has it
+    #[allow(clippy::too_many_arguments)] // the kernel's row state, as refine_cands has it
     fn refine(
         &self,
         k: &KernelDesc,
@@ -114,11 +114,6 @@ impl<K: KvStore> Ctx<'_, K> {
         // carry full-row columns.
         let offset = c_u32(k, "COL_OFFSET")?;
         let (logits, part) = (buf(p.logits, io::LOGITS)?, buf(p.part, "part")?);
-        let r = Refine {
-            x: p.x,
-            norm_w: p.norm_w,
-            lm_w: p.lm_w,
-        };
         let chunks = s.chunks as usize;
         if chunks == 0 {
             return Err("chunks is 0".into());
@@ -131,8 +126,8 @@ impl<K: KvStore> Ctx<'_, K> {
             for ch in 0..chunks {
                 let (c0, c1) = ((ch * width).min(cols), ((ch + 1) * width).min(cols));
                 let vals: Vec<f64> = (c0..c1).map(|c| self.ld(logits, i * cols + c)).collect::<R<_>>()?;
-                let mut m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let mut sum: f64 = if m == f64::NEG_INFINITY {
+                let m = vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = if m == f64::NEG_INFINITY {
                     0.0
                 } else {
                     vals.iter().map(|x| (x - m).exp()).sum()
@@ -140,9 +135,7 @@ impl<K: KvStore> Ctx<'_, K> {
                 let mut order: Vec<usize> = (0..vals.len()).collect();
                 // Stable: ties to the lower column.
                 order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a]));
-                // Candidates by the rank's own column (the lm_head row).
-                let mut cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&j| (vals[j], c0 + j)).collect();
-                self.refine(k, r, i, &mut m, &mut sum, &mut cands)?;
+                let cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&j| (vals[j], c0 + j)).collect();
                 let base = (i * chunks + ch) * rec;
                 self.st(part, base, m as f32 as f64)?;
                 self.st(part, base + 1, sum as f32 as f64)?;
@@ -183,6 +176,11 @@ impl<K: KvStore> Ctx<'_, K> {
     pub(super) fn topk_merge(&mut self, k: &KernelDesc, p: &TopkMergePtrs<Ptr>, s: &TopkMergeScalars) -> R<()> {
         let (cols, topk, ranks) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_u32(k, "RANKS")?.max(1));
         let (part, probs, ids) = (buf(p.part, "part")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
+        let r = Refine {
+            x: p.x,
+            norm_w: p.norm_w,
+            lm_w: p.lm_w,
+        };
         let (chunks, batch) = (s.chunks as usize, s.batch as usize);
         let rec = 2 + 2 * topk;
         // Every rank's records, rank-major (sample.cu's contract); columns of the full row.
@@ -194,8 +192,8 @@ impl<K: KvStore> Ctx<'_, K> {
             for ch in 0..chunks {
                 heads.push((self.ld(part, base(ch))?, self.ld(part, base(ch) + 1)?));
             }
-            let m = heads.iter().map(|h| h.0).fold(f64::NEG_INFINITY, f64::max);
-            let sum: f64 = heads
+            let mut m = heads.iter().map(|h| h.0).fold(f64::NEG_INFINITY, f64::max);
+            let mut sum: f64 = heads
                 .iter()
                 .filter(|&&(mc, _)| mc != f64::NEG_INFINITY)
                 .map(|&(mc, sc)| sc * (mc - m).exp())
@@ -214,18 +212,27 @@ impl<K: KvStore> Ctx<'_, K> {
                 }
             }
             cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
+            // The kernel's guard: a column outside [0, COLS·RANKS) yields probability 0, id -1
+            // (and is not refined).
+            let mut won: Vec<(f64, usize)> = cand
+                .iter()
+                .take(topk)
+                .filter(|&&(_, c)| c >= 0.0 && (c as usize) < all_cols)
+                .map(|&(v, c)| (v, c as usize))
+                .collect();
+            // REFINE: the row's final K (sample.cu's topk_merge).
+            self.refine(k, r, i, &mut m, &mut sum, &mut won)?;
             for slot in 0..topk {
-                // The kernel's guard: a column outside [0, COLS·RANKS) yields probability 0, id -1.
-                let (prob, id) = match cand.get(slot) {
-                    Some(&(v, c)) if c >= 0.0 && (c as usize) < all_cols => {
+                let (prob, id) = match won.get(slot) {
+                    Some(&(v, c)) => {
                         let prob = if m != f64::NEG_INFINITY && sum > 0.0 {
                             ((v - m).exp() / sum) as f32 as f64
                         } else {
                             0.0
                         };
-                        (prob, self.column_id(k, p.hot_ids, c as usize)?)
+                        (prob, self.column_id(k, p.hot_ids, c)?)
                     }
-                    _ => (0.0, -1.0),
+                    None => (0.0, -1.0),
                 };
                 self.st(probs, i * topk + slot, prob)?;
                 self.st(ids, i * topk + slot, id)?;
@@ -235,7 +242,7 @@ impl<K: KvStore> Ctx<'_, K> {
     }
 }
 
-/// The refinement's arguments of `softmax_topk` / `topk_partial` (null without REFINE).
+/// The refinement's arguments of `softmax_topk` / `topk_merge` (null without REFINE).
 #[derive(Clone, Copy)]
 struct Refine {
     x: Ptr,
