@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::abi::{shape_of, Abi, Kernel, LaunchShape};
-use crate::entries::{attention, embed, io, io_decode, mlp, norm, rope, sample, select, tree};
+use crate::entries::{attention, embed, gemm, io, io_decode, mlp, norm, rope, sample, select, tree};
 use crate::facts::{BucketFacts, KernelFacts};
 use crate::source::Constants;
 
@@ -23,6 +23,7 @@ pub enum Template {
     Sample,
     Tree,
     Io,
+    Gemm,
 }
 
 impl Template {
@@ -36,6 +37,7 @@ impl Template {
         Template::Sample,
         Template::Tree,
         Template::Io,
+        Template::Gemm,
     ];
 
     /// File name under `kernels/cuda`.
@@ -50,6 +52,7 @@ impl Template {
             Template::Sample => "sample.cu",
             Template::Tree => "tree.cu",
             Template::Io => "io.cu",
+            Template::Gemm => "gemm.cu",
         }
     }
 
@@ -64,6 +67,7 @@ impl Template {
             Template::Sample => include_str!("../cuda/sample.cu"),
             Template::Tree => include_str!("../cuda/tree.cu"),
             Template::Io => include_str!("../cuda/io.cu"),
+            Template::Gemm => include_str!("../cuda/gemm.cu"),
         }
     }
 
@@ -96,6 +100,7 @@ impl Template {
                 Entry::EmitDecode,
                 Entry::Fill,
             ],
+            Template::Gemm => &[Entry::SkinnyGemm],
         }
     }
 
@@ -112,6 +117,7 @@ impl Template {
             Template::Sample => sample::constants(f),
             Template::Tree => tree::constants(f),
             Template::Io => io::constants(f),
+            Template::Gemm => gemm::constants(f),
         }
     }
 }
@@ -183,6 +189,7 @@ entries! {
     EmitDecode => io_decode::EmitDecodeParams, "emit_decode", Io;
     Fill => io::FillParams, "fill", Io;
     CastRows => norm::CastRowsParams, "cast_rows", Norm;
+    SkinnyGemm => gemm::SkinnyGemmParams, "skinny_gemm", Gemm;
 }
 
 impl Entry {
@@ -194,11 +201,12 @@ impl Entry {
     /// Entries the runtime launches itself (never in a plan's launch lists; every plan
     /// carries them in its kernel table): `admit` and `emit` around an engine-memory
     /// draft-extend step, `admit_decode` and `emit_decode` around a draft-decode one, `fill`
-    /// in place of a GEMM library's memset nodes in a captured graph.
+    /// in place of a GEMM library's memset nodes in a captured graph, `skinny_gemm` in place
+    /// of cuBLASLt for the GEMMs it serves faster (timed at load).
     pub fn runtime_launched(self) -> bool {
         matches!(
             self,
-            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode | Entry::Fill
+            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode | Entry::Fill | Entry::SkinnyGemm
         )
     }
 

@@ -161,6 +161,8 @@ pub struct GemmRecord {
     pub best_us: f32,
     pub rank: usize,
     pub candidates: usize,
+    /// The plan's skinny GEMM was kept (the list's last candidate).
+    pub skinny: bool,
 }
 
 /// One engine-memory `specbench` row: the step on caller memory and the caller's stream.

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod embed;
+pub mod gemm;
 pub mod io;
 pub mod io_decode;
 pub mod mlp;

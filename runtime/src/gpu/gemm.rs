@@ -14,6 +14,7 @@ use specplan_format::DType;
 use super::device::{cublas_ok, cuda, BlasHandle, DevMem, GpuError};
 use super::gemm_cache::GemmCache;
 use super::lt::{GemmChoice, GemmPtrs, GemmShape, Lt};
+use super::skinny::Skinny;
 
 /// How the runtime picks each GEMM's algorithm at load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub(crate) struct Gemms {
     blas: Option<BlasHandle>,
     ws: DevMem,
     lt: Option<Lt>,
+    /// The plan's skinny GEMM, offered to cuBLASLt's tuning as one more candidate.
+    skinny: Option<Skinny>,
     stream: sys::CUstream,
 }
 
@@ -57,11 +60,12 @@ fn dtype_cuda(d: DType) -> cublas::cudaDataType {
 
 impl Gemms {
     /// GEMMs with the fixed workspace, eager calls on `stream`.
-    pub fn new(stream: sys::CUstream) -> Result<Gemms, GpuError> {
+    pub fn new(stream: sys::CUstream, skinny: Option<Skinny>) -> Result<Gemms, GpuError> {
         Ok(Gemms {
             blas: None,
             ws: DevMem::new(WORKSPACE_BYTES)?,
             lt: None,
+            skinny,
             stream,
         })
     }
@@ -108,6 +112,7 @@ impl Gemms {
             self.ws = DevMem::new(WORKSPACE_BYTES)?;
         }
         let mut lt = Lt::new((self.ws.ptr, self.ws.bytes))?;
+        lt.set_skinny(self.skinny);
         let mut load = GemmLoad::default();
         for &(shape, ptrs) in shapes {
             if lt.algo(&shape).is_some() {

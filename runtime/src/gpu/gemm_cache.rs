@@ -58,14 +58,31 @@ fn parse_line(line: &str) -> Option<(String, [u64; 8], GemmChoice)> {
         best_us: nums.get(1)?.parse().ok()?,
         rank: nums.get(2)?.parse().ok()?,
         candidates: nums.get(3)?.parse().ok()?,
+        ours: nums.get(4)? == &"ours",
     };
     Some((k, algo, choice))
 }
 
+/// One entry as a line (what `parse_line` reads): the key, the algorithm's words in hex, the
+/// choice's numbers and whether the skinny GEMM was kept (`ours`) or cuBLASLt (`lt`).
+fn line(k: &str, algo: &[u64; 8], c: &GemmChoice) -> String {
+    let words: Vec<String> = algo.iter().map(|w| format!("{w:x}")).collect();
+    format!(
+        "{k}\t{}\t{} {} {} {} {}",
+        words.join(","),
+        c.first_us,
+        c.best_us,
+        c.rank,
+        c.candidates,
+        if c.ours { "ours" } else { "lt" }
+    )
+}
+
 /// The rule that chose the cached algorithms (`lt.rs`); a new rule starts a new file, so
 /// choices made by an old one are not reused. 2: graph nodes beyond the kernel charged;
-/// 3: twelve candidates, each run timed with the L2 flushed.
-const RULE: u32 = 3;
+/// 3: twelve candidates, each run timed with the L2 flushed; 4: the plan's skinny GEMM a
+/// candidate too (a line's fifth number: `ours` when it was kept).
+const RULE: u32 = 4;
 
 impl GemmCache {
     /// The cache for this device (its name), driver and cuBLASLt version.
@@ -104,15 +121,8 @@ impl GemmCache {
         };
         let mut text = String::new();
         for (k, (algo, c)) in &self.entries {
-            let words: Vec<String> = algo.iter().map(|w| format!("{w:x}")).collect();
-            text.push_str(&format!(
-                "{k}\t{}\t{} {} {} {}\n",
-                words.join(","),
-                c.first_us,
-                c.best_us,
-                c.rank,
-                c.candidates
-            ));
+            text.push_str(&line(k, algo, c));
+            text.push('\n');
         }
         let dir = path.parent().ok_or("no cache folder")?;
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -148,21 +158,22 @@ mod tests {
             best_us: 9.25,
             rank: 3,
             candidates: 8,
+            ours: true,
         };
         let algo = [1, 2, 3, u64::MAX, 0, 5, 6, 0xdead_beef];
-        let line = format!(
-            "{}\t{}\t{} {} {} {}",
-            key(&s),
-            algo.iter().map(|w| format!("{w:x}")).collect::<Vec<_>>().join(","),
-            c.first_us,
-            c.best_us,
-            c.rank,
-            c.candidates
-        );
-        let (k, a, back) = parse_line(&line).expect("parses");
+        let (k, a, back) = parse_line(&line(&key(&s), &algo, &c)).expect("parses");
         assert_eq!((k, a), (key(&s), algo));
-        assert_eq!((back.best_us, back.rank, back.candidates), (9.25, 3, 8));
-        assert!(parse_line("m1 n1\tnot,hex\t1 2 3 4").is_none());
-        assert!(parse_line("m1\t1,2\t1 2 3 4").is_none(), "eight words or nothing");
+        assert_eq!(
+            (back.best_us, back.rank, back.candidates, back.ours),
+            (9.25, 3, 8, true)
+        );
+        let lt = GemmChoice { ours: false, ..c };
+        assert!(!parse_line(&line(&key(&s), &algo, &lt)).expect("parses").2.ours);
+        assert!(parse_line("m1 n1\tnot,hex\t1 2 3 4 lt").is_none());
+        assert!(parse_line("m1\t1,2\t1 2 3 4 lt").is_none(), "eight words or nothing");
+        assert!(
+            parse_line(&line(&key(&s), &algo, &c).replace(" ours", "")).is_none(),
+            "five numbers or nothing"
+        );
     }
 }

@@ -23,6 +23,7 @@ use cudarc::driver::{result, sys};
 use specplan_format::DType;
 
 use super::device::{cuda, DevMem, Event, GpuError};
+use super::skinny::Skinny;
 
 /// Candidates asked of the heuristic per shape.
 const CANDIDATES: i32 = 12;
@@ -84,6 +85,8 @@ pub struct GemmChoice {
     /// Index of the kept candidate in the heuristic's list, and the list's length.
     pub rank: usize,
     pub candidates: usize,
+    /// The plan's skinny GEMM was kept (`skinny.rs`; its rank is the list's last).
+    pub ours: bool,
 }
 
 struct Tuned {
@@ -91,8 +94,11 @@ struct Tuned {
     layouts: [lsys::cublasLtMatrixLayout_t; 3], // W, A, C/D
     algo: lsys::cublasLtMatmulAlgo_t,
     choice: GemmChoice,
-    /// Workspace bytes the kept algorithm needs (cuBLASLt's figure for it).
+    /// Workspace bytes the kept algorithm needs (cuBLASLt's figure for it; 0 when the
+    /// skinny GEMM serves the shape).
     ws_need: usize,
+    /// The skinny GEMM serves this shape instead of `algo`.
+    skinny: bool,
 }
 
 impl Drop for Tuned {
@@ -115,6 +121,8 @@ pub(crate) struct Lt {
     /// The buffer written to evict the L2 between timed runs, while tuning (`end_tuning`
     /// frees it; if it cannot be allocated the runs are timed back to back).
     flush: Option<DevMem>,
+    /// The plan's skinny GEMM, a candidate for the shapes it serves.
+    skinny: Option<Skinny>,
 }
 
 impl Drop for Lt {
@@ -149,7 +157,18 @@ impl Lt {
             ws,
             tuned: HashMap::new(),
             flush: None,
+            skinny: None,
         })
+    }
+
+    /// Offers the plan's skinny GEMM as a candidate to every shape tuned or adopted later.
+    pub(crate) fn set_skinny(&mut self, k: Option<Skinny>) {
+        self.skinny = k;
+    }
+
+    /// The skinny GEMM when it serves `s`.
+    fn skinny_for(&self, s: &GemmShape) -> Option<Skinny> {
+        self.skinny.filter(|k| k.serves(s))
     }
 
     /// Frees the tuning's flush buffer (the choices are made).
@@ -189,8 +208,10 @@ impl Lt {
                 best_us: 0.0,
                 rank: 0,
                 candidates: 0,
+                ours: false,
             },
             ws_need: 0,
+            skinny: false,
         };
         t.layouts[0] = mk(dtype(s.w), k, n, k as i64)?;
         t.layouts[1] = mk(dtype(s.a), k, m, s.lda as i64)?;
@@ -238,8 +259,12 @@ impl Lt {
         if status != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || check.workspaceSize > self.ws.1 {
             return Ok(false);
         }
+        if choice.ours && self.skinny_for(&s).is_none() {
+            return Ok(false); // the cached choice's kernel does not serve it here: timed again
+        }
         t.choice = choice;
-        t.ws_need = check.workspaceSize;
+        t.skinny = choice.ours;
+        t.ws_need = if choice.ours { 0 } else { check.workspaceSize };
         self.tuned.insert(s, t);
         Ok(true)
     }
@@ -309,59 +334,85 @@ impl Lt {
             return Ok(()); // no candidate: cublasGemmEx serves this shape
         }
         found.truncate(count as usize);
-        let (ev0, ev1) = (Event::new(true)?, Event::new(true)?);
-        let (e0, e1) = (ev0.0, ev1.0);
         if self.flush.is_none() {
             self.flush = DevMem::new(FLUSH_BYTES).ok();
         }
-        let flush = self.flush.as_ref().map(|f| (f.ptr, f.bytes));
         let mut timed = Vec::new();
         for (i, h) in found.iter().enumerate() {
             if h.state != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || h.workspaceSize > self.ws.1 {
                 continue;
             }
             let mut ok = true;
-            let mut run = || {
-                ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok();
-            };
-            run();
-            let mut total_ms = 0.0f32;
-            for _ in 0..RUNS {
-                // SAFETY: the flush buffer is this tuner's live allocation of `bytes`; live
-                // events on a live stream; synchronizing is the measurement.
-                total_ms += unsafe {
-                    if let Some((ptr, bytes)) = flush {
-                        cuda("cuMemsetD8Async", result::memset_d8_async(ptr, 0x5a, bytes, stream))?;
-                    }
-                    cuda("cuEventRecord", result::event::record(e0, stream))?;
-                    run();
-                    cuda("cuEventRecord", result::event::record(e1, stream))?;
-                    cuda("cuEventSynchronize", result::event::synchronize(e1))?;
-                    cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))?
-                };
-            }
-            let us = total_ms * 1e3 / RUNS as f32;
+            let us = self.time(stream, &mut || {
+                ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok()
+            })?;
             // A candidate that cannot be captured alone could not be captured in a bucket's
             // graph either: skipped.
             if let (true, Ok(extra)) = (ok, self.extra_nodes(&t, &h.algo, s.accumulate, p, stream)) {
                 timed.push((i, us, us + NODE_US * extra as f32));
             }
         }
-        // The events are destroyed here; the stream was synchronized on the last of them.
-        drop((ev0, ev1));
+        // The skinny GEMM, after the list (one kernel node: nothing to add).
+        let skinny = self.skinny_for(&s);
+        if let Some(k) = skinny {
+            let mut ok = true;
+            let us = self.time(stream, &mut || ok &= k.run(&s, p, stream).is_ok())?;
+            if ok {
+                timed.push((found.len(), us, us));
+            }
+        }
         let Some(&(rank, best_us, _)) = timed.iter().min_by(|a, b| a.2.total_cmp(&b.2)) else {
             return Ok(());
         };
-        t.algo = found[rank].algo;
-        t.ws_need = found[rank].workspaceSize;
+        let ours = rank == found.len();
+        // The best cuBLASLt candidate stays the shape's algorithm either way (the cache
+        // keeps it; a plan whose kernel cannot serve the shape falls back to it).
+        let lt_best = timed
+            .iter()
+            .filter(|x| x.0 < found.len())
+            .min_by(|a, b| a.2.total_cmp(&b.2));
+        let Some(&(lt_rank, _, _)) = lt_best else {
+            return Ok(()); // no cuBLASLt candidate ran: cublasGemmEx serves this shape
+        };
+        t.algo = found[lt_rank].algo;
+        t.ws_need = if ours { 0 } else { found[lt_rank].workspaceSize };
+        t.skinny = ours;
         t.choice = GemmChoice {
             first_us: timed.iter().find(|x| x.0 == 0).map_or(f32::NAN, |x| x.1),
             best_us,
             rank,
-            candidates: found.len(),
+            candidates: found.len() + skinny.is_some() as usize,
+            ours,
         };
         self.tuned.insert(s, t);
         Ok(())
+    }
+
+    /// Mean µs of RUNS calls of `run` on `stream`, each after the L2 is flushed, after one
+    /// warm-up call.
+    fn time(&self, stream: sys::CUstream, run: &mut dyn FnMut()) -> Result<f32, GpuError> {
+        let (ev0, ev1) = (Event::new(true)?, Event::new(true)?);
+        let (e0, e1) = (ev0.0, ev1.0);
+        let flush = self.flush.as_ref().map(|f| (f.ptr, f.bytes));
+        run();
+        let mut total_ms = 0.0f32;
+        for _ in 0..RUNS {
+            // SAFETY: the flush buffer is this tuner's live allocation of `bytes`; live
+            // events on a live stream; synchronizing is the measurement.
+            total_ms += unsafe {
+                if let Some((ptr, bytes)) = flush {
+                    cuda("cuMemsetD8Async", result::memset_d8_async(ptr, 0x5a, bytes, stream))?;
+                }
+                cuda("cuEventRecord", result::event::record(e0, stream))?;
+                run();
+                cuda("cuEventRecord", result::event::record(e1, stream))?;
+                cuda("cuEventSynchronize", result::event::synchronize(e1))?;
+                cuda("cuEventElapsedTime", result::event::elapsed(e0, e1))?
+            };
+        }
+        // The events are destroyed here; the stream was synchronized on the last of them.
+        drop((ev0, ev1));
+        Ok(total_ms * 1e3 / RUNS as f32)
     }
 
     /// Graph nodes one call of `algo` adds beyond its kernel: the call captured alone on
@@ -444,6 +495,10 @@ impl Lt {
     /// Runs a tuned shape; `None` when `s` was not tuned (the caller uses cublasGemmEx).
     pub(crate) fn run(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Option<Result<(), GpuError>> {
         let t = self.tuned.get(s)?;
+        if t.skinny {
+            // Set only where `skinny_for` found the kernel serving the shape.
+            return self.skinny.map(|k| k.run(s, p, stream));
+        }
         Some(self.call(t, &t.algo, s.accumulate, p, stream))
     }
 }

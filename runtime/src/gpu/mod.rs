@@ -31,6 +31,7 @@ mod nccl;
 mod owned;
 mod probes;
 mod refusals;
+mod skinny;
 pub use graph::Exec;
 pub use probes::GraphNodes;
 pub use timeline::{OpSpan, Timeline};
@@ -208,7 +209,18 @@ impl GpuRuntime {
         unsafe { ctx.disable_event_tracking() };
         let stream = cuda("cuStreamCreate", ctx.new_stream())?;
         let (modules, funcs) = load_kernels(plan)?;
-        let gemms = Gemms::new(stream.cu_stream())?;
+        // The plan's skinny GEMM (every plan carries one; an older plan without it keeps
+        // cuBLASLt alone).
+        let skinny = plan
+            .kernels
+            .iter()
+            .position(|k| k.entry == specplan_kernels::Entry::SkinnyGemm)
+            .and_then(|i| funcs.get(i))
+            .map(|&func| skinny::Skinny {
+                func,
+                act: plan.capture.dtype,
+            });
+        let gemms = Gemms::new(stream.cu_stream(), skinny)?;
         Ok(Core {
             comm,
             ctx,

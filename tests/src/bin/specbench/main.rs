@@ -177,8 +177,12 @@ fn bench_plan(
     for (m, gn, k, ch) in rt.gemm_choices() {
         if BATCHES.iter().any(|&b| m == (b * n) as u64) || m <= 64 {
             tuned.push(format!(
-                "m{m} n{gn} k{k}: {:.1} -> {:.1} µs (#{} of {})",
-                ch.first_us, ch.best_us, ch.rank, ch.candidates
+                "m{m} n{gn} k{k}: {:.1} -> {:.1} µs (#{} of {}{})",
+                ch.first_us,
+                ch.best_us,
+                ch.rank,
+                ch.candidates,
+                if ch.ours { ": skinny_gemm" } else { "" }
             ));
             bench.gemms.push(GemmRecord {
                 plan: name.into(),
@@ -189,6 +193,7 @@ fn bench_plan(
                 best_us: ch.best_us,
                 rank: ch.rank,
                 candidates: ch.candidates,
+                skinny: ch.ours,
             });
         }
     }
