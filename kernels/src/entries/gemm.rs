@@ -46,9 +46,9 @@ pub fn skinny_fits(m: u64, n: u64, k: u64, lda: u64) -> bool {
     (1..=SKINNY_GEMM_MAX_M).contains(&m)
         && n >= 1
         && k >= 32
-        && k % 32 == 0
+        && k.is_multiple_of(32)
         && lda >= k
-        && lda % 8 == 0
+        && lda.is_multiple_of(8)
         && n.div_ceil(SKINNY_GEMM_COLS) <= u32::MAX as u64
         && [n, k, lda].iter().all(|&x| x <= u32::MAX as u64)
 }
