@@ -101,6 +101,9 @@ static_assert(RANKS >= 1u && RANKS <= 32u, "1..32 tensor-parallel ranks");
 static_assert(COL_OFFSET % COLS == 0u && COL_OFFSET / COLS < RANKS, "a rank's share starts at rank * COLS");
 static_assert((unsigned long long)COLS * RANKS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
 static_assert(!(HOT_MAP && ID_OFFSET), "one id map at most");
+// The refinement reads lm_head rows by the records' columns: only an unsharded row's
+// (KernelFacts::refines_topk) are this instance's own rows.
+static_assert(!REFINE || (RANKS == 1u && COL_OFFSET == 0u), "the refinement serves unsharded rows");
 static_assert((unsigned long long)COLS * RANKS < (1ull << 24), "column indices travel as exact floats between the split kernels");
 
 // Strict order "a ranks before b": larger value, then lower column.
@@ -483,8 +486,11 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
             if (lane == 0) {
                 const int col = bc == kNoCol ? -1 : bc;
                 if constexpr (REFINE) {
-                    win_v[k] = bv;
-                    win_c[k] = col;
+                    // A column outside the row (only a corrupt record holds one) becomes an
+                    // empty entry: it sorts last after the refinement and emits (0, -1).
+                    const bool ok = col >= 0 && (long long)col < kAllCols;
+                    win_v[k] = ok ? bv : neg_inf();
+                    win_c[k] = ok ? col : -1;
                 } else {
                     emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
                 }

@@ -74,3 +74,66 @@ fn the_fp32_stream_keeps_hidden_out_within_the_target() {
         assert!(n.prob_rel <= 1e-2, "{name}: probabilities {:.3e}", n.prob_rel);
     }
 }
+
+/// A one-layer EAGLE-1 head whose 20,000-column logits rows are split across CTAs
+/// (`topk_partial` + `topk_merge`), compiled with one bucket: 10 chunks at bucket 1, 8 at
+/// bucket 64 (`KernelFacts::topk_chunks_for`).
+fn split_rows_plan(bucket: &str) -> ValidatedPlan {
+    let text = r#"{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 20000,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16", "bias": false}"#;
+    let src = specplan_compiler::config::Source::HfConfig {
+        name: "split-rows".into(),
+        text: text.into(),
+    };
+    let o = Overrides {
+        topk: Some(4),
+        num_steps: Some(3),
+        num_draft_tokens: Some(4),
+        buckets: Some(bucket.into()),
+        max_bs: Some(64),
+        max_requests: Some(64),
+        max_context_len: Some(512),
+        ..Overrides::default()
+    };
+    let cfg = resolve(&src, &o).expect("config");
+    compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan
+}
+
+/// The refinement runs after the chunks' records are merged, on the row's final K: a
+/// request's ids are the same whatever the bucket's chunk count (sample.cu; before, each
+/// chunk refined its own K and two buckets could part at a near tie), and its
+/// probabilities differ only by the records' f32 sums.
+#[test]
+fn the_refined_top_k_does_not_depend_on_the_chunk_count() {
+    let (one, wide) = (split_rows_plan("1"), split_rows_plan("64"));
+    let chunks = |p: &ValidatedPlan| {
+        let f = specplan_format::phase_facts_of(p, PhaseKind::DraftExtend);
+        let rows = p.buckets()[0].batch;
+        f.topk_chunks_for(rows)
+    };
+    assert_eq!((chunks(&one), chunks(&wide)), (10, 8));
+    let mut rng = Rng(seed());
+    let weights = random_weights(&one, &mut rng);
+    for _ in 0..3 {
+        let c = make_case(&one, &mut rng, 1, 256);
+        for exact in [true, false] {
+            let run = |p: &ValidatedPlan| {
+                let r = if exact {
+                    specplan_tests::reference::cpu_reference(p, &weights, &c)
+                } else {
+                    specplan_tests::reference::cpu_rounded(p, &weights, &c)
+                };
+                r.expect("runs").0
+            };
+            let (a, b) = (run(&one), run(&wide));
+            assert_eq!(a.topk_ids, b.topk_ids, "exact {exact}");
+            for (x, y) in a.topk_probs.iter().zip(&b.topk_probs) {
+                assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-6), "exact {exact}: {x} vs {y}");
+            }
+        }
+    }
+}

@@ -212,19 +212,25 @@ impl<K: KvStore> Ctx<'_, K> {
                 }
             }
             cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.total_cmp(&b.1)));
-            // The kernel's guard: a column outside [0, COLS·RANKS) yields probability 0, id -1
-            // (and is not refined).
-            let mut won: Vec<(f64, usize)> = cand
-                .iter()
-                .take(topk)
-                .filter(|&&(_, c)| c >= 0.0 && (c as usize) < all_cols)
-                .map(|&(v, c)| (v, c as usize))
-                .collect();
-            // REFINE: the row's final K (sample.cu's topk_merge).
-            self.refine(k, r, i, &mut m, &mut sum, &mut won)?;
+            // The kernel's guard: a winner whose column is outside [0, COLS·RANKS) (only a
+            // corrupt record holds one) yields probability 0, id -1 in its slot; with REFINE
+            // it is an empty entry, sorted after the refined winners (sample.cu's topk_merge).
+            let valid = |c: f64| c >= 0.0 && (c as usize) < all_cols;
+            let top: Vec<(f64, f64)> = cand.iter().take(topk).copied().collect();
+            let won: Vec<Option<(f64, usize)>> = if c_bool(k, "REFINE")? {
+                let mut refined: Vec<(f64, usize)> = top
+                    .iter()
+                    .filter(|x| valid(x.1))
+                    .map(|&(v, c)| (v, c as usize))
+                    .collect();
+                self.refine(k, r, i, &mut m, &mut sum, &mut refined)?;
+                refined.into_iter().map(Some).collect()
+            } else {
+                top.iter().map(|&(v, c)| valid(c).then_some((v, c as usize))).collect()
+            };
             for slot in 0..topk {
-                let (prob, id) = match won.get(slot) {
-                    Some(&(v, c)) => {
+                let (prob, id) = match won.get(slot).copied().flatten() {
+                    Some((v, c)) => {
                         let prob = if m != f64::NEG_INFINITY && sum > 0.0 {
                             ((v - m).exp() / sum) as f32 as f64
                         } else {

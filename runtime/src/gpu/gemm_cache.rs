@@ -1,8 +1,9 @@
 //! A cache of GEMM algorithm choices, so loading a plan does not time cuBLASLt's candidates
 //! again (that costs 0.1–0.6 s per load). cuBLASLt documents `cublasLtMatmulAlgo_t` as plain
 //! data that can be stored and reused with the same library version; the cache is one
-//! file per device, driver and cuBLASLt version, one line per GEMM shape, and every entry
-//! is confirmed with `cublasLtMatmulAlgoCheck` before use.
+//! file per device, driver, cuBLASLt version and skinny GEMM source (the plan's own
+//! candidate, `skinny.rs`), one line per GEMM shape, and every entry is confirmed with
+//! `cublasLtMatmulAlgoCheck` before use.
 //!
 //! Location: `$SPECPLAN_CACHE_DIR/gemm/` (default `~/.cache/specplan/gemm/`;
 //! `SPECPLAN_CACHE_DIR=off` disables it). A missing, unreadable or foreign file only costs
@@ -86,12 +87,21 @@ const RULE: u32 = 4;
 
 impl GemmCache {
     /// The cache for this device (its name), driver and cuBLASLt version.
-    pub fn open(device: &str, driver: i32, lt_version: usize) -> GemmCache {
-        let slug: String = device
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-            .collect();
-        let path = cache_dir().map(|d| d.join(format!("{slug}-driver{driver}-cublaslt{lt_version}-rule{RULE}.tsv")));
+    /// The cache of `device` with this driver and cuBLASLt version, for plans whose skinny
+    /// GEMM has source hash `skinny` (its choices were timed against that kernel: another
+    /// kernel source starts another file).
+    pub fn open(device: &str, driver: i32, lt_version: usize, skinny: &str) -> GemmCache {
+        let safe = |s: &str| -> String {
+            s.chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                .collect()
+        };
+        let (slug, kernel) = (safe(device), safe(&skinny.chars().take(12).collect::<String>()));
+        let path = cache_dir().map(|d| {
+            d.join(format!(
+                "{slug}-driver{driver}-cublaslt{lt_version}-rule{RULE}-skinny{kernel}.tsv"
+            ))
+        });
         let mut entries = BTreeMap::new();
         if let Some(text) = path.as_ref().and_then(|p| std::fs::read_to_string(p).ok()) {
             for (k, algo, choice) in text.lines().filter_map(parse_line) {

@@ -373,6 +373,9 @@ impl Lt {
                 if let (true, Some(x)) = (ok, extra[i]) {
                     let charged = us + NODE_US * x as f32;
                     timed[i] = Some(timed[i].map_or((us, charged), |(u, c)| (u.min(us), c.min(charged))));
+                } else {
+                    // A call that failed in any round is out.
+                    (timed[i], extra[i]) = (None, None);
                 }
             }
             // The skinny GEMM (one kernel node: nothing to add), charged SKINNY_MARGIN.
@@ -382,6 +385,8 @@ impl Lt {
                 if ok && (round == 0 || timed[n - 1].is_some()) {
                     let charged = us * SKINNY_MARGIN;
                     timed[n - 1] = Some(timed[n - 1].map_or((us, charged), |(u, c)| (u.min(us), c.min(charged))));
+                } else {
+                    timed[n - 1] = None;
                 }
             }
         }
@@ -396,7 +401,10 @@ impl Lt {
             .filter(|x| x.0 < found.len())
             .min_by(|a, b| a.2.total_cmp(&b.2));
         let Some((lt_rank, _, _)) = lt_best else {
-            return Ok(()); // no cuBLASLt candidate ran: cublasGemmEx serves this shape
+            // No cuBLASLt candidate ran: cublasGemmEx serves this shape, even where the skinny
+            // GEMM ran (a shape cuBLASLt cannot serve is unusual enough to keep the library's
+            // path, and the cache has no algorithm to record for it).
+            return Ok(());
         };
         t.algo = found[lt_rank].algo;
         t.ws_need = if ours { 0 } else { found[lt_rank].workspaceSize };

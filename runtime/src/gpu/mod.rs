@@ -209,8 +209,7 @@ impl GpuRuntime {
         unsafe { ctx.disable_event_tracking() };
         let stream = cuda("cuStreamCreate", ctx.new_stream())?;
         let (modules, funcs) = load_kernels(plan)?;
-        // The plan's skinny GEMM (every plan carries one; an older plan without it keeps
-        // cuBLASLt alone).
+        // The plan's skinny GEMM (validation: every plan carries exactly one).
         let skinny = plan
             .kernels
             .iter()
@@ -353,10 +352,17 @@ impl GpuRuntime {
         device::cuda_rc("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver) })?;
         // SAFETY: no preconditions.
         let lt_version = unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() };
+        let skinny = self
+            .plan
+            .kernels
+            .iter()
+            .find(|k| k.entry == specplan_kernels::Entry::SkinnyGemm)
+            .map_or("none", |k| k.source_hash.as_str());
         Ok(gemm_cache::GemmCache::open(
             &format!("{name}-sm{maj}{min}"),
             driver,
             lt_version,
+            skinny,
         ))
     }
 
