@@ -33,27 +33,22 @@ constexpr int kWarps = (int)SKINNY_GEMM_THREADS / 32;
 constexpr int kUnroll = 4;
 static_assert(SKINNY_GEMM_THREADS % 32u == 0u && kWarps >= 1, "whole warps");
 
+// One mma.m16n8k16 with fp32 accumulation, for the activation type's PTX name.
 template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-template <> struct Mma<__half> {
-    static __device__ __forceinline__ void run(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                               unsigned b0, unsigned b1) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
+#define SKINNY_MMA(T, PTX)                                                                        \
+    template <> struct Mma<T> {                                                                   \
+        static __device__ __forceinline__ void run(float (&d)[4], unsigned a0, unsigned a1,       \
+                                                   unsigned a2, unsigned a3, unsigned b0,         \
+                                                   unsigned b1) {                                 \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX                     \
+                         ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"           \
+                         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                         \
+                         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                 \
+        }                                                                                         \
+    };
+SKINNY_MMA(__nv_bfloat16, "bf16")
+SKINNY_MMA(__half, "f16")
+#undef SKINNY_MMA
 
 // A weight load: read once, so it does not displace A (and the other CTAs' rows) from L1.
 __device__ __forceinline__ uint4 ld_stream(const act_t* p) {
