@@ -7,14 +7,13 @@ use specplan_kernels::entries::embed::{EmbedNormConcatPtrs, EmbedNormConcatScala
 use specplan_kernels::entries::norm::{NormConcatPtrs, NormConcatScalars};
 use specplan_kernels::entries::select::{SelectNormPtrs, SelectNormScalars};
 
-use super::entries::{buf, c_f32, c_pos, c_u32, weight};
+use super::entries::{buf, c_f32, c_pos, c_u32, rms_inv, weight};
 use super::{Ctx, KvStore, R};
 
 impl<K: KvStore> Ctx<'_, K> {
     /// RMSNorm of `row` by weight `w` into buffer `out` at element `at` (norm.cu's maths).
     fn norm_into(&mut self, row: &[f64], w: usize, eps: f64, out: usize, at: usize) -> R<()> {
-        let ms = row.iter().map(|v| v * v).sum::<f64>() / row.len().max(1) as f64;
-        let inv = 1.0 / (ms + eps).sqrt();
+        let inv = rms_inv(row, eps);
         for (c, v) in row.iter().enumerate() {
             let y = v * inv * self.wf(w, c)?;
             self.st(out, at + c, y)?;

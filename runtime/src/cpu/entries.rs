@@ -73,6 +73,12 @@ pub(super) fn weight(p: Ptr, name: &str) -> R<usize> {
     }
 }
 
+/// RMSNorm's scale of `row`, 1 / sqrt(mean(x²) + eps) (norm.cu's maths, in f64).
+pub(super) fn rms_inv(row: &[f64], eps: f64) -> f64 {
+    let ms = row.iter().map(|v| v * v).sum::<f64>() / row.len().max(1) as f64;
+    1.0 / (ms + eps).sqrt()
+}
+
 fn kv(p: Ptr, want: KvKind, name: &str) -> R<usize> {
     match p {
         Ptr::Kv(layer, kind) if kind == want => Ok(layer),
@@ -128,8 +134,7 @@ impl<K: KvStore> Ctx<'_, K> {
         let (x, w, out) = (buf(p.x, "x")?, weight(p.weight, "weight")?, buf(p.out, "out")?);
         for r in 0..s.rows as usize {
             let row: Vec<f64> = (0..h).map(|c| self.ld(x, r * h + c)).collect::<R<_>>()?;
-            let ms = row.iter().map(|v| v * v).sum::<f64>() / h as f64;
-            let inv = 1.0 / (ms + eps).sqrt();
+            let inv = rms_inv(&row, eps);
             for (c, v) in row.iter().enumerate() {
                 let y = v * inv * self.wf(w, c)?;
                 self.st(out, r * h + c, y)?;

@@ -8,7 +8,7 @@ use specplan_kernels::entries::sample::{
     TopkPartialPtrs, TopkPartialScalars,
 };
 
-use super::entries::{buf, c_bool, c_f32, c_pos, c_u32, weight};
+use super::entries::{buf, c_bool, c_f32, c_pos, c_u32, rms_inv, weight};
 use super::{Ctx, KvStore, Ptr, R};
 
 impl<K: KvStore> Ctx<'_, K> {
@@ -52,7 +52,7 @@ impl<K: KvStore> Ctx<'_, K> {
         let mut y: Vec<f64> = (0..h).map(|e| self.ld(x, i * h + e)).collect::<R<_>>()?;
         if c_bool(k, "HEAD_NORM")? {
             let (nw, eps) = (weight(r.norm_w, "norm_w")?, c_f32(k, "EPS")? as f64);
-            let inv = 1.0 / (y.iter().map(|v| v * v).sum::<f64>() / h as f64 + eps).sqrt();
+            let inv = rms_inv(&y, eps);
             for (e, v) in y.iter_mut().enumerate() {
                 *v *= inv * self.wf(nw, e)?;
             }

@@ -46,7 +46,7 @@ pub(crate) struct Gemms {
     ws: DevMem,
     lt: Option<Lt>,
     /// The plan's skinny GEMM, offered to cuBLASLt's tuning as one more candidate.
-    skinny: Option<Skinny>,
+    skinny: Skinny,
     stream: sys::CUstream,
 }
 
@@ -60,7 +60,7 @@ fn dtype_cuda(d: DType) -> cublas::cudaDataType {
 
 impl Gemms {
     /// GEMMs with the fixed workspace, eager calls on `stream`.
-    pub fn new(stream: sys::CUstream, skinny: Option<Skinny>) -> Result<Gemms, GpuError> {
+    pub fn new(stream: sys::CUstream, skinny: Skinny) -> Result<Gemms, GpuError> {
         Ok(Gemms {
             blas: None,
             ws: DevMem::new(WORKSPACE_BYTES)?,
@@ -111,8 +111,7 @@ impl Gemms {
             // A second preparation chooses among candidates with the full workspace again.
             self.ws = DevMem::new(WORKSPACE_BYTES)?;
         }
-        let mut lt = Lt::new((self.ws.ptr, self.ws.bytes))?;
-        lt.set_skinny(self.skinny);
+        let mut lt = Lt::new((self.ws.ptr, self.ws.bytes), self.skinny)?;
         let mut load = GemmLoad::default();
         for &(shape, ptrs) in shapes {
             if lt.algo(&shape).is_some() {

@@ -43,6 +43,12 @@ const FLUSH_BYTES: usize = 96 << 20;
 const NODE_US: f32 = 1.0;
 /// Rounds over the candidate list (each candidate keeps its best round's mean).
 const ROUNDS: usize = 2;
+
+/// One more round's `(mean µs, charged µs)` of a candidate into its best so far; a failed
+/// round (`None`) puts the candidate out.
+fn keep_best(best: &mut Option<(f32, f32)>, run: Option<(f32, f32)>) {
+    *best = run.map(|(u, c)| best.map_or((u, c), |(bu, bc)| (bu.min(u), bc.min(c))));
+}
 /// What the skinny GEMM's eager time is multiplied by before it is compared: measured in a
 /// replayed graph, it won where the eager timing had it ≥ 10% ahead (the fused fc, o_proj,
 /// down at m ≤ 8) and lost 4% on one shape the eager timing had 9% ahead (qkv, n 12288 at
@@ -102,10 +108,8 @@ struct Tuned {
     algo: lsys::cublasLtMatmulAlgo_t,
     choice: GemmChoice,
     /// Workspace bytes the kept algorithm needs (cuBLASLt's figure for it; 0 when the
-    /// skinny GEMM serves the shape).
+    /// skinny GEMM serves the shape, `choice.ours`).
     ws_need: usize,
-    /// The skinny GEMM serves this shape instead of `algo`.
-    skinny: bool,
 }
 
 impl Drop for Tuned {
@@ -129,7 +133,7 @@ pub(crate) struct Lt {
     /// frees it; if it cannot be allocated the runs are timed back to back).
     flush: Option<DevMem>,
     /// The plan's skinny GEMM, a candidate for the shapes it serves.
-    skinny: Option<Skinny>,
+    skinny: Skinny,
 }
 
 impl Drop for Lt {
@@ -156,26 +160,22 @@ fn dtype(d: DType) -> lsys::cudaDataType {
 }
 
 impl Lt {
-    /// A cuBLASLt handle using the workspace `ws` (device address, bytes) for every call.
-    pub(crate) fn new(ws: (u64, usize)) -> Result<Lt, GpuError> {
+    /// A cuBLASLt handle using the workspace `ws` (device address, bytes) for every call,
+    /// with the plan's skinny GEMM as one more candidate.
+    pub(crate) fn new(ws: (u64, usize), skinny: Skinny) -> Result<Lt, GpuError> {
         let handle = lt_ok("cublasLtCreate", lt::create_handle())?;
         Ok(Lt {
             handle,
             ws,
             tuned: HashMap::new(),
             flush: None,
-            skinny: None,
+            skinny,
         })
-    }
-
-    /// Offers the plan's skinny GEMM as a candidate to every shape tuned or adopted later.
-    pub(crate) fn set_skinny(&mut self, k: Option<Skinny>) {
-        self.skinny = k;
     }
 
     /// The skinny GEMM when it serves `s`.
     fn skinny_for(&self, s: &GemmShape) -> Option<Skinny> {
-        self.skinny.filter(|k| k.serves(s))
+        self.skinny.serves(s).then_some(self.skinny)
     }
 
     /// Frees the tuning's flush buffer (the choices are made).
@@ -218,7 +218,6 @@ impl Lt {
                 ours: false,
             },
             ws_need: 0,
-            skinny: false,
         };
         t.layouts[0] = mk(dtype(s.w), k, n, k as i64)?;
         t.layouts[1] = mk(dtype(s.a), k, m, s.lda as i64)?;
@@ -270,7 +269,6 @@ impl Lt {
             return Ok(false); // the cached choice's kernel does not serve it here: timed again
         }
         t.choice = choice;
-        t.skinny = choice.ours;
         t.ws_need = if choice.ours { 0 } else { check.workspaceSize };
         self.tuned.insert(s, t);
         Ok(true)
@@ -355,39 +353,25 @@ impl Lt {
         let mut extra = vec![None; found.len()];
         for round in 0..ROUNDS {
             for (i, h) in found.iter().enumerate() {
-                if h.state != lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || h.workspaceSize > self.ws.1 {
-                    continue;
-                }
-                if round > 0 && extra[i].is_none() {
-                    continue; // failed or not capturable in the first round
+                let usable = h.state == lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && h.workspaceSize <= self.ws.1;
+                if !usable || (round > 0 && timed[i].is_none()) {
+                    continue; // unusable, or out since an earlier round
                 }
                 let mut ok = true;
                 let us = self.time(stream, &mut || {
                     ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok()
                 })?;
-                if round == 0 {
-                    extra[i] = ok
-                        .then(|| self.extra_nodes(&t, &h.algo, s.accumulate, p, stream).ok())
-                        .flatten();
+                if round == 0 && ok {
+                    extra[i] = self.extra_nodes(&t, &h.algo, s.accumulate, p, stream).ok();
                 }
-                if let (true, Some(x)) = (ok, extra[i]) {
-                    let charged = us + NODE_US * x as f32;
-                    timed[i] = Some(timed[i].map_or((us, charged), |(u, c)| (u.min(us), c.min(charged))));
-                } else {
-                    // A call that failed in any round is out.
-                    (timed[i], extra[i]) = (None, None);
-                }
+                let run = extra[i].filter(|_| ok).map(|x| (us, us + NODE_US * x as f32));
+                keep_best(&mut timed[i], run);
             }
             // The skinny GEMM (one kernel node: nothing to add), charged SKINNY_MARGIN.
-            if let Some(k) = skinny {
+            if let Some(k) = skinny.filter(|_| round == 0 || timed[n - 1].is_some()) {
                 let mut ok = true;
                 let us = self.time(stream, &mut || ok &= k.run(&s, p, stream).is_ok())?;
-                if ok && (round == 0 || timed[n - 1].is_some()) {
-                    let charged = us * SKINNY_MARGIN;
-                    timed[n - 1] = Some(timed[n - 1].map_or((us, charged), |(u, c)| (u.min(us), c.min(charged))));
-                } else {
-                    timed[n - 1] = None;
-                }
+                keep_best(&mut timed[n - 1], ok.then_some((us, us * SKINNY_MARGIN)));
             }
         }
         let ranked = || timed.iter().enumerate().filter_map(|(i, x)| x.map(|(u, c)| (i, u, c)));
@@ -408,7 +392,6 @@ impl Lt {
         };
         t.algo = found[lt_rank].algo;
         t.ws_need = if ours { 0 } else { found[lt_rank].workspaceSize };
-        t.skinny = ours;
         t.choice = GemmChoice {
             first_us: timed.first().copied().flatten().map_or(f32::NAN, |x| x.0),
             best_us,
@@ -527,9 +510,9 @@ impl Lt {
     /// Runs a tuned shape; `None` when `s` was not tuned (the caller uses cublasGemmEx).
     pub(crate) fn run(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Option<Result<(), GpuError>> {
         let t = self.tuned.get(s)?;
-        if t.skinny {
-            // Set only where `skinny_for` found the kernel serving the shape.
-            return self.skinny.map(|k| k.run(s, p, stream));
+        if t.choice.ours {
+            // Kept only where `skinny_for` found the kernel serving the shape.
+            return Some(self.skinny.run(s, p, stream));
         }
         Some(self.call(t, &t.algo, s.accumulate, p, stream))
     }

@@ -210,15 +210,10 @@ impl GpuRuntime {
         let stream = cuda("cuStreamCreate", ctx.new_stream())?;
         let (modules, funcs) = load_kernels(plan)?;
         // The plan's skinny GEMM (validation: every plan carries exactly one).
-        let skinny = plan
-            .kernels
-            .iter()
-            .position(|k| k.entry == specplan_kernels::Entry::SkinnyGemm)
-            .and_then(|i| funcs.get(i))
-            .map(|&func| skinny::Skinny {
-                func,
-                act: plan.capture.dtype,
-            });
+        let skinny = skinny::Skinny {
+            func: funcs[engine::kernel_of(plan, specplan_kernels::Entry::SkinnyGemm)? as usize],
+            act: plan.capture.dtype,
+        };
         let gemms = Gemms::new(stream.cu_stream(), skinny)?;
         Ok(Core {
             comm,
@@ -352,17 +347,12 @@ impl GpuRuntime {
         device::cuda_rc("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut driver) })?;
         // SAFETY: no preconditions.
         let lt_version = unsafe { cudarc::cublaslt::sys::cublasLtGetVersion() };
-        let skinny = self
-            .plan
-            .kernels
-            .iter()
-            .find(|k| k.entry == specplan_kernels::Entry::SkinnyGemm)
-            .map_or("none", |k| k.source_hash.as_str());
+        let skinny = &self.plan.kernels[engine::kernel_of(&self.plan, specplan_kernels::Entry::SkinnyGemm)? as usize];
         Ok(gemm_cache::GemmCache::open(
             &format!("{name}-sm{maj}{min}"),
             driver,
             lt_version,
-            skinny,
+            &skinny.source_hash,
         ))
     }
 

@@ -9,7 +9,7 @@
 //! "Skinny GEMM").
 
 use specplan_format::DType;
-use specplan_kernels::abi::{Abi, KernelParams, Slot};
+use specplan_kernels::abi::{Abi, KernelParams};
 use specplan_kernels::entries::gemm::{
     skinny_fits, SkinnyGemmParams, SkinnyGemmPtrs, SkinnyGemmScalars, SKINNY_GEMM_COLS, SKINNY_GEMM_THREADS,
 };
@@ -53,8 +53,7 @@ impl Skinny {
                 c_f32: (s.c == DType::F32) as u32,
             },
         );
-        let slots: Vec<Slot<u64>> = args;
-        let mut blob = pack_slots(&Abi::of::<SkinnyGemmParams>(), &slots);
+        let mut blob = pack_slots(&Abi::of::<SkinnyGemmParams>(), &args);
         let grid = (s.n as u64).div_ceil(SKINNY_GEMM_COLS) as u32;
         launch_packed(
             self.func,
