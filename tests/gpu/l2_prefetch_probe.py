@@ -56,10 +56,12 @@ flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
 s1 = torch.cuda.current_stream(); s2 = torch.cuda.Stream()
 ev = lambda: torch.cuda.Event(enable_timing=True)
 
-def timed(body, runs=40, warm=5):
+def timed(body, runs=40, warm=5, setup=lambda: None):
+    """Median µs of `body` between two events on s1, after an L2 flush and `setup` (untimed)."""
     out = []
     for i in range(runs + warm):
         flush.zero_()
+        setup()
         a, b = ev(), ev()
         a.record(s1); body(a); b.record(s1)
         torch.cuda.synchronize()
@@ -84,16 +86,10 @@ for name, m, nn, k in shapes:
     g = lambda a: torch.matmul(x, w.T)
     plain = timed(g)
     def after(kind):
-        res = []
-        for i in range(45):
-            flush.zero_()
+        def land():
             prefetch(kind, w, s1)
             torch.cuda._sleep(int(60 * 1980))  # let the prefetches land
-            a, b = ev(), ev()
-            a.record(s1); torch.matmul(x, w.T); b.record(s1)
-            torch.cuda.synchronize()
-            if i >= 5: res.append(a.elapsed_time(b) * 1000)
-        return statistics.median(res)
+        return timed(g, setup=land)
     pb, pl = after("bulk"), after("line")
     def idle_gemm(a):
         torch.cuda._sleep(sleep_cycles); torch.matmul(x, w.T)
