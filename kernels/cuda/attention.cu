@@ -243,6 +243,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], 
 // them with that iteration's barrier. Each tile in flight has its own row (kStages rows).
 constexpr int kLoadIters = (kTile * kChunks + kThreads - 1) / kThreads;
 constexpr int kKeyIters = (kTile + kThreads - 1) / kThreads;  // keys per thread (1 when kTile <= threads)
+constexpr int kQIters = (kGR * kChunks + kThreads - 1) / kThreads;  // q chunks per thread
 
 struct TileEntries {
     int entry[kKeyIters];
@@ -382,15 +383,43 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     for (int pass = 0; pass < kPasses; ++pass) {
         const int prow0 = pass * kGR;  // first packed row of this pass
 
-        // ---- Pipeline prologue: the slots of tiles 0 .. kStages-2, their copies (issued
-        // before the q rows are read, so the first K/V bytes are already on the way), and
-        // the entries of tile kStages-1 in flight
-        TileEntries ent;
+        // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
+        // As cp.async copies in a commit group of their own, issued first: every chunk is in
+        // flight at once and under the table reads below (a load-then-store loop waits one
+        // memory latency per iteration: 8 of them for 64 packed rows). Unaligned q (a
+        // caller's view) takes the plain loads after the prologue; its group is then empty.
+        const act_t* qbase = p.q + (long long)i * kN * p.q_stride + (long long)g * kG * kD;
+        const bool qvec = aligned16(p.q) && p.q_stride % 8u == 0u;
+        if (qvec) {
 #pragma unroll
-        for (int st = 0; st < kStages - 1; ++st) {
-            if (st < num_tiles) {
-                tile_entries(ent, lo + st * kTile, hi, L, lay, pt_row);
-                tile_slots(sSlot + st * kTile, ent, lo + st * kTile, L, lay, head_off);
+            for (int it = 0; it < kQIters; ++it) {
+                const int v = tid + it * kThreads;
+                if (v < kGR * kChunks) {
+                    const int rl = v / kChunks, c = v % kChunks;
+                    const int rr = prow0 + rl;
+                    const bool real = rr < kRows;
+                    // A padding row copies 0 bytes (zero fill) from a valid address.
+                    const act_t* src =
+                        real ? qbase + (long long)(rr / kG) * p.q_stride + (long long)(rr % kG) * kD + c * 8 : qbase;
+                    cp_async16(sQ + chunk_at(rl, c), src, real);
+                }
+            }
+        }
+        cp_async_commit();
+
+        // ---- Pipeline prologue: the entries of tiles 0 .. kStages-2 read together (one
+        // table latency, not one a tile), their slots, their copies, and the entries of tile
+        // kStages-1 in flight
+        TileEntries ent;
+        {
+            TileEntries first[kStages - 1];
+#pragma unroll
+            for (int st = 0; st < kStages - 1; ++st) {
+                if (st < num_tiles) tile_entries(first[st], lo + st * kTile, hi, L, lay, pt_row);
+            }
+#pragma unroll
+            for (int st = 0; st < kStages - 1; ++st) {
+                if (st < num_tiles) tile_slots(sSlot + st * kTile, first[st], lo + st * kTile, L, lay, head_off);
             }
         }
         __syncthreads();  // the slot rows are written
@@ -404,27 +433,22 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
         }
         if (kStages - 1 < num_tiles) tile_entries(ent, lo + (kStages - 1) * kTile, hi, L, lay, pt_row);
 
-        // ---- q rows of the pass -> sQ (act_t, swizzled), zero for padding rows ---------------
-        {
-            const act_t* qbase = p.q + (long long)i * kN * p.q_stride + (long long)g * kG * kD;
-            const bool vec = aligned16(p.q) && p.q_stride % 8u == 0u;
+        if (!qvec) {
             for (int v = tid; v < kGR * kChunks; v += kThreads) {
                 const int rl = v / kChunks, c = v % kChunks;
                 const int rr = prow0 + rl;
                 act_t* dst = sQ + chunk_at(rl, c);
                 if (rr < kRows) {
                     const act_t* src = qbase + (long long)(rr / kG) * p.q_stride + (long long)(rr % kG) * kD + c * 8;
-                    if (vec) {
-                        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-                    } else {
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) dst[e] = src[e];
-                    }
+                    for (int e = 0; e < 8; ++e) dst[e] = src[e];
                 } else {
                     *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
                 }
             }
         }
+        // q's group is the oldest: at most the kStages - 1 tile groups may still be pending.
+        cp_async_wait<kStages - 1>();
         __syncthreads();  // sQ is written
 
         // Packed rows of this thread's accumulator halves: rows rA (c0, c1) and rA + 8 (c2, c3).
@@ -589,62 +613,139 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             lA += __shfl_xor_sync(0xffffffffu, lA, 2);
             lB += __shfl_xor_sync(0xffffffffu, lB, 1);
             lB += __shfl_xor_sync(0xffffffffu, lB, 2);
-            const int ra = lane >> 2;
-            float* so = sO + warp * 16 * kD;
-#pragma unroll
-            for (int nt = 0; nt < kNTO; ++nt) {
-                const int d = nt * 8 + (lane & 3) * 2;
-                *reinterpret_cast<float2*>(so + ra * kD + d) = make_float2(o[nt][0], o[nt][1]);
-                *reinterpret_cast<float2*>(so + (ra + 8) * kD + d) = make_float2(o[nt][2], o[nt][3]);
-            }
-            if ((lane & 3) == 0) {
-                sM[warp * 16 + ra] = mA;
-                sM[warp * 16 + ra + 8] = mB;
-                sL[warp * 16 + ra] = lA;
-                sL[warp * 16 + ra + 8] = lB;
-            }
         }
-        __syncthreads();
-
-        // ---- Merge the kWK key slices of each row and write -------------------------------
-        if (can_write) {
-            for (int e = tid; e < kGR * kD; e += kThreads) {
-                const int rl = e / kD, d = e % kD;
-                const int rr = prow0 + rl;
-                if (rr >= kRows) continue;
-                const int t = rl >> 4, x = rl & 15;
-                float mx = neg_inf();
+        if constexpr (kWK == 1) {
+            // One warp saw all of a row's keys (four row tiles, or 16-key tiles): nothing to merge
+            // across warps, so each lane writes its own accumulators, no shared memory round
+            // trip. The values are those of the merge below with one slice (exp2(0) = 1,
+            // fmaf(1, x, 0) = x): bit-identical.
+            if (active && can_write) {
+                const bool part_vec = aligned16(p.part_o);
 #pragma unroll
-                for (int w = 0; w < kWK; ++w) mx = fmaxf(mx, sM[(t + w * kWQ) * 16 + x]);
-                float num = 0.0f, den = 0.0f;
-                if (mx != neg_inf()) {
+                for (int half = 0; half < 2; ++half) {
+                    const int rr = rA + half * 8;
+                    if (rr >= kRows) continue;
+                    const float m = half ? mB : mA, l = half ? lB : lA;
+                    const bool any = m != neg_inf() && l > 0.0f;
+                    const int rl = rr - prow0;
+                    const int j = rr / kG, hh = rr % kG;
+                    const long long r = (long long)i * kN + j;
+                    const int h = g * kG + hh;
+                    const long long sr = ((long long)s * rows + r) * kHeads + h;
+                    float v[kNTO][2];
 #pragma unroll
-                    for (int w = 0; w < kWK; ++w) {
-                        const int ww = t + w * kWQ;
-                        const float mw = sM[ww * 16 + x];
-                        if (mw != neg_inf()) {
-                            const float f = exp2f(mw - mx);
-                            den = fmaf(f, sL[ww * 16 + x], den);
-                            num = fmaf(f, sO[(ww * 16 + x) * kD + d], num);
+                    for (int nt = 0; nt < kNTO; ++nt) {
+                        v[nt][0] = any ? o[nt][2 * half] / l : 0.0f;
+                        v[nt][1] = any ? o[nt][2 * half + 1] / l : 0.0f;
+                    }
+                    const int d0 = (lane & 3) * 2;  // + nt * 8
+                    if (single) {
+                        act_t* dst = p.out + r * ((long long)kHeads * kD) + (long long)h * kD + d0;
+#pragma unroll
+                        for (int nt = 0; nt < kNTO; ++nt) {
+                            dst[nt * 8] = to_act(v[nt][0]);
+                            dst[nt * 8 + 1] = to_act(v[nt][1]);
+                        }
+                    } else {
+                        // The cluster's rows in shared memory, else this split's partials.
+                        float* dst = clustered ? sRes + rl * kD + d0 : p.part_o + sr * kD + d0;
+                        if (clustered || part_vec) {
+#pragma unroll
+                            for (int nt = 0; nt < kNTO; ++nt)
+                                *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(v[nt][0], v[nt][1]);
+                        } else {
+#pragma unroll
+                            for (int nt = 0; nt < kNTO; ++nt) dst[nt * 8] = v[nt][0], dst[nt * 8 + 1] = v[nt][1];
+                        }
+                    }
+                    if ((lane & 3) == 0) {
+                        if (clustered) {
+                            sLse[rl] = any ? m + log2f(l) : neg_inf();
+                        } else if (!single) {
+                            p.part_lse[sr] = any ? (m + log2f(l)) * kLn2 : neg_inf();
                         }
                     }
                 }
-                const bool any = den > 0.0f;
-                const int j = rr / kG, hh = rr % kG;
-                const long long r = (long long)i * kN + j;
-                const int h = g * kG + hh;
-                if (single) {
-                    p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(any ? num / den : 0.0f);
-                } else if (clustered) {
-                    sRes[rl * kD + d] = any ? num / den : 0.0f;
-                    if (d == 0) sLse[rl] = any ? mx + log2f(den) : neg_inf();
-                } else {
-                    const long long sr = ((long long)s * rows + r) * kHeads + h;
-                    p.part_o[sr * kD + d] = any ? num / den : 0.0f;
-                    if (d == 0) p.part_lse[sr] = any ? (mx + log2f(den)) * kLn2 : neg_inf();
+            }
+        } else {
+            if (active) {
+                const int ra = lane >> 2;
+                float* so = sO + warp * 16 * kD;
+#pragma unroll
+                for (int nt = 0; nt < kNTO; ++nt) {
+                    const int d = nt * 8 + (lane & 3) * 2;
+                    *reinterpret_cast<float2*>(so + ra * kD + d) = make_float2(o[nt][0], o[nt][1]);
+                    *reinterpret_cast<float2*>(so + (ra + 8) * kD + d) = make_float2(o[nt][2], o[nt][3]);
+                }
+                if ((lane & 3) == 0) {
+                    sM[warp * 16 + ra] = mA;
+                    sM[warp * 16 + ra + 8] = mB;
+                    sL[warp * 16 + ra] = lA;
+                    sL[warp * 16 + ra + 8] = lB;
                 }
             }
-        }
+            __syncthreads();
+
+            // ---- Merge the kWK key slices of each row and write -------------------------------
+            // Four dims of a row per iteration: the row's weights once, 16-byte shared memory
+            // reads and partial writes (a dim per iteration was 64 dependent iterations a thread
+            // for 64 packed rows). The same fp32 operations per element in the same order.
+            constexpr int kDV = kD / 4;
+            if (can_write) {
+                const bool part_vec = aligned16(p.part_o);
+                for (int e = tid; e < kGR * kDV; e += kThreads) {
+                    const int rl = e / kDV, d0 = (e % kDV) * 4;
+                    const int rr = prow0 + rl;
+                    if (rr >= kRows) continue;
+                    const int t = rl >> 4, x = rl & 15;
+                    float mx = neg_inf();
+#pragma unroll
+                    for (int w = 0; w < kWK; ++w) mx = fmaxf(mx, sM[(t + w * kWQ) * 16 + x]);
+                    float num[4] = {0.0f, 0.0f, 0.0f, 0.0f}, den = 0.0f;
+                    if (mx != neg_inf()) {
+#pragma unroll
+                        for (int w = 0; w < kWK; ++w) {
+                            const int ww = t + w * kWQ;
+                            const float mw = sM[ww * 16 + x];
+                            if (mw != neg_inf()) {
+                                const float f = exp2f(mw - mx);
+                                den = fmaf(f, sL[ww * 16 + x], den);
+                                const float4 ov = *reinterpret_cast<const float4*>(sO + (ww * 16 + x) * kD + d0);
+                                num[0] = fmaf(f, ov.x, num[0]);
+                                num[1] = fmaf(f, ov.y, num[1]);
+                                num[2] = fmaf(f, ov.z, num[2]);
+                                num[3] = fmaf(f, ov.w, num[3]);
+                            }
+                        }
+                    }
+                    const bool any = den > 0.0f;
+                    float res[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) res[k] = any ? num[k] / den : 0.0f;
+                    const int j = rr / kG, hh = rr % kG;
+                    const long long r = (long long)i * kN + j;
+                    const int h = g * kG + hh;
+                    if (single) {
+                        act_t* dst = p.out + r * ((long long)kHeads * kD) + (long long)h * kD + d0;
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) dst[k] = to_act(res[k]);
+                    } else if (clustered) {
+                        *reinterpret_cast<float4*>(sRes + rl * kD + d0) = make_float4(res[0], res[1], res[2], res[3]);
+                        if (d0 == 0) sLse[rl] = any ? mx + log2f(den) : neg_inf();
+                    } else {
+                        const long long sr = ((long long)s * rows + r) * kHeads + h;
+                        float* dst = p.part_o + sr * kD + d0;
+                        if (part_vec) {
+                            *reinterpret_cast<float4*>(dst) = make_float4(res[0], res[1], res[2], res[3]);
+                        } else {
+#pragma unroll
+                            for (int k = 0; k < 4; ++k) dst[k] = res[k];
+                        }
+                        if (d0 == 0) p.part_lse[sr] = any ? (mx + log2f(den)) * kLn2 : neg_inf();
+                    }
+                }
+            }
+        }  // kWK > 1
         if (clustered) {
             // ---- The splits' merge inside the cluster ---------------------------------------
             // Every CTA's rows are in its shared memory; CTA c of the cluster merges packed
