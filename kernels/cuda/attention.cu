@@ -614,11 +614,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             lB += __shfl_xor_sync(0xffffffffu, lB, 1);
             lB += __shfl_xor_sync(0xffffffffu, lB, 2);
         }
-        if constexpr (kWK == 1) {
+        if (kWK == 1 && !single) {
             // One warp saw all of a row's keys (four row tiles, or 16-key tiles): nothing to merge
             // across warps, so each lane writes its own accumulators, no shared memory round
             // trip. The values are those of the merge below with one slice (exp2(0) = 1,
-            // fmaf(1, x, 0) = x): bit-identical.
+            // fmaf(1, x, 0) = x): bit-identical. Only fp32 partials and the cluster's rows: a
+            // lane's float2 covers a whole 32-byte sector with its row's three neighbours,
+            // while act_t output from the fragments would be half sectors, eight rows a store
+            // (measured 6-11% slower attention at llama3 N 16, B 32-64, where splits = 1).
             if (active && can_write) {
                 const bool part_vec = aligned16(p.part_o);
 #pragma unroll
@@ -639,29 +642,20 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                         v[nt][1] = any ? o[nt][2 * half + 1] / l : 0.0f;
                     }
                     const int d0 = (lane & 3) * 2;  // + nt * 8
-                    if (single) {
-                        act_t* dst = p.out + r * ((long long)kHeads * kD) + (long long)h * kD + d0;
+                    // The cluster's rows in shared memory, else this split's partials.
+                    float* dst = clustered ? sRes + rl * kD + d0 : p.part_o + sr * kD + d0;
+                    if (clustered || part_vec) {
 #pragma unroll
-                        for (int nt = 0; nt < kNTO; ++nt) {
-                            dst[nt * 8] = to_act(v[nt][0]);
-                            dst[nt * 8 + 1] = to_act(v[nt][1]);
-                        }
+                        for (int nt = 0; nt < kNTO; ++nt)
+                            *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(v[nt][0], v[nt][1]);
                     } else {
-                        // The cluster's rows in shared memory, else this split's partials.
-                        float* dst = clustered ? sRes + rl * kD + d0 : p.part_o + sr * kD + d0;
-                        if (clustered || part_vec) {
 #pragma unroll
-                            for (int nt = 0; nt < kNTO; ++nt)
-                                *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(v[nt][0], v[nt][1]);
-                        } else {
-#pragma unroll
-                            for (int nt = 0; nt < kNTO; ++nt) dst[nt * 8] = v[nt][0], dst[nt * 8 + 1] = v[nt][1];
-                        }
+                        for (int nt = 0; nt < kNTO; ++nt) dst[nt * 8] = v[nt][0], dst[nt * 8 + 1] = v[nt][1];
                     }
                     if ((lane & 3) == 0) {
                         if (clustered) {
                             sLse[rl] = any ? m + log2f(l) : neg_inf();
-                        } else if (!single) {
+                        } else {
                             p.part_lse[sr] = any ? (m + log2f(l)) * kLn2 : neg_inf();
                         }
                     }
