@@ -615,13 +615,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             lB += __shfl_xor_sync(0xffffffffu, lB, 2);
         }
         if (kWK == 1 && !single) {
-            // One warp saw all of a row's keys (four row tiles, or 16-key tiles): nothing to merge
-            // across warps, so each lane writes its own accumulators, no shared memory round
-            // trip. The values are those of the merge below with one slice (exp2(0) = 1,
-            // fmaf(1, x, 0) = x): bit-identical. Only fp32 partials and the cluster's rows: a
-            // lane's float2 covers a whole 32-byte sector with its row's three neighbours,
-            // while act_t output from the fragments would be half sectors, eight rows a store
-            // (measured 6-11% slower attention at llama3 N 16, B 32-64, where splits = 1).
+            // One warp saw all of a row's keys (three or four row tiles, or 16-key tiles): nothing
+            // to merge across warps, so each lane writes its own accumulators, no shared memory
+            // round trip. The values are those of the merge below with one slice (exp2(0) = 1,
+            // fmaf(1, x, 0) = x), except that a -0 accumulator stays -0 here (the merge's
+            // fmaf(1, -0, +0) gave +0); the merged output is the same. Only fp32 partials and
+            // the cluster's rows: a lane's float2 covers a whole 32-byte sector with its row's
+            // three neighbours, while act_t output from the fragments would be half sectors,
+            // eight rows a store (measured 6-11% slower attention at llama3 N 16, B 32-64,
+            // where splits = 1).
             if (active && can_write) {
                 const bool part_vec = aligned16(p.part_o);
 #pragma unroll
