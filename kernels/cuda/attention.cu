@@ -741,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                     }
                 }
             }
-        }  // kWK > 1
+        }  // kWK > 1, or a single split
         if (clustered) {
             // ---- The splits' merge inside the cluster ---------------------------------------
             // Every CTA's rows are in its shared memory; CTA c of the cluster merges packed
