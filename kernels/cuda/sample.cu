@@ -73,10 +73,12 @@
 //   Launch: grid (batch, RANKS, 1), block (LOGITS_GATHER_THREADS = 256, 1, 1), no shared memory.
 //   Params: part const float* [RANKS*batch*COLS], out float* [batch, RANKS*COLS], batch unsigned
 //
-// Method (one CTA over a column range): each thread keeps an online (max, sum of exp)
-// pair and a sorted top-TOPK list of its columns in shared memory. Then the 512 lists are
-// merged pairwise in a 9-level tree (each merge keeps the best TOPK of two sorted lists).
-// The head of the final list is the range maximum m, and S = sum_t s_t * exp(m_t - m).
+// Method (one CTA over a column range): each thread keeps a (max, sum of exp) pair, updated
+// a batch of loads at a time, and a sorted top-TOPK list of its columns in shared memory.
+// Then each warp takes its lanes' best TOPK in TOPK rounds (the best head wins and its lane
+// advances), and warp 0 the same over the 16 warps' lists. The head of the final list is
+// the range maximum m, and S = sum_t s_t * exp(m_t - m) (exp as exp2 of log2-e scaled
+// differences: the fp32 result differs from expf's by rounding only).
 #include "common.cuh"
 
 // SoftmaxTopkParams, TopkPartialParams and TopkMergeParams are declared by the generated
@@ -96,6 +98,7 @@ constexpr int kRanks = (int)RANKS;
 // Columns of the full row (every rank's share): the bound of a valid column in the records.
 constexpr long long kAllCols = (long long)COLS * (long long)RANKS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
+constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
 static_assert(RANKS >= 1u && RANKS <= 32u, "1..32 tensor-parallel ranks");
 static_assert(COL_OFFSET % COLS == 0u && COL_OFFSET / COLS < RANKS, "a rank's share starts at rank * COLS");
@@ -121,42 +124,60 @@ struct Lists {
     __device__ __forceinline__ int& col(int k, int slot) const { return c[k * kThreads + slot]; }
 };
 
-// Keeps the best kK of lists `a` and `b` (both sorted best first) in list `a`.
-// First count how many of the winners come from a (ia) and b (ib = kK - ia). Then merge
-// a[0..ia) and b[0..ib) from the back: the write position w = wa + wb + 1 never falls below
-// the next unread element of a (wa), so the merge can run in place.
-__device__ __forceinline__ void merge_into(const Lists& L, int a, int b) {
-    int ia = 0, ib = 0;
-    for (int k = 0; k < kK; ++k) {  // ia + ib = k < kK, so both indices stay in range
-        if (better(L.val(ia, a), L.col(ia, a), L.val(ib, b), L.col(ib, b))) ++ia;
-        else ++ib;
-    }
-    int wa = ia - 1, wb = ib - 1;
-    for (int w = kK - 1; w >= 0; --w) {
-        bool take_a;
-        if (wa < 0) take_a = false;
-        else if (wb < 0) take_a = true;
-        else take_a = !better(L.val(wa, a), L.col(wa, a), L.val(wb, b), L.col(wb, b));  // a's is worse
-        if (take_a) {
-            const float v = L.val(wa, a);
-            const int c = L.col(wa, a);
-            L.val(w, a) = v;
-            L.col(w, a) = c;
-            --wa;
-        } else {
-            const float v = L.val(wb, b);
-            const int c = L.col(wb, b);
-            L.val(w, a) = v;
-            L.col(w, a) = c;
-            --wb;
+// The best of the heads the lanes of a warp offer (larger value, then lower column), to
+// every lane. An empty entry is (-inf, kNoCol): columns are otherwise unique within a range,
+// so only empty entries can tie, and which of them wins does not matter.
+__device__ __forceinline__ void warp_best(float& bv, int& bc) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oc = __shfl_xor_sync(0xffffffffu, bc, o);
+        if (better(ov, oc, bv, bc)) {
+            bv = ov;
+            bc = oc;
         }
     }
 }
 
+// kK rounds over the sorted lists the 32 lanes of a warp own (list `slot`, or none when
+// `slot` < 0): each round the best head wins and its lane advances. Lane k returns round
+// k's winner (lanes >= kK: an empty entry). Reads shared memory only; no barrier.
+__device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v, int& out_c) {
+    const int lane = (int)threadIdx.x & 31;
+    int head = 0;
+    float hv = slot >= 0 ? L.val(0, slot) : neg_inf();
+    int hc = slot >= 0 ? L.col(0, slot) : kNoCol;
+    out_v = neg_inf();
+    out_c = kNoCol;
+    for (int k = 0; k < kK; ++k) {
+        float bv = hv;
+        int bc = hc;
+        warp_best(bv, bc);
+        if (lane == k) {
+            out_v = bv;
+            out_c = bc;
+        }
+        if (hv == bv && hc == bc) {  // the winner's lane (or every lane, once all are empty)
+            ++head;
+            const bool more = slot >= 0 && head < kK;
+            hv = more ? L.val(head, slot) : neg_inf();
+            hc = more ? L.col(head, slot) : kNoCol;
+        }
+    }
+}
 
 // Scans columns [c0, c1) of `row` with the whole CTA. On return (after a barrier) list 0
 // holds the range's best kK (value, column) pairs in order and every thread has the range
 // max `m` and sum `sum` of exp(x - m) (m = -inf, sum = 0 for an empty range).
+//
+// Why this shape (docs/perf-notes.md item 27): every load of a thread's columns is issued
+// before any is used (a chunk of a few thousand columns is one or two float4 batches a
+// thread: one memory latency, not one per float4); the sum of exp is kept per batch (its
+// max first, then one exp2 per column, instead of a branch and an exp per column); a
+// column enters the list on one comparison (a thread visits its columns in increasing
+// order, so a value equal to its list's last only enters an empty slot); and the 512 lists
+// meet in two levels of warp rounds (kK shuffle reductions each, two barriers) instead of a
+// 9-level tree of shared-memory merges with a barrier per level.
 __device__ __forceinline__ void scan_range(const float* row, long long c0, long long c1, const Lists& lists,
                                            float& m_out, float& sum_out) {
     const int t = (int)threadIdx.x;
@@ -167,18 +188,12 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     }
     float worst_v = neg_inf();  // this thread's list entry kK-1 (the bar to enter the list)
     int worst_c = kNoCol;
-    float tm = neg_inf(), ts = 0.0f;  // online max and sum of exp(x - tm) of this thread
+    // Sum of exp2((x - tm) * log2 e) over this thread's columns, tm their max so far.
+    float tm = neg_inf(), ts = 0.0f;
 
-    auto consider = [&](float x, int c) {
-        // Online softmax denominator. The -inf guard keeps an all -inf prefix NaN free.
-        if (x > tm) {
-            ts = (tm == neg_inf() ? 0.0f : ts * expf(tm - x)) + 1.0f;
-            tm = x;
-        } else if (tm != neg_inf()) {
-            ts += expf(x - tm);
-        }
-        // Insertion into the sorted list (rare once the list holds good values).
-        if (better(x, c, worst_v, worst_c)) {
+    // Column c (in the range) with value x: into the sorted list when it beats entry kK-1.
+    auto insert = [&](float x, int c) {
+        if (x > worst_v || (x == worst_v && worst_c == kNoCol)) {  // = better(x, c, worst_v, worst_c)
             int k = kK - 1;
             while (k > 0 && better(x, c, lists.val(k - 1, t), lists.col(k - 1, t))) {
                 lists.val(k, t) = lists.val(k - 1, t);
@@ -191,52 +206,84 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             worst_c = lists.col(kK - 1, t);
         }
     };
+    // A batch of values (-inf where `in` is false: no column): its max, then its sum.
+    auto add_sum = [&](const float* x, int n) {
+        float bm = tm;
+        for (int u = 0; u < n; ++u) bm = fmaxf(bm, x[u]);
+        if (bm == neg_inf()) return;  // nothing finite yet: ts stays 0
+        // (tm = -inf: ts is 0, and exp2(-inf) = 0 keeps it so.)
+        ts *= exp2f((tm - bm) * kLog2e);
+        tm = bm;
+        const float off = -bm * kLog2e;
+        for (int u = 0; u < n; ++u) ts += exp2f(fmaf(x[u], kLog2e, off));
+    };
 
     // Each thread visits its columns in increasing order: float4 c0/4 + t, + kThreads, ...
-    // when the range is 16-byte aligned, else single columns. The float4 loads go in batches
-    // of kBatch issued before any is used: `consider` branches on every value, so without the
-    // batching each load waited for the previous one (one memory latency per 8 KiB; measured
-    // in docs/perf-notes.md, "softmax_topk: batched loads").
+    // when the range is 16-byte aligned, else single columns; kBatch float4 loads (predicated
+    // past the range's end) are issued before any is used.
     constexpr int kBatch = 8;
     long long done = c0;
     if (aligned16(row + c0)) {
         const long long nv = (c1 - c0) / 4;
         const float4* row4 = reinterpret_cast<const float4*>(row + c0);
-        long long v0 = t;
-        for (; v0 + (kBatch - 1) * kThreads < nv; v0 += kBatch * kThreads) {
-            float4 x4[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) x4[u] = __ldg(row4 + v0 + u * kThreads);
+        for (long long v0 = t; v0 < nv; v0 += (long long)kBatch * kThreads) {
+            float x[kBatch * 4];
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
-                const int c = (int)(c0 + (v0 + u * kThreads) * 4);
-                consider(x4[u].x, c);
-                consider(x4[u].y, c + 1);
-                consider(x4[u].z, c + 2);
-                consider(x4[u].w, c + 3);
+                const long long v = v0 + (long long)u * kThreads;
+                const float4 x4 = v < nv ? __ldg(row4 + v) : make_float4(neg_inf(), neg_inf(), neg_inf(), neg_inf());
+                x[4 * u] = x4.x, x[4 * u + 1] = x4.y, x[4 * u + 2] = x4.z, x[4 * u + 3] = x4.w;
             }
-        }
-        for (long long v = v0; v < nv; v += kThreads) {
-            const float4 x4 = row4[v];
-            const int c = (int)(c0 + v * 4);
-            consider(x4.x, c);
-            consider(x4.y, c + 1);
-            consider(x4.z, c + 2);
-            consider(x4.w, c + 3);
+            // A float4 past the range reads as -inf: no term of the sum, and kept out of
+            // the list by the test below (a real -inf column would enter an empty slot).
+            add_sum(x, kBatch * 4);
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const long long v = v0 + (long long)u * kThreads;
+                if (v < nv) {
+                    const int c = (int)(c0 + v * 4);
+                    insert(x[4 * u], c);
+                    insert(x[4 * u + 1], c + 1);
+                    insert(x[4 * u + 2], c + 2);
+                    insert(x[4 * u + 3], c + 3);
+                }
+            }
         }
         done = c0 + nv * 4;
     }
-    for (long long c = done + t; c < c1; c += kThreads) consider(row[c], (int)c);
+    for (long long c = done + t; c < c1; c += kThreads) {
+        const float x = row[c];
+        add_sum(&x, 1);
+        insert(x, (int)c);
+    }
 
-    // Tree merge of the 512 lists into list 0.
-    for (int half = kThreads / 2; half >= 1; half >>= 1) {
-        __syncthreads();
-        if (t < half) merge_into(lists, t, t + half);
+    // Every warp's best kK (lane k holds the k-th), stored as list w for warp w (the lists of
+    // threads 0..kWarps-1 are all read by then), then warp 0's rounds over those lists.
+    constexpr int kWarps = kThreads / 32;
+    static_assert(kWarps <= 32, "one lane of warp 0 per warp list");
+    const int lane = t & 31, warp = t >> 5;
+    __syncthreads();  // every list is written
+    float wv;
+    int wc;
+    warp_top(lists, t, wv, wc);
+    __syncthreads();  // every list is read
+    if (lane < kK) {
+        lists.val(lane, warp) = wv;
+        lists.col(lane, warp) = wc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        warp_top(lists, lane < kWarps ? lane : -1, wv, wc);
+        __syncwarp();  // warp 0's reads of list 0 are done
+        if (lane < kK) {
+            lists.val(lane, 0) = wv;
+            lists.col(lane, 0) = wc;
+        }
     }
     __syncthreads();
 
     const float m = lists.val(0, 0);  // range maximum (head of the merged list)
-    const float part = (tm == neg_inf() || m == neg_inf()) ? 0.0f : ts * expf(tm - m);
+    const float part = (tm == neg_inf() || m == neg_inf()) ? 0.0f : ts * exp2f((tm - m) * kLog2e);
     // Lists 1..511 are dead now: their first entries serve as the reduction scratch.
     m_out = m;
     sum_out = block_sum(part, &lists.val(0, 1));

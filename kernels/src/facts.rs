@@ -19,6 +19,12 @@ pub const TOPK_SINGLE_COLS: u32 = 8192;
 /// Columns per chunk the plan aims at when splitting a longer logits row across CTAs
 /// (docs/perf-notes.md: the chunk's scan and its 512-list tree merge, not memory, bound it).
 pub const TOPK_CHUNK_COLS: u32 = 2048;
+/// Most columns one `topk_partial` CTA scans when the batch alone fills the GPU (64 a
+/// thread: two batches of loads in flight; docs/perf-notes.md item 27).
+pub const TOPK_WIDEST_CHUNK: u32 = 32768;
+/// `topk_partial` CTAs of one wave on an H200: two 512-thread CTAs per SM (the kernel keeps
+/// to 64 registers a thread), 132 SMs.
+pub const TOPK_WAVE: u32 = 264;
 /// Largest number of KV splits of the attention.
 pub const MAX_ATTN_SPLITS: u32 = 16;
 /// Largest page table (entries): the kernels index it in 32 bits, and every executor
@@ -165,17 +171,17 @@ impl KernelFacts {
 
     /// Chunks a bucket of `rows` head rows launches: at most [`KernelFacts::topk_chunks`]
     /// (the records' buffers are sized for it), fewer when the rows alone fill the GPU —
-    /// about 512 CTAs of 512 threads are one wave on 132 SMs, and a chunk's tree merge is a
-    /// fixed cost per CTA — and no coarser than 8192 columns a chunk while 32 chunks allow
-    /// it (rows past 262,144 columns get 32). A sharded plan keeps the plan's count (its
-    /// records are all-gathered at a fixed size).
+    /// [`TOPK_WAVE`] CTAs are one wave, and each CTA pays a fixed cost (its first load's
+    /// latency, the lists' merge) — and no coarser than [`TOPK_WIDEST_CHUNK`] columns a chunk
+    /// while 32 chunks allow it. A sharded plan keeps the plan's count (its records are
+    /// all-gathered at a fixed size).
     pub fn topk_chunks_for(&self, rows: u32) -> u32 {
         let most = self.topk_chunks();
         if self.tp_size > 1 || most <= 1 {
             return most;
         }
-        let fewest = self.cols.div_ceil(TOPK_SINGLE_COLS).clamp(1, most);
-        512u32.div_ceil(rows.max(1)).clamp(fewest, most)
+        let fewest = self.cols.div_ceil(TOPK_WIDEST_CHUNK).clamp(1, most);
+        (TOPK_WAVE / rows.max(1)).clamp(fewest, most)
     }
 
     /// Columns of the logits the plan emits: every rank's share (a sharded plan gathers

@@ -84,7 +84,7 @@ fn the_fp32_stream_keeps_hidden_out_within_the_target() {
 }
 
 /// A one-layer EAGLE-1 head whose 20,000-column logits rows are split across CTAs
-/// (`topk_partial` + `topk_merge`), compiled with one bucket: 10 chunks at bucket 1, 8 at
+/// (`topk_partial` + `topk_merge`), compiled with one bucket: 10 chunks at bucket 1, 4 at
 /// bucket 64 (`KernelFacts::topk_chunks_for`).
 fn split_rows_plan(bucket: &str) -> ValidatedPlan {
     let text = r#"{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -123,7 +123,7 @@ fn the_refined_top_k_does_not_depend_on_the_chunk_count() {
         let rows = p.buckets()[0].batch;
         f.topk_chunks_for(rows)
     };
-    assert_eq!((chunks(&one), chunks(&wide)), (10, 8));
+    assert_eq!((chunks(&one), chunks(&wide)), (10, 4));
     let mut rng = Rng(seed());
     let weights = random_weights(&one, &mut rng);
     for _ in 0..3 {
