@@ -99,6 +99,9 @@ constexpr int kRanks = (int)RANKS;
 constexpr long long kAllCols = (long long)COLS * (long long)RANKS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
 constexpr float kLog2e = 1.4426950408889634f;
+// Largest TOPK whose per-thread list `scan_range` keeps in registers (2 per entry; at 8,
+// topk_partial's 64-register bound spills 8 bytes).
+constexpr int kRegMax = 8;
 static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
 static_assert(RANKS >= 1u && RANKS <= 32u, "1..32 tensor-parallel ranks");
 static_assert(COL_OFFSET % COLS == 0u && COL_OFFSET / COLS < RANKS, "a rank's share starts at rank * COLS");
@@ -175,16 +178,29 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
 // thread: one memory latency, not one per float4); the sum of exp is kept per batch (its
 // max first, then one exp2 per column, instead of a branch and an exp per column); a
 // column enters the list on one comparison (a thread visits its columns in increasing
-// order, so a value equal to its list's last only enters an empty slot); and the 512 lists
+// order, so a value equal to its list's last only enters an empty slot), a list of up to
+// kRegMax entries lives in registers (item 28: a shifted entry in shared memory cost a
+// round trip each, and early in a scan nearly every column of some lane enters); the 512 lists
 // meet in two levels of warp rounds (kK shuffle reductions each, two barriers) instead of a
 // 9-level tree of shared-memory merges with a barrier per level.
 __device__ __forceinline__ void scan_range(const float* row, long long c0, long long c1, const Lists& lists,
                                            float& m_out, float& sum_out) {
     const int t = (int)threadIdx.x;
+    // The thread's list: in registers while kK <= kRegMax (the entry is a chain of kK
+    // compare-and-swaps, no shared-memory round trip per shifted entry), else in shared
+    // memory. Either way it is sorted best first.
+    constexpr bool kRegs = kK <= kRegMax;
+    float rv[kRegs ? kK : 1];
+    int rc[kRegs ? kK : 1];
 #pragma unroll
     for (int k = 0; k < kK; ++k) {
-        lists.val(k, t) = neg_inf();
-        lists.col(k, t) = kNoCol;
+        if constexpr (kRegs) {
+            rv[k] = neg_inf();
+            rc[k] = kNoCol;
+        } else {
+            lists.val(k, t) = neg_inf();
+            lists.col(k, t) = kNoCol;
+        }
     }
     float worst_v = neg_inf();  // this thread's list entry kK-1 (the bar to enter the list)
     int worst_c = kNoCol;
@@ -193,7 +209,25 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 
     // Column c (in the range) with value x: into the sorted list when it beats entry kK-1.
     auto insert = [&](float x, int c) {
-        if (x > worst_v || (x == worst_v && worst_c == kNoCol)) {  // = better(x, c, worst_v, worst_c)
+        if (!(x > worst_v || (x == worst_v && worst_c == kNoCol))) return;  // = !better(x, c, worst_v, worst_c)
+        if constexpr (kRegs) {
+            // Carried down the list: at each entry it beats, the two swap places.
+            float v = x;
+            int cc = c;
+#pragma unroll
+            for (int k = 0; k < kK; ++k) {
+                if (better(v, cc, rv[k], rc[k])) {
+                    const float tv = rv[k];
+                    const int tc = rc[k];
+                    rv[k] = v;
+                    rc[k] = cc;
+                    v = tv;
+                    cc = tc;
+                }
+            }
+            worst_v = rv[kK - 1];
+            worst_c = rc[kK - 1];
+        } else {
             int k = kK - 1;
             while (k > 0 && better(x, c, lists.val(k - 1, t), lists.col(k - 1, t))) {
                 lists.val(k, t) = lists.val(k - 1, t);
@@ -255,6 +289,14 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
         const float x = row[c];
         add_sum(&x, 1);
         insert(x, (int)c);
+    }
+
+    if constexpr (kRegs) {
+#pragma unroll
+        for (int k = 0; k < kK; ++k) {
+            lists.val(k, t) = rv[k];
+            lists.col(k, t) = rc[k];
+        }
     }
 
     // Every warp's best kK (lane k holds the k-th), stored as list w for warp w (the lists of
@@ -455,7 +497,9 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(
     if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS) topk_partial(TopkPartialParams p) {
+// Two CTAs per SM (at most 64 registers a thread): the chunk rule's wave (facts::TOPK_WAVE)
+// counts on it. (softmax_topk runs a CTA per row, at most a bucket's rows: no such bound.)
+extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS, 2) topk_partial(TopkPartialParams p) {
     using namespace topk;
     extern __shared__ __align__(16) unsigned char topk_smem[];
     const Lists lists{reinterpret_cast<float*>(topk_smem),
