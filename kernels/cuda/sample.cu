@@ -91,7 +91,7 @@ constexpr int kThreads = (int)SOFTMAX_TOPK_THREADS;
 // The per-row and per-chunk kernels share the list code below, sized by kThreads.
 static_assert(SOFTMAX_TOPK_THREADS == TOPK_PARTIAL_THREADS, "softmax_topk and topk_partial share one block size");
 static_assert(TOPK_MERGE_THREADS % 32u == 0u && TOPK_MERGE_THREADS >= 64u, "topk_merge: warp 0 merges (lane l owns chunk l), every warp refines");
-static_assert((kThreads & (kThreads - 1)) == 0, "the tree merge halves the block: a power of two");
+static_assert(kThreads % 32 == 0 && kThreads / 32 <= 32, "whole warps, at most 32: warp 0 merges a list per warp");
 constexpr int kK = (int)TOPK;
 constexpr long long kCols = (long long)COLS;
 constexpr int kRanks = (int)RANKS;
@@ -248,8 +248,9 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
         // (tm = -inf: ts is 0, and exp2(-inf) = 0 keeps it so.)
         ts *= exp2f((tm - bm) * kLog2e);
         tm = bm;
-        const float off = -bm * kLog2e;
-        for (int u = 0; u < n; ++u) ts += exp2f(fmaf(x[u], kLog2e, off));
+        // (x - bm) first: a scaled -bm could overflow for a finite bm past FLT_MAX / log2 e, and
+        // the batch max's own term is exactly 1.
+        for (int u = 0; u < n; ++u) ts += exp2f((x[u] - bm) * kLog2e);
     };
 
     // Each thread visits its columns in increasing order: float4 c0/4 + t, + kThreads, ...

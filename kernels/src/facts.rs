@@ -17,7 +17,8 @@ pub const MAX_TOPK_CHUNKS: u32 = 32;
 /// Rows of at most this many columns are one CTA's (`softmax_topk`, no merge).
 pub const TOPK_SINGLE_COLS: u32 = 8192;
 /// Columns per chunk the plan aims at when splitting a longer logits row across CTAs
-/// (docs/perf-notes.md: the chunk's scan and its 512-list tree merge, not memory, bound it).
+/// (docs/perf-notes.md items 6 and 18: a small batch's chunk is bound by its scan's latency and
+/// its 512 lists' merge, not by memory).
 pub const TOPK_CHUNK_COLS: u32 = 2048;
 /// Most columns one `topk_partial` CTA scans when the batch alone fills the GPU (64 a
 /// thread: two batches of loads in flight; docs/perf-notes.md item 27).
