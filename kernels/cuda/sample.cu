@@ -74,7 +74,8 @@
 //   Params: part const float* [RANKS*batch*COLS], out float* [batch, RANKS*COLS], batch unsigned
 //
 // Method (one CTA over a column range): each thread keeps a (max, sum of exp) pair, updated
-// a batch of loads at a time, and a sorted top-TOPK list of its columns in shared memory.
+// a batch of loads at a time, and a sorted top-TOPK list of its columns (in registers up to
+// TOPK 8, else in shared memory).
 // Then each warp takes its lanes' best TOPK in TOPK rounds (the best head wins and its lane
 // advances), and warp 0 the same over the 16 warps' lists. The head of the final list is
 // the range maximum m, and S = sum_t s_t * exp(m_t - m) (exp as exp2 of log2-e scaled
@@ -181,7 +182,7 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
 // order, so a value equal to its list's last only enters an empty slot), a list of up to
 // kRegMax entries lives in registers (item 28: a shifted entry in shared memory cost a
 // round trip each, and early in a scan nearly every column of some lane enters); the 512 lists
-// meet in two levels of warp rounds (kK shuffle reductions each, two barriers) instead of a
+// meet in two levels of warp rounds (kK shuffle reductions each, three barriers) instead of a
 // 9-level tree of shared-memory merges with a barrier per level.
 __device__ __forceinline__ void scan_range(const float* row, long long c0, long long c1, const Lists& lists,
                                            float& m_out, float& sum_out) {
@@ -240,7 +241,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             worst_c = lists.col(kK - 1, t);
         }
     };
-    // A batch of values (-inf where `in` is false: no column): its max, then its sum.
+    // A batch of values (-inf for a float4 past the range): its max, then its sum.
     auto add_sum = [&](const float* x, int n) {
         float bm = tm;
         for (int u = 0; u < n; ++u) bm = fmaxf(bm, x[u]);
@@ -302,8 +303,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 
     // Every warp's best kK (lane k holds the k-th), stored as list w for warp w (the lists of
     // threads 0..kWarps-1 are all read by then), then warp 0's rounds over those lists.
-    constexpr int kWarps = kThreads / 32;
-    static_assert(kWarps <= 32, "one lane of warp 0 per warp list");
+    constexpr int kWarps = kThreads / 32;  // at most 32 (asserted above): a lane of warp 0 each
     const int lane = t & 31, warp = t >> 5;
     __syncthreads();  // every list is written
     float wv;
