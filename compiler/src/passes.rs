@@ -35,6 +35,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("gate_up_silu_mul", gate_up_silu_mul),
     ("residual_into_gemm", residual_into_gemm),
     ("residual_into_all_reduce", tp::residual_into_all_reduce),
+    ("mlp_pairs", select::mlp_pairs),
     (SOFTMAX_TOPK, topk::softmax_topk),
 ];
 
@@ -643,6 +644,8 @@ mod tests {
                         | OpKind::SiluMul
                         | OpKind::SelectRows
                         | OpKind::SelectNorm
+                        | OpKind::SelectNormPairs
+                        | OpKind::SiluMulPairs
                         | OpKind::SoftmaxTopK { .. }
                         | OpKind::Cast
                 ),

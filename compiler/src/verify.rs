@@ -313,16 +313,8 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             }
             Ok(())
         }
-        OpKind::SiluMul => {
-            c.arity(1, 1)?;
-            let (r, cols) = c.rank2(false, 0)?;
-            want(
-                c.shape(true, 0) == [r, Dim::fixed(cols.fixed / 2)] && cols.fixed % 2 == 0,
-                || "output must be [T, I] for input [T, 2I]".into(),
-            )?;
-            want(g.tensor(outs[0]).alias_of == Some(ins[0]), || {
-                "the product is written in place over the gate half of its input".into()
-            })
+        OpKind::SiluMul | OpKind::SiluMulPairs | OpKind::SelectNorm | OpKind::SelectNormPairs => {
+            check_mlp_rows(&c, kind, rows)
         }
         OpKind::EmbedConcat { bias } => {
             c.arity(3 + *bias as usize, 1 + *bias as usize)?;
@@ -383,6 +375,25 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
         | OpKind::TreeFinish
         | OpKind::TreeVerify
         | OpKind::GatherRows { .. } => check_tree_op(&c, kind, rows),
+    }
+}
+
+/// The SwiGLU product and the selected rows' norm, each as in place or as hi/lo pairs.
+fn check_mlp_rows(c: &Ctx, kind: &OpKind, rows: Dim) -> Result<(), String> {
+    let (g, ins, outs) = (c.g, c.ins, c.outs);
+    let batch = Dim::batch(1);
+    match kind {
+        OpKind::SiluMul => {
+            c.arity(1, 1)?;
+            let (r, cols) = c.rank2(false, 0)?;
+            want(
+                c.shape(true, 0) == [r, Dim::fixed(cols.fixed / 2)] && cols.fixed % 2 == 0,
+                || "output must be [T, I] for input [T, 2I]".into(),
+            )?;
+            want(g.tensor(outs[0]).alias_of == Some(ins[0]), || {
+                "the product is written in place over the gate half of its input".into()
+            })
+        }
         OpKind::SelectNorm => {
             // The selected rows, then their norm; the norm alone on a tensor-parallel rank
             // other than 0 (`residual_into_all_reduce`).
@@ -400,6 +411,36 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
                 format!("outputs must be [B, {h}]")
             })
         }
+        OpKind::SelectNormPairs => {
+            c.arity(3, 2)?;
+            let (r, h) = c.rank2(false, 0)?;
+            want(r == rows, || format!("input rows must be {rows}"))?;
+            c.dtype(false, 1, &[DType::I32])?;
+            want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
+            c.dtype(true, 0, &[g.tensor(ins[0]).dtype])?;
+            c.dtype(true, 1, &[g.tensor(ins[2]).dtype])?;
+            want(c.shape(true, 0) == [batch, h], || {
+                format!("the selected rows must be [B, {h}]")
+            })?;
+            want(c.shape(true, 1) == [Dim::batch(2), h], || {
+                format!("the norm's hi/lo pairs must be [2B, {h}]")
+            })
+        }
+        OpKind::SiluMulPairs => {
+            c.arity(1, 1)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            let (r, cols) = c.rank2(false, 0)?;
+            want(r == Dim::batch(2) && cols.fixed % 2 == 0, || {
+                format!("input must be the pairs' [2B, 2I] f32, is [{r}, {cols}]")
+            })?;
+            want(c.shape(true, 0) == [batch, Dim::fixed(cols.fixed / 2)], || {
+                "output must be [B, I] for input [2B, 2I]".into()
+            })?;
+            want(g.tensor(outs[0]).alias_of.is_none(), || {
+                "the product has its own buffer (its type differs from the input's)".into()
+            })
+        }
+        _ => Err(format!("{} is not an MLP-row op", kind.mnemonic())),
     }
 }
 

@@ -14,7 +14,7 @@
 //     vectorized global and shared memory traffic (load_vec / store_vec), and the same for
 //     fp32 rows (the residual stream);
 //   * alignment tests, ceil_div, block-wide row copies and converting copies (parts_cast);
-//   * rmsnorm_row over an act_t or fp32 row;
+//   * rmsnorm_row over an act_t or fp32 row (its output optionally as hi/lo pairs);
 //   * warp and block sum/max reductions;
 //   * neg_inf() (NVRTC has no <cmath>, so no INFINITY macro);
 //   * KvLayout: the registered K/V cache and page-table geometry, and the token slot of a
@@ -115,6 +115,21 @@ template <> __device__ __forceinline__ void store_vec<4>(act_t* p, const float (
 template <> __device__ __forceinline__ void store_vec<8>(act_t* p, const float (&f)[8]) {
     *reinterpret_cast<uint4*>(p) =
         make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+
+// fp32 values as a pair of activations, hi = round(x) and lo = round(x - hi) (x - hi is
+// exact in fp32): hi + lo carries x to about 2^-16 of it in bf16, where hi alone keeps
+// 2^-9. A GEMM over the pair's rows computes W.hi and W.lo and its reader sums them: an
+// fp32 input through a 16-bit GEMM (the selected rows' MLP, docs/semantics.md "MLP pairs").
+template <int V> __device__ __forceinline__ void store_vec_split(act_t* hi, act_t* lo, const float (&f)[V]) {
+    float h[V], l[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        h[k] = to_f(to_act(f[k]));
+        l[k] = f[k] - h[k];
+    }
+    store_vec<V>(hi, h);  // h is representable: stored exactly
+    store_vec<V>(lo, l);
 }
 
 // The same for fp32 rows (the residual stream, `stream_t` = float): V = 2, 4, 8 are
@@ -273,8 +288,9 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // `X`: act_t, or float for a row of the fp32 residual stream (then `out` cannot alias it).
 template <typename X>
 __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* out, long long n, float eps,
-                                            float* scratch) {
-    const bool vec = aligned16(x) && aligned16(out) && aligned16(w);
+                                            float* scratch, act_t* lo = nullptr) {
+    // lo non-null: the normed row as a hi/lo pair (store_vec_split), hi into out.
+    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo));
     const long long nv = vec ? (n / 8) * 8 : 0;
     constexpr int kRegVecs = 4;
     if (vec && nv == n && n <= 8LL * kRegVecs * blockDim.x) {
@@ -307,7 +323,11 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
             if (e < n) {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) v[it][k] = v[it][k] * inv * g[it][k];
-                store_vec<8>(out + e, v[it]);
+                if (lo != nullptr) {
+                    store_vec_split<8>(out + e, lo + e, v[it]);
+                } else {
+                    store_vec<8>(out + e, v[it]);
+                }
             }
         }
         return;
@@ -331,10 +351,19 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         load_vec<8>(w + e, g);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * g[k];
-        store_vec<8>(out + e, v);
+        if (lo != nullptr) {
+            store_vec_split<8>(out + e, lo + e, v);
+        } else {
+            store_vec<8>(out + e, v);
+        }
     }
     for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
-        out[e] = to_act(to_f(x[e]) * inv * to_f(w[e]));
+        float y[1] = {to_f(x[e]) * inv * to_f(w[e])};
+        if (lo != nullptr) {
+            store_vec_split<1>(out + e, lo + e, y);
+        } else {
+            out[e] = to_act(y[0]);
+        }
     }
 }
 

@@ -18,6 +18,15 @@
 //                                           the product replaces the gate columns
 //   rows     unsigned      CTAs with blockIdx.x >= rows do nothing
 // 16-byte vectors when INTER % 8 == 0 and the buffers are 16-byte aligned, else scalar.
+//
+// Entry:     silu_mul_pairs (the selected rows' MLP over exact inputs, docs/semantics.md
+//            "MLP pairs"): the gate/up GEMM ran over select_norm_pairs' hi/lo rows into fp32,
+//   g = gate_up[2r, c] + gate_up[2r + 1, c],  u = gate_up[2r, INTER + c] + gate_up[2r + 1, INTER + c],
+//   out[r, c] = round(silu(g) * u)   (one rounding: the down GEMM's input)
+// Constants: act_t, INTER
+// Launch:    as silu_mul (grid (rows, parts, 1), SILU_MUL_PAIRS_THREADS = 256).
+// Params (SiluMulPairsParams): gate_up const float* [2*rows, 2*INTER], out act_t* [rows, INTER],
+//            rows unsigned. Not in place (the types differ): out is its own buffer.
 #include "common.cuh"
 
 // SiluMulParams is declared by the generated prelude, from specplan_kernels
@@ -58,4 +67,39 @@ extern "C" __global__ void __launch_bounds__(SILU_MUL_THREADS) silu_mul(SiluMulP
         done = (I / 8) * 8;
     }
     silu_mul_row<1>(gate, up, done, I);  // tail (or everything when unaligned)
+}
+
+template <int V>
+__device__ __forceinline__ void silu_mul_pairs_row(const float* hi, const float* lo, act_t* out, long long begin,
+                                                   long long n) {
+    const long long t = (long long)blockIdx.y * blockDim.x + threadIdx.x;
+    const long long stride = (long long)blockDim.x * gridDim.y * V;
+    constexpr long long I = (long long)INTER;
+    for (long long e = begin + t * V; e + V <= n; e += stride) {
+        float gh[V], gl[V], uh[V], ul[V], y[V];
+        load_vec<V>(hi + e, gh);
+        load_vec<V>(lo + e, gl);
+        load_vec<V>(hi + I + e, uh);
+        load_vec<V>(lo + I + e, ul);
+#pragma unroll
+        for (int k = 0; k < V; ++k) y[k] = silu_times(gh[k] + gl[k], uh[k] + ul[k]);
+        store_vec<V>(out + e, y);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SILU_MUL_PAIRS_THREADS) silu_mul_pairs(SiluMulPairsParams p) {
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;
+    constexpr long long I = (long long)INTER;
+
+    const float* hi = p.gate_up + (long long)(2 * r) * (2 * I);
+    const float* lo = hi + 2 * I;
+    act_t* out = p.out + (long long)r * I;
+
+    long long done = 0;
+    if (I % 8 == 0 && aligned16(hi) && aligned16(out)) {
+        silu_mul_pairs_row<8>(hi, lo, out, 0, I);
+        done = I;
+    }
+    silu_mul_pairs_row<1>(hi, lo, out, done, I);  // everything when unaligned
 }

@@ -24,6 +24,13 @@
 //         weight const act_t* [HIDDEN], out stream_t* [batch, HIDDEN],
 //         normed act_t* [batch, HIDDEN], batch unsigned.
 //         out may be null (a tensor-parallel rank other than 0 needs no selected rows).
+//
+// Entry:     select_norm_pairs (the selected rows' MLP over exact inputs, docs/semantics.md
+//            "MLP pairs"): as select_norm, the norm written as a hi/lo pair of rows,
+//   normed[2i, :] = hi = round(rmsnorm(out[i, :], weight)),  normed[2i + 1, :] = round(that - hi)
+//   so the gate/up GEMM over the 2B rows computes W.hi and W.lo, which silu_mul_pairs sums.
+// Constants, launch: as select_norm. Params (SelectNormPairsParams): as select_norm's, with
+//         normed act_t* [2*batch, HIDDEN] and out never null (an unsharded plan only).
 #include "common.cuh"
 
 // SelectRowsParams and SelectNormParams are declared by the generated prelude, from specplan_kernels
@@ -54,4 +61,19 @@ extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(Se
     if (p.out != nullptr) parts_cast(p.out + (long long)i * H, src, H, 0, 1);
     // Normalize from the source row (the copy above may still be in flight in other threads).
     rmsnorm_row(src, p.weight, p.normed + (long long)i * H, H, EPS, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(SELECT_NORM_PAIRS_THREADS) select_norm_pairs(SelectNormPairsParams p) {
+    __shared__ float scratch[32];
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch) return;  // uniform per CTA
+    constexpr long long H = (long long)HIDDEN;
+    constexpr int kN = (int)N;
+
+    int a = p.accept_lens[i];
+    a = a < 1 ? 1 : (a > kN ? kN : a);
+    const stream_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
+    parts_cast(p.out + (long long)i * H, src, H, 0, 1);
+    act_t* hi = p.normed + (long long)(2 * i) * H;
+    rmsnorm_row(src, p.weight, hi, H, EPS, scratch, hi + H);
 }

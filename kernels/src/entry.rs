@@ -78,8 +78,8 @@ impl Template {
             Template::Norm => &[Entry::RmsNorm, Entry::NormConcat, Entry::CastRows],
             Template::RopeAppend => &[Entry::RopeAppend],
             Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
-            Template::Mlp => &[Entry::SiluMul],
-            Template::Select => &[Entry::SelectRows, Entry::SelectNorm],
+            Template::Mlp => &[Entry::SiluMul, Entry::SiluMulPairs],
+            Template::Select => &[Entry::SelectRows, Entry::SelectNorm, Entry::SelectNormPairs],
             Template::Sample => &[
                 Entry::SoftmaxTopk,
                 Entry::TopkPartial,
@@ -190,6 +190,8 @@ entries! {
     Fill => io::FillParams, "fill", Io;
     CastRows => norm::CastRowsParams, "cast_rows", Norm;
     SkinnyGemm => gemm::SkinnyGemmParams, "skinny_gemm", Gemm;
+    SiluMulPairs => mlp::SiluMulPairsParams, "silu_mul_pairs", Mlp;
+    SelectNormPairs => select::SelectNormPairsParams, "select_norm_pairs", Select;
 }
 
 impl Entry {

@@ -68,13 +68,12 @@ fn the_fp32_stream_keeps_hidden_out_within_the_target() {
         );
         // The rounding is real (a zero here would mean the emulation rounds nothing).
         assert!(n.hidden_rel > 1e-4, "{name}: {n:?}");
-        // The top-K refinement: ids equal outside near ties, and probabilities inside the
-        // old 2.5e-2·p bound. The EAGLE-3 head's are the worst (its last layer's MLP inputs
-        // stay bf16: docs/perf-notes.md "Left open"): 4.9e-3 to 1.05e-2 over 11 seeds
-        // (2026-12-03; the 1e-2 this asserted for every head failed 2 of them), the EAGLE-1
-        // heads' up to 5.0e-3. The 5e-3 target is the GPU check's report, not met for EAGLE-3.
+        // The top-K refinement and the selected rows' MLP pairs: ids equal outside near
+        // ties, probabilities within 7.5e-3·p (the 5e-3 target, half again as margin).
+        // Emulated over 9 seeds (2026-12-03): EAGLE-3 2.8–4.2e-3 (was 4.9e-3 to 1.05e-2 with
+        // the MLP's bf16 inputs, docs/perf-notes.md item 29), EAGLE-1 heads 2.1–4.5e-3.
         assert_eq!(n.id_off, 0, "{name}: {n:?}");
-        let bound = if *name == "tiny-eagle3" { 2e-2 } else { 1e-2 };
+        let bound = 1.5 * specplan_tests::numerics::PROB_TARGET_REL;
         assert!(
             n.prob_rel <= bound,
             "{name}: probabilities {:.3e} > {bound:e}",

@@ -201,6 +201,13 @@ pub enum OpKind {
     /// Row select + RMSNorm (EAGLE-3's final norm): ins x [T,H], accept_lens [B], w [H] →
     /// out: the selected rows [B,H], their norm [B,H].
     SelectNorm,
+    /// The selected rows' MLP over exact inputs (`mlp_pairs`, docs/semantics.md "MLP
+    /// pairs"): as SelectNorm, the norm as hi/lo row pairs: out the selected rows [B,H],
+    /// their norm [2B,H] (rows 2i, 2i+1).
+    SelectNormPairs,
+    /// ins: gate_up [2B,2I] f32 (the GEMM over SelectNormPairs' rows) → out [B,I]:
+    /// silu(g)·u of the pairs' sums, its own buffer.
+    SiluMulPairs,
 }
 
 /// How top-K columns become token ids.
@@ -246,6 +253,8 @@ impl OpKind {
             OpKind::SoftmaxTopK { .. } => Entry::SoftmaxTopk.name(),
             OpKind::EmbedNormConcat => Entry::EmbedNormConcat.name(),
             OpKind::SelectNorm => Entry::SelectNorm.name(),
+            OpKind::SelectNormPairs => Entry::SelectNormPairs.name(),
+            OpKind::SiluMulPairs => Entry::SiluMulPairs.name(),
             OpKind::TreeInit => Entry::TreeInit.name(),
             OpKind::TreeSelect { .. } => Entry::TreeSelect.name(),
             OpKind::TreeFinish => Entry::TreeFinish.name(),
@@ -282,6 +291,8 @@ impl OpKind {
             | OpKind::MapIds { .. }
             | OpKind::EmbedNormConcat
             | OpKind::SelectNorm
+            | OpKind::SelectNormPairs
+            | OpKind::SiluMulPairs
             | OpKind::EmbedConcat { .. }
             | OpKind::RopeAppend { .. }
             | OpKind::SiluMul

@@ -1,11 +1,11 @@
 //! The selected rows and their norm in one kernel (the draft-extend head's last layer).
 
 use petgraph::stable_graph::NodeIndex;
-use specplan_format::FusionRecord;
+use specplan_format::{DType, Entry, FusionRecord};
 
-use super::{names, nodes_where, remove, row_bytes, SELECT_NORM};
+use super::{names, nodes_where, plain_linear, remove, row_bytes, sole_consumer, SELECT_NORM};
 use crate::config::Config;
-use crate::graph::{Op, OpGraph, OpKind};
+use crate::graph::{Dim, Op, OpGraph, OpKind};
 
 /// The selected rows and an RMSNorm of them → one kernel (`select_norm`) writing both: in
 /// the draft-extend head's last layer the rows past the attention and their post-attention
@@ -43,6 +43,54 @@ pub(super) fn select_norm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     out
 }
 
+/// The selected rows' MLP over exact inputs (docs/semantics.md, "MLP pairs"): where the
+/// stream is fp32 and unsharded, `select_norm` writes its norm as hi/lo row pairs, the
+/// gate/up GEMM runs over the 2B rows into fp32 and `silu_mul` sums each pair before the
+/// activation (`select_norm_pairs`, `silu_mul_pairs`). The MLP's input then reaches the
+/// GEMM to ~2^-16 instead of bf16's 2^-9 and its output unrounded: on EAGLE-3 heads those
+/// two roundings were most of the top-K probabilities' error (docs/perf-notes.md item 29).
+/// A precision rewrite, not a fusion: no launch saved, the GEMM's rows and output bytes
+/// grow (2B rows of fp32 for B of bf16), which is why only the selected rows take it.
+pub(super) fn mlp_pairs(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    if cfg.capture.tp.size != 1 {
+        return out;
+    }
+    for s in nodes_where(g, |k| *k == OpKind::SelectNorm) {
+        let [sel, normed] = g.graph[s].outs[..] else {
+            continue;
+        };
+        if g.tensor(sel).dtype != DType::F32 || g.tensor(normed).shape[0] != Dim::batch(1) {
+            continue;
+        }
+        let Some(gemm) = plain_linear(g, sole_consumer(g, normed)) else {
+            continue;
+        };
+        let gu = g.graph[gemm].outs[0];
+        let Some(sm) = sole_consumer(g, gu).filter(|&n| g.graph[n].kind == OpKind::SiluMul) else {
+            continue;
+        };
+        let mid = g.graph[sm].outs[0];
+        let fused = names(g, &[s, gemm, sm]);
+        g.tensors[normed.0 as usize].shape[0] = Dim::batch(2);
+        let t = &mut g.tensors[gu.0 as usize];
+        t.shape[0] = Dim::batch(2);
+        t.dtype = DType::F32;
+        g.tensors[mid.0 as usize].alias_of = None;
+        g.graph[s].kind = OpKind::SelectNormPairs;
+        g.graph[s].name = Entry::SelectNormPairs.name().into();
+        g.graph[sm].kind = OpKind::SiluMulPairs;
+        out.push(FusionRecord {
+            rule: "mlp_pairs".into(),
+            fused,
+            into: format!("{} + {} + {}", g.graph[s].name, g.graph[gemm].name, g.graph[sm].name),
+            launches_saved: 0,
+            bytes_saved_per_request: 0,
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     //! The draft-extend head's last layer past its attention: selected rows, the norm fused
@@ -74,9 +122,23 @@ mod tests {
         assert_eq!(rows_of(&g, "l0.down_proj"), Dim::batch(4));
         assert_eq!(rows_of(&g, "l1.o_proj"), Dim::batch(4));
         let silu = format!("l1.{}", Entry::SiluMul.name());
-        for op in ["l1.gate_up_proj", &silu, "l1.down_proj", Entry::SelectNorm.name()] {
+        for op in [&silu, "l1.down_proj", Entry::SelectNormPairs.name()] {
             assert_eq!(rows_of(&g, op), Dim::batch(1), "{op}");
         }
+        // The fp32 stream's selected rows: the norm as hi/lo pairs, gate/up over the 2B
+        // rows into fp32, the product summed from the pairs into its own buffer.
+        assert_eq!(rows_of(&g, "l1.gate_up_proj"), Dim::batch(2));
+        let op = |name: &str| g.graph.node_weights().find(|op| op.name == name).expect(name);
+        let sn = op(Entry::SelectNormPairs.name());
+        assert_eq!(sn.kind, OpKind::SelectNormPairs);
+        assert_eq!(g.tensor(sn.outs[1]).shape[0], Dim::batch(2));
+        let gu = op("l1.gate_up_proj").outs[0];
+        assert_eq!(g.tensor(gu).dtype, specplan_format::DType::F32);
+        let sm = op(&silu);
+        assert_eq!(sm.kind, OpKind::SiluMulPairs);
+        assert!(g.tensor(sm.outs[0]).alias_of.is_none());
+        // Layer 0 (every row) keeps the in-place bf16 SwiGLU.
+        assert_eq!(op("l0.silu_mul").kind, OpKind::SiluMul);
         // The head reads the down projection's output in place (the fp32 stream's selected
         // rows, rounded once into hidden_out): no select after it.
         assert_eq!(

@@ -9,7 +9,7 @@ use specplan_kernels::entries::attention::{AttnMergeParams, AttnMergePtrs, AttnP
 use specplan_kernels::entries::embed::{
     EmbedConcatParams, EmbedConcatPtrs, EmbedNormConcatParams, EmbedNormConcatPtrs,
 };
-use specplan_kernels::entries::mlp::{SiluMulParams, SiluMulPtrs};
+use specplan_kernels::entries::mlp::{SiluMulPairsParams, SiluMulPairsPtrs, SiluMulParams, SiluMulPtrs};
 use specplan_kernels::entries::norm::{
     CastRowsParams, CastRowsPtrs, NormConcatParams, NormConcatPtrs, RmsNormParams, RmsNormPtrs,
 };
@@ -18,7 +18,9 @@ use specplan_kernels::entries::sample::{
     LogitsGatherParams, LogitsGatherPtrs, SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs,
     TopkPartialParams, TopkPartialPtrs,
 };
-use specplan_kernels::entries::select::{SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs};
+use specplan_kernels::entries::select::{
+    SelectNormPairsParams, SelectNormPairsPtrs, SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs,
+};
 use specplan_kernels::entries::tree::{
     GatherRowsParams, GatherRowsPtrs, TreeFinishParams, TreeFinishPtrs, TreeInitParams, TreeInitPtrs, TreeSelectParams,
     TreeSelectPtrs, TreeVerifyParams, TreeVerifyPtrs,
@@ -235,6 +237,24 @@ pub(super) fn launches(
                     gate_up: b.arg(op.ins[0]),
                 };
                 b.kernel::<SiluMulParams>(op, false, &f, p)
+            }
+            OpKind::SelectNormPairs => {
+                let p = SelectNormPairsPtrs {
+                    x: b.arg(op.ins[0]),
+                    accept_lens: b.arg(op.ins[1]),
+                    weight: b.arg(op.ins[2]),
+                    out: b.arg(op.outs[0]),
+                    normed: b.arg(op.outs[1]),
+                };
+                b.kernel::<SelectNormPairsParams>(op, false, sh.facts, p)
+            }
+            // Over the selected rows only (its input's 2B rows are their pairs).
+            OpKind::SiluMulPairs => {
+                let p = SiluMulPairsPtrs {
+                    gate_up: b.arg(op.ins[0]),
+                    out: b.arg(op.outs[0]),
+                };
+                b.kernel::<SiluMulPairsParams>(op, false, &sh.facts.selected_rows(), p)
             }
             OpKind::SelectRows => {
                 let p = SelectRowsPtrs {

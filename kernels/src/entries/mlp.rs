@@ -1,6 +1,6 @@
 //! mlp.cu: the gated activation between the gate/up and down projections.
 
-use crate::abi::{Act, DevPtrMut, Extent, Kernel};
+use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
 use crate::facts::{row_parts, BucketFacts, KernelFacts};
 use crate::source::Constants;
 use crate::Entry;
@@ -34,6 +34,39 @@ impl Kernel for SiluMulParams {
         let (rows, i) = (s.rows as u64, f.intermediate as u64);
         SiluMulPtrs {
             gate_up: Extent::Elems(rows * 2 * i),
+        }
+    }
+}
+
+/// `silu_mul_pairs`: the selected rows' MLP over exact inputs (docs/semantics.md, "MLP
+/// pairs"): `gate_up` holds fp32 `W·hi` and `W·lo` in rows `2r` and `2r + 1` (the GEMM over
+/// `select_norm_pairs`' rows); `out[r, c] = silu(g) · u` with `g`, `u` the pairs' sums, one
+/// rounding. Not in place: `out` is its own `[rows, INTER]` buffer.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct SiluMulPairsParams {
+    #[arg(buffer)]
+    pub gate_up: DevPtr<f32>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
+impl Kernel for SiluMulPairsParams {
+    const ENTRY: Entry = Entry::SiluMulPairs;
+    fn threads(_: &KernelFacts) -> u32 {
+        SILU_THREADS
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], SiluMulPairsScalars) {
+        let rows = f.rows(b);
+        let parts = row_parts(rows, (f.intermediate as u64).div_ceil(8), SILU_THREADS);
+        ([rows, parts, 1], SiluMulPairsScalars { rows })
+    }
+    fn extents(s: &SiluMulPairsScalars, f: &KernelFacts) -> SiluMulPairsPtrs<Extent> {
+        let (rows, i) = (s.rows as u64, f.intermediate as u64);
+        SiluMulPairsPtrs {
+            gate_up: Extent::Elems(2 * rows * 2 * i),
+            out: Extent::Elems(rows * i),
         }
     }
 }

@@ -42,7 +42,47 @@ pub struct SelectNormParams {
     pub batch: u32,
 }
 
+/// `select_norm_pairs`: as `select_norm` (an unsharded plan: `out` is never null), with
+/// the norm written as a hi/lo pair of rows, `normed[2i] = hi = round(y)` and
+/// `normed[2i + 1] = round(y − hi)` for `y = rmsnorm(out[i], weight)`: the gate/up GEMM
+/// over the `2B` rows reads the fp32 norm to ~2^-16 (docs/semantics.md, "MLP pairs").
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct SelectNormPairsParams {
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    #[arg(input = io::ACCEPT_LENS)]
+    pub accept_lens: DevPtr<i32>,
+    #[arg(weight)]
+    pub weight: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Stream>,
+    #[arg(buffer)]
+    pub normed: DevPtrMut<Act>,
+    pub batch: u32,
+}
+
 pub const SELECT_THREADS: u32 = 256;
+
+impl Kernel for SelectNormPairsParams {
+    const ENTRY: Entry = Entry::SelectNormPairs;
+    fn threads(_: &KernelFacts) -> u32 {
+        SELECT_THREADS
+    }
+    fn launch(b: &BucketFacts, _: &KernelFacts) -> ([u32; 3], SelectNormPairsScalars) {
+        ([b.batch, 1, 1], SelectNormPairsScalars { batch: b.batch })
+    }
+    fn extents(s: &SelectNormPairsScalars, f: &KernelFacts) -> SelectNormPairsPtrs<Extent> {
+        let (b, h) = (s.batch as u64, f.hidden as u64);
+        SelectNormPairsPtrs {
+            x: Extent::Elems(b * f.n as u64 * h),
+            accept_lens: Extent::Elems(b),
+            weight: Extent::Elems(h),
+            out: Extent::Elems(b * h),
+            normed: Extent::Elems(2 * b * h),
+        }
+    }
+}
 
 impl Kernel for SelectNormParams {
     const ENTRY: Entry = Entry::SelectNorm;

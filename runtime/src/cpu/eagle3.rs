@@ -5,7 +5,9 @@ use specplan_format::io;
 use specplan_format::KernelDesc;
 use specplan_kernels::entries::embed::{EmbedNormConcatPtrs, EmbedNormConcatScalars};
 use specplan_kernels::entries::norm::{NormConcatPtrs, NormConcatScalars};
-use specplan_kernels::entries::select::{SelectNormPtrs, SelectNormScalars};
+use specplan_kernels::entries::select::{
+    SelectNormPairsPtrs, SelectNormPairsScalars, SelectNormPtrs, SelectNormScalars,
+};
 
 use super::entries::{buf, c_f32, c_pos, c_u32, rms_inv, weight};
 use super::{Ctx, KvStore, R};
@@ -67,6 +69,41 @@ impl<K: KvStore> Ctx<'_, K> {
                 let base = r * 2 * h + half * h;
                 let row: Vec<f64> = (0..h).map(|c| self.ld(x, base + c)).collect::<R<_>>()?;
                 self.norm_into(&row, w, eps, out, base)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `select_norm` with the norm as hi/lo row pairs (`select_norm_pairs`): `hi` is the
+    /// norm rounded to the buffer's type, `lo` the rest (stored exactly here, rounded too
+    /// by a rounding executor, as on the device).
+    pub(super) fn select_norm_pairs(
+        &mut self,
+        k: &KernelDesc,
+        p: &SelectNormPairsPtrs<super::Ptr>,
+        s: &SelectNormPairsScalars,
+    ) -> R<()> {
+        let (h, n, eps) = (c_pos(k, "HIDDEN")?, c_pos(k, "N")?, c_f32(k, "EPS")? as f64);
+        let (x, acc, w, out, normed) = (
+            buf(p.x, "x")?,
+            buf(p.accept_lens, io::ACCEPT_LENS)?,
+            weight(p.weight, "weight")?,
+            buf(p.out, "out")?,
+            buf(p.normed, "normed")?,
+        );
+        let act = self.buf_dtype(normed)?;
+        for i in 0..s.batch as usize {
+            let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
+            let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
+            for (c, v) in row.iter().enumerate() {
+                self.st(out, i * h + c, *v)?;
+            }
+            let inv = rms_inv(&row, eps);
+            for (c, v) in row.iter().enumerate() {
+                let y = v * inv * self.wf(w, c)?;
+                let hi = crate::bits::round_act(y as f32, act) as f64;
+                self.st(normed, 2 * i * h + c, hi)?;
+                self.st(normed, (2 * i + 1) * h + c, y - hi)?;
             }
         }
         Ok(())

@@ -7,7 +7,7 @@ use specplan_format::io;
 use specplan_format::{ConstValue, KernelDesc, KvKind};
 use specplan_kernels::entries::attention::{AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars};
 use specplan_kernels::entries::embed::{EmbedConcatPtrs, EmbedConcatScalars};
-use specplan_kernels::entries::mlp::{SiluMulPtrs, SiluMulScalars};
+use specplan_kernels::entries::mlp::{SiluMulPairsPtrs, SiluMulPairsScalars, SiluMulPtrs, SiluMulScalars};
 use specplan_kernels::entries::norm::{CastRowsPtrs, CastRowsScalars, RmsNormPtrs, RmsNormScalars};
 use specplan_kernels::entries::rope::{RopeAppendPtrs, RopeAppendScalars};
 use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
@@ -163,6 +163,27 @@ impl<K: KvStore> Ctx<'_, K> {
                 let u = self.ld(gu, r * 2 * inter + inter + c)?;
                 // In place over the gate half, as the kernel.
                 self.st(gu, r * 2 * inter + c, g / (1.0 + (-g).exp()) * u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `silu_mul_pairs`: rows `2r` and `2r + 1` of the fp32 gate/up output are `W·hi` and
+    /// `W·lo` of the selected row's norm; their sums go through the activation.
+    pub(super) fn silu_mul_pairs(
+        &mut self,
+        k: &KernelDesc,
+        p: &SiluMulPairsPtrs<Ptr>,
+        s: &SiluMulPairsScalars,
+    ) -> R<()> {
+        let inter = c_u32(k, "INTER")?;
+        let (gu, out) = (buf(p.gate_up, "gate_up")?, buf(p.out, "out")?);
+        for r in 0..s.rows as usize {
+            let (hi, lo) = (2 * r * 2 * inter, (2 * r + 1) * 2 * inter);
+            for c in 0..inter {
+                let g = self.ld(gu, hi + c)? + self.ld(gu, lo + c)?;
+                let u = self.ld(gu, hi + inter + c)? + self.ld(gu, lo + inter + c)?;
+                self.st(out, r * inter + c, g / (1.0 + (-g).exp()) * u)?;
             }
         }
         Ok(())
