@@ -48,32 +48,30 @@ extern "C" __global__ void __launch_bounds__(SELECT_ROWS_THREADS) select_rows(Se
     parts_cast(p.out + (long long)i * H, p.x + src_row * H, H, 0, 1);
 }
 
-extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(SelectNormParams p) {
+// Request i's selected row into out[i] (skipped when out is null) and its norm into
+// normed (`normed_lo` non-null: as the hi/lo pair normed, normed_lo). Uniform per CTA.
+__device__ __forceinline__ void select_norm_row(const stream_t* x, const int* accept_lens, const act_t* weight,
+                                                stream_t* out, act_t* normed, act_t* normed_lo, unsigned i) {
     __shared__ float scratch[32];
-    const unsigned i = blockIdx.x;
-    if (i >= p.batch) return;  // uniform per CTA
     constexpr long long H = (long long)HIDDEN;
     constexpr int kN = (int)N;
-
-    int a = p.accept_lens[i];
+    int a = accept_lens[i];
     a = a < 1 ? 1 : (a > kN ? kN : a);
-    const stream_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
-    if (p.out != nullptr) parts_cast(p.out + (long long)i * H, src, H, 0, 1);
+    const stream_t* src = x + ((long long)i * kN + (a - 1)) * H;
+    if (out != nullptr) parts_cast(out + (long long)i * H, src, H, 0, 1);
     // Normalize from the source row (the copy above may still be in flight in other threads).
-    rmsnorm_row(src, p.weight, p.normed + (long long)i * H, H, EPS, scratch);
+    rmsnorm_row(src, weight, normed, H, EPS, scratch, normed_lo);
+}
+
+extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(SelectNormParams p) {
+    const unsigned i = blockIdx.x;
+    if (i >= p.batch) return;  // uniform per CTA
+    select_norm_row(p.x, p.accept_lens, p.weight, p.out, p.normed + (long long)i * HIDDEN, nullptr, i);
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_NORM_PAIRS_THREADS) select_norm_pairs(SelectNormPairsParams p) {
-    __shared__ float scratch[32];
     const unsigned i = blockIdx.x;
     if (i >= p.batch) return;  // uniform per CTA
-    constexpr long long H = (long long)HIDDEN;
-    constexpr int kN = (int)N;
-
-    int a = p.accept_lens[i];
-    a = a < 1 ? 1 : (a > kN ? kN : a);
-    const stream_t* src = p.x + ((long long)i * kN + (a - 1)) * H;
-    parts_cast(p.out + (long long)i * H, src, H, 0, 1);
-    act_t* hi = p.normed + (long long)(2 * i) * H;
-    rmsnorm_row(src, p.weight, hi, H, EPS, scratch, hi + H);
+    act_t* hi = p.normed + (long long)(2 * i) * HIDDEN;
+    select_norm_row(p.x, p.accept_lens, p.weight, p.out, hi, hi + HIDDEN, i);
 }
