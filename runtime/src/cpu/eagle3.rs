@@ -91,13 +91,9 @@ impl<K: KvStore> Ctx<'_, K> {
             buf(p.out, "out")?,
             buf(p.normed, "normed")?,
         );
-        let act = self.buf_dtype(normed)?;
+        let act = self.plan.capture.dtype;
         for i in 0..s.batch as usize {
-            let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
-            let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
-            for (c, v) in row.iter().enumerate() {
-                self.st(out, i * h + c, *v)?;
-            }
+            let row = self.select_row(x, acc, Some(out), i, n, h)?;
             let inv = rms_inv(&row, eps);
             for (c, v) in row.iter().enumerate() {
                 let y = v * inv * self.wf(w, c)?;
@@ -128,15 +124,22 @@ impl<K: KvStore> Ctx<'_, K> {
             o => Some(buf(o, "out")?),
         };
         for i in 0..s.batch as usize {
-            let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
-            let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
-            if let Some(out) = out {
-                for (c, v) in row.iter().enumerate() {
-                    self.st(out, i * h + c, *v)?;
-                }
-            }
+            let row = self.select_row(x, acc, out, i, n, h)?;
             self.norm_into(&row, w, eps, normed, i * h)?;
         }
         Ok(())
+    }
+
+    /// Request `i`'s selected row of `x` (its accept length clamped to [1, N]), copied into
+    /// row `i` of `out` when there is one: `select_norm`'s and `select_norm_pairs`' first half.
+    fn select_row(&mut self, x: usize, acc: usize, out: Option<usize>, i: usize, n: usize, h: usize) -> R<Vec<f64>> {
+        let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
+        let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
+        if let Some(out) = out {
+            for (c, v) in row.iter().enumerate() {
+                self.st(out, i * h + c, *v)?;
+            }
+        }
+        Ok(row)
     }
 }

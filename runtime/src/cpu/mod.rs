@@ -433,14 +433,6 @@ impl<K: KvStore> Ctx<'_, K> {
     fn ld(&self, buf: usize, elem: usize) -> R<f64> {
         Ok(self.cells[self.cell(buf, elem)?])
     }
-    /// Buffer `buf`'s element type.
-    fn buf_dtype(&self, buf: usize) -> R<DType> {
-        self.bucket
-            .buffers
-            .get(buf)
-            .map(|b| b.dtype)
-            .ok_or_else(|| format!("buffer {buf} is not in the bucket"))
-    }
     fn st(&mut self, buf: usize, elem: usize, v: f64) -> R<()> {
         let c = self.cell(buf, elem)?;
         self.cells[c] = match self.bucket.buffers.get(buf).map(|b| b.dtype) {
