@@ -36,8 +36,9 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// of the norm, select and embed templates, whose stream arguments are f32 there; the
 /// `cast_rows` entry). 16: the top-K refinement in `topk_merge` (its x, norm_w, lm_w
 /// arguments; `topk_partial` no longer takes them). 17: `skinny_gemm`, a runtime-launched
-/// entry every plan carries.
-pub const FORMAT_VERSION: u32 = 17;
+/// entry every plan carries. 18: the sample entries' `CANDS` constant (the refinement's
+/// candidates past TOPK; chunk records of 2 + 2·CANDS floats).
+pub const FORMAT_VERSION: u32 = 18;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

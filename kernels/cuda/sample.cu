@@ -11,16 +11,20 @@
 //                       (FR-Spec's hot list; EAGLE-3's d2t: draft id d -> target id d + d2t[d])
 // NaN free for finite inputs. If COLS < TOPK, the missing entries get prob 0, id -1.
 //
-// Constants: COLS, TOPK (1..32), HOT_MAP, ID_OFFSET, FULL_VOCAB, RANKS, COL_OFFSET, REFINE,
-// HEAD_NORM, HIDDEN, EPS (act_t and stream_t: the refinement's rows).
+// Constants: COLS, TOPK (1..32), CANDS, HOT_MAP, ID_OFFSET, FULL_VOCAB, RANKS, COL_OFFSET,
+// REFINE, HEAD_NORM, HIDDEN, EPS (act_t and stream_t: the refinement's rows).
+// CANDS (KernelFacts::topk_cands): the candidates every list keeps, TOPK without REFINE,
+// TOPK + 2 (at most 32) with it; the best TOPK of them are emitted.
 //
 // REFINE (KernelFacts::refines_topk: the fp32 stream of an unsharded draft-extend phase):
-// after a row's best TOPK are found, their values are recomputed from the fp32 selected row
+// after a row's best CANDS are found, their values are recomputed from the fp32 selected row
 // — v_c = y . lm_w[c], y = x[i] or, with HEAD_NORM, rmsnorm(x[i], norm_w) — the reference max
-// raised to the refined values, the sum rescaled and corrected to match, and the TOPK sorted
-// again (refine_cands); the logits buffer itself keeps the GEMM's values. Both paths refine
-// the row's final TOPK (softmax_topk its list, topk_merge the merged winners), so the result
-// does not depend on the bucket's chunk count. Params x const stream_t* [batch, HIDDEN],
+// raised to the refined values, the sum rescaled and corrected to match, and the CANDS sorted
+// again (refine_cands), the first TOPK emitted; the logits buffer itself keeps the GEMM's
+// values. The two extra candidates are there because the lists are chosen on the GEMM's
+// values: a near tie at the K-th place can swap there, and the refined values decide it.
+// Both paths refine the row's final CANDS (softmax_topk its list, topk_merge the merged
+// winners), so the result does not depend on the bucket's chunk count. Params x const stream_t* [batch, HIDDEN],
 // norm_w const act_t* [HIDDEN] (HEAD_NORM, else null), lm_w const act_t* [COLS, HIDDEN]
 // follow ids (softmax_topk, topk_merge); all three null without REFINE.
 //
@@ -30,8 +34,8 @@
 //
 // Entry softmax_topk: the whole row in one CTA (used when the plan does not split rows).
 //   Launch:  grid (batch, 1, 1), block (SOFTMAX_TOPK_THREADS = 512, 1, 1),
-//            dynamic shared memory = 512 * TOPK * 8 bytes
-//            (one sorted list of TOPK (value fp32, column int32) pairs per thread;
+//            dynamic shared memory = 512 * CANDS * 8 bytes
+//            (one sorted list of CANDS (value fp32, column int32) pairs per thread;
 //            the Kernel declaration in specplan_kernels::entries::sample).
 //   Params (by value, natural C alignment, fields in this order):
 //     logits   const float*      [batch, COLS]
@@ -47,11 +51,11 @@
 // in docs/perf-notes.md, "softmax_topk rows split across CTAs").
 //   Chunk ch of a row covers columns [ch*W, min(COLS, (ch+1)*W)), W = ceil(COLS/chunks)
 //   rounded up to a multiple of 4 (may be empty).
-//   Record of (row i, chunk ch): part[(i*chunks + ch)*R ...], R = 2 + 2*TOPK floats:
+//   Record of (row i, chunk ch): part[(i*chunks + ch)*R ...], R = 2 + 2*CANDS floats:
 //     [0] = the chunk's max m_ch (-inf if empty), [1] = sum over its columns of
-//     expf(x - m_ch) (0 if empty), [2 .. 2+TOPK) = its TOPK largest values in the order
-//     above, [2+TOPK .. 2+2*TOPK) = their columns as floats (exact: COLS < 2^24), -1 where
-//     the chunk has fewer than TOPK columns (value -inf).
+//     expf(x - m_ch) (0 if empty), [2 .. 2+CANDS) = its CANDS largest values in the order
+//     above, [2+CANDS .. 2+2*CANDS) = their columns as floats (exact: COLS < 2^24), -1 where
+//     the chunk has fewer than CANDS columns (value -inf).
 //   topk_partial: grid (batch, chunks, 1), block (TOPK_PARTIAL_THREADS = 512, 1, 1), shared memory as softmax_topk.
 //     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
 //             batch unsigned, chunks unsigned (1..32)
@@ -63,8 +67,9 @@
 //             chunks unsigned (RANKS * chunks <= 32)
 //     The records of rank t (0..RANKS) follow each other: (t, row i, chunk ch) at
 //     part[((t*batch + i)*chunks + ch)*R ...] (RANKS = 1: the layout above).
-//     m = max m_ch, S = sum S_ch * expf(m_ch - m) over every rank's chunks, the TOPK best of
-//     all records' candidates (same order), refined with REFINE, then probs and ids exactly
+//     m = max m_ch, S = sum S_ch * expf(m_ch - m) over every rank's chunks, the CANDS best of
+//     all records' candidates (same order), refined with REFINE, then the first TOPK's probs
+//     and ids exactly
 //     as softmax_topk's (over the RANKS*COLS columns of the full row).
 //
 // Entry logits_gather (a sharded plan's logits output): out[i, t*COLS + c] =
@@ -74,9 +79,9 @@
 //   Params: part const float* [RANKS*batch*COLS], out float* [batch, RANKS*COLS], batch unsigned
 //
 // Method (one CTA over a column range): each thread keeps a (max, sum of exp) pair, updated
-// a batch of loads at a time, and a sorted top-TOPK list of its columns (in registers up to
-// TOPK 8, else in shared memory).
-// Then each warp takes its lanes' best TOPK in TOPK rounds (the best head wins and its lane
+// a batch of loads at a time, and a sorted top-CANDS list of its columns (in registers up to
+// CANDS 8, else in shared memory).
+// Then each warp takes its lanes' best CANDS in CANDS rounds (the best head wins and its lane
 // advances), and warp 0 the same over the 16 warps' lists. The head of the final list is
 // the range maximum m, and S = sum_t s_t * exp(m_t - m) (exp as exp2 of log2-e scaled
 // differences: the fp32 result differs from expf's by rounding only).
@@ -94,16 +99,19 @@ static_assert(SOFTMAX_TOPK_THREADS == TOPK_PARTIAL_THREADS, "softmax_topk and to
 static_assert(TOPK_MERGE_THREADS % 32u == 0u && TOPK_MERGE_THREADS >= 64u, "topk_merge: warp 0 merges (lane l owns chunk l), every warp refines");
 static_assert(kThreads % 32 == 0 && kThreads / 32 <= 32, "whole warps, at most 32: warp 0 merges a list per warp");
 constexpr int kK = (int)TOPK;
+// Every list's length: kK, plus the refinement's extra candidates (the header's CANDS).
+constexpr int kL = (int)CANDS;
 constexpr long long kCols = (long long)COLS;
 constexpr int kRanks = (int)RANKS;
 // Columns of the full row (every rank's share): the bound of a valid column in the records.
 constexpr long long kAllCols = (long long)COLS * (long long)RANKS;
 constexpr int kNoCol = 0x7fffffff;  // column of an empty list entry: loses every tie
 constexpr float kLog2e = 1.4426950408889634f;
-// Largest TOPK whose per-thread list `scan_range` keeps in registers (2 per entry; at 8,
+// Largest CANDS whose per-thread list `scan_range` keeps in registers (2 per entry; at 8,
 // topk_partial's 64-register bound spills 8 bytes).
 constexpr int kRegMax = 8;
 static_assert(kK >= 1 && kK <= 32, "TOPK must be in [1, 32]");
+static_assert(kL >= kK && kL <= 32 && (REFINE || kL == kK), "CANDS: TOPK, or more with REFINE, at most 32");
 static_assert(RANKS >= 1u && RANKS <= 32u, "1..32 tensor-parallel ranks");
 static_assert(COL_OFFSET % COLS == 0u && COL_OFFSET / COLS < RANKS, "a rank's share starts at rank * COLS");
 static_assert((unsigned long long)COLS * RANKS <= FULL_VOCAB, "the logits cannot have more columns than the vocabulary");
@@ -143,9 +151,9 @@ __device__ __forceinline__ void warp_best(float& bv, int& bc) {
     }
 }
 
-// kK rounds over the sorted lists the 32 lanes of a warp own (list `slot`, or none when
+// kL rounds over the sorted lists the 32 lanes of a warp own (list `slot`, or none when
 // `slot` < 0): each round the best head wins and its lane advances. Lane k returns round
-// k's winner (lanes >= kK: an empty entry). Reads shared memory only; no barrier.
+// k's winner (lanes >= kL: an empty entry). Reads shared memory only; no barrier.
 __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v, int& out_c) {
     const int lane = (int)threadIdx.x & 31;
     int head = 0;
@@ -153,7 +161,7 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
     int hc = slot >= 0 ? L.col(0, slot) : kNoCol;
     out_v = neg_inf();
     out_c = kNoCol;
-    for (int k = 0; k < kK; ++k) {
+    for (int k = 0; k < kL; ++k) {
         float bv = hv;
         int bc = hc;
         warp_best(bv, bc);
@@ -163,7 +171,7 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
         }
         if (hv == bv && hc == bc) {  // the winner's lane (or every lane, once all are empty)
             ++head;
-            const bool more = slot >= 0 && head < kK;
+            const bool more = slot >= 0 && head < kL;
             hv = more ? L.val(head, slot) : neg_inf();
             hc = more ? L.col(head, slot) : kNoCol;
         }
@@ -171,7 +179,7 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
 }
 
 // Scans columns [c0, c1) of `row` with the whole CTA. On return (after a barrier) list 0
-// holds the range's best kK (value, column) pairs in order and every thread has the range
+// holds the range's best kL (value, column) pairs in order and every thread has the range
 // max `m` and sum `sum` of exp(x - m) (m = -inf, sum = 0 for an empty range).
 //
 // Why this shape (docs/perf-notes.md item 27): every load of a thread's columns is issued
@@ -182,19 +190,19 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
 // order, so a value equal to its list's last only enters an empty slot), a list of up to
 // kRegMax entries lives in registers (item 28: a shifted entry in shared memory cost a
 // round trip each, and early in a scan nearly every column of some lane enters); the 512 lists
-// meet in two levels of warp rounds (kK shuffle reductions each, three barriers) instead of a
+// meet in two levels of warp rounds (kL shuffle reductions each, three barriers) instead of a
 // 9-level tree of shared-memory merges with a barrier per level.
 __device__ __forceinline__ void scan_range(const float* row, long long c0, long long c1, const Lists& lists,
                                            float& m_out, float& sum_out) {
     const int t = (int)threadIdx.x;
-    // The thread's list: in registers while kK <= kRegMax (the entry is a chain of kK
+    // The thread's list: in registers while kL <= kRegMax (the entry is a chain of kL
     // compare-and-swaps, no shared-memory round trip per shifted entry), else in shared
     // memory. Either way it is sorted best first.
-    constexpr bool kRegs = kK <= kRegMax;
-    float rv[kRegs ? kK : 1];
-    int rc[kRegs ? kK : 1];
+    constexpr bool kRegs = kL <= kRegMax;
+    float rv[kRegs ? kL : 1];
+    int rc[kRegs ? kL : 1];
 #pragma unroll
-    for (int k = 0; k < kK; ++k) {
+    for (int k = 0; k < kL; ++k) {
         if constexpr (kRegs) {
             rv[k] = neg_inf();
             rc[k] = kNoCol;
@@ -203,12 +211,12 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             lists.col(k, t) = kNoCol;
         }
     }
-    float worst_v = neg_inf();  // this thread's list entry kK-1 (the bar to enter the list)
+    float worst_v = neg_inf();  // this thread's list entry kL-1 (the bar to enter the list)
     int worst_c = kNoCol;
     // Sum of exp2((x - tm) * log2 e) over this thread's columns, tm their max so far.
     float tm = neg_inf(), ts = 0.0f;
 
-    // Column c (in the range) with value x: into the sorted list when it beats entry kK-1.
+    // Column c (in the range) with value x: into the sorted list when it beats entry kL-1.
     auto insert = [&](float x, int c) {
         if (!(x > worst_v || (x == worst_v && worst_c == kNoCol))) return;  // = !better(x, c, worst_v, worst_c)
         if constexpr (kRegs) {
@@ -216,7 +224,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             float v = x;
             int cc = c;
 #pragma unroll
-            for (int k = 0; k < kK; ++k) {
+            for (int k = 0; k < kL; ++k) {
                 if (better(v, cc, rv[k], rc[k])) {
                     const float tv = rv[k];
                     const int tc = rc[k];
@@ -226,10 +234,10 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
                     cc = tc;
                 }
             }
-            worst_v = rv[kK - 1];
-            worst_c = rc[kK - 1];
+            worst_v = rv[kL - 1];
+            worst_c = rc[kL - 1];
         } else {
-            int k = kK - 1;
+            int k = kL - 1;
             while (k > 0 && better(x, c, lists.val(k - 1, t), lists.col(k - 1, t))) {
                 lists.val(k, t) = lists.val(k - 1, t);
                 lists.col(k, t) = lists.col(k - 1, t);
@@ -237,8 +245,8 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             }
             lists.val(k, t) = x;
             lists.col(k, t) = c;
-            worst_v = lists.val(kK - 1, t);
-            worst_c = lists.col(kK - 1, t);
+            worst_v = lists.val(kL - 1, t);
+            worst_c = lists.col(kL - 1, t);
         }
     };
     // A batch of values (-inf for a float4 past the range): its max, then its sum.
@@ -295,13 +303,13 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 
     if constexpr (kRegs) {
 #pragma unroll
-        for (int k = 0; k < kK; ++k) {
+        for (int k = 0; k < kL; ++k) {
             lists.val(k, t) = rv[k];
             lists.col(k, t) = rc[k];
         }
     }
 
-    // Every warp's best kK (lane k holds the k-th), stored as list w for warp w (the lists of
+    // Every warp's best kL (lane k holds the k-th), stored as list w for warp w (the lists of
     // threads 0..kWarps-1 are all read by then), then warp 0's rounds over those lists.
     constexpr int kWarps = kThreads / 32;  // at most 32 (asserted above): a lane of warp 0 each
     const int lane = t & 31, warp = t >> 5;
@@ -310,7 +318,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     int wc;
     warp_top(lists, t, wv, wc);
     __syncthreads();  // every list is read
-    if (lane < kK) {
+    if (lane < kL) {
         lists.val(lane, warp) = wv;
         lists.col(lane, warp) = wc;
     }
@@ -318,7 +326,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     if (warp == 0) {
         warp_top(lists, lane < kWarps ? lane : -1, wv, wc);
         __syncwarp();  // warp 0's reads of list 0 are done
-        if (lane < kK) {
+        if (lane < kL) {
             lists.val(lane, 0) = wv;
             lists.col(lane, 0) = wc;
         }
@@ -334,7 +342,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 
 // REFINE (the fp32 stream: an unsharded draft-extend phase): the logits came from lm_head's
 // bf16 input, a rounding of the fp32 row y = x (EAGLE-1) or y = rmsnorm(x, norm_w) (HEAD_NORM,
-// EAGLE-3's final norm, fp32 as norm.cu's without the rounding). The row's final kK candidates
+// EAGLE-3's final norm, fp32 as norm.cu's without the rounding). The row's final kL candidates
 // (values cv[k*stride], columns cc[k*stride], best first; a column outside [0, COLS) is an
 // empty entry) are recomputed as v_c = y . lm_w[c] in fp32, the reference max becomes
 // m' = max(m, v_c'), `sum` is rescaled to it and corrected by expf(v_c' - m') - expf(v_c - m')
@@ -342,8 +350,8 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
 // share is clamped at 0), and the candidates are sorted again (larger value, lower column).
 //
 // Work: thread t owns elements t*8, t*8 + kT*8, ... of the row (single elements when the
-// row or a weight is not 16-byte aligned) and keeps kK dot products, so every candidate's
-// weight loads are in flight together (one CTA reads kK*H weights; measured in
+// row or a weight is not 16-byte aligned) and keeps kL dot products, so every candidate's
+// weight loads are in flight together (one CTA reads kL*H weights; measured in
 // docs/perf-notes.md, "Top-K refinement in the merge"). With HEAD_NORM the row's sum of
 // squares accumulates beside them and its rsqrt scales the sums: y . w = inv * (x*n) . w.
 // Every thread of the CTA (kT of them) calls it with m != -inf; it ends with a barrier and
@@ -353,14 +361,14 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
                                              const stream_t* x, const act_t* norm_w, const act_t* lm_w) {
     constexpr long long H = (long long)HIDDEN;
     constexpr int kWarps = kT / 32;
-    static_assert(kT % 32 == 0 && kK + 2 <= kT, "whole warps; one thread per candidate");
-    __shared__ float part[kWarps][kK + 1];  // per-warp dot products, then the sum of squares
-    __shared__ float fin[kK + 2];           // refined values, then the corrected sum and max
+    static_assert(kT % 32 == 0 && kL + 2 <= kT, "whole warps; one thread per candidate");
+    __shared__ float part[kWarps][kL + 1];  // per-warp dot products, then the sum of squares
+    __shared__ float fin[kL + 2];           // refined values, then the corrected sum and max
     const int t = (int)threadIdx.x, lane = t & 31, warp = t >> 5;
-    int col[kK];  // lm_head row of each candidate (row 0 for an empty entry: read, ignored)
-    float acc[kK];
+    int col[kL];  // lm_head row of each candidate (row 0 for an empty entry: read, ignored)
+    float acc[kL];
 #pragma unroll
-    for (int j = 0; j < kK; ++j) {
+    for (int j = 0; j < kL; ++j) {
         const int c = cc[j * stride];
         col[j] = c >= 0 && (long long)c < kCols ? c : 0;
         acc[j] = 0.0f;
@@ -381,7 +389,7 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
                 }
             }
 #pragma unroll
-            for (int j = 0; j < kK; ++j) {
+            for (int j = 0; j < kL; ++j) {
                 float wv[8];
                 load_vec<8>(lm_w + (long long)col[j] * H + e, wv);
 #pragma unroll
@@ -396,24 +404,24 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
                 y *= to_f(norm_w[e]);
             }
 #pragma unroll
-            for (int j = 0; j < kK; ++j) acc[j] += y * to_f(lm_w[(long long)col[j] * H + e]);
+            for (int j = 0; j < kL; ++j) acc[j] += y * to_f(lm_w[(long long)col[j] * H + e]);
         }
     }
 #pragma unroll
-    for (int j = 0; j < kK; ++j) {
+    for (int j = 0; j < kL; ++j) {
         const float s = warp_sum(acc[j]);
         if (lane == 0) part[warp][j] = s;
     }
     if constexpr (HEAD_NORM) {
         const float s = warp_sum(ss);
-        if (lane == 0) part[warp][kK] = s;
+        if (lane == 0) part[warp][kL] = s;
     }
     __syncthreads();
-    if (t < kK) {  // candidate t's dot product over the warps, scaled by the norm's rsqrt
+    if (t < kL) {  // candidate t's dot product over the warps, scaled by the norm's rsqrt
         float inv = 1.0f;
         if constexpr (HEAD_NORM) {
             float tot = 0.0f;
-            for (int w = 0; w < kWarps; ++w) tot += part[w][kK];
+            for (int w = 0; w < kWarps; ++w) tot += part[w][kL];
             inv = rsqrtf(tot / (float)H + EPS);
         }
         float dot = 0.0f;
@@ -423,26 +431,26 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
     __syncthreads();
     if (t == 0) {
         float m2 = m;
-        for (int j = 0; j < kK; ++j) {
+        for (int j = 0; j < kL; ++j) {
             const int c = cc[j * stride];
             if (c >= 0 && (long long)c < kCols) m2 = fmaxf(m2, fin[j]);
         }
         // The other columns' share (never negative; rounding could make the difference so),
         // then the refined candidates'.
         float s = sum * expf(m - m2);
-        for (int j = 0; j < kK; ++j) {
+        for (int j = 0; j < kL; ++j) {
             const int c = cc[j * stride];
             if (c >= 0 && (long long)c < kCols) s -= expf(cv[j * stride] - m2);
         }
         s = fmaxf(s, 0.0f);
-        for (int j = 0; j < kK; ++j) {
+        for (int j = 0; j < kL; ++j) {
             const int c = cc[j * stride];
             if (c < 0 || (long long)c >= kCols) continue;
             s += expf(fin[j] - m2);
             cv[j * stride] = fin[j];
         }
-        // Insertion sort of the candidates (kK <= 32 entries, nearly in order) in their order.
-        for (int j = 1; j < kK; ++j) {
+        // Insertion sort of the candidates (kL <= 32 entries, nearly in order) in their order.
+        for (int j = 1; j < kL; ++j) {
             const float v = cv[j * stride];
             const int c = cc[j * stride];
             int k = j;
@@ -454,12 +462,12 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
             cv[k * stride] = v;
             cc[k * stride] = c;
         }
-        fin[kK] = s;
-        fin[kK + 1] = m2;
+        fin[kL] = s;
+        fin[kL + 1] = m2;
     }
     __syncthreads();
-    sum = fin[kK];
-    m = fin[kK + 1];
+    sum = fin[kL];
+    m = fin[kL + 1];
 }
 
 // Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.
@@ -484,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(
     using namespace topk;
     extern __shared__ __align__(16) unsigned char topk_smem[];
     const Lists lists{reinterpret_cast<float*>(topk_smem),
-                      reinterpret_cast<int*>(topk_smem + (long long)kK * kThreads * 4)};
+                      reinterpret_cast<int*>(topk_smem + (long long)kL * kThreads * 4)};
     const unsigned i = blockIdx.x;
     if (i >= p.batch) return;  // uniform per CTA
     float m, sum;
@@ -504,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS, 2) topk_parti
     using namespace topk;
     extern __shared__ __align__(16) unsigned char topk_smem[];
     const Lists lists{reinterpret_cast<float*>(topk_smem),
-                      reinterpret_cast<int*>(topk_smem + (long long)kK * kThreads * 4)};
+                      reinterpret_cast<int*>(topk_smem + (long long)kL * kThreads * 4)};
     const unsigned i = blockIdx.x, ch = blockIdx.y;
     if (i >= p.batch || ch >= p.chunks) return;  // uniform per CTA
     const long long w = (kCols + p.chunks - 1) / p.chunks;
@@ -513,25 +521,25 @@ extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS, 2) topk_parti
     const long long c1 = c0 + width < kCols ? c0 + width : kCols;
     float m, sum;
     scan_range(p.logits + (long long)i * kCols, c0, c1, lists, m, sum);
-    float* rec = p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kK);
+    float* rec = p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kL);
     const int t = (int)threadIdx.x;
     if (t == 0) {
         rec[0] = m;
         rec[1] = sum;
     }
-    if (t < kK) {
+    if (t < kL) {
         const int c = lists.col(t, 0);
         const bool valid = c >= 0 && (long long)c < kCols;
         rec[2 + t] = valid ? lists.val(t, 0) : neg_inf();
-        rec[2 + kK + t] = valid ? (float)(c + (long long)COL_OFFSET) : -1.0f;
+        rec[2 + kL + t] = valid ? (float)(c + (long long)COL_OFFSET) : -1.0f;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(TopkMergeParams p) {
     using namespace topk;
     // With REFINE: the winners and the row's (m, sum), for the whole CTA's refinement.
-    __shared__ float win_v[kK];
-    __shared__ int win_c[kK];
+    __shared__ float win_v[kL];
+    __shared__ int win_c[kL];
     __shared__ float row_ms[2];
     const unsigned i = blockIdx.x;
     const int t = (int)threadIdx.x;
@@ -543,19 +551,19 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
         // Lane l owns record (rank l / chunks, chunk l % chunks) of row i.
         const bool mine = lane < chunks * kRanks;
         const int r = mine ? lane / chunks : 0, ch = mine ? lane % chunks : 0;
-        const float* rec = p.part + (((long long)r * p.batch + i) * chunks + ch) * (2 + 2 * kK);
+        const float* rec = p.part + (((long long)r * p.batch + i) * chunks + ch) * (2 + 2 * kL);
         const float ml = mine ? rec[0] : neg_inf();
         const float sl = mine ? rec[1] : 0.0f;
         const float m = warp_max(ml);
         const float sum = warp_sum((ml == neg_inf() || m == neg_inf()) ? 0.0f : sl * expf(ml - m));
-        // K rounds: every lane offers the head of its (sorted) candidate list; the best head
+        // kL rounds: every lane offers the head of its (sorted) candidate list; the best head
         // wins (larger value, then lower column) and its lane advances.
         int head = 0;
-        for (int k = 0; k < kK; ++k) {
+        for (int k = 0; k < kL; ++k) {
             float v = neg_inf();
             int c = kNoCol;
-            if (mine && head < kK) {
-                const float cf = rec[2 + kK + head];
+            if (mine && head < kL) {
+                const float cf = rec[2 + kL + head];
                 if (cf >= 0.0f) {
                     v = rec[2 + head];
                     c = (int)cf;
@@ -594,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
         }
     }
     if constexpr (REFINE) {
-        // The row's final kK only (as softmax_topk refines its list): K lm_head rows per row,
+        // The row's final kL only (as softmax_topk refines its list): CANDS lm_head rows a row,
         // and the same candidates whatever the bucket's chunk count.
         __syncthreads();
         float m = row_ms[0], sum = row_ms[1];

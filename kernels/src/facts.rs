@@ -11,6 +11,11 @@ use crate::DType;
 pub const MAX_SMEM_BYTES: u32 = 227 * 1024;
 /// Largest top-K the sampling kernel's shared memory is sized for.
 pub const MAX_TOPK: u32 = 32;
+/// Candidates past TOPK that the refinement recomputes (`KernelFacts::topk_cands`). The
+/// lists are chosen on lm_head's bf16-input logits, whose error (~3e-3 of a logit at the
+/// 8B heads) can swap the K-th and (K+1)-th columns; refining the next two as well lets the
+/// fp32 values decide the K-th place (docs/perf-notes.md item 30).
+pub const TOPK_REFINE_EXTRA: u32 = 2;
 /// Largest number of column chunks a row of the top-K is split into (`topk_merge` has one
 /// lane per chunk).
 pub const MAX_TOPK_CHUNKS: u32 = 32;
@@ -127,6 +132,17 @@ impl KernelFacts {
     /// which alone moves a probability by up to ~5e-3·p.
     pub fn refines_topk(&self) -> bool {
         self.stream == DType::F32
+    }
+
+    /// Candidates each top-K list keeps (sample.cu's CANDS): TOPK, and with the refinement
+    /// [`TOPK_REFINE_EXTRA`] more (at most [`MAX_TOPK`]), of which the refined best TOPK are
+    /// emitted.
+    pub fn topk_cands(&self) -> u32 {
+        if self.refines_topk() {
+            (self.topk + TOPK_REFINE_EXTRA).min(MAX_TOPK).max(self.topk)
+        } else {
+            self.topk
+        }
     }
 
     /// Rows of a bucket an instance over `n` rows per request covers (`batch · n`).
@@ -255,9 +271,10 @@ pub fn rank_topk_chunks(cols: u32, ranks: u32) -> u32 {
     chunks.min(MAX_TOPK_CHUNKS / ranks.max(1)).max(1)
 }
 
-/// Floats per chunk record of `topk_partial`: max, sum, TOPK values, TOPK columns.
-pub fn topk_record_floats(topk: u32) -> u32 {
-    2 + 2 * topk
+/// Floats per chunk record of `topk_partial` with `cands` candidates a list
+/// (`KernelFacts::topk_cands`): max, sum, the candidates' values, their columns.
+pub fn topk_record_floats(cands: u32) -> u32 {
+    2 + 2 * cands
 }
 
 /// Dynamic shared memory of `attn_partial` (attention.cu's header states the formula): the

@@ -144,3 +144,44 @@ fn the_refined_top_k_does_not_depend_on_the_chunk_count() {
         }
     }
 }
+
+/// The lists keep two candidates past TOPK where the refinement runs (the fp32 stream): a
+/// near tie at the K-th place, which lm_head's bf16-input logits can swap, is decided by
+/// the refined values (docs/perf-notes.md item 30). A sharded plan (act stream, no
+/// refinement) keeps TOPK. The split rows' records are 2 + 2·CANDS floats.
+#[test]
+fn the_refinement_keeps_two_candidates_past_topk() {
+    let cands_of = |p: &ValidatedPlan| {
+        let k = p
+            .kernels
+            .iter()
+            .find(|k| k.name.starts_with("topk_merge") || k.name.starts_with("softmax_topk"))
+            .expect("a top-K kernel");
+        let get = |n: &str| match k.constants.iter().find(|(c, _)| c == n) {
+            Some((_, specplan_format::ConstValue::U32(v))) => *v,
+            other => panic!("{}: {n} is {other:?}", k.name),
+        };
+        (get("TOPK"), get("CANDS"))
+    };
+    let split = split_rows_plan("64");
+    assert_eq!(cands_of(&split), (4, 6));
+    let f = specplan_format::phase_facts_of(&split, PhaseKind::DraftExtend);
+    assert_eq!(f.topk_cands(), 6);
+    let b = &split.buckets()[0];
+    let (_, part) = b.buffer("topk_part").expect("the split rows' records");
+    assert_eq!(
+        part.shape.last().copied(),
+        Some(2 + 2 * 6),
+        "records of 2 + 2·CANDS floats"
+    );
+    let sharded = common::compile_preset(
+        "tiny",
+        &Overrides {
+            tp_size: Some(2),
+            tp_rank: Some(0),
+            ..Overrides::default()
+        },
+    );
+    let (k, c) = cands_of(&sharded);
+    assert_eq!(k, c, "no refinement, no extra candidates");
+}

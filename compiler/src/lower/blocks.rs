@@ -594,6 +594,7 @@ fn rank_topk(
     let k = cfg.spec.topk;
     let cols = g.g.tensor(logits).shape[1].fixed as u32;
     let chunks = specplan_kernels::facts::rank_topk_chunks(cols, tp.size) as u64;
+    // A sharded plan's stream is act: no refinement, so a list holds TOPK candidates.
     let rec = chunks * specplan_kernels::facts::topk_record_floats(k) as u64;
     let records = g.act(&cx.n("topk_records"), DType::F32, vec![rows, f(rec)]);
     g.op(

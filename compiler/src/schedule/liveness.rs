@@ -147,7 +147,7 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
                 ws.insert(node, Workspace::Attention(o, l));
             }
             OpKind::SoftmaxTopK { .. } if chunks > 1 => {
-                let rec = specplan_kernels::facts::topk_record_floats(f.topk) as u64;
+                let rec = specplan_kernels::facts::topk_record_floats(f.topk_cands()) as u64;
                 let name = op.renamed(specplan_format::Entry::SoftmaxTopk.name(), "topk_part");
                 let p = scratch(items, name, vec![head_rows, chunks as u64, rec], s);
                 ws.insert(node, Workspace::TopK(p));

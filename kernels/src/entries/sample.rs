@@ -110,9 +110,9 @@ pub const TOPK_THREADS: u32 = 512;
 /// refines the winners (REFINE: K lm_head rows read by the whole CTA).
 pub const TOPK_MERGE_THREADS: u32 = 256;
 
-/// Shared memory of the per-row and per-chunk kernels: a top-K list per thread.
+/// Shared memory of the per-row and per-chunk kernels: a candidate list per thread.
 fn topk_smem(f: &KernelFacts) -> u64 {
-    TOPK_THREADS as u64 * f.topk as u64 * 8
+    TOPK_THREADS as u64 * f.topk_cands() as u64 * 8
 }
 
 /// The refinement's arguments over `b` rows: (x, norm_w, lm_w).
@@ -182,7 +182,7 @@ impl Kernel for TopkPartialParams {
         let b = s.batch as u64;
         TopkPartialPtrs {
             logits: Extent::Elems(b * f.cols as u64),
-            part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
+            part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk_cands()) as u64),
         }
     }
 }
@@ -206,7 +206,7 @@ impl Kernel for TopkMergeParams {
         let ranks = f.tp_size.max(1) as u64;
         let (x, norm_w, lm_w) = refine(f, b);
         TopkMergePtrs {
-            part: Extent::Elems(ranks * b * s.chunks as u64 * topk_record_floats(f.topk) as u64),
+            part: Extent::Elems(ranks * b * s.chunks as u64 * topk_record_floats(f.topk_cands()) as u64),
             hot_ids: hot(f),
             probs: Extent::Elems(b * k),
             ids: Extent::Elems(b * k),
@@ -223,6 +223,7 @@ pub fn constants(f: &KernelFacts) -> Constants {
         stream(f),
         u("COLS", f.cols),
         u("TOPK", f.topk),
+        u("CANDS", f.topk_cands()),
         ("REFINE".into(), ConstValue::Bool(f.refines_topk())),
         ("HEAD_NORM".into(), ConstValue::Bool(f.head_norm && f.refines_topk())),
         u("HIDDEN", f.hidden),

@@ -80,7 +80,7 @@ impl<K: KvStore> Ctx<'_, K> {
     }
 
     pub(super) fn softmax_topk(&mut self, k: &KernelDesc, p: &SoftmaxTopkPtrs<Ptr>, s: &SoftmaxTopkScalars) -> R<()> {
-        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
+        let (cols, topk, cands_n) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_u32(k, "CANDS")?);
         let (logits, probs, ids) = (buf(p.logits, io::LOGITS)?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
         let r = Refine {
             x: p.x,
@@ -94,7 +94,7 @@ impl<K: KvStore> Ctx<'_, K> {
             let mut order: Vec<usize> = (0..cols).collect();
             // Descending by logit; ties to the lower column (a stable sort keeps them).
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            let mut cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&c| (row[c], c)).collect();
+            let mut cands: Vec<(f64, usize)> = order.iter().take(cands_n).map(|&c| (row[c], c)).collect();
             self.refine(k, r, i, &mut m, &mut sum, &mut cands)?;
             for slot in 0..topk {
                 let (prob, id) = match cands.get(slot) {
@@ -109,7 +109,7 @@ impl<K: KvStore> Ctx<'_, K> {
     }
 
     pub(super) fn topk_partial(&mut self, k: &KernelDesc, p: &TopkPartialPtrs<Ptr>, s: &TopkPartialScalars) -> R<()> {
-        let (cols, topk) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?);
+        let (cols, cands_n) = (c_u32(k, "COLS")?, c_u32(k, "CANDS")?);
         // A tensor-parallel rank's columns start at COL_OFFSET of the full row; its records
         // carry full-row columns.
         let offset = c_u32(k, "COL_OFFSET")?;
@@ -118,7 +118,7 @@ impl<K: KvStore> Ctx<'_, K> {
         if chunks == 0 {
             return Err("chunks is 0".into());
         }
-        let rec = 2 + 2 * topk;
+        let rec = 2 + 2 * cands_n;
         // Chunk ch: columns [ch·W, min(cols, (ch+1)·W)), W = ceil(cols/chunks) rounded up
         // to a multiple of 4 (sample.cu's contract).
         let width = cols.div_ceil(chunks).div_ceil(4) * 4;
@@ -135,17 +135,17 @@ impl<K: KvStore> Ctx<'_, K> {
                 let mut order: Vec<usize> = (0..vals.len()).collect();
                 // Stable: ties to the lower column.
                 order.sort_by(|&a, &b| vals[b].total_cmp(&vals[a]));
-                let cands: Vec<(f64, usize)> = order.iter().take(topk).map(|&j| (vals[j], c0 + j)).collect();
+                let cands: Vec<(f64, usize)> = order.iter().take(cands_n).map(|&j| (vals[j], c0 + j)).collect();
                 let base = (i * chunks + ch) * rec;
                 self.st(part, base, m as f32 as f64)?;
                 self.st(part, base + 1, sum as f32 as f64)?;
-                for slot in 0..topk {
+                for slot in 0..cands_n {
                     let (v, c) = match cands.get(slot) {
                         Some(&(v, c)) => (v, (offset + c) as f64),
                         None => (f64::NEG_INFINITY, -1.0),
                     };
                     self.st(part, base + 2 + slot, v)?;
-                    self.st(part, base + 2 + topk + slot, c)?;
+                    self.st(part, base + 2 + cands_n + slot, c)?;
                 }
             }
         }
@@ -175,6 +175,7 @@ impl<K: KvStore> Ctx<'_, K> {
 
     pub(super) fn topk_merge(&mut self, k: &KernelDesc, p: &TopkMergePtrs<Ptr>, s: &TopkMergeScalars) -> R<()> {
         let (cols, topk, ranks) = (c_u32(k, "COLS")?, c_u32(k, "TOPK")?, c_u32(k, "RANKS")?.max(1));
+        let cands_n = c_u32(k, "CANDS")?;
         let (part, probs, ids) = (buf(p.part, "part")?, buf(p.probs, "probs")?, buf(p.ids, "ids")?);
         let r = Refine {
             x: p.x,
@@ -182,7 +183,7 @@ impl<K: KvStore> Ctx<'_, K> {
             lm_w: p.lm_w,
         };
         let (chunks, batch) = (s.chunks as usize, s.batch as usize);
-        let rec = 2 + 2 * topk;
+        let rec = 2 + 2 * cands_n;
         // Every rank's records, rank-major (sample.cu's contract); columns of the full row.
         let all_cols = cols * ranks;
         for i in 0..batch {
@@ -201,10 +202,10 @@ impl<K: KvStore> Ctx<'_, K> {
             // Every chunk's candidates with a column, best first (ties: lower column).
             let mut cand = Vec::new();
             for ch in 0..chunks {
-                for sl in 0..topk {
+                for sl in 0..cands_n {
                     let (v, c) = (
                         self.ld(part, base(ch) + 2 + sl)?,
-                        self.ld(part, base(ch) + 2 + topk + sl)?,
+                        self.ld(part, base(ch) + 2 + cands_n + sl)?,
                     );
                     if c >= 0.0 {
                         cand.push((v, c));
@@ -216,7 +217,7 @@ impl<K: KvStore> Ctx<'_, K> {
             // corrupt record holds one) yields probability 0, id -1 in its slot; with REFINE
             // it is an empty entry, sorted after the refined winners (sample.cu's topk_merge).
             let valid = |c: f64| c >= 0.0 && (c as usize) < all_cols;
-            let top: Vec<(f64, f64)> = cand.iter().take(topk).copied().collect();
+            let top: Vec<(f64, f64)> = cand.iter().take(cands_n).copied().collect();
             let won: Vec<Option<(f64, usize)>> = if c_bool(k, "REFINE")? {
                 let mut refined: Vec<(f64, usize)> = top
                     .iter()
