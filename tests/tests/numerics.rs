@@ -9,7 +9,7 @@ mod common;
 
 use specplan_compiler::config::{resolve, Overrides};
 use specplan_compiler::{compile, Target};
-use specplan_format::{DType, PhaseKind, ValidatedPlan};
+use specplan_format::{DType, Entry, PhaseKind, ValidatedPlan};
 use specplan_tests::numerics::{emulate, Numerics, HIDDEN_ASSERTED};
 use specplan_tests::random::{make_case, random_weights};
 use specplan_tests::{seed, Rng};
@@ -155,7 +155,7 @@ fn the_refinement_keeps_two_candidates_past_topk() {
         let k = p
             .kernels
             .iter()
-            .find(|k| k.name.starts_with("topk_merge") || k.name.starts_with("softmax_topk"))
+            .find(|k| matches!(k.entry, Entry::TopkMerge | Entry::SoftmaxTopk))
             .expect("a top-K kernel");
         let get = |n: &str| match k.constants.iter().find(|(c, _)| c == n) {
             Some((_, specplan_format::ConstValue::U32(v))) => *v,
