@@ -178,6 +178,20 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
     }
 }
 
+// A lower bound of the kL-th largest value the warp's lanes have seen, from each lane's
+// largest `v`: the kL-th largest of the 32 (kL lanes each hold a value at least that
+// large), or lower where lanes tie (tied lanes drop out together), or -inf when fewer than
+// kL lanes hold a finite value. Every lane calls it (full-warp shuffles) and gets the result.
+__device__ __forceinline__ float warp_floor(float v) {
+    float m = neg_inf();
+#pragma unroll
+    for (int k = 0; k < kL; ++k) {
+        m = warp_max(v);
+        if (v == m) v = neg_inf();
+    }
+    return m;
+}
+
 // Scans columns [c0, c1) of `row` with the whole CTA. On return (after a barrier) list 0
 // holds the range's best kL (value, column) pairs in order and every thread has the range
 // max `m` and sum `sum` of exp(x - m) (m = -inf, sum = 0 for an empty range).
@@ -213,11 +227,17 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     }
     float worst_v = neg_inf();  // this thread's list entry kL-1 (the bar to enter the list)
     int worst_c = kNoCol;
+    // A lower bound of the range's kL-th best (warp_floor of the lanes' maxima so far): a
+    // column below it cannot be among the range's best kL, so it enters no list. Without it a
+    // warp ran the insert path for nearly every column, for whichever lane entered it
+    // (docs/perf-notes.md item 31).
+    float floor_v = neg_inf();
     // Sum of exp2((x - tm) * log2 e) over this thread's columns, tm their max so far.
     float tm = neg_inf(), ts = 0.0f;
 
     // Column c (in the range) with value x: into the sorted list when it beats entry kL-1.
     auto insert = [&](float x, int c) {
+        if (x < floor_v) return;  // below a value kL columns of the range reach (not NaN: -inf)
         if (!(x > worst_v || (x == worst_v && worst_c == kNoCol))) return;  // = !better(x, c, worst_v, worst_c)
         if constexpr (kRegs) {
             // Carried down the list: at each entry it beats, the two swap places.
@@ -270,7 +290,11 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     if (aligned16(row + c0)) {
         const long long nv = (c1 - c0) / 4;
         const float4* row4 = reinterpret_cast<const float4*>(row + c0);
-        for (long long v0 = t; v0 < nv; v0 += (long long)kBatch * kThreads) {
+        // The loop's bound is the warp's (lane 0's v0), so every lane runs every iteration and
+        // warp_floor's shuffles see all 32; a lane's float4s past the range read as -inf.
+        const int lane = t & 31;
+        for (long long w0 = t - lane; w0 < nv; w0 += (long long)kBatch * kThreads) {
+            const long long v0 = w0 + lane;
             float x[kBatch * 4];
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
@@ -281,6 +305,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             // A float4 past the range reads as -inf: no term of the sum, and kept out of
             // the list by the test below (a real -inf column would enter an empty slot).
             add_sum(x, kBatch * 4);
+            floor_v = fmaxf(floor_v, warp_floor(tm));
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
                 const long long v = v0 + (long long)u * kThreads;
