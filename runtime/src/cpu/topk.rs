@@ -7,6 +7,7 @@ use specplan_kernels::entries::sample::{
     LogitsGatherPtrs, LogitsGatherScalars, SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkMergePtrs, TopkMergeScalars,
     TopkPartialPtrs, TopkPartialScalars,
 };
+use specplan_kernels::facts::topk_record_floats;
 
 use super::entries::{buf, c_bool, c_f32, c_pos, c_u32, rms_inv, weight};
 use super::{Ctx, KvStore, Ptr, R};
@@ -118,7 +119,7 @@ impl<K: KvStore> Ctx<'_, K> {
         if chunks == 0 {
             return Err("chunks is 0".into());
         }
-        let rec = 2 + 2 * cands_n;
+        let rec = topk_record_floats(cands_n as u32) as usize;
         // Chunk ch: columns [ch·W, min(cols, (ch+1)·W)), W = ceil(cols/chunks) rounded up
         // to a multiple of 4 (sample.cu's contract).
         let width = cols.div_ceil(chunks).div_ceil(4) * 4;
@@ -183,7 +184,7 @@ impl<K: KvStore> Ctx<'_, K> {
             lm_w: p.lm_w,
         };
         let (chunks, batch) = (s.chunks as usize, s.batch as usize);
-        let rec = 2 + 2 * cands_n;
+        let rec = topk_record_floats(cands_n as u32) as usize;
         // Every rank's records, rank-major (sample.cu's contract); columns of the full row.
         let all_cols = cols * ranks;
         for i in 0..batch {
