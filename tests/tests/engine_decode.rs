@@ -291,7 +291,8 @@ fn register(plan: &ValidatedPlan, hw: &HostWeights, c: &Case, layout: Layout) ->
     let mut pools = pools(plan, c.used_pages, &c.k0, &c.v0, layout);
     let ps = plan.capture.page_size as usize;
     let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
-    let pcols = c.pages.iter().map(|p| p.len()).max().unwrap_or(1);
+    // One spare page: registration refuses a table covering no more than N positions.
+    let pcols = c.pages.iter().map(|p| p.len()).max().unwrap_or(1) + 1;
     let cols = if token_slots { pcols * ps } else { pcols };
     let stride = cols + 3;
     let mut table = vec![-1i32; c.b * stride];

@@ -48,10 +48,13 @@ fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, a
     let p = plan.capture.page_size as usize;
     let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
     // Row i of the table: request i's pages (page ids), or its positions' token slots.
+    // One spare page past the widest request, as an engine's table is wider than any
+    // request's context: registration refuses a table covering no more than N positions,
+    // which a case whose prefixes all drew 0 would otherwise be.
     let cols = if token_slots {
-        c.step.page_cols * p
+        (c.step.page_cols + 1) * p
     } else {
-        c.step.page_cols
+        c.step.page_cols + 1
     };
     let mut table = vec![-1i32; c.b * cols];
     for i in 0..c.b {
