@@ -28,6 +28,9 @@ pub struct SoakReport {
     pub untouched_changed: usize,
     pub sampled: usize,
     pub worst_hidden_rel: f64,
+    /// The sampled steps' numerics pooled (`numerics::Numerics::max`): the probability
+    /// target is asserted over them, not per step.
+    pub numerics: crate::numerics::Numerics,
     pub free_bytes_after_warmup: u64,
     pub free_bytes_at_end: u64,
     pub seconds: f64,
@@ -87,6 +90,7 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
             let r = check_case(plan, &mut rt, &weights, &c)?;
             rep.sampled += 1;
             rep.worst_hidden_rel = rep.worst_hidden_rel.max(r.hidden_rel);
+            rep.numerics = std::mem::take(&mut rep.numerics).max(r.numerics.clone());
             rep.graph_vs_eager_diffs += r.graph_vs_eager_diff;
             rep.untouched_changed += r.kv_untouched_changed;
             if !r.ok && rep.failures.len() < 8 {
@@ -141,6 +145,11 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
             ));
         }
         rep.steps += 1;
+    }
+    let fp32_stream = specplan_format::stream_dtype(PhaseKind::DraftExtend, plan.capture.dtype, plan.capture.tp)
+        == specplan_format::DType::F32;
+    if let Some(f) = rep.numerics.probability_failure().filter(|_| fp32_stream) {
+        rep.failures.push(f);
     }
     rt.synchronize().map_err(g)?;
     rep.free_bytes_at_end = free_bytes()?;

@@ -14,7 +14,7 @@ use specplan_tests::numerics::{emulate, Numerics, HIDDEN_ASSERTED};
 use specplan_tests::random::{make_case, random_weights};
 use specplan_tests::{seed, Rng};
 
-/// The worst of `cases` random cases per batch size in {1, 5}.
+/// `cases` random cases per batch size in {1, 5}, pooled (`Numerics::max`).
 fn worst(plan: &ValidatedPlan, rng: &mut Rng, cases: usize) -> Numerics {
     let weights = random_weights(plan, rng);
     let mut w = Numerics::default();
@@ -59,7 +59,7 @@ fn the_fp32_stream_keeps_hidden_out_within_the_target() {
             DType::F32,
             "{name}"
         );
-        let n = worst(plan, &mut rng, 2);
+        let n = worst(plan, &mut rng, 4);
         eprintln!("{name}: {n:?}");
         assert!(
             n.hidden_rel <= HIDDEN_ASSERTED,
@@ -69,15 +69,18 @@ fn the_fp32_stream_keeps_hidden_out_within_the_target() {
         // The rounding is real (a zero here would mean the emulation rounds nothing).
         assert!(n.hidden_rel > 1e-4, "{name}: {n:?}");
         // The top-K refinement and the selected rows' MLP pairs: ids equal outside near
-        // ties, probabilities within 7.5e-3·p (the 5e-3 target, half again as margin).
-        // Emulated over 9 seeds (2026-12-03): EAGLE-3 2.8–4.2e-3 (was 4.9e-3 to 1.05e-2 with
-        // the MLP's bf16 inputs, docs/perf-notes.md item 29), EAGLE-1 heads 2.1–4.5e-3.
+        // ties; the probabilities' pooled RMS within the target (`numerics` header: over 96
+        // probabilities the tiny EAGLE-3 head's RMS is 1.34e-3 at the median of 1,000 seeds
+        // and at most 2.12e-3), and every probability within the GPU checks' correctness
+        // bound (the largest of 96 reached 1.16e-2 in those seeds; it passed 7.5e-3, this
+        // test's bound on the largest until 2026-12-04, in about one run in forty).
         assert_eq!(n.id_off, 0, "{name}: {n:?}");
-        let bound = 1.5 * specplan_tests::numerics::PROB_TARGET_REL;
+        assert!(n.probability_failure().is_none(), "{name}: {n:?}");
         assert!(
-            n.prob_rel <= bound,
-            "{name}: probabilities {:.3e} > {bound:e}",
-            n.prob_rel
+            n.prob_rel <= specplan_tests::checks::PROB_REL,
+            "{name}: a probability off by {:.3e}·p > {:e}",
+            n.prob_rel,
+            specplan_tests::checks::PROB_REL
         );
     }
 }

@@ -32,6 +32,7 @@ use specplan_runtime::cpu::WeightData;
 use specplan_runtime::gpu::{GpuOptions, GpuRuntime};
 use specplan_tests::checks::{attention_check, check_case, contract_check, replay_us, ATTN_MAX_BOUND, REL_BOUND};
 use specplan_tests::decode_check::{check_decode, TREE_AGREEMENT};
+use specplan_tests::numerics::{Numerics, PROB_RMS_TARGET};
 use specplan_tests::random::{make_case, random_weights};
 use specplan_tests::report::{AttentionReport, GraphBuild, Latency, PlanReport};
 use specplan_tests::{json, plan_files, seed, write_atomic, Rng};
@@ -72,7 +73,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         match check_case(plan, &mut rt, &weights, &c) {
             Ok(e) => {
                 println!(
-                    "{:<28} {:>5} {:>6} {:>10.2e} {:>9.1e} {:>9.2e} {:>8} {:>9}  {}  (targets: p rel {:.2e}, {} p off, {} ids off{})",
+                    "{:<28} {:>5} {:>6} {:>10.2e} {:>9.1e} {:>9.2e} {:>8} {:>9}  {}  (targets: p rms {:.2e}, largest {:.2e}, {} p off, {} ids off{})",
                     name,
                     b,
                     e.bucket,
@@ -82,6 +83,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
                     e.id_mismatch,
                     e.graph_vs_eager_diff,
                     if e.ok { "ok" } else { "FAIL" },
+                    e.numerics.prob_rms,
                     e.numerics.prob_rel,
                     e.numerics.prob_off,
                     e.numerics.id_off,
@@ -97,6 +99,29 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
                 rep.errors.push(format!("b={b}: {msg}"));
             }
         }
+    }
+    // The probability target over the plan's cases (`numerics`: the pooled RMS), where the
+    // draft-extend stream is fp32.
+    let pooled = rep
+        .cases
+        .iter()
+        .fold(Numerics::default(), |a, e| a.max(e.numerics.clone()));
+    let fp32_stream = specplan_format::stream_dtype(PhaseKind::DraftExtend, plan.capture.dtype, plan.capture.tp)
+        == specplan_format::DType::F32;
+    println!(
+        "{name:<28} numerics over {} cases: hidden {:.2e}, p rms {:.2e} over {} (asserted <= {PROB_RMS_TARGET:e}), largest {:.2e}, {} p off, {} ids off{}",
+        rep.cases.len(),
+        pooled.hidden_rel,
+        pooled.prob_rms,
+        pooled.prob_count,
+        pooled.prob_rel,
+        pooled.prob_off,
+        pooled.id_off,
+        if pooled.meets_targets() { ": all met" } else { "" }
+    );
+    if let Some(f) = pooled.probability_failure().filter(|_| fp32_stream) {
+        println!("    {f}");
+        rep.errors.push(f);
     }
     // The attention kernels alone, at long prefixes (splits, several key tiles).
     let attn_prefix = max_prefix.min(3000);
@@ -435,7 +460,7 @@ fn engine(out: &str, sglang: &str, vllm: &str, loads: &[String]) -> ExitCode {
 /// `gpucheck numerics`: the CPU-only prediction of each plan's numerics (b 1 and 5, prefixes
 /// up to 256), one line per plan; exit 1 when a plan misses a target.
 fn numerics(paths: &[String]) -> ExitCode {
-    use specplan_tests::numerics::{emulate, Numerics};
+    use specplan_tests::numerics::emulate;
     let mut ok = true;
     for path in paths {
         let r = load_file(std::path::Path::new(path))
@@ -455,8 +480,9 @@ fn numerics(paths: &[String]) -> ExitCode {
             Ok(n) => {
                 ok &= n.meets_targets();
                 println!(
-                    "numerics {path}: hidden rel {:.2e}, prob rel {:.2e} ({} off), ids off {}: {}",
+                    "numerics {path}: hidden rel {:.2e}, prob rms {:.2e} (largest {:.2e}, {} off), ids off {}: {}",
                     n.hidden_rel,
+                    n.prob_rms,
                     n.prob_rel,
                     n.prob_off,
                     n.id_off,
