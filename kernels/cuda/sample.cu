@@ -60,7 +60,7 @@
 //     Params: logits const float* [batch, COLS], part float* [batch*chunks*R],
 //             batch unsigned, chunks unsigned (1..32)
 //     A record's columns are full-row columns: c + COL_OFFSET.
-//   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 256, 1, 1), no dynamic shared
+//   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 512, 1, 1), no dynamic shared
 //     memory (warp 0 merges; with REFINE every warp then refines the winners).
 //     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
 //             x, norm_w, lm_w (the refinement's, above), batch unsigned,
@@ -495,6 +495,14 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
     m = fin[kL + 1];
 }
 
+// With an id map, column c's entry fetched into L2 while the refinement runs (`emit` reads
+// it after; a load from DRAM there would be the kernel's last latency). No-op otherwise.
+__device__ __forceinline__ void prefetch_id(const long long* hot_ids, int c) {
+    if constexpr (HOT_MAP || ID_OFFSET) {
+        if (c >= 0 && (long long)c < kAllCols) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(hot_ids + c));
+    }
+}
+
 // Writes probs/ids of row i from its best kK (value, column) pairs, the row max m and sum.
 __device__ __forceinline__ void emit(float v, int c, float m, float sum, const long long* hot_ids, float* probs,
                                      long long* ids, long long at) {
@@ -520,14 +528,15 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(
                       reinterpret_cast<int*>(topk_smem + (long long)kL * kThreads * 4)};
     const unsigned i = blockIdx.x;
     if (i >= p.batch) return;  // uniform per CTA
+    const int t = (int)threadIdx.x;
     float m, sum;
     scan_range(p.logits + (long long)i * kCols, 0, kCols, lists, m, sum);
     if constexpr (REFINE) {
+        if (t < kL) prefetch_id(p.hot_ids, lists.col(t, 0));
         if (m != neg_inf())  // uniform: every thread holds the range max
             refine_cands<kThreads>(&lists.val(0, 0), &lists.col(0, 0), kThreads, m, sum,
                                    p.x + (long long)i * HIDDEN, p.norm_w, p.lm_w);
     }
-    const int t = (int)threadIdx.x;
     if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
 }
 
@@ -566,17 +575,31 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
     __shared__ float win_v[kL];
     __shared__ int win_c[kL];
     __shared__ float row_ms[2];
+    // The row's records, staged by the whole CTA before warp 0's rounds read them: every load
+    // in flight together (a round's next head is known only after the round, so reading the
+    // records in global memory cost two dependent loads a round). Record l at recs[l * kRS]:
+    // an odd stride, so the 32 lanes' reads of one field hit 32 banks.
+    constexpr int kR = 2 + 2 * kL;
+    constexpr int kRS = kR + 1;
+    __shared__ float recs[32 * kRS];
     const unsigned i = blockIdx.x;
     const int t = (int)threadIdx.x;
     if (i >= p.batch || p.chunks == 0u || p.chunks * RANKS > 32u) return;  // uniform per CTA
+    const int chunks = (int)p.chunks;
+    const int nrec = chunks * kRanks;
+    for (int e = t; e < nrec * kR; e += (int)TOPK_MERGE_THREADS) {
+        // Record l = (rank l / chunks, chunk l % chunks) of row i, field f.
+        const int l = e / kR, f = e - l * kR;
+        const int r = l / chunks, ch = l - r * chunks;
+        recs[l * kRS + f] = p.part[(((long long)r * p.batch + i) * chunks + ch) * kR + f];
+    }
+    __syncthreads();
     if (!REFINE && t >= 32) return;  // warp 0 merges; the other warps only refine
     if (t < 32) {
         const int lane = t;
-        const int chunks = (int)p.chunks;
-        // Lane l owns record (rank l / chunks, chunk l % chunks) of row i.
-        const bool mine = lane < chunks * kRanks;
-        const int r = mine ? lane / chunks : 0, ch = mine ? lane % chunks : 0;
-        const float* rec = p.part + (((long long)r * p.batch + i) * chunks + ch) * (2 + 2 * kL);
+        // Lane l owns record l of row i.
+        const bool mine = lane < nrec;
+        const float* rec = recs + (mine ? lane : 0) * kRS;
         const float ml = mine ? rec[0] : neg_inf();
         const float sl = mine ? rec[1] : 0.0f;
         const float m = warp_max(ml);
@@ -616,6 +639,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
                     const bool ok = col >= 0 && (long long)col < kAllCols;
                     win_v[k] = ok ? bv : neg_inf();
                     win_c[k] = ok ? col : -1;
+                    prefetch_id(p.hot_ids, ok ? col : -1);
                 } else {
                     emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
                 }

@@ -106,9 +106,12 @@ impl Kernel for LogitsGatherParams {
 }
 
 pub const TOPK_THREADS: u32 = 512;
-/// `topk_merge`: one CTA per row; warp 0 merges (lane l owns chunk l's record), every warp
-/// refines the winners (REFINE: K lm_head rows read by the whole CTA).
-pub const TOPK_MERGE_THREADS: u32 = 256;
+/// `topk_merge`: one CTA per row; the CTA stages the row's records, warp 0 merges them (lane
+/// l owns record l), every warp refines the winners (REFINE: CANDS lm_head rows read by the
+/// whole CTA). 512 threads, as `softmax_topk`: at H ≤ 4096 a thread's share of the refinement
+/// is one 8-element vector of each row, so its loads are all in flight together (at 256 the
+/// second vector's loads waited for the first's sums: one more DRAM latency).
+pub const TOPK_MERGE_THREADS: u32 = 512;
 
 /// Shared memory of the per-row and per-chunk kernels: a candidate list per thread.
 fn topk_smem(f: &KernelFacts) -> u64 {
