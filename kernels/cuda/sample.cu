@@ -61,7 +61,8 @@
 //             batch unsigned, chunks unsigned (1..32)
 //     A record's columns are full-row columns: c + COL_OFFSET.
 //   topk_merge: grid (batch, 1, 1), block (TOPK_MERGE_THREADS = 512, 1, 1), no dynamic shared
-//     memory (warp 0 merges; with REFINE every warp then refines the winners).
+//     memory (the whole CTA stages the row's records in shared memory; then warp 0 merges,
+//     and with REFINE every warp refines the winners).
 //     Params: part const float*, hot_ids const long long*, probs float*, ids long long*,
 //             x, norm_w, lm_w (the refinement's, above), batch unsigned,
 //             chunks unsigned (RANKS * chunks <= 32)
@@ -96,7 +97,7 @@ namespace topk {
 constexpr int kThreads = (int)SOFTMAX_TOPK_THREADS;
 // The per-row and per-chunk kernels share the list code below, sized by kThreads.
 static_assert(SOFTMAX_TOPK_THREADS == TOPK_PARTIAL_THREADS, "softmax_topk and topk_partial share one block size");
-static_assert(TOPK_MERGE_THREADS % 32u == 0u && TOPK_MERGE_THREADS >= 64u, "topk_merge: warp 0 merges (lane l owns chunk l), every warp refines");
+static_assert(TOPK_MERGE_THREADS % 32u == 0u && TOPK_MERGE_THREADS >= 64u, "topk_merge: warp 0 merges (lane l owns record l), every warp stages and refines");
 static_assert(kThreads % 32 == 0 && kThreads / 32 <= 32, "whole warps, at most 32: warp 0 merges a list per warp");
 constexpr int kK = (int)TOPK;
 // Every list's length: kK, plus the refinement's extra candidates (the header's CANDS).
@@ -499,7 +500,7 @@ __device__ __forceinline__ void refine_cands(float* cv, int* cc, int stride, flo
 // it after; a load from DRAM there would be the kernel's last latency). No-op otherwise.
 __device__ __forceinline__ void prefetch_id(const long long* hot_ids, int c) {
     if constexpr (HOT_MAP || ID_OFFSET) {
-        if (c >= 0 && (long long)c < kAllCols) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(hot_ids + c));
+        if (c >= 0 && (long long)c < kAllCols) asm volatile("prefetch.L2 [%0];\n" ::"l"(hot_ids + c));  // generic address
     }
 }
 
@@ -584,7 +585,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
     __shared__ float recs[32 * kRS];
     const unsigned i = blockIdx.x;
     const int t = (int)threadIdx.x;
-    if (i >= p.batch || p.chunks == 0u || p.chunks * RANKS > 32u) return;  // uniform per CTA
+    // (chunks > 32 first: the product below is 32-bit and could wrap.)
+    if (i >= p.batch || p.chunks == 0u || p.chunks > 32u || p.chunks * RANKS > 32u) return;  // uniform per CTA
     const int chunks = (int)p.chunks;
     const int nrec = chunks * kRanks;
     for (int e = t; e < nrec * kR; e += (int)TOPK_MERGE_THREADS) {
@@ -594,7 +596,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
         recs[l * kRS + f] = p.part[(((long long)r * p.batch + i) * chunks + ch) * kR + f];
     }
     __syncthreads();
-    if (!REFINE && t >= 32) return;  // warp 0 merges; the other warps only refine
+    if (!REFINE && t >= 32) return;  // the records are staged: warp 0 merges, the rest only refine
     if (t < 32) {
         const int lane = t;
         // Lane l owns record l of row i.

@@ -109,8 +109,9 @@ pub const TOPK_THREADS: u32 = 512;
 /// `topk_merge`: one CTA per row; the CTA stages the row's records, warp 0 merges them (lane
 /// l owns record l), every warp refines the winners (REFINE: CANDS lm_head rows read by the
 /// whole CTA). 512 threads, as `softmax_topk`: at H ≤ 4096 a thread's share of the refinement
-/// is one 8-element vector of each row, so its loads are all in flight together (at 256 the
-/// second vector's loads waited for the first's sums: one more DRAM latency).
+/// is one 8-element vector of each row (the 16-byte vector path), so at small CANDS its loads
+/// are in flight together (at 256 the second vector's loads waited for the first's sums: one
+/// more DRAM latency); at large CANDS the 128-register bound makes ptxas batch them.
 pub const TOPK_MERGE_THREADS: u32 = 512;
 
 /// Shared memory of the per-row and per-chunk kernels: a candidate list per thread.
