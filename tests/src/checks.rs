@@ -110,8 +110,7 @@ pub fn check_case(
     };
     e.numerics = numerics::compare(plan, &got, &r, c.b);
     e.hidden_rel = e.numerics.hidden_rel;
-    let fp32_stream =
-        specplan_format::stream_dtype(PhaseKind::DraftExtend, act, plan.capture.tp) == specplan_format::DType::F32;
+    let fp32_stream = numerics::asserted(plan);
     if fp32_stream && e.numerics.hidden_rel > numerics::HIDDEN_ASSERTED {
         e.failures.push(format!(
             "b={}: hidden_out relative error {:.3e} > the fp32 stream's bound {}",

@@ -25,7 +25,7 @@
 //! costs, before any kernel's arithmetic differs. The device adds its own summation
 //! orders (f32 against the executor's f64) to that, which are orders smaller.
 
-use specplan_format::ValidatedPlan;
+use specplan_format::{DType, PhaseKind, ValidatedPlan};
 use specplan_runtime::cpu::{BucketOutputs, WeightData};
 
 use crate::random::Case;
@@ -84,9 +84,10 @@ impl Numerics {
     }
 
     /// What the plan-level probability assertion reports where it fails: the pooled RMS
-    /// past [`PROB_RMS_TARGET`] (None where it holds).
-    pub fn probability_failure(&self) -> Option<String> {
-        (self.prob_rms > PROB_RMS_TARGET).then(|| {
+    /// past [`PROB_RMS_TARGET`] (None where it holds, or where `plan` does not assert the
+    /// targets: [`asserted`]).
+    pub fn probability_failure(&self, plan: &ValidatedPlan) -> Option<String> {
+        (asserted(plan) && self.prob_rms > PROB_RMS_TARGET).then(|| {
             format!(
                 "top-K probabilities: RMS relative error {:.3e} over {} probabilities > {PROB_RMS_TARGET:e} \
                  (the {PROB_TARGET_REL:e} target at two standard deviations; largest {:.3e}, {} past \
@@ -95,6 +96,13 @@ impl Numerics {
             )
         })
     }
+}
+
+/// Whether a plan's checks assert the targets: where its draft-extend stream is fp32 (the
+/// top-K refinement and the MLP pairs apply there: docs/semantics.md "Precision"). Plans
+/// whose stream is in act (draft decode, sharded) report them only.
+pub fn asserted(plan: &ValidatedPlan) -> bool {
+    specplan_format::stream_dtype(PhaseKind::DraftExtend, plan.capture.dtype, plan.capture.tp) == DType::F32
 }
 
 /// `got` against `want` for the first `b` requests (hidden rows `H` wide, `k` top-K slots

@@ -146,9 +146,7 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
         }
         rep.steps += 1;
     }
-    let fp32_stream = specplan_format::stream_dtype(PhaseKind::DraftExtend, plan.capture.dtype, plan.capture.tp)
-        == specplan_format::DType::F32;
-    if let Some(f) = rep.numerics.probability_failure().filter(|_| fp32_stream) {
+    if let Some(f) = rep.numerics.probability_failure(plan) {
         rep.failures.push(f);
     }
     rt.synchronize().map_err(g)?;

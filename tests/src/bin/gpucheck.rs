@@ -106,8 +106,6 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         .cases
         .iter()
         .fold(Numerics::default(), |a, e| a.max(e.numerics.clone()));
-    let fp32_stream = specplan_format::stream_dtype(PhaseKind::DraftExtend, plan.capture.dtype, plan.capture.tp)
-        == specplan_format::DType::F32;
     println!(
         "{name:<28} numerics over {} cases: hidden {:.2e}, p rms {:.2e} over {} (asserted <= {PROB_RMS_TARGET:e}), largest {:.2e}, {} p off, {} ids off{}",
         rep.cases.len(),
@@ -119,7 +117,7 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
         pooled.id_off,
         if pooled.meets_targets() { ": all met" } else { "" }
     );
-    if let Some(f) = pooled.probability_failure().filter(|_| fp32_stream) {
+    if let Some(f) = pooled.probability_failure(plan) {
         println!("    {f}");
         rep.errors.push(f);
     }
