@@ -14,8 +14,8 @@
 //!   5e-3·p in 18% of random draws (1,000 seeds, up to 1.16e-2; the pooled RMS at most
 //!   2.12e-3); the tail comes from the attention branch's bf16 stores (the layer input, the
 //!   q/k/v rows, the new K/V and the attention output: with those exact the largest of 48
-//!   stays under 4.6e-3 in 300 draws), so a bound on the largest failed a random check about
-//!   one run in ten (docs/perf-notes.md, "The probability target's tail");
+//!   stays under 4.6e-3 in 200 draws), so a bound on the largest failed the GPU check's cases
+//!   in 12% of 500 draws (docs/perf-notes.md, "The probability target's tail");
 //! - top-K ids equal wherever the reference's neighbouring probabilities are more than
 //!   [`ID_GAP`] apart (a closer pair may swap).
 //!
