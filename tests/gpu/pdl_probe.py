@@ -13,6 +13,9 @@
 # back-to-back replays (the chain's weights, 0.5 GB, are more than L2 holds).
 import ctypes, os, statistics, sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nvrtc_probe import compile_cubin  # noqa: E402
+
 SRC = r'''
 #include <cuda_bf16.h>
 using act_t = __nv_bfloat16;
@@ -124,21 +127,10 @@ def ck(rc, what):
         sys.exit(f"{what} failed: {rc}")
 
 
-nvrtc = ctypes.CDLL(os.environ.get("NVRTC_LIB", "/usr/local/cuda/lib64/libnvrtc.so"))
-prog = ctypes.c_void_p()
-ck(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), SRC.encode(), b"pdl_probe.cu", 0, None, None), "nvrtcCreateProgram")
-inc = os.environ.get("CUDA_INC", "/usr/local/cuda/include")
-opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"-I" + inc.encode(), b"--ptxas-options=-v"]
-rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-n = ctypes.c_size_t(); nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-log = ctypes.create_string_buffer(n.value); nvrtc.nvrtcGetProgramLog(prog, log)
-if rc != 0:
-    sys.exit(log.value.decode())
-ck(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "size")
-cubin = ctypes.create_string_buffer(n.value); ck(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+cubin, log = compile_cubin(SRC, "pdl_probe.cu")
 if "--compile-only" in sys.argv:
-    print(log.value.decode())
-    sys.exit(f"compiled: {n.value} bytes of CUBIN")
+    print(log)
+    sys.exit(f"compiled: {len(cubin)} bytes of CUBIN")
 
 import torch  # noqa: E402
 

@@ -10,6 +10,9 @@
 # L2, as in a step).
 import ctypes, os, statistics, sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nvrtc_probe import compile_cubin  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.environ.get("BASE", os.path.join(ROOT, "kernels/cuda/gemm.cu"))
 COMMON = os.path.join(ROOT, "kernels/cuda/common.cuh")
@@ -192,22 +195,10 @@ def source():
     return PRELUDE + base + VARIANTS
 
 
-# NVRTC and the headers: the GPU machine's toolkit, or (here, `--compile-only`) the pinned
-# wheel's through NVRTC_LIB and CUDA_INC.
-nvrtc = ctypes.CDLL(os.environ.get("NVRTC_LIB", "/usr/local/cuda/lib64/libnvrtc.so"))
-prog = ctypes.c_void_p()
-ck(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source().encode(), b"skinny_probe.cu", 0, None, None), "nvrtcCreateProgram")
-inc = os.environ.get("CUDA_INC", "/usr/local/cuda/include")
-opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"-I" + inc.encode(), b"-lineinfo", b"--ptxas-options=-v"]
-rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-n = ctypes.c_size_t(); nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-log = ctypes.create_string_buffer(n.value); nvrtc.nvrtcGetProgramLog(prog, log)
-if rc != 0:
-    sys.exit(log.value.decode())
-ck(nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(n)), "size")
-cubin = ctypes.create_string_buffer(n.value); ck(nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+cubin, log = compile_cubin(source(), "skinny_probe.cu", ["-lineinfo"])
 if "--compile-only" in sys.argv:
-    sys.exit(f"compiled: {n.value} bytes of CUBIN; {log.value.decode().strip() or 'no warnings'}")
+    print(log)
+    sys.exit(f"compiled: {len(cubin)} bytes of CUBIN")
 import torch
 cuda = ctypes.CDLL("libcuda.so.1")
 torch.zeros(1, device="cuda")  # the primary context, current
