@@ -23,6 +23,7 @@ type Pass = fn(&mut OpGraph, &Config) -> Vec<FusionRecord>;
 const EMBED_CONCAT: &str = Entry::EmbedConcat.name();
 const EMBED_NORM_CONCAT: &str = Entry::EmbedNormConcat.name();
 const SELECT_NORM: &str = Entry::SelectNorm.name();
+const NORM_CAST: &str = Entry::NormCast.name();
 const SOFTMAX_TOPK: &str = Entry::SoftmaxTopk.name();
 
 /// The fusion pipeline, in order.
@@ -36,6 +37,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("residual_into_gemm", residual_into_gemm),
     ("residual_into_all_reduce", tp::residual_into_all_reduce),
     ("mlp_pairs", select::mlp_pairs),
+    (NORM_CAST, select::norm_cast),
     (SOFTMAX_TOPK, topk::softmax_topk),
 ];
 
@@ -646,6 +648,7 @@ mod tests {
                         | OpKind::SelectNorm
                         | OpKind::SelectNormPairs
                         | OpKind::SiluMulPairs
+                        | OpKind::NormCast
                         | OpKind::SoftmaxTopK { .. }
                         | OpKind::Cast
                 ),

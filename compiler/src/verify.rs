@@ -275,6 +275,18 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             want(c.shape(false, 1) == [h], || format!("weight must be [{h}]"))?;
             c.same((false, 0), (true, 0))
         }
+        OpKind::NormCast => {
+            // The fp32 stream's rows: their norm (the weight's type) and their rounding
+            // (the activation type), each of the rows' shape.
+            c.arity(2, 2)?;
+            c.dtype(false, 0, &[DType::F32])?;
+            let (_, h) = c.rank2(false, 0)?;
+            want(c.shape(false, 1) == [h], || format!("weight must be [{h}]"))?;
+            c.dtype(true, 0, &[g.tensor(ins[1]).dtype])?;
+            c.dtype(true, 1, &ACT)?;
+            c.same((false, 0), (true, 0))?;
+            c.same((false, 0), (true, 1))
+        }
         OpKind::Add | OpKind::Mul | OpKind::Silu | OpKind::Cast => check_elementwise(&c, kind),
         OpKind::Rope { .. } => {
             c.arity(2, 1)?;

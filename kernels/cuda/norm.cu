@@ -34,6 +34,14 @@
 // Launch:    grid (rows, parts, 1), block (CAST_ROWS_THREADS = 256, 1, 1), no shared memory;
 //            parts = kernels::facts::row_parts: CTA (r, y) converts every parts-th slice.
 // Params:    x const stream_t* [rows, HIDDEN], out act_t* [rows, HIDDEN], rows unsigned
+//
+// Entry:     norm_cast (EAGLE-3's head over the fp32 stream's selected rows: hidden_out and
+//            lm_head's input from one launch, the `norm_cast` pass)
+//   cast[r, c] = round(x[r, c])                  (as cast_rows)
+//   out[r, :]  = rmsnorm(x[r, :], weight)        (as rmsnorm)
+// Launch:    grid (rows, 1, 1), block (NORM_CAST_THREADS = 256, 1, 1), no dynamic shared memory.
+// Params:    x const stream_t* [rows, HIDDEN], weight const act_t* [HIDDEN],
+//            out act_t* [rows, HIDDEN], cast act_t* [rows, HIDDEN], rows unsigned
 #include "common.cuh"
 
 // RmsNormParams is declared by the generated prelude, from specplan_kernels
@@ -66,4 +74,16 @@ extern "C" __global__ void __launch_bounds__(CAST_ROWS_THREADS) cast_rows(CastRo
     if (r >= p.rows) return;
     constexpr long long H = (long long)HIDDEN;
     parts_cast(p.out + (long long)r * H, p.x + (long long)r * H, H, blockIdx.y, gridDim.y);
+}
+
+extern "C" __global__ void __launch_bounds__(NORM_CAST_THREADS) norm_cast(NormCastParams p) {
+    __shared__ float scratch[32];
+    const unsigned r = blockIdx.x;
+    if (r >= p.rows) return;  // uniform per CTA
+    constexpr long long H = (long long)HIDDEN;
+    const stream_t* x = p.x + (long long)r * H;
+    // The rounding first: its reads bring the row into L1 for the norm's (which reads the
+    // source row, not the rounded copy, like rmsnorm).
+    parts_cast(p.cast + (long long)r * H, x, H, 0, 1);
+    rmsnorm_row(x, p.weight, p.out + (long long)r * H, H, EPS, scratch);
 }

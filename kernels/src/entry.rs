@@ -75,7 +75,7 @@ impl Template {
     pub fn entries(self) -> &'static [Entry] {
         match self {
             Template::Embed => &[Entry::EmbedConcat, Entry::EmbedNormConcat],
-            Template::Norm => &[Entry::RmsNorm, Entry::NormConcat, Entry::CastRows],
+            Template::Norm => &[Entry::RmsNorm, Entry::NormConcat, Entry::CastRows, Entry::NormCast],
             Template::RopeAppend => &[Entry::RopeAppend],
             Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
             Template::Mlp => &[Entry::SiluMul, Entry::SiluMulPairs],
@@ -192,6 +192,7 @@ entries! {
     SkinnyGemm => gemm::SkinnyGemmParams, "skinny_gemm", Gemm;
     SiluMulPairs => mlp::SiluMulPairsParams, "silu_mul_pairs", Mlp;
     SelectNormPairs => select::SelectNormPairsParams, "select_norm_pairs", Select;
+    NormCast => norm::NormCastParams, "norm_cast", Norm;
 }
 
 impl Entry {

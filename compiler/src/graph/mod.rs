@@ -208,6 +208,9 @@ pub enum OpKind {
     /// ins: gate_up [2B,2I] f32 (the GEMM over SelectNormPairs' rows) → out [B,I]:
     /// silu(g)·u of the pairs' sums, its own buffer.
     SiluMulPairs,
+    /// The two readers of the fp32 stream's selected rows in EAGLE-3's head: ins x [R,H] f32,
+    /// w [H] → out: rmsnorm(x, w) [R,H] (lm_head's input), round(x) [R,H] (hidden_out).
+    NormCast,
 }
 
 /// How top-K columns become token ids.
@@ -255,6 +258,7 @@ impl OpKind {
             OpKind::SelectNorm => Entry::SelectNorm.name(),
             OpKind::SelectNormPairs => Entry::SelectNormPairs.name(),
             OpKind::SiluMulPairs => Entry::SiluMulPairs.name(),
+            OpKind::NormCast => Entry::NormCast.name(),
             OpKind::TreeInit => Entry::TreeInit.name(),
             OpKind::TreeSelect { .. } => Entry::TreeSelect.name(),
             OpKind::TreeFinish => Entry::TreeFinish.name(),
@@ -293,6 +297,7 @@ impl OpKind {
             | OpKind::SelectNorm
             | OpKind::SelectNormPairs
             | OpKind::SiluMulPairs
+            | OpKind::NormCast
             | OpKind::EmbedConcat { .. }
             | OpKind::RopeAppend { .. }
             | OpKind::SiluMul

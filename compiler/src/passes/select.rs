@@ -1,9 +1,10 @@
-//! The selected rows and their norm in one kernel (the draft-extend head's last layer).
+//! The selected rows and their norm in one kernel (the draft-extend head's last layer), the
+//! selected rows' MLP over hi/lo pairs, and the head's two readers of the rows in one kernel.
 
 use petgraph::stable_graph::NodeIndex;
 use specplan_format::{DType, Entry, FusionRecord};
 
-use super::{names, nodes_where, plain_linear, remove, row_bytes, sole_consumer, SELECT_NORM};
+use super::{names, nodes_where, plain_linear, remove, row_bytes, sole_consumer, NORM_CAST, SELECT_NORM};
 use crate::config::Config;
 use crate::graph::{Dim, Op, OpGraph, OpKind};
 
@@ -91,6 +92,42 @@ pub(super) fn mlp_pairs(g: &mut OpGraph, cfg: &Config) -> Vec<FusionRecord> {
     out
 }
 
+/// The fp32 stream's selected rows, read twice by EAGLE-3's head — rounded into
+/// `hidden_out` (`cast_rows`) and normed into lm_head's input (`rmsnorm`) — → one kernel
+/// writing both (`norm_cast`): a launch and a read of the rows fewer. Where the rows have
+/// another norm reader, or none, the ops stay as they are.
+pub(super) fn norm_cast(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
+    let mut out = Vec::new();
+    for c in nodes_where(g, |k| *k == OpKind::Cast) {
+        let x = g.graph[c].ins[0];
+        let norms: Vec<NodeIndex> = g
+            .consumers(x)
+            .into_iter()
+            .filter(|&n| g.graph[n].kind == OpKind::RmsNorm && g.graph[n].ins[0] == x)
+            .collect();
+        let [n] = norms[..] else {
+            continue;
+        };
+        let op = Op {
+            name: g.graph[n].renamed("final_norm", NORM_CAST),
+            kind: OpKind::NormCast,
+            ins: vec![x, g.graph[n].ins[1]],
+            outs: vec![g.graph[n].outs[0], g.graph[c].outs[0]],
+            rank: g.graph[c].rank.min(g.graph[n].rank),
+        };
+        out.push(FusionRecord {
+            rule: NORM_CAST.into(),
+            fused: names(g, &[c, n]),
+            into: op.name.clone(),
+            launches_saved: 1,
+            bytes_saved_per_request: row_bytes(g, x),
+        });
+        remove(g, &[c, n]);
+        g.add_op(op);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     //! The draft-extend head's last layer past its attention: selected rows, the norm fused
@@ -161,6 +198,44 @@ mod tests {
             .find(|op| op.kind == OpKind::Cast && op.ins[0] == sel)
             .expect("the stream's rounding");
         assert_eq!(g.tensor(cast.outs[0]).name, specplan_format::io::HIDDEN_OUT);
+    }
+
+    #[test]
+    fn eagle3s_head_reads_the_selected_rows_once() {
+        let cfg = resolve(&Source::Preset("llama3.1-8b-eagle3".into()), &Overrides::default()).expect("resolves");
+        let mut g = lower(&cfg, PhaseKind::DraftExtend).expect("lowers");
+        let records = crate::passes::run(&mut g, &cfg);
+        let r = records
+            .iter()
+            .find(|r| r.rule == Entry::NormCast.name())
+            .expect("a norm_cast record");
+        assert_eq!(r.fused, ["hidden_out_cast", "final_norm"]);
+        assert_eq!(r.launches_saved, 1);
+        let ops: Vec<_> = g
+            .graph
+            .node_weights()
+            .filter(|op| op.kind == OpKind::NormCast)
+            .collect();
+        let [nc] = ops[..] else {
+            panic!("one norm_cast op, found {}", ops.len());
+        };
+        // The fp32 stream's selected rows in; lm_head's input and hidden_out out.
+        assert_eq!(g.tensor(nc.ins[0]).dtype, specplan_format::DType::F32);
+        assert_eq!(g.tensor(nc.outs[0]).name, "hidden_normed");
+        assert_eq!(g.tensor(nc.outs[1]).name, specplan_format::io::HIDDEN_OUT);
+        assert!(g.graph.node_weights().all(|op| op.kind != OpKind::Cast));
+        assert!(verify::graph(&g, 8).is_ok());
+        // lm_head reads the norm the fused op writes.
+        let lm = g.graph.node_weights().find(|op| op.name == "lm_head").expect("lm_head");
+        assert_eq!(lm.ins[0], nc.outs[0]);
+    }
+
+    #[test]
+    fn a_rounding_without_a_norm_reader_stays() {
+        // EAGLE-1 (tiny): lm_head reads hidden_out itself, no norm reads the rows.
+        let g = fused(PhaseKind::DraftExtend, &Overrides::default());
+        assert!(g.graph.node_weights().all(|op| op.kind != OpKind::NormCast));
+        assert!(g.graph.node_weights().any(|op| op.kind == OpKind::Cast));
     }
 
     #[test]

@@ -11,7 +11,8 @@ use specplan_kernels::entries::embed::{
 };
 use specplan_kernels::entries::mlp::{SiluMulPairsParams, SiluMulPairsPtrs, SiluMulParams, SiluMulPtrs};
 use specplan_kernels::entries::norm::{
-    CastRowsParams, CastRowsPtrs, NormConcatParams, NormConcatPtrs, RmsNormParams, RmsNormPtrs,
+    CastRowsParams, CastRowsPtrs, NormCastParams, NormCastPtrs, NormConcatParams, NormConcatPtrs, RmsNormParams,
+    RmsNormPtrs,
 };
 use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
 use specplan_kernels::entries::sample::{
@@ -196,6 +197,23 @@ pub(super) fn launches(
                     out: b.arg(op.outs[0]),
                 };
                 b.kernel::<RmsNormParams>(op, false, &f, p)
+            }
+            // EAGLE-3's head over the fp32 stream's selected rows: lm_head's input and
+            // hidden_out from one launch.
+            OpKind::NormCast => {
+                let Some(f) = row_facts(sh, op) else {
+                    return Err(ScheduleError::NoKernel {
+                        node: at(),
+                        kind: "norm_cast over rows that are neither the phase's nor one per request",
+                    });
+                };
+                let p = NormCastPtrs {
+                    x: b.arg(op.ins[0]),
+                    weight: b.arg(op.ins[1]),
+                    out: b.arg(op.outs[0]),
+                    cast: b.arg(op.outs[1]),
+                };
+                b.kernel::<NormCastParams>(op, false, &f, p)
             }
             // The stream's rounding: EAGLE-1's layer-0 input (every row) or hidden_out (one
             // row per request).

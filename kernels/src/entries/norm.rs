@@ -91,6 +91,43 @@ impl Kernel for CastRowsParams {
     }
 }
 
+/// `norm_cast` (EAGLE-3's head over the fp32 stream's selected rows): `cast[r] = round(x[r])`
+/// (`hidden_out`) and `out[r] = rmsnorm(x[r])` (lm_head's input), one launch for the two
+/// readers of the rows (`cast_rows` then `rmsnorm` before the `norm_cast` pass).
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct NormCastParams {
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    #[arg(weight)]
+    pub weight: DevPtr<Act>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    #[arg(buffer)]
+    pub cast: DevPtrMut<Act>,
+    pub rows: u32,
+}
+
+impl Kernel for NormCastParams {
+    const ENTRY: Entry = Entry::NormCast;
+    fn threads(_: &KernelFacts) -> u32 {
+        NORM_THREADS
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], NormCastScalars) {
+        let rows = f.rows(b);
+        ([rows, 1, 1], NormCastScalars { rows })
+    }
+    fn extents(s: &NormCastScalars, f: &KernelFacts) -> NormCastPtrs<Extent> {
+        let (rows, h) = (s.rows as u64, f.hidden as u64);
+        NormCastPtrs {
+            x: Extent::Elems(rows * h),
+            weight: Extent::Elems(h),
+            out: Extent::Elems(rows * h),
+            cast: Extent::Elems(rows * h),
+        }
+    }
+}
+
 pub const NORM_THREADS: u32 = 256;
 
 impl Kernel for RmsNormParams {

@@ -8,7 +8,9 @@ use specplan_format::{ConstValue, KernelDesc, KvKind};
 use specplan_kernels::entries::attention::{AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars};
 use specplan_kernels::entries::embed::{EmbedConcatPtrs, EmbedConcatScalars};
 use specplan_kernels::entries::mlp::{SiluMulPairsPtrs, SiluMulPairsScalars, SiluMulPtrs, SiluMulScalars};
-use specplan_kernels::entries::norm::{CastRowsPtrs, CastRowsScalars, RmsNormPtrs, RmsNormScalars};
+use specplan_kernels::entries::norm::{
+    CastRowsPtrs, CastRowsScalars, NormCastPtrs, NormCastScalars, RmsNormPtrs, RmsNormScalars,
+};
 use specplan_kernels::entries::rope::{RopeAppendPtrs, RopeAppendScalars};
 use specplan_kernels::entries::select::{SelectRowsPtrs, SelectRowsScalars};
 
@@ -152,6 +154,19 @@ impl<K: KvStore> Ctx<'_, K> {
             self.st(out, e, v)?;
         }
         Ok(())
+    }
+
+    /// `norm_cast`: the same rows rounded into `cast` (`cast_rows`) and normed into `out`
+    /// (`rmsnorm`).
+    pub(super) fn norm_cast(&mut self, k: &KernelDesc, p: &NormCastPtrs<Ptr>, s: &NormCastScalars) -> R<()> {
+        let rows = s.rows;
+        self.cast_rows(k, &CastRowsPtrs { x: p.x, out: p.cast }, &CastRowsScalars { rows })?;
+        let norm = RmsNormPtrs {
+            x: p.x,
+            weight: p.weight,
+            out: p.out,
+        };
+        self.rmsnorm(k, &norm, &RmsNormScalars { rows })
     }
 
     pub(super) fn silu_mul(&mut self, k: &KernelDesc, p: &SiluMulPtrs<Ptr>, s: &SiluMulScalars) -> R<()> {

@@ -554,6 +554,10 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<norm::CastRowsParams>(&slots)?;
                 self.cast_rows(k, &p, &s)
             }
+            Entry::NormCast => {
+                let (p, s) = typed::<norm::NormCastParams>(&slots)?;
+                self.norm_cast(k, &p, &s)
+            }
             // The runtime's GEMM alternative, never a plan launch (validation refuses one).
             Entry::SkinnyGemm => Err("skinny_gemm is launched only in place of a GEMM, not by a plan".into()),
             Entry::RopeAppend => {
