@@ -6,7 +6,15 @@ use specplan_format::{DType, Entry, FusionRecord};
 
 use super::{names, nodes_where, plain_linear, remove, row_bytes, sole_consumer, NORM_CAST, SELECT_NORM};
 use crate::config::Config;
-use crate::graph::{Dim, Op, OpGraph, OpKind};
+use crate::graph::{Dim, Op, OpGraph, OpKind, TensorId};
+
+/// The RMSNorm ops that normalize `t` itself (`t` their first operand).
+fn norms_of(g: &OpGraph, t: TensorId) -> Vec<NodeIndex> {
+    g.consumers(t)
+        .into_iter()
+        .filter(|&n| g.graph[n].kind == OpKind::RmsNorm && g.graph[n].ins[0] == t)
+        .collect()
+}
 
 /// The selected rows and an RMSNorm of them → one kernel (`select_norm`) writing both: in
 /// the draft-extend head's last layer the rows past the attention and their post-attention
@@ -16,12 +24,7 @@ pub(super) fn select_norm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for s in nodes_where(g, |k| *k == OpKind::SelectRows) {
         let sel = g.graph[s].outs[0];
-        let norms: Vec<NodeIndex> = g
-            .consumers(sel)
-            .into_iter()
-            .filter(|&n| g.graph[n].kind == OpKind::RmsNorm && g.graph[n].ins[0] == sel)
-            .collect();
-        let [n] = norms[..] else {
+        let [n] = norms_of(g, sel)[..] else {
             continue;
         };
         let op = Op {
@@ -100,12 +103,7 @@ pub(super) fn norm_cast(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for c in nodes_where(g, |k| *k == OpKind::Cast) {
         let x = g.graph[c].ins[0];
-        let norms: Vec<NodeIndex> = g
-            .consumers(x)
-            .into_iter()
-            .filter(|&n| g.graph[n].kind == OpKind::RmsNorm && g.graph[n].ins[0] == x)
-            .collect();
-        let [n] = norms[..] else {
+        let [n] = norms_of(g, x)[..] else {
             continue;
         };
         let op = Op {

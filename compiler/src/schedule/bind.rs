@@ -185,12 +185,12 @@ pub(super) fn launches(
             // The rmsnorm entry runs over every row of the phase or over one row per request
             // (the selected rows: the last layer's post norm, EAGLE-3's final norm).
             OpKind::RmsNorm => {
-                let Some(f) = row_facts(sh, op) else {
-                    return Err(ScheduleError::NoKernel {
-                        node: at(),
-                        kind: "rmsnorm over rows that are neither the phase's nor one per request",
-                    });
-                };
+                let f = row_facts(
+                    sh,
+                    op,
+                    &at,
+                    "rmsnorm over rows that are neither the phase's nor one per request",
+                )?;
                 let p = RmsNormPtrs {
                     x: b.arg(op.ins[0]),
                     weight: b.arg(op.ins[1]),
@@ -201,12 +201,12 @@ pub(super) fn launches(
             // EAGLE-3's head over the fp32 stream's selected rows: lm_head's input and
             // hidden_out from one launch.
             OpKind::NormCast => {
-                let Some(f) = row_facts(sh, op) else {
-                    return Err(ScheduleError::NoKernel {
-                        node: at(),
-                        kind: "norm_cast over rows that are neither the phase's nor one per request",
-                    });
-                };
+                let f = row_facts(
+                    sh,
+                    op,
+                    &at,
+                    "norm_cast over rows that are neither the phase's nor one per request",
+                )?;
                 let p = NormCastPtrs {
                     x: b.arg(op.ins[0]),
                     weight: b.arg(op.ins[1]),
@@ -218,12 +218,12 @@ pub(super) fn launches(
             // The stream's rounding: EAGLE-1's layer-0 input (every row) or hidden_out (one
             // row per request).
             OpKind::Cast => {
-                let Some(f) = row_facts(sh, op) else {
-                    return Err(ScheduleError::NoKernel {
-                        node: at(),
-                        kind: "cast_rows over rows that are neither the phase's nor one per request",
-                    });
-                };
+                let f = row_facts(
+                    sh,
+                    op,
+                    &at,
+                    "cast_rows over rows that are neither the phase's nor one per request",
+                )?;
                 let p = CastRowsPtrs {
                     x: b.arg(op.ins[0]),
                     out: b.arg(op.outs[0]),
@@ -244,12 +244,12 @@ pub(super) fn launches(
                 b.kernel::<RopeAppendParams>(op, false, &sh.facts.at_step(*step), p)
             }
             OpKind::SiluMul => {
-                let Some(f) = row_facts(sh, op) else {
-                    return Err(ScheduleError::NoKernel {
-                        node: at(),
-                        kind: "silu_mul over rows that are neither the phase's nor one per request",
-                    });
-                };
+                let f = row_facts(
+                    sh,
+                    op,
+                    &at,
+                    "silu_mul over rows that are neither the phase's nor one per request",
+                )?;
                 // In place: the product's storage is gate_up's (`alias_of`).
                 let p = SiluMulPtrs {
                     gate_up: b.arg(op.ins[0]),
@@ -294,13 +294,18 @@ pub(super) fn launches(
 }
 
 /// The facts of a row-wise op's instance: the phase's over every row, or the selected
-/// rows' (one per request, the draft-extend head's last layer past its attention); `None`
-/// for other rows.
-fn row_facts(sh: &Shared, op: &Op) -> Option<KernelFacts> {
+/// rows' (one per request, the draft-extend head's last layer past its attention); for
+/// other rows, no kernel (`kind` says which, `node` names the op).
+fn row_facts(
+    sh: &Shared,
+    op: &Op,
+    node: &dyn Fn() -> String,
+    kind: &'static str,
+) -> Result<KernelFacts, ScheduleError> {
     match sh.g.tensor(op.ins[0]).shape[0].per_batch {
-        r if r == sh.facts.n as u64 => Some(sh.facts.clone()),
-        1 => Some(sh.facts.selected_rows()),
-        _ => None,
+        r if r == sh.facts.n as u64 => Ok(sh.facts.clone()),
+        1 => Ok(sh.facts.selected_rows()),
+        _ => Err(ScheduleError::NoKernel { node: node(), kind }),
     }
 }
 
