@@ -282,8 +282,10 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             c.dtype(false, 0, &[DType::F32])?;
             let (_, h) = c.rank2(false, 0)?;
             want(c.shape(false, 1) == [h], || format!("weight must be [{h}]"))?;
-            c.dtype(true, 0, &[g.tensor(ins[1]).dtype])?;
+            // The kernel writes both outputs as the activation type: the weight's type must be it.
+            c.dtype(false, 1, &ACT)?;
             c.dtype(true, 1, &ACT)?;
+            c.dtype(true, 0, &[g.tensor(outs[1]).dtype])?;
             c.same((false, 0), (true, 0))?;
             c.same((false, 0), (true, 1))
         }

@@ -226,6 +226,12 @@ mod tests {
         // lm_head reads the norm the fused op writes.
         let lm = g.graph.node_weights().find(|op| op.name == "lm_head").expect("lm_head");
         assert_eq!(lm.ins[0], nc.outs[0]);
+        // The kernel writes both outputs as the activation type: a norm output of another
+        // type is refused, naming the op.
+        let (normed, name) = (nc.outs[0], nc.name.clone());
+        g.tensors[normed.0 as usize].dtype = specplan_format::DType::F32;
+        let err = verify::graph(&g, 8).expect_err("an f32 norm output");
+        assert!(err.to_string().contains(&name), "{err}");
     }
 
     #[test]
