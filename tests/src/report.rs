@@ -99,7 +99,11 @@ pub struct BenchRow {
     pub replay_us: f64,
     pub full_us: f64,
     pub eager_us: f64,
+    /// The step's bytes over the copy ceiling or its FLOPs over the matmul ceiling, whichever
+    /// is longer (specbench's `floors`).
     pub floor_us: f64,
+    /// The same op by op, summed: what a step running its ops one after another cannot beat.
+    pub op_floor_us: f64,
     pub attn_us: f64,
     pub attn_tb_s: f64,
     pub graph_build_ms_all: f64,

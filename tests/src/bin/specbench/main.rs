@@ -7,7 +7,8 @@
 //!   completes), eager µs (the same launches without a graph);
 //! - attention alone µs (its launches only) and its useful TB/s (K/V read, q read, o written);
 //! - the floor: the larger of bytes / copy bandwidth and FLOPs / bf16 matmul rate, both
-//!   measured here; every time is also reported as a ratio to it.
+//!   measured here; every time is also reported as a ratio to it; and the per-op floor, the
+//!   same taken op by op and summed (`floors`).
 //!
 //! Each number is a median of 100 runs after 10 warm-up runs. Weights are a fixed pattern
 //! (timing does not depend on values). Pages are dealt in a fixed random order (scattered,
@@ -21,7 +22,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use specplan_format::PhaseKind;
-use specplan_format::{load_file, LaunchKind, ValidatedPlan};
+use specplan_format::{load_file, ValidatedPlan};
 use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, StepRequest};
 use specplan_tests::gpu::{ceilings, median, percentile, DeviceBuf, Timer, RUNS, WARMUP};
 use specplan_tests::random::pattern_weights;
@@ -29,44 +30,13 @@ use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, Ge
 use specplan_tests::{json, plan_files, write_atomic, Rng};
 
 mod decode;
+mod floors;
 
 const BATCHES: [usize; 4] = [1, 8, 32, 64];
 const PREFIXES: [usize; 2] = [1024, 4096];
 
 fn g(e: GpuError) -> String {
     e.to_string()
-}
-
-/// Bytes a step must move and FLOPs it must do (B requests at prefix L), from the plan;
-/// and the bytes the attention must move.
-/// The draft-extend bucket `b`'s GEMM launches: (weight bytes, FLOPs).
-fn gemm_work(plan: &ValidatedPlan, b: u64) -> (f64, f64) {
-    let act = plan.capture.dtype.size();
-    let (mut wbytes, mut flops) = (0f64, 0f64);
-    if let Some(bk) = plan.buckets().iter().find(|x| x.batch as u64 == b) {
-        for l in &bk.launches {
-            if let LaunchKind::Gemm(g) = &l.kind {
-                wbytes += (g.n * g.k * act) as f64;
-                flops += 2.0 * (g.m * g.n * g.k) as f64;
-            }
-        }
-    }
-    (wbytes, flops)
-}
-
-fn work(plan: &ValidatedPlan, b: u64, l: u64) -> (f64, f64, f64) {
-    let m = &plan.model;
-    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
-    let (hq, hkv, d, layers) = (m.heads as u64, m.kv_heads as u64, m.head_dim as u64, m.layers as u64);
-    let act = plan.capture.dtype.size();
-    let (mut wbytes, mut flops) = gemm_work(plan, b);
-    // Embedding rows gathered, not the table.
-    wbytes += (b * n * m.hidden as u64 * act) as f64;
-    let kv_read = (b * (l + n) * hkv * d * act * 2 * layers) as f64;
-    let kv_write = (b * n * hkv * d * act * 2 * layers) as f64;
-    flops += (4 * b * n * (l + n) * hq * d * layers) as f64;
-    let attn_useful = kv_read + (2 * b * n * hq * d * act * layers) as f64;
-    (wbytes + kv_read + kv_write, flops, attn_useful)
 }
 
 /// One markdown row (also printed as each row is measured; `report.py` reads these rows
@@ -301,7 +271,7 @@ fn bench_plan(
                     t.total_us,
                     line.join(", ")
                 );
-                let (gemm_weight_bytes, gemm_flops) = gemm_work(plan, b as u64);
+                let (gemm_weight_bytes, gemm_flops) = floors::Work::of(plan, b as u64, l as u64).gemm_totals();
                 bench.breakdown.push(Breakdown {
                     plan: name.into(),
                     batch: b,
@@ -316,8 +286,7 @@ fn bench_plan(
                 });
             }
             rt.synchronize().map_err(g)?;
-            let (wbytes, flops, attn_bytes) = work(plan, b as u64, l as u64);
-            let floor = (wbytes / c.copy_bytes_per_s).max(flops / c.bf16_flops_per_s) * 1e6;
+            let work = floors::Work::of(plan, b as u64, l as u64);
             let row = BenchRow {
                 plan: name.into(),
                 batch: b,
@@ -327,9 +296,10 @@ fn bench_plan(
                 replay_us: replay,
                 full_us: median(walls),
                 eager_us: eager,
-                floor_us: floor,
+                floor_us: work.floor_us(&c),
+                op_floor_us: work.op_floor_us(&c),
                 attn_us: attn,
-                attn_tb_s: attn_bytes / (attn * 1e-6) / 1e12,
+                attn_tb_s: work.attn_bytes() / (attn * 1e-6) / 1e12,
                 graph_build_ms_all: builds,
                 gemm_tune_ms: rt.gemm_tune_ms,
                 load_ms,
