@@ -526,11 +526,13 @@ def main():
         f.write(svg(rows, "draft-extend step vs bucket: specplan, PyTorch + FlashInfer, floor"))
 
     # The short table last.
-    print(f"{'plan':<26} {'L':>5} {'B':>3} {'floor':>8} {'specplan':>9} {'peer':>9} {'peer rpl':>9} {'sp/peer':>8}")
+    print(f"{'plan':<26} {'L':>5} {'B':>3} {'floor':>8} {'op floor':>8} {'specplan':>9} {'peer':>9} {'peer rpl':>9} "
+          f"{'sp/peer':>8}")
     for e in rows:
         print(
-            f"{e['plan']:<26} {e['prefix']:>5} {e['batch']:>3} {fmt(e['floor_us']):>8} {fmt(e['specplan_step_us']):>9} "
-            f"{fmt(e['peer_step_us']):>9} {fmt(e['peer_replay_us']):>9} {fmt(e['specplan_per_peer_step'], 2, 'x'):>8}"
+            f"{e['plan']:<26} {e['prefix']:>5} {e['batch']:>3} {fmt(e['floor_us']):>8} {fmt(e.get('op_floor_us')):>8} "
+            f"{fmt(e['specplan_step_us']):>9} {fmt(e['peer_step_us']):>9} {fmt(e['peer_replay_us']):>9} "
+            f"{fmt(e['specplan_per_peer_step'], 2, 'x'):>8}"
         )
     if checks:
         bad = [c for c in checks if not c.get("ok")]
