@@ -2,10 +2,11 @@
 # structure at B 1 -- six weight-streaming GEMMs with the plan's small launches between them --
 # within 1.1x of its weight floor, where a graph of one launch per op cannot (the B 1 fixed cost,
 # perf-notes after item 34)? The chains are the 8B plans' bucket-1 launch lists (the GEMM shapes
-# and the small launches in their places); a small launch is modelled as SPIN cycles on 8 CTAs
-# plus the data movement that links two GEMMs (the last GEMM's split-K partials summed,
-# remapped and rounded into the next GEMM's A), so the chain is a real dependency chain whose
-# final output is checked.
+# and the small launches in their places); a small launch is modelled as a spin on 8 CTAs plus
+# the data movement that links two GEMMs (the last GEMM's split-K partials summed, remapped and
+# rounded into the next GEMM's A), so the chain is a real dependency chain whose final output is
+# checked. The spin has three profiles: none, 2 µs a stage, and each stage for its launch's
+# event-timed duration in the step less 2 µs (PROFILES, STEP_US).
 #
 # Variants, one CUDA graph each:
 #   graph, cuBLAS      a launch per op, torch.matmul (cuBLAS) for the GEMMs (bf16 C)
@@ -26,7 +27,7 @@
 # (each chain's weights are more than L2 holds), the floor at the copy ceiling measured in the
 # same run, and the floor plus the small stages' spin (what no schedule removes but overlap).
 #
-# Run on the GPU machine (about a minute):
+# Run on the GPU machine (about a minute and a half):
 #   LD_LIBRARY_PATH=/usr/local/cuda/lib64 python3 tests/gpu/persistent_probe.py [--quick]
 # Here: `--compile-only` (NVRTC of the kernels, nvrtc_probe.py) and `--self-test` (the stage
 # lists: units cover every GEMM once, one data stage between GEMMs, the struct layout).
@@ -291,6 +292,31 @@ CHAINS = {
         ("small", "topk_merge")],
 }
 
+# Each small launch's event-timed µs in the step's L2-flushed timeline, bucket 1, N 8, L 1024
+# (the sixteenth session's report, docs/bench/h200-2026-12-02-round11/specbench.json; norm_cast
+# as the longer of the two launches it replaced). The "as in the step" profile spins each small
+# stage for that less STEP_EVENT_US (what an event pair and the launch add), at least 0.5 µs:
+# what a persistent kernel would still spend in the op itself.
+STEP_US = {
+    "llama2-7b-eagle N 8": {"embed_concat": 6.8, "x_cast": 4.0, "rope_append": 6.1, "attn_partial": 17.7,
+                            "attn_merge": 4.6, "select_norm_pairs": 8.4, "silu_mul": 4.4, "hidden_out_cast": 3.8,
+                            "topk_partial": 10.9, "topk_merge": 8.3},
+    "llama3.1-8b-eagle3 N 8": {"embed_norm_concat": 5.3, "rope_append": 6.3, "attn_partial": 23.0,
+                               "attn_merge": 4.9, "select_norm_pairs": 8.7, "silu_mul": 4.6, "norm_cast": 4.8,
+                               "topk_partial": 10.8, "topk_merge": 8.5},
+    "llama3-8b-eagle N 8": {"embed_concat": 6.7, "x_cast": 3.8, "rope_append": 6.1, "attn_partial": 22.7,
+                            "attn_merge": 4.9, "select_norm_pairs": 8.5, "silu_mul": 4.6, "hidden_out_cast": 4.0,
+                            "topk_partial": 12.8, "topk_merge": 8.3},
+}
+STEP_EVENT_US = 2.0
+# Spin profiles: (label, µs of a small stage from its name and the chain's STEP_US, or None when
+# the chain has no timings).
+PROFILES = [
+    ("none", lambda name, step: 0.0),
+    ("2 µs each", lambda name, step: 2.0),
+    ("as in the step", lambda name, step: max(step[name] - STEP_EVENT_US, 0.5) if step else None),
+]
+
 # (label, mode, CTAs per SM, prefetch bytes per W row per small stage before the next GEMM);
 # "persistent 3/SM" (80 registers) keeps 9 of its 12 loads a step in flight, not all 12.
 VARIANTS = [
@@ -416,6 +442,9 @@ def self_test():
                 print(f"{label}, grid {grid}: {len(stages)} stages, {units} units, slices "
                       + ",".join(str(s["ks"]) for s in stages if s["kind"] == 0)
                       + f"; worst GEMM's slowest CTA / mean {worst:.3f}")
+    for label, step in STEP_US.items():
+        smalls = {e[1] for e in CHAINS[label] if e[0] == "small"}
+        assert smalls == set(step), (label, smalls ^ set(step))
     assert ctypes.sizeof(Stage) == 19 * 8 and ctypes.sizeof(Chain) == 5 * 8 + MAX_STAGES * 19 * 8
     assert Chain.st.offset == 40
     print("self-test passed")
@@ -522,15 +551,17 @@ class ChainRun:
             self.parts[key] = self.torch.empty(s["ks"], s["m"], s["n"], device="cuda", dtype=self.torch.float32)
         return self.parts[key]
 
-    def chain_struct(self, stages, lead, mode, spin, pf_row):
-        """The Chain a variant's kernels read, on the device (kept alive by the caller)."""
+    def chain_struct(self, stages, lead, mode, spins, pf_row):
+        """The Chain a variant's kernels read, on the device (kept alive by the caller); `spins`:
+        cycles for each small stage, by name."""
         c = Chain()
         c.nstages, c.pf_row_bytes, c.bar = len(stages), pf_row, self.bar.data_ptr()
         c.first_pf = next(j for j, s in enumerate(stages) if s["kind"] == 0) if lead else -1
         c.first_pf_mult = lead
         for j, s in enumerate(stages):
             st = c.st[j]
-            st.kind, st.next_gemm, st.units, st.spin = s["kind"], s["next_gemm"], s["units"], spin
+            st.kind, st.next_gemm, st.units = s["kind"], s["next_gemm"], s["units"]
+            st.spin = spins.get(s["name"], 0) if s["kind"] == 1 else 0
             if s["kind"] == 0:
                 st.m, st.n, st.k, st.ks, st.kslice, st.pf_mult = s["m"], s["n"], s["k"], s["ks"], s["kslice"], s["pf_mult"]
                 st.a, st.w, st.part = self.buf[s["a"]].data_ptr(), self.buf[s["w"]].data_ptr(), self.part(s).data_ptr()
@@ -594,7 +625,7 @@ class ChainRun:
             out.append(e0.elapsed_time(e1) * 1000 / reps)
         return statistics.median(out)
 
-    def variant(self, mode, cps, pf_row, spin):
+    def variant(self, mode, cps, pf_row, spins):
         """(grid, SMs used, error, same bits as its own units' graph, graph) or a failure string."""
         drv = self.drv
         grid, kernel = 0, None
@@ -604,7 +635,7 @@ class ChainRun:
                 return dict(grid=0, sms="-", err=float("inf"), same=False, graph=None, dchain=None, out=None,
                             words=[0, 0, 0, 1])
         stages, _, _, lead = plan(self.chain, grid or None)
-        dchain = self.chain_struct(stages, lead, mode, spin, pf_row)
+        dchain = self.chain_struct(stages, lead, mode, spins, pf_row)
         g = self.graph(stages, dchain, mode, kernel, grid)
         if mode != "persistent":
             out, words = self.poisoned_replay(g)
@@ -642,24 +673,28 @@ def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {drv.sms} SMs, SM clock "
           f"{drv.clock_khz / 1e6:.2f} GHz; copy ceiling {ceiling / 1e12:.2f} TB/s; persistent kernels fit "
           f"{drv.occ} CTAs of {THREADS} an SM")
-    spin_cycles = [0, int(2e-6 * drv.clock_khz * 1e3)]
+    cycles = lambda us: int(us * 1e-6 * drv.clock_khz * 1e3)  # noqa: E731
     summary, failed = [], False
     torch.manual_seed(0)
     for label, chain in CHAINS.items():
         run = ChainRun(drv, chain)
         floor_us = run.wbytes / ceiling * 1e6
-        for spin in spin_cycles:
-            spin_us = spin / drv.clock_khz * 1e3
-            with_spin = floor_us + run.smalls * spin_us
+        smalls = [e[1] for e in chain if e[0] == "small"]
+        for profile, us_of in PROFILES:
+            us = {name: us_of(name, STEP_US.get(label)) for name in smalls}
+            if any(v is None for v in us.values()):
+                continue
+            spins = {name: cycles(v) for name, v in us.items()}
+            with_spin = floor_us + sum(us[name] for name in smalls)
             print(f"\n{label}: {len(chain)} launches a step in the graph; weights {run.wbytes / 2**20:.1f} MiB, "
-                  f"floor {floor_us:.1f} µs; {run.smalls} small stages of {SMALL_CTAS} CTAs spinning "
-                  f"{spin} cycles ({spin_us:.2f} µs) each: floor + spin {with_spin:.1f} µs")
+                  f"floor {floor_us:.1f} µs; {run.smalls} small stages of {SMALL_CTAS} CTAs, spin {profile} "
+                  f"({', '.join(f'{n} {us[n]:.1f}' for n in smalls)} µs): floor + spin {with_spin:.1f} µs")
             print("| variant | CTAs (SMs) | replay µs | / floor | / (floor + spin) | vs graph, ours "
                   "| max rel err vs fp32 | == graph of its units (3 replays) |")
             print("|---|---|---|---|---|---|---|---|")
             base_t = None
             for vlabel, mode, cps, pf_row in VARIANTS:
-                v = run.variant(mode, cps, pf_row, spin)
+                v = run.variant(mode, cps, pf_row, spins)
                 if mode == "persistent" and v["grid"] < drv.sms * cps:
                     vlabel += f" (occupancy: {v['grid'] // drv.sms}/SM)"
                 ctas = f"{v['grid']} ({v['sms']})" if v["grid"] else "-"
@@ -676,18 +711,20 @@ def main():
                     vs = f"{t / base_t:.3f}" if base_t else "-"
                     print(f"| {vlabel} | {ctas} | {t:.1f} | {t / floor_us:.3f} | {t / with_spin:.3f} | {vs} "
                           f"| {v['err']:.2e} | {same} |")
-                    summary.append((label, spin, vlabel, t, t / floor_us, t / with_spin))
+                    summary.append((label, profile, vlabel, t, t / floor_us, t / with_spin))
                 del v
         del run
         torch.cuda.empty_cache()
-    print("\n| chain | spin (cycles) | best variant | replay µs | / floor | / (floor + spin) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| chain | spin | graph, cuBLAS µs | best variant | replay µs | / floor | / (floor + spin) |")
+    print("|---|---|---|---|---|---|---|")
     for label in CHAINS:
-        for spin in spin_cycles:
-            rows = [r for r in summary if r[0] == label and r[1] == spin]
+        for profile, _ in PROFILES:
+            rows = [r for r in summary if r[0] == label and r[1] == profile]
             if rows:
+                cub = next((r[3] for r in rows if r[2] == "graph, cuBLAS"), None)
                 b = min(rows, key=lambda r: r[3])
-                print(f"| {label} | {spin} | {b[2]} | {b[3]:.1f} | {b[4]:.3f} | {b[5]:.3f} |")
+                print(f"| {label} | {profile} | {cub:.1f} | {b[2]} | {b[3]:.1f} | {b[4]:.3f} | {b[5]:.3f} |"
+                      if cub is not None else f"| {label} | {profile} | - | {b[2]} | {b[3]:.1f} | {b[4]:.3f} | {b[5]:.3f} |")
     if failed:
         sys.exit("persistent probe: a variant FAILED its checks (above)")
 
