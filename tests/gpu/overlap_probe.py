@@ -8,10 +8,14 @@
 # bytes (a kernel of G CTAs, so the read can leave the GEMMs most of the SMs), alone and at once.
 #
 # Printed per shape and G: the GEMMs alone (and at M/2 twice: what splitting the batch costs
-# them), the read alone, both at once on two streams, and both at once against their sum and
-# their max. The read's sum is checked exactly (the buffer holds ones). Medians of 20 runs after
-# 3, an L2 flush (256 MiB written) before each. NVRTC and the driver API through ctypes for the
-# read kernel, torch for the rest. Run on the GPU machine (about 20 s):
+# them); the read alone on G CTAs and on every SM; both at once on two streams, the read launched
+# first (and when each stream was done) and the GEMMs launched first; and the split-batch
+# pipeline itself (half 1's GEMMs, then half 1's read on G CTAs beside half 2's GEMMs, then half
+# 2's read alone). Each is compared with the best sequential schedule (the GEMMs, then the read
+# on every SM). The read's sum is checked exactly (the buffer holds ones). Medians of 20 runs
+# after 3; before each, an L2 flush that reads 256 MiB (a written flush would leave dirty lines
+# whose write-back the next kernel pays) and a host lead. NVRTC and the driver API through
+# ctypes for the read kernel, torch for the rest. Run on the GPU machine (about 40 s):
 #   LD_LIBRARY_PATH=/usr/local/cuda/lib64 python3 tests/gpu/overlap_probe.py
 # Here: `--compile-only` (NVRTC of the read kernel).
 import ctypes, os, statistics, sys
@@ -61,6 +65,7 @@ SHAPES = [
      [kv(64, 16, 1024, 32)]),
 ]
 GRIDS = [16, 33, 66, 132]
+FULL_GRID = 264  # two CTAs an SM on 132 SMs: the read alone
 
 
 def ck(rc, what):
@@ -90,79 +95,117 @@ def main():
            "cuLaunchKernel")
 
     s1, s2 = torch.cuda.current_stream(), torch.cuda.Stream()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    # The L2 flush reads 256 MiB (so L2 is left holding clean lines: a written flush would make
+    # the next kernel pay for its write-back, once per timing, which biases a sum of two
+    # timings against one), then the host gets ahead of the device before the start event.
+    flush = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+    flush_sum = torch.zeros(1, device="cuda", dtype=torch.int64)
 
     def timed(body, runs=20, warm=3):
-        """Median µs from an event on s1 to the next after `body(start)`, L2 flushed first."""
-        out = []
+        """Median µs from an event on s1 to the next after `body(start)`, and the median of
+        each timed event `body` returns, from the start."""
+        total, marks = [], []
         for i in range(runs + warm):
-            flush.zero_()
+            read(flush, flush_sum, 264, s1)
+            torch.cuda._sleep(40_000)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(s1)
-            body(a)
+            evs = body(a)
+            evs = evs if isinstance(evs, list) else []  # a body may return a tensor or nothing
             b.record(s1)
             torch.cuda.synchronize()
             if i >= warm:
-                out.append(a.elapsed_time(b) * 1000)
-        return statistics.median(out)
+                total.append(a.elapsed_time(b) * 1000)
+                marks.append([a.elapsed_time(e) * 1000 for e in evs])
+        return statistics.median(total), [statistics.median(x) for x in zip(*marks)]
+
+    def mark(stream):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
 
     # The matmul ceiling, as specbench measures it in spirit: one large bf16 GEMM.
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = timed(lambda a: torch.matmul(big, big))
+    t, _ = timed(lambda a: torch.matmul(big, big))
     peak = 2 * 8192**3 / (t * 1e-6)
     big = None
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; bf16 matmul {peak / 1e12:.0f} TFLOP/s "
           f"(8192^3); read kernel {THREADS} threads a CTA, 8 x 16 B in flight a thread")
-    print("| shape | K/V MiB | G | GEMMs µs (at peak) | GEMMs at M/2 twice µs | read µs (TB/s) | both at once µs "
-          "| at once / sum | at once / max |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("Columns: the GEMMs alone (their FLOPs at that peak); at M/2 twice; the read alone on G CTAs "
+          f"(TB/s) and on {FULL_GRID}; both at once (read launched first; when each stream was done); the same "
+          "with the GEMMs launched first; the split-batch pipeline (GEMMs of half 1, then half 1's read on G "
+          f"CTAs beside half 2's GEMMs, then half 2's read on {FULL_GRID}). Each ratio is against the best "
+          f"sequential schedule: the GEMMs, then the read on {FULL_GRID} CTAs.")
+    print("| shape | K/V MiB | G | GEMMs µs (at peak) | at M/2 twice | read µs on G (TB/s); on all | at once µs "
+          "(GEMMs, read done) | / sequential | GEMMs first µs | / sequential | pipeline µs | / sequential (M/2) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
     for label, m, gemms, kvs in SHAPES:
         xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k in gemms]
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in gemms]
         cs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n, _ in gemms]
         flops = sum(2 * m * n * k for n, k in gemms)
+        h = m // 2
 
-        def gemms_on(stream, half=False):
+        def gemms_on(stream, rows=None):
+            """The three GEMMs over all M rows, or over rows `rows` (a slice) only."""
             with torch.cuda.stream(stream):
                 for x, w, c in zip(xs, ws, cs):
-                    if half:
-                        h = m // 2
-                        torch.matmul(x[:h], w.T, out=c[:h])
-                        torch.matmul(x[h:], w.T, out=c[h:])
-                    else:
+                    if rows is None:
                         torch.matmul(x, w.T, out=c)
+                    else:
+                        torch.matmul(x[rows], w.T, out=c[rows])
 
         ref = (xs[0][:64].float() @ ws[0].float().T)
         gemms_on(s1)
         torch.cuda.synchronize()
         assert ((cs[0][:64].float() - ref).norm() / ref.norm()).item() < 1e-2, "cuBLAS's product"
-        t_g = timed(lambda a: gemms_on(s1))
-        t_h = timed(lambda a: gemms_on(s1, half=True))
+        t_g, _ = timed(lambda a: gemms_on(s1))
+        t_h, _ = timed(lambda a: (gemms_on(s1, slice(0, h)), gemms_on(s1, slice(h, m)))[-1])
         for kv_bytes in kvs:
             buf = torch.ones(kv_bytes // 4, device="cuda", dtype=torch.int32)
+            halves = (buf[: buf.numel() // 2], buf[buf.numel() // 2:])
             out = torch.zeros(1, device="cuda", dtype=torch.int64)
+            t_rf, _ = timed(lambda a: read(buf, out, FULL_GRID, s1))  # the read alone at its best
             for grid in GRIDS:
                 out.zero_()
                 read(buf, out, grid, s1)
                 torch.cuda.synchronize()
                 if out.item() != buf.numel():
                     sys.exit(f"read_sum: {out.item()} != {buf.numel()} (grid {grid})")
-                t_r = timed(lambda a: read(buf, out, grid, s1))
+                t_r, _ = timed(lambda a: read(buf, out, grid, s1))
 
-                def both(a):
+                def both(a, gemms_first=False):
                     s2.wait_event(a)
-                    read(buf, out, grid, s2)
-                    done = torch.cuda.Event()
-                    done.record(s2)
-                    gemms_on(s1)
-                    s1.wait_event(done)
+                    if gemms_first:
+                        gemms_on(s1)
+                        g_done = mark(s1)
+                        read(buf, out, grid, s2)
+                    else:
+                        read(buf, out, grid, s2)
+                        gemms_on(s1)
+                        g_done = mark(s1)
+                    r_done = mark(s2)
+                    s1.wait_event(r_done)
+                    return [g_done, r_done]
 
-                t_b = timed(both)
+                def pipeline(a):
+                    gemms_on(s1, slice(0, h))
+                    first = mark(s1)
+                    s2.wait_event(first)
+                    read(halves[0], out, grid, s2)
+                    gemms_on(s1, slice(h, m))
+                    read(halves[1], out, FULL_GRID, s1)  # alone: every SM
+                    s1.wait_event(mark(s2))
+
+                t_b, (g_at, r_at) = timed(both)
+                t_f, _ = timed(lambda a: both(a, gemms_first=True))
+                t_p, _ = timed(pipeline)
                 print(f"| {label} | {kv_bytes / 2**20:.0f} | {grid} | {t_g:.1f} ({flops / peak * 1e6:.1f}) | {t_h:.1f} "
-                      f"| {t_r:.1f} ({kv_bytes / (t_r * 1e-6) / 1e12:.2f}) | {t_b:.1f} | {t_b / (t_g + t_r):.3f} "
-                      f"| {t_b / max(t_g, t_r):.3f} |")
-            buf = None
+                      f"| {t_r:.1f} ({kv_bytes / (t_r * 1e-6) / 1e12:.2f}); {t_rf:.1f} | {t_b:.1f} ({g_at:.1f}, {r_at:.1f}) "
+                      f"| {t_b / (t_g + t_rf):.3f} | {t_f:.1f} | {t_f / (t_g + t_rf):.3f} | {t_p:.1f} "
+                      f"| {t_p / (t_h + t_rf):.3f} |")
+            buf = halves = None
         xs = ws = cs = None
         torch.cuda.empty_cache()
 
