@@ -71,7 +71,7 @@ impl Work {
 }
 
 /// The draft-extend bucket `b`'s GEMM launches: (weight bytes, FLOPs) each.
-pub fn gemm_launches(plan: &ValidatedPlan, b: u64) -> Vec<(f64, f64)> {
+fn gemm_launches(plan: &ValidatedPlan, b: u64) -> Vec<(f64, f64)> {
     let act = plan.capture.dtype.size();
     plan.buckets()
         .iter()

@@ -218,6 +218,7 @@ fn bench_plan(
             })?;
             drop(attn_graph);
             // Where the replay goes: each op's launches alone, at L 1024, smallest and largest B.
+            let work = floors::Work::of(plan, b as u64, l as u64);
             if l == 1024 && (b == 1 || b == 64) {
                 let bk = plan.buckets().iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
                 let mut ops: Vec<&str> = Vec::new();
@@ -271,7 +272,7 @@ fn bench_plan(
                     t.total_us,
                     line.join(", ")
                 );
-                let (gemm_weight_bytes, gemm_flops) = floors::Work::of(plan, b as u64, l as u64).gemm_totals();
+                let (gemm_weight_bytes, gemm_flops) = work.gemm_totals();
                 bench.breakdown.push(Breakdown {
                     plan: name.into(),
                     batch: b,
@@ -286,7 +287,6 @@ fn bench_plan(
                 });
             }
             rt.synchronize().map_err(g)?;
-            let work = floors::Work::of(plan, b as u64, l as u64);
             let row = BenchRow {
                 plan: name.into(),
                 batch: b,
