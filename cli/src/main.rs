@@ -54,6 +54,10 @@ enum Cmd {
         /// Also print how the config was read: its format and the keys nothing reads.
         #[arg(short, long)]
         verbose: bool,
+        /// Where a split top-K row's chunk records merge: in the row's last CTA to finish
+        /// (`topk_fused`), or in a `topk_merge` launch after them.
+        #[arg(long, value_enum, default_value_t = TopkMerge::LastCta)]
+        topk_merge: TopkMerge,
     },
     /// Print a plan's canonical text form.
     Show { plan: PathBuf },
@@ -122,6 +126,13 @@ enum Cmd {
 enum Device {
     Cpu,
     Cuda,
+}
+
+/// `compile --topk-merge`: `Target::topk_last_cta`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TopkMerge {
+    LastCta,
+    Launch,
 }
 
 #[derive(Args)]
@@ -255,6 +266,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             text,
             no_kernels,
             verbose,
+            topk_merge,
         } => {
             let t0 = Instant::now();
             // Outputs first (cheap, and a doomed command should fail before compiling),
@@ -292,9 +304,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             if total < 8 {
                 bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
             }
-            let compiled = compile(&cfg, &Target::default(), jit.as_ref(), &|done, _| {
-                bar.set_position(done as u64)
-            })?;
+            let target = Target {
+                topk_last_cta: topk_merge == TopkMerge::LastCta,
+                ..Target::default()
+            };
+            let compiled = compile(&cfg, &target, jit.as_ref(), &|done, _| bar.set_position(done as u64))?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
             // Both outputs are staged (written to temporary files) before either is put in

@@ -67,6 +67,10 @@ pub struct Target {
     /// (llama3-8b-eagle N 16: +4–17 µs a step at B 1–8) and even for MHA (docs/perf-notes.md,
     /// item 19); kept for the API and its tests.
     pub attn_cluster: bool,
+    /// Merge a split top-K row in the last of its CTAs to finish (`topk_fused`, counting on
+    /// the runtime's arrival counters) instead of a `topk_merge` launch after the records
+    /// (docs/perf-notes.md, item 38). Unsharded rows only.
+    pub topk_last_cta: bool,
 }
 
 impl Default for Target {
@@ -76,6 +80,7 @@ impl Default for Target {
             sm: 90,
             sm_count: 132,
             attn_cluster: false,
+            topk_last_cta: true,
         }
     }
 }
@@ -196,6 +201,7 @@ pub fn compile(
             weight_ids: &weight_ids,
             sm_count: target.sm_count,
             clusters: target.attn_cluster && target.sm >= 90,
+            topk_last_cta: target.topk_last_cta,
             rows_per_request: n,
         };
         let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());

@@ -130,6 +130,7 @@ fn access_text(a: Access) -> &'static str {
         Access::Read => "r",
         Access::Write => "w",
         Access::ReadWrite => "rw",
+        Access::WriteRead => "wr",
     }
 }
 
@@ -420,6 +421,7 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                             ArgValue::U32(x) => x.to_string(),
                             ArgValue::PageTable => "page_table:r".into(),
                             ArgValue::KvLayout => "kv_layout:r".into(),
+                            ArgValue::Counters => "counters:rw".into(),
                             ArgValue::Null => "null".into(),
                         };
                         format!("{name}={v}")

@@ -155,11 +155,10 @@ pub struct CaptureDesc {
 
 /// The head's per-request outputs besides `hidden_out`: the fused top-K (`topk_probs`,
 /// `topk_ids`) and/or the selected row's `logits` over the lm_head's rows (the draft or hot
-/// vocabulary, unmapped: what SGLang's draft-extend slot returns and samples itself). At
-/// least one is set. The top-K ids are target ids (mapped through d2t or the FR-Spec hot
-/// map), or with `draft_ids` the lm_head's own row indices, unmapped — for an engine that
-/// maps them itself (SGLang's `draft_forward` applies `hot_token_id`), so no id is mapped
-/// twice.
+/// vocabulary, unmapped: what SGLang's draft-extend slot returns and samples itself); at
+/// least one. The top-K ids are target ids (mapped through d2t or the FR-Spec hot map), or
+/// with `draft_ids` the lm_head's own rows, for an engine that maps them itself (SGLang's
+/// `draft_forward` applies `hot_token_id`), so no id is mapped twice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HeadOutputs {
     pub topk: bool,
@@ -259,8 +258,7 @@ pub struct WeightDesc {
     pub packing: Packing,
     /// A tensor-parallel rank's slices: empty for the whole tensors, else one per packed
     /// part — each stacked source of `ConcatRows` (q, k and v may differ: replicated kv
-    /// heads), the packed tensor of the other packings (the gathered hot rows, the leading
-    /// rows).
+    /// heads), the packed tensor of the other packings (gathered hot rows, leading rows).
     pub shard: Vec<Shard>,
     /// Byte offset in the weight region.
     pub offset: u64,
@@ -348,6 +346,8 @@ pub enum ArgValue {
     },
     /// Device address of the registered K/V layout words (`specplan_kernels::kv`).
     KvLayout,
+    /// Device address of the runtime's arrival counters (`specplan_kernels::kv::COUNTER_WORDS`).
+    Counters,
     U32(u32),
     /// A null pointer (an operand this launch does not use).
     Null,

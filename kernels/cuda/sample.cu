@@ -73,6 +73,12 @@
 //     and ids exactly
 //     as softmax_topk's (over the RANKS*COLS columns of the full row).
 //
+// Entry topk_fused (RANKS = 1): topk_partial's launch, records and shared memory, and then
+// topk_merge's merge of row i in the last of the row's CTAs to finish. Params: logits,
+// part (written, then read back), hot_ids, probs, ids, x, norm_w, lm_w (as topk_merge's),
+// counters unsigned* [batch] (the runtime's arrival counters: 0 before the launch, and 0
+// again after it), batch unsigned, chunks unsigned (1..32).
+//
 // Entry logits_gather (a sharded plan's logits output): out[i, t*COLS + c] =
 //   part[(t*batch + i)*COLS + c] for every rank t < RANKS — the all-gathered shares,
 //   rank-major, as full rows.
@@ -541,37 +547,18 @@ extern "C" __global__ void __launch_bounds__(SOFTMAX_TOPK_THREADS) softmax_topk(
     if (t < kK) emit(lists.val(t, 0), lists.col(t, 0), m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
 }
 
-// Two CTAs per SM (at most 64 registers a thread): the chunk rule's wave (facts::TOPK_WAVE)
-// counts on it. (softmax_topk runs a CTA per row, at most a bucket's rows: no such bound.)
-extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS, 2) topk_partial(TopkPartialParams p) {
-    using namespace topk;
-    extern __shared__ __align__(16) unsigned char topk_smem[];
-    const Lists lists{reinterpret_cast<float*>(topk_smem),
-                      reinterpret_cast<int*>(topk_smem + (long long)kL * kThreads * 4)};
-    const unsigned i = blockIdx.x, ch = blockIdx.y;
-    if (i >= p.batch || ch >= p.chunks) return;  // uniform per CTA
-    const long long w = (kCols + p.chunks - 1) / p.chunks;
-    const long long width = (w + 3) / 4 * 4;
-    const long long c0 = (long long)ch * width < kCols ? (long long)ch * width : kCols;
-    const long long c1 = c0 + width < kCols ? c0 + width : kCols;
-    float m, sum;
-    scan_range(p.logits + (long long)i * kCols, c0, c1, lists, m, sum);
-    float* rec = p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kL);
-    const int t = (int)threadIdx.x;
-    if (t == 0) {
-        rec[0] = m;
-        rec[1] = sum;
-    }
-    if (t < kL) {
-        const int c = lists.col(t, 0);
-        const bool valid = c >= 0 && (long long)c < kCols;
-        rec[2 + t] = valid ? lists.val(t, 0) : neg_inf();
-        rec[2 + kL + t] = valid ? (float)(c + (long long)COL_OFFSET) : -1.0f;
-    }
-}
+namespace topk {
 
-extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(TopkMergeParams p) {
-    using namespace topk;
+// The merge of row i's records (`nrec` = RANKS * chunks of them, at most 32) by a CTA of kT
+// threads: the records are staged in `recs` (shared memory, 32 * (kR + 1) floats) by the
+// whole CTA, warp 0 merges them, and with REFINE every warp refines the winners; the row's
+// TOPK probs and ids are written. `load(l, f)` reads field f of record l, where l = rank *
+// chunks + chunk. Every thread of the CTA calls it (it has barriers); it returns after the
+// row is emitted.
+template <int kT, typename Load>
+__device__ __forceinline__ void merge_row(unsigned i, int nrec, float* recs, Load load, const long long* hot_ids,
+                                          float* probs, long long* ids, const stream_t* x, const act_t* norm_w,
+                                          const act_t* lm_w) {
     // With REFINE: the winners and the row's (m, sum), for the whole CTA's refinement.
     __shared__ float win_v[kL];
     __shared__ int win_c[kL];
@@ -582,18 +569,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
     // an odd stride, so the 32 lanes' reads of one field hit 32 banks.
     constexpr int kR = 2 + 2 * kL;
     constexpr int kRS = kR + 1;
-    __shared__ float recs[32 * kRS];
-    const unsigned i = blockIdx.x;
     const int t = (int)threadIdx.x;
-    // (chunks > 32 first: the product below is 32-bit and could wrap.)
-    if (i >= p.batch || p.chunks == 0u || p.chunks > 32u || p.chunks * RANKS > 32u) return;  // uniform per CTA
-    const int chunks = (int)p.chunks;
-    const int nrec = chunks * kRanks;
-    for (int e = t; e < nrec * kR; e += (int)TOPK_MERGE_THREADS) {
-        // Record l = (rank l / chunks, chunk l % chunks) of row i, field f.
+    for (int e = t; e < nrec * kR; e += kT) {
         const int l = e / kR, f = e - l * kR;
-        const int r = l / chunks, ch = l - r * chunks;
-        recs[l * kRS + f] = p.part[(((long long)r * p.batch + i) * chunks + ch) * kR + f];
+        recs[l * kRS + f] = load(l, f);
     }
     __syncthreads();
     if (!REFINE && t >= 32) return;  // the records are staged: warp 0 merges, the rest only refine
@@ -641,9 +620,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
                     const bool ok = col >= 0 && (long long)col < kAllCols;
                     win_v[k] = ok ? bv : neg_inf();
                     win_c[k] = ok ? col : -1;
-                    prefetch_id(p.hot_ids, ok ? col : -1);
+                    prefetch_id(hot_ids, ok ? col : -1);
                 } else {
-                    emit(bv, col, m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + k);
+                    emit(bv, col, m, sum, hot_ids, probs, ids, (long long)i * kK + k);
                 }
             }
         }
@@ -658,10 +637,123 @@ extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(Topk
         __syncthreads();
         float m = row_ms[0], sum = row_ms[1];
         if (m != neg_inf())  // uniform: read from shared memory after the barrier
-            refine_cands<(int)TOPK_MERGE_THREADS>(win_v, win_c, 1, m, sum, p.x + (long long)i * HIDDEN,
-                                                  p.norm_w, p.lm_w);
-        if (t < kK) emit(win_v[t], win_c[t], m, sum, p.hot_ids, p.probs, p.ids, (long long)i * kK + t);
+            refine_cands<kT>(win_v, win_c, 1, m, sum, x + (long long)i * HIDDEN, norm_w, lm_w);
+        if (t < kK) emit(win_v[t], win_c[t], m, sum, hot_ids, probs, ids, (long long)i * kK + t);
     }
+}
+
+// Chunk ch of a row of kCols columns split in `chunks`: columns [c0, c1) (the header's W).
+__device__ __forceinline__ void chunk_range(unsigned ch, unsigned chunks, long long& c0, long long& c1) {
+    const long long w = (kCols + chunks - 1) / chunks;
+    const long long width = (w + 3) / 4 * 4;
+    c0 = (long long)ch * width < kCols ? (long long)ch * width : kCols;
+    c1 = c0 + width < kCols ? c0 + width : kCols;
+}
+
+// Scans chunk ch of row i and writes its record at `rec` (the header's layout).
+__device__ __forceinline__ void chunk_record(const float* logits, unsigned i, unsigned ch, unsigned chunks,
+                                             const Lists& lists, float* rec) {
+    long long c0, c1;
+    chunk_range(ch, chunks, c0, c1);
+    float m, sum;
+    scan_range(logits + (long long)i * kCols, c0, c1, lists, m, sum);
+    const int t = (int)threadIdx.x;
+    if (t == 0) {
+        rec[0] = m;
+        rec[1] = sum;
+    }
+    if (t < kL) {
+        const int c = lists.col(t, 0);
+        const bool valid = c >= 0 && (long long)c < kCols;
+        rec[2 + t] = valid ? lists.val(t, 0) : neg_inf();
+        rec[2 + kL + t] = valid ? (float)(c + (long long)COL_OFFSET) : -1.0f;
+    }
+}
+
+}  // namespace topk
+
+// Two CTAs per SM (at most 64 registers a thread): the chunk rule's wave (facts::TOPK_WAVE)
+// counts on it. (softmax_topk runs a CTA per row, at most a bucket's rows: no such bound.)
+extern "C" __global__ void __launch_bounds__(TOPK_PARTIAL_THREADS, 2) topk_partial(TopkPartialParams p) {
+    using namespace topk;
+    extern __shared__ __align__(16) unsigned char topk_smem[];
+    const Lists lists{reinterpret_cast<float*>(topk_smem),
+                      reinterpret_cast<int*>(topk_smem + (long long)kL * kThreads * 4)};
+    const unsigned i = blockIdx.x, ch = blockIdx.y;
+    if (i >= p.batch || ch >= p.chunks) return;  // uniform per CTA
+    chunk_record(p.logits, i, ch, p.chunks, lists, p.part + ((long long)i * p.chunks + ch) * (2 + 2 * kL));
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_MERGE_THREADS) topk_merge(TopkMergeParams p) {
+    using namespace topk;
+    constexpr int kR = 2 + 2 * kL;
+    __shared__ float recs[32 * (kR + 1)];
+    const unsigned i = blockIdx.x;
+    // (chunks > 32 first: the product below is 32-bit and could wrap.)
+    if (i >= p.batch || p.chunks == 0u || p.chunks > 32u || p.chunks * RANKS > 32u) return;  // uniform per CTA
+    const int chunks = (int)p.chunks;
+    const float* part = p.part;
+    const unsigned batch = p.batch;
+    // Record l = (rank l / chunks, chunk l % chunks) of row i.
+    auto load = [&](int l, int f) {
+        const int r = l / chunks, ch = l - r * chunks;
+        return part[(((long long)r * batch + i) * chunks + ch) * kR + f];
+    };
+    merge_row<(int)TOPK_MERGE_THREADS>(i, chunks * kRanks, recs, load, p.hot_ids, p.probs, p.ids, p.x, p.norm_w,
+                                       p.lm_w);
+}
+
+// topk_partial's records, then topk_merge's merge in the last of the row's CTAs to finish
+// (docs/perf-notes.md item 38): one launch instead of two. Each CTA writes its record, and
+// thread 0 fences it (release at device scope) and counts the CTA into the row's counter
+// with atomicInc(.., chunks - 1), which wraps the word back to 0 at the last arrival: that
+// CTA sees chunks - 1, fences again (acquire) and reads every record through L2 (__ldcg:
+// other SMs wrote them, and a load through L1 or the read-only path could see a stale
+// line). The counter is 0 again when the launch ends, as the
+// next launch needs (kv.rs, COUNTER_WORDS). Unsharded rows only (RANKS = 1: a sharded plan's
+// records meet after its all-gather).
+namespace topk {
+
+// topk_fused's CTA (RANKS = 1; see the entry).
+__device__ __forceinline__ void fused_cta(const TopkFusedParams& p) {
+    extern __shared__ __align__(16) unsigned char topk_smem[];
+    const Lists lists{reinterpret_cast<float*>(topk_smem),
+                      reinterpret_cast<int*>(topk_smem + (long long)kL * kThreads * 4)};
+    const unsigned i = blockIdx.x, ch = blockIdx.y;
+    // (chunks > 32: no merge could take the records; nothing is counted, nothing written.)
+    if (i >= p.batch || ch >= p.chunks || p.chunks > 32u) return;  // uniform per CTA
+    constexpr int kR = 2 + 2 * kL;
+    chunk_record(p.logits, i, ch, p.chunks, lists, p.part + ((long long)i * p.chunks + ch) * kR);
+    __shared__ unsigned last;
+    // The record's writers meet thread 0 at the barrier; thread 0's fence then orders all of
+    // their writes before its count (fences are cumulative over what the barrier made
+    // visible to it), as its fence after the count orders the last CTA's reads after every
+    // other CTA's count. One fence each way, in one thread: a fence is a MEMBAR.SC.GPU.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned prev = atomicInc(reinterpret_cast<unsigned*>(p.counters) + i, p.chunks - 1u);
+        last = prev == p.chunks - 1u;
+        if (last) __threadfence();
+    }
+    __syncthreads();
+    if (!last) return;  // uniform per CTA
+    // The lists are dead: their shared memory stages the records (kL * 4096 bytes of lists
+    // against 32 * (kR + 1) floats of records: 384 + 256 * kL bytes).
+    float* recs = reinterpret_cast<float*>(topk_smem);
+    const float* part = p.part + (long long)i * p.chunks * kR;
+    auto load = [&](int l, int f) { return __ldcg(part + (long long)l * kR + f); };
+    merge_row<(int)TOPK_FUSED_THREADS>(i, (int)p.chunks, recs, load, p.hot_ids, p.probs, p.ids, p.x, p.norm_w,
+                                       p.lm_w);
+}
+
+}  // namespace topk
+
+extern "C" __global__ void __launch_bounds__(TOPK_FUSED_THREADS, 2) topk_fused(TopkFusedParams p) {
+    static_assert(TOPK_FUSED_THREADS == TOPK_PARTIAL_THREADS, "the partial's lists and wave");
+    // A sharded instance compiles (one module per template) but does nothing: validation
+    // refuses its launch (a sharded row's records meet after the all-gather, in topk_merge).
+    if constexpr (RANKS == 1u) topk::fused_cta(p);
 }
 
 extern "C" __global__ void __launch_bounds__(LOGITS_GATHER_THREADS) logits_gather(LogitsGatherParams p) {

@@ -59,14 +59,23 @@ pub enum Access {
     Read,
     Write,
     ReadWrite,
+    /// Written, then read back by the same launch (`#[arg(local)]`: a workspace whose bytes
+    /// only that launch's CTAs exchange, such as `topk_fused`'s chunk records). Nothing from
+    /// before the launch is read, and nothing after it needs the bytes.
+    WriteRead,
 }
 
 impl Access {
+    /// Whether the launch reads the memory at all (its own writes included).
     pub fn reads(self) -> bool {
-        matches!(self, Access::Read | Access::ReadWrite)
+        matches!(self, Access::Read | Access::ReadWrite | Access::WriteRead)
     }
     pub fn writes(self) -> bool {
-        matches!(self, Access::Write | Access::ReadWrite)
+        matches!(self, Access::Write | Access::ReadWrite | Access::WriteRead)
+    }
+    /// Whether the launch reads what was there before it.
+    pub fn reads_before(self) -> bool {
+        matches!(self, Access::Read | Access::ReadWrite)
     }
 }
 
@@ -87,6 +96,9 @@ pub struct Allowed {
     pub layout: bool,
     /// The runtime's step status words (`kv.rs`); runtime-launched entries only.
     pub status: bool,
+    /// The runtime's arrival counters (`kv.rs`, [`crate::kv::COUNTER_WORDS`] u32 words, zero
+    /// at load; every launch that counts leaves them zero again).
+    pub counters: bool,
     /// A caller's device tensor, set per step; runtime-launched entries only.
     pub caller: bool,
     /// Runtime memory outside the plan's regions (a GEMM library's workspace);

@@ -85,6 +85,7 @@ impl Template {
                 Entry::TopkPartial,
                 Entry::TopkMerge,
                 Entry::LogitsGather,
+                Entry::TopkFused,
             ],
             Template::Tree => &[
                 Entry::TreeInit,
@@ -193,6 +194,7 @@ entries! {
     SiluMulPairs => mlp::SiluMulPairsParams, "silu_mul_pairs", Mlp;
     SelectNormPairs => select::SelectNormPairsParams, "select_norm_pairs", Select;
     NormCast => norm::NormCastParams, "norm_cast", Norm;
+    TopkFused => sample::TopkFusedParams, "topk_fused", Sample;
 }
 
 impl Entry {

@@ -369,3 +369,94 @@ fn tensor_parallel_facts_are_validated() {
     // The rank's own plan is valid as compiled.
     assert!(validate(rank).is_ok());
 }
+
+/// A split top-K row merged in its last CTA (`topk_fused`): the counters argument names the
+/// runtime's counter words and nothing else names them, and a sharded instance is refused.
+/// (Past `COUNTER_WORDS` rows the compiler launches `topk_merge`: cpu_reference.rs.)
+#[test]
+fn last_cta_merges_are_validated() {
+    use specplan_compiler::config::{resolve, Source};
+    use specplan_compiler::{compile, Target};
+    use specplan_format::{Entry, Plan};
+    let text = include_str!("../../compiler/presets/tiny.toml").replace("vocab_size = 1000", "vocab_size = 20000");
+    let cfg = resolve(
+        &Source::Toml {
+            name: "tiny-v20000".into(),
+            text,
+        },
+        &Overrides::default(),
+    )
+    .expect("config");
+    let split = compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan
+        .into_inner();
+    let fused = |p: &Plan| -> usize {
+        p.phases[0].buckets[0]
+            .launches
+            .iter()
+            .position(|l| matches!(&l.kind, LaunchKind::Kernel { kernel, .. } if p.kernels[*kernel as usize].entry == Entry::TopkFused))
+            .expect("a topk_fused launch")
+    };
+    fn args(p: &mut Plan, i: usize) -> &mut Vec<ArgValue> {
+        match &mut p.phases[0].buckets[0].launches[i].kind {
+            LaunchKind::Kernel { args, .. } => args,
+            _ => unreachable!("a kernel launch"),
+        }
+    }
+    let check = |base: &Plan, what: &str, want: &str, m: &dyn Fn(&mut Plan)| {
+        let mut p = base.clone();
+        m(&mut p);
+        let e = match validate(p) {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(want), "{what}: the error does not say {want:?}: {e}");
+    };
+    let i = fused(&split);
+    let counters = specplan_kernels::Entry::TopkFused
+        .abi()
+        .fields
+        .iter()
+        .position(|f| f.name == "counters")
+        .expect("a counters field");
+    let probs = specplan_kernels::Entry::TopkFused
+        .abi()
+        .fields
+        .iter()
+        .position(|f| f.name == "probs")
+        .expect("a probs field");
+    check(
+        &split,
+        "counters as a buffer",
+        "is not what this field may name",
+        &|p| {
+            let a = args(p, i);
+            a[counters] = a[probs];
+        },
+    );
+    check(
+        &split,
+        "probs as the counters",
+        "Counters is not what this field may name",
+        &|p| args(p, i)[probs] = ArgValue::Counters,
+    );
+    // A sharded plan's records meet after the all-gather: its top-K kernel relabelled as the
+    // fused entry is refused by the rank count.
+    let o = Overrides {
+        tp_size: Some(2),
+        tp_rank: Some(1),
+        ..Overrides::default()
+    };
+    let rank = common::compile_preset("tiny", &o).into_inner();
+    check(
+        &rank,
+        "a sharded topk_fused",
+        "merges one rank's records, but the plan has 2 ranks",
+        &|p| {
+            if let Some(k) = p.kernels.iter_mut().find(|k| k.entry == Entry::TopkPartial) {
+                k.entry = Entry::TopkFused;
+            }
+        },
+    );
+}

@@ -145,15 +145,13 @@ fn naive(md: &Model, st: &Step, n: usize, ps: usize, window: Option<usize>, k_to
 }
 
 fn check(o: Overrides, batches: &[usize]) {
-    check_source(Source::Preset("tiny".into()), o, batches);
+    check_source(Source::Preset("tiny".into()), o, &Target::default(), batches);
 }
 
-fn check_source(src: Source, o: Overrides, batches: &[usize]) {
+fn check_source(src: Source, o: Overrides, target: &Target, batches: &[usize]) {
     let mut rng = Rng(seed());
     let cfg = resolve(&src, &o).expect("config");
-    let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
-        .expect("compile")
-        .plan;
+    let plan = compile(&cfg, target, None, &|_, _| {}).expect("compile").plan;
     let n = plan.spec.num_draft_tokens as usize;
     let ps = plan.capture.page_size as usize;
     let window = plan.layers[0].window.map(|w| w as usize);
@@ -227,8 +225,9 @@ fn topk1_plan_matches_naive_forward() {
     );
 }
 
-/// `tiny` with a 20,000-token vocabulary: its logits rows are split across CTAs
-/// (topk_partial + topk_merge), with and without an FR-Spec hot map.
+/// `tiny` with a 20,000-token vocabulary: its logits rows are split across CTAs, merged in
+/// the row's last CTA (topk_fused) or by a launch after the records (topk_partial +
+/// topk_merge), with and without an FR-Spec hot map.
 #[test]
 fn split_topk_rows_match_naive_forward() {
     let text = include_str!("../../compiler/presets/tiny.toml").replace("vocab_size = 1000", "vocab_size = 20000");
@@ -240,33 +239,100 @@ fn split_topk_rows_match_naive_forward() {
         name: "tiny-v20000".into(),
         text: text.clone(),
     };
-    let plan = specplan_tests_common_compile(src());
-    assert!(
-        plan.kernels
+    use specplan_format::Entry;
+    let launch = Target {
+        topk_last_cta: false,
+        ..Target::default()
+    };
+    let entries = |t: &Target| -> Vec<Entry> {
+        let mut v: Vec<Entry> = specplan_tests_common_compile(src(), t)
+            .kernels
             .iter()
-            .any(|k| k.entry == specplan_format::Entry::TopkPartial)
-            && plan
-                .kernels
-                .iter()
-                .any(|k| k.entry == specplan_format::Entry::TopkMerge),
-        "a 20,000-column row should be split"
+            .map(|k| k.entry)
+            .collect();
+        v.retain(|e| {
+            matches!(
+                e,
+                Entry::TopkPartial | Entry::TopkMerge | Entry::TopkFused | Entry::SoftmaxTopk
+            )
+        });
+        v
+    };
+    assert_eq!(
+        entries(&Target::default()),
+        [Entry::TopkFused],
+        "a 20,000-column row should be split, merged in its last CTA"
     );
-    check_source(src(), Overrides::default(), &[1, 3]);
-    check_source(
-        src(),
-        Overrides {
-            hot_vocab_size: Some(17000),
-            ..Overrides::default()
-        },
-        &[2],
+    assert_eq!(entries(&launch), [Entry::TopkPartial, Entry::TopkMerge]);
+    for t in [Target::default(), launch] {
+        check_source(src(), Overrides::default(), &t, &[1, 3]);
+        check_source(
+            src(),
+            Overrides {
+                hot_vocab_size: Some(17000),
+                ..Overrides::default()
+            },
+            &t,
+            &[2],
+        );
+    }
+}
+
+/// A bucket whose top-K rows outnumber the runtime's counter words (draft decode: B · K rows,
+/// here 1,024 · 8) merges them with a `topk_merge` launch; the smaller buckets of the same
+/// phase merge in the row's last CTA. The rows are split at all only past 32,768 columns
+/// (`TOPK_WIDEST_CHUNK`, when the rows alone fill the GPU): a 40,000-token vocabulary.
+/// (Compiled only: a CPU run of 8,192 rows of 40,000 columns would take minutes.)
+#[test]
+fn rows_past_the_counter_words_merge_in_a_launch() {
+    use specplan_format::{Entry, LaunchKind};
+    let text = include_str!("../../compiler/presets/tiny.toml").replace("vocab_size = 1000", "vocab_size = 40000");
+    let o = Overrides {
+        topk: Some(8),
+        num_steps: Some(3),
+        num_draft_tokens: Some(8),
+        buckets: Some("1,1024".into()),
+        max_bs: Some(1024),
+        max_requests: Some(1024),
+        draft_decode_steps: Some("3".into()),
+        ..Overrides::default()
+    };
+    let src = Source::Toml {
+        name: "tiny-v40000".into(),
+        text,
+    };
+    let cfg = resolve(&src, &o).expect("config");
+    let plan = compile(&cfg, &Target::default(), None, &|_, _| {})
+        .expect("compile")
+        .plan;
+    let decode = plan
+        .phases
+        .iter()
+        .find(|p| matches!(p.kind, specplan_format::PhaseKind::DraftDecode { .. }))
+        .expect("a draft-decode phase");
+    let merges = |b: &specplan_format::BucketPlan| -> Vec<Entry> {
+        b.launches
+            .iter()
+            .filter_map(|l| match &l.kind {
+                LaunchKind::Kernel { kernel, .. } => Some(plan.kernels[*kernel as usize].entry),
+                _ => None,
+            })
+            .filter(|e| matches!(e, Entry::TopkFused | Entry::TopkPartial | Entry::TopkMerge))
+            .collect()
+    };
+    let (small, large) = (&decode.buckets[0], &decode.buckets[1]);
+    assert!(small.rows <= 4096 && large.rows > specplan_kernels::kv::COUNTER_WORDS as u32);
+    assert!(!merges(small).is_empty() && merges(small).iter().all(|e| *e == Entry::TopkFused));
+    let big = merges(large);
+    assert!(
+        !big.is_empty() && !big.contains(&Entry::TopkFused) && big.contains(&Entry::TopkMerge),
+        "{big:?}"
     );
 }
 
-fn specplan_tests_common_compile(src: Source) -> specplan_format::ValidatedPlan {
+fn specplan_tests_common_compile(src: Source, target: &Target) -> specplan_format::ValidatedPlan {
     let cfg = resolve(&src, &Overrides::default()).expect("config");
-    compile(&cfg, &Target::default(), None, &|_, _| {})
-        .expect("compile")
-        .plan
+    compile(&cfg, target, None, &|_, _| {}).expect("compile").plan
 }
 
 /// A YaRN head (factor 4 over a 64-position training length, so the blend and the 1.14
@@ -302,7 +368,7 @@ fn yarn_head_matches_naive_forward() {
         .expect("rope kernel");
     let c = k.constants.iter().find(|(n, _)| n == "ROPE_SCALE").map(|x| x.1.clone());
     assert_eq!(c, Some(specplan_format::ConstValue::F32(scale as f32)));
-    check_source(src, o, &[1, 3]);
+    check_source(src, o, &Target::default(), &[1, 3]);
 }
 
 /// A LongRoPE head (Phi-3 / MiniCPM style short factors and the √(1 + ln s / ln L) factor)
@@ -319,7 +385,7 @@ fn longrope_head_matches_naive_forward() {
     let o = rope_head_flags();
     let (_, _, scale) = rope_head(&src, &o);
     assert!(scale > 1.05, "the long-context factor applies: {scale}");
-    check_source(src.clone(), o.clone(), &[1, 3]);
+    check_source(src.clone(), o.clone(), &Target::default(), &[1, 3]);
     let above = Overrides {
         max_context_len: Some(8192),
         ..o

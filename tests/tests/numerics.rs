@@ -158,7 +158,7 @@ fn the_refinement_keeps_two_candidates_past_topk() {
         let k = p
             .kernels
             .iter()
-            .find(|k| matches!(k.entry, Entry::TopkMerge | Entry::SoftmaxTopk))
+            .find(|k| matches!(k.entry, Entry::TopkMerge | Entry::TopkFused | Entry::SoftmaxTopk))
             .expect("a top-K kernel");
         let get = |n: &str| match k.constants.iter().find(|(c, _)| c == n) {
             Some((_, specplan_format::ConstValue::U32(v))) => *v,

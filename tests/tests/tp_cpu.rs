@@ -478,6 +478,7 @@ fn clustered_split_merge_equals_partials_and_merge() {
             sm,
             sm_count: 132,
             attn_cluster: true,
+            ..Target::default()
         };
         compile(&cfg, &target, None, &|_, _| {})
             .unwrap_or_else(|e| panic!("compile for sm_{sm}: {e}"))

@@ -16,8 +16,8 @@ use specplan_kernels::entries::norm::{
 };
 use specplan_kernels::entries::rope::{RopeAppendParams, RopeAppendPtrs};
 use specplan_kernels::entries::sample::{
-    LogitsGatherParams, LogitsGatherPtrs, SoftmaxTopkParams, SoftmaxTopkPtrs, TopkMergeParams, TopkMergePtrs,
-    TopkPartialParams, TopkPartialPtrs,
+    LogitsGatherParams, LogitsGatherPtrs, SoftmaxTopkParams, SoftmaxTopkPtrs, TopkFusedParams, TopkFusedPtrs,
+    TopkMergeParams, TopkMergePtrs, TopkPartialParams, TopkPartialPtrs,
 };
 use specplan_kernels::entries::select::{
     SelectNormPairsParams, SelectNormPairsPtrs, SelectNormParams, SelectNormPtrs, SelectRowsParams, SelectRowsPtrs,
@@ -26,6 +26,7 @@ use specplan_kernels::entries::tree::{
     GatherRowsParams, GatherRowsPtrs, TreeFinishParams, TreeFinishPtrs, TreeInitParams, TreeInitPtrs, TreeSelectParams,
     TreeSelectPtrs, TreeVerifyParams, TreeVerifyPtrs,
 };
+use specplan_kernels::kv::COUNTER_WORDS;
 
 use super::liveness::{Live, Workspace};
 use super::{ScheduleError, Shared};
@@ -536,6 +537,22 @@ fn softmax_topk(b: &mut Binder, op: &Op, hot_map: bool, refine: bool, ws: Option
                 lm_w,
             };
             b.kernel::<SoftmaxTopkParams>(op, false, f, p)
+        }
+        // The records and the merge in one launch: the row's last CTA to finish merges, found
+        // by the runtime's arrival counters (one a row).
+        Some(part) if b.sh.topk_last_cta && f.head_rows(b.bf) as usize <= COUNTER_WORDS => {
+            let p = TopkFusedPtrs {
+                logits: b.arg(ins[0]),
+                part: ArgValue::Buffer(part),
+                hot_ids: hot,
+                probs: b.arg(outs[0]),
+                ids: b.arg(outs[1]),
+                x,
+                norm_w,
+                lm_w,
+                counters: ArgValue::Counters,
+            };
+            b.kernel::<TopkFusedParams>(op, true, f, p)
         }
         Some(part) => {
             let p = TopkPartialPtrs {

@@ -53,6 +53,8 @@ pub struct Shared<'a> {
     pub sm_count: u32,
     /// Splits may merge in thread block clusters: `Target::attn_cluster` on sm_90+.
     pub clusters: bool,
+    /// Split top-K rows merge in their last CTA (`Target::topk_last_cta`).
+    pub topk_last_cta: bool,
     /// The phase's rows per request (`PhaseKind::rows_per_request`).
     pub rows_per_request: u32,
 }

@@ -591,14 +591,14 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: At, uses: &[Use], touched: &[u64], e
             e.check(!u.access.writes(), || {
                 bat(i, format!("launch {} writes an input (inputs are read-only)", u.launch))
             });
-        } else if u.access.reads() {
+        } else if u.access.reads_before() {
             e.check(written[i], || {
                 bat(i, format!("launch {} reads it before any launch writes it", u.launch))
             });
             unread[i] = None;
         }
         if u.access.writes() {
-            if let (Access::Write, Some(w)) = (u.access, unread[i]) {
+            if let (Access::Write | Access::WriteRead, Some(w)) = (u.access, unread[i]) {
                 e.check(false, || {
                     bat(
                         i,
@@ -610,7 +610,8 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: At, uses: &[Use], touched: &[u64], e
                 });
             }
             written[i] = true;
-            unread[i] = Some(u.launch);
+            // A launch-local workspace is consumed by the launch that wrote it.
+            unread[i] = (u.access != Access::WriteRead).then_some(u.launch);
         }
         first[i] = first[i].min(u.launch);
         last[i] = last[i].max(u.launch);

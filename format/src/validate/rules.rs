@@ -262,6 +262,17 @@ pub(crate) fn kernel_launch(
     };
     let shape = k.entry.shape(bf, &kf);
     let name = k.entry.name();
+    // The last CTA merges the records it can see: one rank's (a sharded row's meet after the
+    // all-gather, in topk_merge).
+    e.check(k.entry != specplan_kernels::Entry::TopkFused || kf.tp_size <= 1, || {
+        at(
+            None,
+            format!(
+                ".kernel: {name} merges one rank's records, but the plan has {} ranks",
+                kf.tp_size
+            ),
+        )
+    });
     e.check(grid == shape.grid, || {
         at(
             None,
@@ -403,6 +414,18 @@ fn ptr_arg(
         }
         ArgValue::PageTable if a.table => return Ok(()),
         ArgValue::KvLayout if a.layout => return Ok(()),
+        // The runtime's counter words: one a group, at most COUNTER_WORDS of them.
+        ArgValue::Counters if a.counters => {
+            let words = specplan_kernels::kv::COUNTER_WORDS as u64;
+            return if elems <= words {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} counts {elems} groups, the runtime has {words} counter words",
+                    k.entry.name()
+                ))
+            };
+        }
         ArgValue::KvCache { layer, kind } if (a.k_cache && *kind == KvKind::K) || (a.v_cache && *kind == KvKind::V) => {
             return if *layer < p.model.layers {
                 Ok(())

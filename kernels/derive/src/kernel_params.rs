@@ -23,6 +23,8 @@ struct Allowed {
     v_cache: bool,
     layout: bool,
     status: bool,
+    counters: bool,
+    local: bool,
     caller: bool,
     scratch: bool,
     rw: bool,
@@ -130,16 +132,18 @@ fn read_allowed(f: &syn::Field) -> syn::Result<Option<Allowed>> {
                 "v_cache" => a.v_cache = true,
                 "layout" => a.layout = true,
                 "status" => a.status = true,
+                "counters" => a.counters = true,
                 "caller" => a.caller = true,
                 "scratch" => a.scratch = true,
                 "rw" => a.rw = true,
+                "local" => a.local = true,
                 "input" => {
                     a.input = Some(m.value()?.parse::<syn::Expr>()?);
                     a.buffer = true;
                 }
                 _ => {
                     return Err(
-                        m.error("unknown #[arg] word: use buffer, weight, table, k_cache, v_cache, layout, status, caller, scratch, rw or input = NAME")
+                        m.error("unknown #[arg] word: use buffer, weight, table, k_cache, v_cache, layout, status, counters, caller, scratch, rw, local or input = NAME")
                     )
                 }
             }
@@ -216,12 +220,18 @@ fn parse(input: &DeriveInput) -> syn::Result<Vec<Field>> {
                         push(syn::Error::new_spanned(
                             &ident,
                             "a pointer parameter needs #[arg(...)] naming what it may point at \
-                             (buffer, weight, table, k_cache, v_cache, layout, status, caller, scratch, input = NAME)",
+                             (buffer, weight, table, k_cache, v_cache, layout, status, counters, caller, scratch, input = NAME)",
                         ));
                         continue;
                     };
                     if allowed.rw && !mutable {
                         push(syn::Error::new_spanned(&ident, "#[arg(rw)] needs a DevPtrMut"));
+                    }
+                    if allowed.local && (!mutable || allowed.rw) {
+                        push(syn::Error::new_spanned(
+                            &ident,
+                            "#[arg(local)] needs a DevPtrMut, and excludes rw",
+                        ));
                     }
                     fields.push(Field {
                         ident,
@@ -305,13 +315,15 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                 ..
             } => {
                 let elem = format_ident!("{}", elem);
-                let access = match (mutable, a.rw) {
-                    (false, _) => quote!(#k::Access::Read),
-                    (true, false) => quote!(#k::Access::Write),
-                    (true, true) => quote!(#k::Access::ReadWrite),
+                let access = match (mutable, a.rw, a.local) {
+                    (false, _, _) => quote!(#k::Access::Read),
+                    (true, _, true) => quote!(#k::Access::WriteRead),
+                    (true, false, false) => quote!(#k::Access::Write),
+                    (true, true, false) => quote!(#k::Access::ReadWrite),
                 };
                 let (buffer, weight, table, kc, vc) = (a.buffer, a.weight, a.table, a.k_cache, a.v_cache);
                 let (layout, status, caller, scratch) = (a.layout, a.status, a.caller, a.scratch);
+                let counters = a.counters;
                 let input = match &a.input {
                     Some(s) => quote!(::core::option::Option::Some(#s)),
                     None => quote!(::core::option::Option::None),
@@ -322,7 +334,8 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
                         access: #access,
                         allowed: #k::Allowed {
                             buffer: #buffer, weight: #weight, table: #table, k_cache: #kc, v_cache: #vc,
-                            layout: #layout, status: #status, caller: #caller, scratch: #scratch,
+                            layout: #layout, status: #status, counters: #counters, caller: #caller,
+                            scratch: #scratch,
                         },
                         input: #input,
                     })

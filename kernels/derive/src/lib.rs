@@ -8,8 +8,10 @@
 //! misnames or forgets an argument does not compile.
 //!
 //! Pointer fields carry `#[arg(...)]`: `buffer`, `weight`, `table`, `k_cache`, `v_cache`,
-//! `layout`, `status`, `caller`, `scratch` (what the pointer may name), `input = "name"` (it must be that input buffer), `rw` (a
-//! `DevPtrMut` the kernel also reads).
+//! `layout`, `status`, `counters`, `caller`, `scratch` (what the pointer may name),
+//! `input = "name"` (it must be that input buffer), `rw` (a `DevPtrMut` the kernel also
+//! reads), `local` (a `DevPtrMut` the launch writes and then reads back: a workspace its
+//! CTAs exchange).
 
 mod kernel_params;
 

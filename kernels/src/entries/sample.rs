@@ -1,5 +1,7 @@
 //! sample.cu: softmax and top-K of the logits rows, in one CTA per row or split across
-//! CTAs (per-chunk records, then a merge that refines the winners) for long rows.
+//! CTAs (per-chunk records, then a merge that refines the winners) for long rows: the merge
+//! as its own launch (`topk_merge`), or in the last of the row's CTAs to finish
+//! (`topk_fused`).
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel, Stream};
 use crate::facts::{topk_record_floats, BucketFacts, KernelFacts};
@@ -67,6 +69,36 @@ pub struct TopkMergeParams {
     pub norm_w: DevPtr<Act>,
     #[arg(weight)]
     pub lm_w: DevPtr<Act>,
+    pub batch: u32,
+    pub chunks: u32,
+}
+
+/// `topk_fused`: `topk_partial`'s records, then the row's merge (`topk_merge`'s) in whichever
+/// of the row's CTAs finishes last, found by a per-row arrival counter. An unsharded row
+/// only: a sharded plan's records meet after its all-gather.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct TopkFusedParams {
+    #[arg(buffer)]
+    pub logits: DevPtr<f32>,
+    /// The chunk records: written by each CTA, read back by the row's last.
+    #[arg(buffer, local)]
+    pub part: DevPtrMut<f32>,
+    #[arg(weight)]
+    pub hot_ids: DevPtr<i64>,
+    #[arg(buffer)]
+    pub probs: DevPtrMut<f32>,
+    #[arg(buffer)]
+    pub ids: DevPtrMut<i64>,
+    #[arg(buffer)]
+    pub x: DevPtr<Stream>,
+    #[arg(weight)]
+    pub norm_w: DevPtr<Act>,
+    #[arg(weight)]
+    pub lm_w: DevPtr<Act>,
+    /// One arrival counter a row (u32, zero before and after the launch).
+    #[arg(counters, rw)]
+    pub counters: DevPtrMut<i32>,
     pub batch: u32,
     pub chunks: u32,
 }
@@ -217,6 +249,41 @@ impl Kernel for TopkMergeParams {
             x,
             norm_w,
             lm_w,
+        }
+    }
+}
+
+impl Kernel for TopkFusedParams {
+    const ENTRY: Entry = Entry::TopkFused;
+    fn threads(_: &KernelFacts) -> u32 {
+        TOPK_THREADS
+    }
+    fn smem(f: &KernelFacts) -> u64 {
+        topk_smem(f)
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], TopkFusedScalars) {
+        let (grid, s) = TopkPartialParams::launch(b, f);
+        (
+            grid,
+            TopkFusedScalars {
+                batch: s.batch,
+                chunks: s.chunks,
+            },
+        )
+    }
+    fn extents(s: &TopkFusedScalars, f: &KernelFacts) -> TopkFusedPtrs<Extent> {
+        let (b, k) = (s.batch as u64, f.topk as u64);
+        let (x, norm_w, lm_w) = refine(f, b);
+        TopkFusedPtrs {
+            logits: Extent::Elems(b * f.cols as u64),
+            part: Extent::Elems(b * s.chunks as u64 * topk_record_floats(f.topk_cands()) as u64),
+            hot_ids: hot(f),
+            probs: Extent::Elems(b * k),
+            ids: Extent::Elems(b * k),
+            x,
+            norm_w,
+            lm_w,
+            counters: Extent::Elems(b),
         }
     }
 }

@@ -115,6 +115,8 @@ enum Ptr {
     Kv(usize, KvKind),
     Table,
     Layout,
+    /// The runtime's arrival counters (`Ctx::counters`).
+    Counters,
     Null,
 }
 
@@ -127,6 +129,9 @@ struct Ctx<'a, K: KvStore> {
     table: &'a PageTable,
     /// Stores rounded to 16-bit buffers' types and the cache's (`CpuExecutor::rounded`).
     rounded: bool,
+    /// The runtime's arrival counters (`kv::COUNTER_WORDS`): zero at the start of a step, as
+    /// the device's are at load, and zero again after every launch that counts.
+    counters: Vec<u32>,
 }
 
 type R<T> = Result<T, String>;
@@ -351,6 +356,7 @@ impl<'p> CpuExecutor<'p> {
             kv,
             table,
             rounded: self.rounded,
+            counters: vec![0; specplan_kernels::kv::COUNTER_WORDS],
         };
         let setup = |e: String| ExecError::Setup(format!("inputs: {e}"));
         for (name, values) in inputs {
@@ -522,6 +528,7 @@ impl<K: KvStore> Ctx<'_, K> {
             ArgValue::KvCache { layer, kind } => Ptr::Kv(*layer as usize, *kind),
             ArgValue::PageTable => Ptr::Table,
             ArgValue::KvLayout => Ptr::Layout,
+            ArgValue::Counters => Ptr::Counters,
             ArgValue::Null => Ptr::Null,
         })
     }
@@ -603,6 +610,10 @@ impl<K: KvStore> Ctx<'_, K> {
             Entry::TopkMerge => {
                 let (p, s) = typed::<sample::TopkMergeParams>(&slots)?;
                 self.topk_merge(k, &p, &s)
+            }
+            Entry::TopkFused => {
+                let (p, s) = typed::<sample::TopkFusedParams>(&slots)?;
+                self.topk_fused(k, &p, &s)
             }
             Entry::TreeInit => {
                 let (p, s) = typed::<tree_entries::TreeInitParams>(&slots)?;

@@ -4,8 +4,8 @@
 use specplan_format::io;
 use specplan_format::KernelDesc;
 use specplan_kernels::entries::sample::{
-    LogitsGatherPtrs, LogitsGatherScalars, SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkMergePtrs, TopkMergeScalars,
-    TopkPartialPtrs, TopkPartialScalars,
+    LogitsGatherPtrs, LogitsGatherScalars, SoftmaxTopkPtrs, SoftmaxTopkScalars, TopkFusedPtrs, TopkFusedScalars,
+    TopkMergePtrs, TopkMergeScalars, TopkPartialPtrs, TopkPartialScalars,
 };
 use specplan_kernels::facts::topk_record_floats;
 
@@ -247,6 +247,64 @@ impl<K: KvStore> Ctx<'_, K> {
             }
         }
         Ok(())
+    }
+}
+
+impl<K: KvStore> Ctx<'_, K> {
+    /// `topk_fused` (sample.cu's contract): `topk_partial`'s records, the CTAs' arrivals on
+    /// the row's counter (`atomicInc` wrapping at chunks − 1: the arrival that finds
+    /// chunks − 1 is the row's last and merges), then `topk_merge`'s merge of every row. The
+    /// executor runs the CTAs in order, so the last arrival is the last chunk; what it checks
+    /// is the counters' contract: each row's word starts at 0, exactly one arrival is last,
+    /// and the word is 0 again after the launch.
+    pub(super) fn topk_fused(&mut self, k: &KernelDesc, p: &TopkFusedPtrs<Ptr>, s: &TopkFusedScalars) -> R<()> {
+        if c_u32(k, "RANKS")? != 1 {
+            return Err("topk_fused merges one rank's records (RANKS must be 1)".into());
+        }
+        if !matches!(p.counters, Ptr::Counters) {
+            return Err(format!(
+                "counters must be the runtime's counter words, is {:?}",
+                p.counters
+            ));
+        }
+        let (batch, chunks) = (s.batch as usize, s.chunks);
+        if chunks == 0 || chunks > specplan_kernels::facts::MAX_TOPK_CHUNKS {
+            return Err(format!("chunks {chunks} outside [1, 32]"));
+        }
+        if batch > self.counters.len() {
+            return Err(format!("{batch} rows, {} counter words", self.counters.len()));
+        }
+        let part = TopkPartialPtrs {
+            logits: p.logits,
+            part: p.part,
+        };
+        self.topk_partial(k, &part, &TopkPartialScalars { batch: s.batch, chunks })?;
+        for (i, word) in self.counters.iter_mut().take(batch).enumerate() {
+            if *word != 0 {
+                return Err(format!("row {i}'s counter is {word} before the launch (must be 0)"));
+            }
+            let mut last = 0;
+            for _ in 0..chunks {
+                let prev = *word;
+                *word = if prev >= chunks - 1 { 0 } else { prev + 1 };
+                last += (prev == chunks - 1) as u32;
+            }
+            if last != 1 || *word != 0 {
+                return Err(format!(
+                    "row {i}: {last} last arrivals, counter {word} after the launch"
+                ));
+            }
+        }
+        let merge = TopkMergePtrs {
+            part: p.part,
+            hot_ids: p.hot_ids,
+            probs: p.probs,
+            ids: p.ids,
+            x: p.x,
+            norm_w: p.norm_w,
+            lm_w: p.lm_w,
+        };
+        self.topk_merge(k, &merge, &TopkMergeScalars { batch: s.batch, chunks })
     }
 }
 

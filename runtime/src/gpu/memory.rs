@@ -27,7 +27,7 @@ pub(crate) struct Memory {
     pub weights: Vec<u64>,
     pub kv: KvRegistration,
     pub table: TableRegistration,
-    /// Layout words, then status words (i64).
+    /// Layout words, then status words (i64), then the arrival counters (u32).
     pub meta: DevMem,
     /// Host-mapped copy of the refusal words, written by `emit` (engine memory).
     pub mirror: super::device::Mapped,
@@ -45,6 +45,11 @@ impl Memory {
         self.meta.ptr + (kv::KV_WORDS * 8) as u64
     }
 
+    /// The arrival counters, after the status words (zeroed with them at load).
+    pub fn counters_ptr(&self) -> u64 {
+        self.meta.ptr + ((kv::KV_WORDS + kv::STATUS_WORDS) * 8) as u64
+    }
+
     /// The device address an argument names (0 for null and `u32`s).
     pub fn arg_ptr(&self, plan: &Plan, b: &BucketPlan, v: &ArgValue) -> u64 {
         match v {
@@ -56,6 +61,7 @@ impl Memory {
             }
             ArgValue::PageTable => self.table.ptr,
             ArgValue::KvLayout => self.layout_ptr(),
+            ArgValue::Counters => self.counters_ptr(),
             ArgValue::Null | ArgValue::U32(_) => {
                 let _ = plan;
                 0

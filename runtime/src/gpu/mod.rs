@@ -253,7 +253,8 @@ impl GpuRuntime {
             mode,
             logged: HashSet::new(),
         };
-        let mut words = [0i64; kv::KV_WORDS + kv::STATUS_WORDS];
+        // The counters (u32, two a word) are zero, as every launch that counts leaves them.
+        let mut words = vec![0i64; META_WORDS];
         words[..kv::KV_WORDS].copy_from_slice(&memory::layout_words(&rt.mem.kv, &rt.mem.table));
         words[kv::KV_WORDS + kv::STATUS_ERR_FIRST] = -1; // u64::MAX: no error yet
         words[kv::KV_WORDS + kv::STATUS_MIRROR] = rt.mem.mirror.dev as i64;
@@ -261,9 +262,9 @@ impl GpuRuntime {
         for w in 0..kv::MIRROR_WORDS * kv::MIRROR_SLOTS {
             rt.mem.mirror.write(w, 0);
         }
-        // SAFETY: `meta` holds the layout and status words.
+        // SAFETY: `meta` holds META_WORDS i64 words: the layout, status and counter words.
         cuda("cuMemcpyHtoD", unsafe {
-            result::memcpy_htod_sync(rt.mem.meta.ptr, &words)
+            result::memcpy_htod_sync(rt.mem.meta.ptr, &words[..])
         })?;
         rt.load.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
         rt.choose_gemms(opts.gemms)?;
@@ -477,7 +478,11 @@ impl GpuRuntime {
     }
 }
 
-/// Allocates `words` zeroed i64 words (the layout and status block).
+/// i64 words of the runtime's `meta` block: the layout words, the status words, and the
+/// arrival counters (`kv::COUNTER_WORDS` u32s).
+const META_WORDS: usize = kv::KV_WORDS + kv::STATUS_WORDS + kv::COUNTER_WORDS.div_ceil(2);
+
+/// Allocates the layout, status and counter block (written in full at load).
 fn meta_block() -> Result<DevMem, GpuError> {
-    DevMem::new((kv::KV_WORDS + kv::STATUS_WORDS) * 8)
+    DevMem::new(META_WORDS * 8)
 }

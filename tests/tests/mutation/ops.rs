@@ -55,7 +55,7 @@ fn some_launch(p: &Plan, rng: &mut Rng) -> Option<(usize, usize)> {
 fn other_arg(p: &Plan, bi: usize, rng: &mut Rng) -> ArgValue {
     let nb = p.phases[0].buckets[bi].buffers.len().max(1);
     let kind = if rng.below(2) == 0 { KvKind::K } else { KvKind::V };
-    match rng.below(7) {
+    match rng.below(8) {
         0 => ArgValue::Buffer(rng.below(nb + 1) as u32),
         1 => ArgValue::Weight(rng.below(p.weights.len() + 1) as u32),
         2 => ArgValue::PageTable,
@@ -65,6 +65,7 @@ fn other_arg(p: &Plan, bi: usize, rng: &mut Rng) -> ArgValue {
         },
         4 => ArgValue::KvLayout,
         5 => ArgValue::U32(u32_value(1, rng)),
+        6 => ArgValue::Counters,
         _ => ArgValue::Null,
     }
 }

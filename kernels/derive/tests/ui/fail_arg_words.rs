@@ -1,4 +1,4 @@
-use specplan_kernels::abi::{Act, DevPtr};
+use specplan_kernels::abi::{Act, DevPtr, DevPtrMut};
 use specplan_kernel_derive::KernelParams;
 
 #[derive(KernelParams)]
@@ -8,6 +8,10 @@ pub struct Params {
     pub x: DevPtr<Act>,
     #[arg(buffer, rw)]
     pub y: DevPtr<Act>,
+    #[arg(buffer, local)]
+    pub z: DevPtr<Act>,
+    #[arg(buffer, rw, local)]
+    pub w: DevPtrMut<Act>,
     #[arg(buffer)]
     pub rows: u32,
 }
