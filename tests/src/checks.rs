@@ -95,6 +95,14 @@ pub fn check_case(
         bucket: plan.bucket_for(c.b as u32).map_or(0, |x| x.batch),
         ..CaseReport::default()
     };
+    // Both runs must leave the arrival counters as they found them (zero: `topk_fused`).
+    let left = rt.counters_left().map_err(g)?;
+    if left > 0 {
+        e.failures.push(format!(
+            "b={}: {left} arrival counters left nonzero after the step",
+            c.b
+        ));
+    }
     e.graph_vs_eager_diff = bit_diffs(&og.hidden_out, &oe.hidden_out)
         + f32_bit_diffs(&og.topk_probs, &oe.topk_probs)
         + bit_diffs(&og.topk_ids, &oe.topk_ids)

@@ -150,6 +150,11 @@ pub fn soak(plan: &ValidatedPlan, rng: &mut Rng, steps: usize, sample_every: usi
         rep.failures.push(f);
     }
     rt.synchronize().map_err(g)?;
+    let left = rt.counters_left().map_err(g)?;
+    if left > 0 {
+        rep.failures
+            .push(format!("{left} arrival counters left nonzero after the soak"));
+    }
     rep.free_bytes_at_end = free_bytes()?;
     if rep.free_bytes_at_end < rep.free_bytes_after_warmup {
         rep.failures.push(format!(

@@ -88,6 +88,19 @@ impl GpuRuntime {
         Ok(out)
     }
 
+    /// The arrival counters (`kv::COUNTER_WORDS`) that are not zero: every launch must leave
+    /// them zero (a nonzero word would make the next launch's merge early). Synchronizes.
+    pub fn counters_left(&self) -> Result<usize, GpuError> {
+        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        let mut words = vec![0u32; specplan_kernels::kv::COUNTER_WORDS];
+        // SAFETY: the counter words after the layout and status words of `meta`
+        // (`meta_block` sizes it for them).
+        cuda("cuMemcpyDtoH", unsafe {
+            result::memcpy_dtoh_sync(&mut words[..], self.mem.counters_ptr())
+        })?;
+        Ok(words.iter().filter(|&&w| w != 0).count())
+    }
+
     /// Fills the arena with 0xFF bytes (NaN in every float type), so a check sees any
     /// output a step failed to write.
     pub fn poison(&self) -> Result<(), GpuError> {
