@@ -371,7 +371,8 @@ fn tensor_parallel_facts_are_validated() {
 }
 
 /// A split top-K row merged in its last CTA (`topk_fused`): the counters argument names the
-/// runtime's counter words and nothing else names them, and a sharded instance is refused.
+/// runtime's counter words and nothing else names them, its records are its own, and a
+/// sharded instance is refused.
 /// (Past `COUNTER_WORDS` rows the compiler launches `topk_merge`: cpu_reference.rs.)
 #[test]
 fn last_cta_merges_are_validated() {
@@ -440,6 +441,16 @@ fn last_cta_merges_are_validated() {
         "probs as the counters",
         "Counters is not what this field may name",
         &|p| args(p, i)[probs] = ArgValue::Counters,
+    );
+    // The records are the fused launch's own: a second launch over them is refused.
+    check(
+        &split,
+        "records shared",
+        "own workspace must be scratch that no other launch uses",
+        &|p| {
+            let l = p.phases[0].buckets[0].launches[i].clone();
+            p.phases[0].buckets[0].launches.insert(i + 1, l);
+        },
     );
     // A sharded plan's records meet after the all-gather: its top-K kernel relabelled as the
     // fused entry is refused by the rank count.

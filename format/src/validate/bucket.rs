@@ -584,6 +584,8 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: At, uses: &[Use], touched: &[u64], e
     // The launch whose write no launch has read yet: a value written and never read (or
     // overwritten unread) means a launch whose result is lost.
     let mut unread: Vec<Option<usize>> = vec![None; nb];
+    // A launch-local workspace (`Access::WriteRead`): the launch that uses it so.
+    let mut local: Vec<Option<usize>> = vec![None; nb];
     for u in uses {
         let i = u.buf as usize;
         let buf = &b.buffers[i];
@@ -613,6 +615,9 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: At, uses: &[Use], touched: &[u64], e
             // A launch-local workspace is consumed by the launch that wrote it.
             unread[i] = (u.access != Access::WriteRead).then_some(u.launch);
         }
+        if u.access == Access::WriteRead {
+            local[i] = Some(u.launch);
+        }
         first[i] = first[i].min(u.launch);
         last[i] = last[i].max(u.launch);
     }
@@ -620,6 +625,19 @@ fn data_flow(b: &BucketPlan, tag: &str, bi: At, uses: &[Use], touched: &[u64], e
         e.check(first[i] != usize::MAX, || bat(i, "no launch uses it".into()));
         if buf.role == BufferRole::Output {
             e.check(written[i], || bat(i, "an output no launch writes".into()));
+        }
+        // A workspace one launch writes and reads back is that launch's alone: scratch, and no
+        // other launch touches it (its bytes mean nothing outside the launch).
+        if let Some(l) = local[i] {
+            e.check(buf.role == BufferRole::Scratch && first[i] == l && last[i] == l, || {
+                bat(
+                    i,
+                    format!(
+                        "launch {l}'s own workspace must be scratch that no other launch uses ({:?}, launches {}..={})",
+                        buf.role, first[i], last[i]
+                    ),
+                )
+            });
         }
         if let (BufferRole::Scratch, Some(w)) = (buf.role, unread[i]) {
             e.check(false, || {

@@ -266,6 +266,10 @@ impl GpuRuntime {
         cuda("cuMemcpyHtoD", unsafe {
             result::memcpy_htod_sync(rt.mem.meta.ptr, &words[..])
         })?;
+        // A copy from pageable memory may return before its DMA lands, and the runtime's
+        // stream does not wait on the legacy stream: the first launch must see these words
+        // (the counters above all: a nonzero one would merge a row early).
+        cuda("cuCtxSynchronize", rt.ctx.synchronize())?;
         rt.load.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
         rt.choose_gemms(opts.gemms)?;
         if opts.build_graphs {

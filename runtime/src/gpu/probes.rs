@@ -89,9 +89,10 @@ impl GpuRuntime {
     }
 
     /// The arrival counters (`kv::COUNTER_WORDS`) that are not zero: every launch must leave
-    /// them zero (a nonzero word would make the next launch's merge early). Synchronizes.
+    /// them zero (a nonzero word would make the next launch's merge early). Synchronizes the
+    /// context (engine-memory steps run on the caller's stream).
     pub fn counters_left(&self) -> Result<usize, GpuError> {
-        cuda("cuStreamSynchronize", self.stream.synchronize())?;
+        cuda("cuCtxSynchronize", self.ctx.synchronize())?;
         let mut words = vec![0u32; specplan_kernels::kv::COUNTER_WORDS];
         // SAFETY: the counter words after the layout and status words of `meta`
         // (`meta_block` sizes it for them).
