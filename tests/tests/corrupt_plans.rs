@@ -55,6 +55,17 @@ fn flipped_bytes_are_rejected() {
     assert_eq!(decode(&b).expect_err("bad checksum"), PlanError::Checksum);
 }
 
+/// `base` changed by `m` is refused, and the error says `want` (`what` names the case).
+fn check(base: &specplan_format::Plan, what: &str, want: &str, m: &dyn Fn(&mut specplan_format::Plan)) {
+    let mut p = base.clone();
+    m(&mut p);
+    let e = match validate(p) {
+        Ok(_) => panic!("{what}: accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains(want), "{what}: the error does not say {want:?}: {e}");
+}
+
 fn invalid(mutate: impl FnOnce(&mut specplan_format::Plan)) -> String {
     let (_, mut plan) = tiny_bytes();
     mutate(&mut plan);
@@ -311,15 +322,6 @@ fn tensor_parallel_facts_are_validated() {
     };
     let rank = common::compile_preset("tiny", &o).into_inner();
     let single = common::compile_preset("tiny", &Overrides::default()).into_inner();
-    let check = |base: &specplan_format::Plan, what: &str, want: &str, m: &dyn Fn(&mut specplan_format::Plan)| {
-        let mut p = base.clone();
-        m(&mut p);
-        let e = match validate(p) {
-            Ok(_) => panic!("{what}: accepted"),
-            Err(e) => e.to_string(),
-        };
-        assert!(e.contains(want), "{what}: the error does not say {want:?}: {e}");
-    };
     let collective = |p: &mut specplan_format::Plan, op: CollectiveOp| -> Option<usize> {
         p.phases[0].buckets[0]
             .launches
@@ -405,15 +407,6 @@ fn last_cta_merges_are_validated() {
             _ => unreachable!("a kernel launch"),
         }
     }
-    let check = |base: &Plan, what: &str, want: &str, m: &dyn Fn(&mut Plan)| {
-        let mut p = base.clone();
-        m(&mut p);
-        let e = match validate(p) {
-            Ok(_) => panic!("{what}: accepted"),
-            Err(e) => e.to_string(),
-        };
-        assert!(e.contains(want), "{what}: the error does not say {want:?}: {e}");
-    };
     let i = fused(&split);
     let counters = specplan_kernels::Entry::TopkFused
         .abi()
