@@ -231,8 +231,16 @@ impl Admission {
         Ok(())
     }
 
-    /// Rule 7 for request `i` with prefix `l`: `row` is its page-table row.
-    pub fn writes(&mut self, i: usize, l: usize, n: usize, page_size: usize, row: &[i32]) -> Result<(), InputError> {
+    /// Rule 7 for request `i` with prefix `l`: `row` is its page-table row. Only the pages
+    /// for which `shared` holds enter the write set: a caller that knows a page is listed by
+    /// no other row (and by its own once) knows no other request can write it.
+    pub fn writes(
+        &mut self,
+        i: usize,
+        (l, n, page_size): (usize, usize, usize),
+        row: &[i32],
+        shared: impl Fn(i32) -> bool,
+    ) -> Result<(), InputError> {
         for pos in l..l + n {
             let Some(&page) = row.get(pos / page_size) else {
                 return Err(input_error(
@@ -241,6 +249,9 @@ impl Admission {
                     format!("has no page for position {pos}"),
                 ));
             };
+            if !shared(page) {
+                continue;
+            }
             let key = (page as i64 as u64)
                 .wrapping_mul(page_size as u64)
                 .wrapping_add((pos % page_size) as u64);
@@ -355,21 +366,43 @@ mod tests {
         assert!(a.slot(0, 2, 4).is_ok(), "a new step forgets the old slots");
     }
 
+    fn all(_: i32) -> bool {
+        true
+    }
+
     #[test]
     fn writes_rule_catches_shared_cache_slots_only() {
         let mut a = Admission::new(4, 8);
         a.begin(8);
         // Request 0: positions 0..3 on page 7; request 1: positions 4..7 on page 7 too.
-        assert!(a.writes(0, 0, 4, 8, &[7]).is_ok());
-        assert!(a.writes(1, 4, 4, 8, &[7]).is_ok(), "disjoint slots of one page");
-        let e = a.writes(2, 2, 4, 8, &[7]).unwrap_err();
+        assert!(a.writes(0, (0, 4, 8), &[7], all).is_ok());
+        assert!(a.writes(1, (4, 4, 8), &[7], all).is_ok(), "disjoint slots of one page");
+        let e = a.writes(2, (2, 4, 8), &[7], all).unwrap_err();
         assert!(e.message.contains("another request"), "{e}");
         a.begin(8);
-        assert!(a.writes(2, 2, 4, 8, &[7]).is_ok(), "a new step forgets the old writes");
+        assert!(
+            a.writes(2, (2, 4, 8), &[7], all).is_ok(),
+            "a new step forgets the old writes"
+        );
         // Growing past the initial capacity.
         a.begin(1000);
         for i in 0..100 {
-            assert!(a.writes(i, 0, 8, 8, &[i as i32]).is_ok());
+            assert!(a.writes(i, (0, 8, 8), &[i as i32], all).is_ok());
         }
+        // Pages the caller says no other row lists stay out of the set (and a short row is
+        // still refused).
+        a.begin(8);
+        let only_own = |p: i32| p != 7; // page 7: listed by no other row
+        assert!(a.writes(0, (0, 4, 8), &[7], only_own).is_ok());
+        assert!(a.writes(1, (0, 4, 8), &[7], only_own).is_ok(), "not entered");
+        assert!(a.writes(2, (0, 4, 8), &[7], all).is_ok(), "the set is still empty");
+        assert!(
+            a.writes(3, (0, 4, 8), &[7], all).is_err(),
+            "request 2's writes are in it"
+        );
+        assert!(
+            a.writes(4, (6, 4, 8), &[7], only_own).is_err(),
+            "position 8 has no page"
+        );
     }
 }

@@ -118,7 +118,7 @@ impl StepInputs {
             let row = &self.page_table[i * self.page_cols..(i + 1) * self.page_cols];
             admission::check_row_len(i, l, n, ps, row.len())?;
             admission::check_page_ids(io::PAGE_TABLE, i, &row[..(l + n).div_ceil(ps)], pool_pages)?;
-            adm.writes(i, l, n, ps, row)?;
+            adm.writes(i, (l, n, ps), row, |_| true)?;
         }
         // Rule 8 (aliasing): O(Σ (L + N)), the rows the attention reads.
         let reqs: Vec<aliasing::Request> = (0..b)

