@@ -248,9 +248,7 @@ impl<K: KvStore> Ctx<'_, K> {
         }
         Ok(())
     }
-}
 
-impl<K: KvStore> Ctx<'_, K> {
     /// `topk_fused` (sample.cu's contract): `topk_partial`'s records, the CTAs' arrivals on
     /// the row's counter (`atomicInc` wrapping at chunks − 1: the arrival that finds
     /// chunks − 1 is the row's last and merges), then `topk_merge`'s merge of every row. The

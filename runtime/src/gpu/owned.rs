@@ -352,7 +352,8 @@ impl GpuRuntime {
             let row = &s.table_host[slot as usize * cols..slot as usize * cols + have];
             // Rule 7 can fail only on a page another row also lists (a row names a page once,
             // refused at assignment): the others stay out of the write set. Exact, and at
-            // B 64 N 16 it took the check from 6.5 to about 2.4 µs on the development host.
+            // B 64 N 16 it took the check from 6.75 to 4.09 µs on the development host
+            // (docs/perf-notes.md item 40).
             let page_rows = &s.page_rows;
             s.admission.writes(i, (l, n, ps), row, |pg| {
                 page_rows.get(pg as usize).is_none_or(|r| r.len() > 1)
