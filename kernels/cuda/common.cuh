@@ -182,6 +182,23 @@ __host__ __device__ __forceinline__ constexpr long long ceil_div(long long a, lo
 __host__ __device__ __forceinline__ constexpr int imin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ constexpr int imax(int a, int b) { return a > b ? a : b; }
 
+// Raw copy of 16-byte vectors v = t, t + stride, ... < nv, four in flight per thread: a group's
+// loads are issued before its stores. In a plain loop the compiler cannot move a load above
+// the previous iteration's store (the rows may alias, for all it knows), so every iteration
+// costs a whole memory latency (perf-notes item 41).
+__device__ __forceinline__ void copy16_strided(uint4* dst, const uint4* src, long long nv, long long t,
+                                               long long stride) {
+    for (long long v = t; v < nv; v += 4 * stride) {
+        uint4 r[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) r[q] = v + q * stride < nv ? src[v + q * stride] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (v + q * stride < nv) dst[v + q * stride] = r[q];
+        }
+    }
+}
+
 // Part `part` of `parts` of a copy spread over several CTAs (each copies every parts-th
 // blockDim.x-vector slice); block_copy_act is the one-CTA case.
 __device__ __forceinline__ void parts_copy_act(act_t* dst, const act_t* src, long long n, unsigned part,
@@ -190,7 +207,7 @@ __device__ __forceinline__ void parts_copy_act(act_t* dst, const act_t* src, lon
     long long done = 0;
     if (aligned16(dst) && aligned16(src)) {
         const long long nv = n / 8;
-        for (long long v = t; v < nv; v += stride) copy_vec<8>(dst + v * 8, src + v * 8);
+        copy16_strided(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), nv, t, stride);
         done = nv * 8;
     }
     for (long long e = done + t; e < n; e += stride) dst[e] = src[e];
@@ -209,7 +226,14 @@ __device__ __forceinline__ void parts_cast(D* dst, const S* src, long long n, un
         if constexpr (SameType<D, act_t>::value) {
             parts_copy_act(dst, src, n, part, parts);
         } else {
-            for (long long e = t; e < n; e += stride) dst[e] = src[e];
+            constexpr long long per = 16 / (long long)sizeof(D);  // elements a 16-byte vector
+            long long done = 0;
+            if (aligned16(dst) && aligned16(src)) {
+                copy16_strided(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), n / per, t,
+                               stride);
+                done = n / per * per;
+            }
+            for (long long e = done + t; e < n; e += stride) dst[e] = src[e];
         }
         return;
     }
@@ -233,7 +257,8 @@ __device__ __forceinline__ void block_copy_act(act_t* dst, const act_t* src, lon
     long long done = 0;
     if (aligned16(dst) && aligned16(src)) {
         const long long nv = n / 8;
-        for (long long v = threadIdx.x; v < nv; v += blockDim.x) copy_vec<8>(dst + v * 8, src + v * 8);
+        copy16_strided(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), nv, threadIdx.x,
+                       blockDim.x);
         done = nv * 8;
     }
     for (long long e = done + threadIdx.x; e < n; e += blockDim.x) dst[e] = src[e];
@@ -286,11 +311,17 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // that read it. 16-byte vectors when all three rows are aligned; the rest element-wise.
 // `scratch`: 32 floats of shared memory. Every thread of the CTA must call it.
 // `X`: act_t, or float for a row of the fp32 residual stream (then `out` cannot alias it).
-template <typename X>
+// `copy` non-null: also copy[c] = (C) x[c] (bit exact when C is X; one rounding into a 16-bit
+// C), stored from the registers the norm loads x into. A separate copy loop before the norm
+// costs the row its memory latency once more per iteration, since the norm's loads cannot
+// be moved above the copy's stores (select_norm_pairs at B 1, perf-notes item 41). `copy`
+// aliases none of x, out, lo.
+template <typename X, typename C = act_t>
 __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* out, long long n, float eps,
-                                            float* scratch, act_t* lo = nullptr) {
+                                            float* scratch, act_t* lo = nullptr, C* copy = nullptr) {
     // lo non-null: the normed row as a hi/lo pair (store_vec_split), hi into out.
-    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo));
+    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo)) &&
+                     (copy == nullptr || aligned16(copy));
     const long long nv = vec ? (n / 8) * 8 : 0;
     constexpr int kRegVecs = 4;
     if (vec && nv == n && n <= 8LL * kRegVecs * blockDim.x) {
@@ -311,6 +342,7 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         for (int it = 0; it < kRegVecs; ++it) {
             const long long e = ((long long)threadIdx.x + (long long)it * blockDim.x) * 8;
             if (e < n) {
+                if (copy != nullptr) store_vec<8>(copy + e, v[it]);
 #pragma unroll
                 for (int k = 0; k < 8; ++k) ss += v[it][k] * v[it][k];
             }
@@ -336,11 +368,13 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
     for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
         float v[8];
         load_vec<8>(x + e, v);
+        if (copy != nullptr) store_vec<8>(copy + e, v);
 #pragma unroll
         for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
     }
     for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
         const float v = to_f(x[e]);
+        if (copy != nullptr) copy[e] = from_f<C>(v);
         ss += v * v;
     }
     ss = block_sum(ss, scratch);

@@ -64,7 +64,34 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
     const unsigned y = blockIdx.y, parts = gridDim.y;
     const long long t = (long long)y * blockDim.x + threadIdx.x, stride = (long long)blockDim.x * parts;
     act_t* dst = p.out + (long long)r * (2 * H);
-    if (local >= 0 && local < (long long)EMBED_ROWS) {
+    const bool in_table = local >= 0 && local < (long long)EMBED_ROWS;
+    const bool bias = HAS_BIAS && p.bias != nullptr && p.bias_out != nullptr;
+    stream_t* bias_row = bias ? p.bias_out + (long long)r * H : nullptr;
+    if (H % 8 == 0 && aligned16(dst) && aligned16(p.table) && aligned16(p.hidden) &&
+        (!bias || (aligned16(p.bias) && aligned16(bias_row)))) {
+        // The three segments' loads first, then their stores: one memory latency for the
+        // row, where a copy after a copy waits for the one before (perf-notes item 41).
+        // An activation's zero is all-zero bits in bf16 and fp16.
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        for (long long v = t; v < H / 8; v += stride) {
+            const uint4 h = ZERO_HIDDEN ? zero : reinterpret_cast<const uint4*>(p.hidden + (long long)r * H)[v];
+            const uint4 braw = bias ? reinterpret_cast<const uint4*>(p.bias)[v] : zero;
+            const uint4 e = in_table ? reinterpret_cast<const uint4*>(p.table + local * H)[v] : zero;
+            reinterpret_cast<uint4*>(dst)[v] = e;
+            reinterpret_cast<uint4*>(dst + H)[v] = h;
+            if (bias) {
+                if constexpr (SameType<stream_t, act_t>::value) {
+                    reinterpret_cast<uint4*>(bias_row)[v] = braw;  // bit exact, as parts_cast
+                } else {
+                    float b[8];
+                    load_vec<8>(reinterpret_cast<const act_t*>(&braw), b);
+                    store_vec<8>(bias_row + v * 8, b);
+                }
+            }
+        }
+        return;
+    }
+    if (in_table) {
         parts_copy_act(dst, p.table + local * H, H, y, parts);
     } else {
         for (long long i = t; i < H; i += stride) dst[i] = to_act(0.0f);
@@ -74,9 +101,7 @@ extern "C" __global__ void __launch_bounds__(EMBED_CONCAT_THREADS) embed_concat(
     } else {
         parts_copy_act(dst + H, p.hidden + (long long)r * H, H, y, parts);
     }
-    if constexpr (HAS_BIAS) {
-        if (p.bias != nullptr && p.bias_out != nullptr) parts_cast(p.bias_out + (long long)r * H, p.bias, H, y, parts);
-    }
+    if (bias) parts_cast(bias_row, p.bias, H, y, parts);
 }
 
 extern "C" __global__ void __launch_bounds__(EMBED_NORM_CONCAT_THREADS) embed_norm_concat(EmbedNormConcatParams p) {

@@ -81,9 +81,8 @@ extern "C" __global__ void __launch_bounds__(NORM_CAST_THREADS) norm_cast(NormCa
     const unsigned r = blockIdx.x;
     if (r >= p.rows) return;  // uniform per CTA
     constexpr long long H = (long long)HIDDEN;
-    const stream_t* x = p.x + (long long)r * H;
-    // The rounding first: its reads bring the row into L1 for the norm's (which reads the
-    // source row, not the rounded copy, like rmsnorm).
-    parts_cast(p.cast + (long long)r * H, x, H, 0, 1);
-    rmsnorm_row(x, p.weight, p.out + (long long)r * H, H, EPS, scratch);
+    // The rounding is stored from the norm's own loads of the row (one memory latency, not
+    // two); the norm reads the source row, not the rounded copy, like rmsnorm.
+    rmsnorm_row(p.x + (long long)r * H, p.weight, p.out + (long long)r * H, H, EPS, scratch, (act_t*)nullptr,
+                p.cast + (long long)r * H);
 }

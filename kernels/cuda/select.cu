@@ -58,9 +58,9 @@ __device__ __forceinline__ void select_norm_row(const stream_t* x, const int* ac
     int a = accept_lens[i];
     a = a < 1 ? 1 : (a > kN ? kN : a);
     const stream_t* src = x + ((long long)i * kN + (a - 1)) * H;
-    if (out != nullptr) parts_cast(out + (long long)i * H, src, H, 0, 1);
-    // Normalize from the source row (the copy above may still be in flight in other threads).
-    rmsnorm_row(src, weight, normed, H, EPS, scratch, normed_lo);
+    // The selected row's copy comes from the norm's own loads (one memory latency, not two).
+    rmsnorm_row(src, weight, normed, H, EPS, scratch, normed_lo,
+                out != nullptr ? out + (long long)i * H : (stream_t*)nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SELECT_NORM_THREADS) select_norm(SelectNormParams p) {
