@@ -94,12 +94,15 @@ template <> __device__ __forceinline__ void load_vec<4>(const act_t* p, float (&
     unpack2(r.x, f[0], f[1]);
     unpack2(r.y, f[2], f[3]);
 }
-template <> __device__ __forceinline__ void load_vec<8>(const act_t* p, float (&f)[8]) {
-    const uint4 r = *reinterpret_cast<const uint4*>(p);
+// Eight activations already loaded as one 16-byte vector.
+__device__ __forceinline__ void unpack8(uint4 r, float (&f)[8]) {
     unpack2(r.x, f[0], f[1]);
     unpack2(r.y, f[2], f[3]);
     unpack2(r.z, f[4], f[5]);
     unpack2(r.w, f[6], f[7]);
+}
+template <> __device__ __forceinline__ void load_vec<8>(const act_t* p, float (&f)[8]) {
+    unpack8(*reinterpret_cast<const uint4*>(p), f);
 }
 
 template <int V> __device__ __forceinline__ void store_vec(act_t* p, const float (&f)[V]) {

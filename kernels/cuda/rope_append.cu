@@ -57,11 +57,9 @@ static_assert(kD % 2 == 0, "rotate-half RoPE needs an even HEAD_DIM");
 // Rotates V consecutive pairs (x1 = src1[0..V), x2 = src2[0..V)) whose first index in the
 // half head is d0, and stores them to dst1 / dst2 (which may equal src1 / src2).
 template <int V>
-__device__ __forceinline__ void rotate(const act_t* src1, const act_t* src2, act_t* dst1, act_t* dst2,
+__device__ __forceinline__ void rotate(const float (&x1)[V], const float (&x2)[V], act_t* dst1, act_t* dst2,
                                        int d0, const float* cs, const float* sn) {
-    float x1[V], x2[V], y1[V], y2[V];
-    load_vec<V>(src1, x1);
-    load_vec<V>(src2, x2);
+    float y1[V], y2[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
         const float c = cs[d0 + k], s = sn[d0 + k];
@@ -75,9 +73,38 @@ __device__ __forceinline__ void rotate(const act_t* src1, const act_t* src2, act
 // The whole row with V-element units (V = 8: 16-byte accesses; V = 1: scalar).
 // `kbase` is the element offset of (slot, kvh = 0) in the caches, or -1 to skip; kv heads
 // are `hs` elements apart.
-template <int V>
+constexpr long long kVElems = (long long)kKvHeads * kD;  // v heads: contiguous in qkv
+
+// The raw bits of this thread's first rotation unit (its two halves) and first V vector in
+// the 8-element path. They depend only on the row, so the kernel loads them before the
+// position's page-table chain and the barrier: the row's load then overlaps those reads
+// instead of following them (perf-notes item 44).
+struct First {
+    uint4 x1, x2, v;
+};
+
+__device__ __forceinline__ First first_loads(const act_t* qkv_row) {
+    constexpr int kUnitsPerHead = kHalf / 8;
+    constexpr int kRotUnits = (kHeads + kKvHeads) * kUnitsPerHead;
+    const int t = (int)(blockIdx.y * blockDim.x + threadIdx.x);
+    First f = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    if (t < kRotUnits) {
+        const act_t* src = qkv_row + (long long)(t / kUnitsPerHead) * kD + (t % kUnitsPerHead) * 8;
+        f.x1 = *reinterpret_cast<const uint4*>(src);
+        f.x2 = *reinterpret_cast<const uint4*>(src + kHalf);
+    }
+    if ((long long)t * 8 < kVElems) {
+        f.v = *reinterpret_cast<const uint4*>(qkv_row + (long long)(kHeads + kKvHeads) * kD + (long long)t * 8);
+    }
+    return f;
+}
+
+// FIRST (V = 8 only): the thread's first unit and V vector come from `first` (first_loads),
+// the rest from memory.
+template <int V, bool FIRST>
 __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cache, long long kbase,
-                                    long long hs, const float* cs, const float* sn) {
+                                    long long hs, const float* cs, const float* sn, const First& first) {
+    static_assert(!FIRST || V == 8, "first_loads holds 8-element vectors");
     constexpr int kUnitsPerHead = kHalf / V;  // rotation units per head
     constexpr int kRotUnits = (kHeads + kKvHeads) * kUnitsPerHead;
     const int t = (int)(blockIdx.y * blockDim.x + threadIdx.x), stride = (int)(blockDim.x * gridDim.y);
@@ -85,20 +112,40 @@ __device__ __forceinline__ void row(act_t* qkv_row, act_t* k_cache, act_t* v_cac
         const int head = u / kUnitsPerHead;  // 0..HEADS-1: q, then HEADS..: k
         const int d0 = (u % kUnitsPerHead) * V;
         const act_t* src = qkv_row + (long long)head * kD + d0;
+        float x1[V], x2[V];
+        bool loaded = false;
+        if constexpr (FIRST) {
+            if (u == t) {
+                unpack8(first.x1, x1);
+                unpack8(first.x2, x2);
+                loaded = true;
+            }
+        }
+        if (!loaded) {
+            load_vec<V>(src, x1);
+            load_vec<V>(src + kHalf, x2);
+        }
         if (head < kHeads) {
             act_t* dst = qkv_row + (long long)head * kD + d0;
-            rotate<V>(src, src + kHalf, dst, dst + kHalf, d0, cs, sn);
+            rotate<V>(x1, x2, dst, dst + kHalf, d0, cs, sn);
         } else if (kbase >= 0) {
             act_t* dst = k_cache + kbase + (long long)(head - kHeads) * hs + d0;
-            rotate<V>(src, src + kHalf, dst, dst + kHalf, d0, cs, sn);
+            rotate<V>(x1, x2, dst, dst + kHalf, d0, cs, sn);
         }
     }
     if (kbase < 0) return;
     // v heads: KV_HEADS*HEAD_DIM contiguous elements in qkv, heads `hs` apart in the cache.
-    constexpr long long kVElems = (long long)kKvHeads * kD;
     const act_t* vsrc = qkv_row + (long long)(kHeads + kKvHeads) * kD;
     for (long long e = (long long)t * V; e < kVElems; e += (long long)stride * V) {
-        copy_vec<V>(v_cache + kbase + (e / kD) * hs + e % kD, vsrc + e);
+        act_t* dst = v_cache + kbase + (e / kD) * hs + e % kD;
+        bool copied = false;
+        if constexpr (FIRST) {
+            if (e == (long long)t * V) {
+                *reinterpret_cast<uint4*>(dst) = first.v;  // bit exact, as copy_vec<8>
+                copied = true;
+            }
+        }
+        if (!copied) copy_vec<V>(dst, vsrc + e);
     }
 }
 
@@ -109,6 +156,11 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
     __shared__ float sn[rope::kHalf > 0 ? rope::kHalf : 1];
     const unsigned r = blockIdx.x;
     if (r >= p.rows) return;  // uniform per CTA
+    act_t* qkv_row = p.qkv + (long long)r * rope::kRowElems;
+    // The 8-element path's first loads, issued before anything they do not depend on.
+    constexpr bool kVec = rope::kHalf % 8 == 0;
+    rope::First first = {make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u)};
+    if (kVec && aligned16(p.qkv)) first = rope::first_loads(qkv_row);
     const int i = (int)(r / N);
     const int j = (int)(r % N);
     const int L = p.prefix_lens[i];
@@ -132,14 +184,13 @@ extern "C" __global__ void __launch_bounds__(ROPE_APPEND_THREADS) rope_append(Ro
     const long long kbase = tok < 0 ? -1 : kv_at(lay, tok);
     __syncthreads();
 
-    act_t* qkv_row = p.qkv + (long long)r * rope::kRowElems;
     // Vector path: half heads are whole 8-element units and every row/head/cache start is
     // 16-byte aligned (HEAD_DIM % 16 == 0 makes all offsets multiples of 8 elements; the
     // runtime registers pools whose strides are multiples of 8 elements).
     if (rope::kHalf % 8 == 0 && aligned16(p.qkv) && aligned16(p.k_cache) && aligned16(p.v_cache) &&
         lay.kv_stride % 8 == 0 && lay.page_stride % 8 == 0 && lay.head_stride % 8 == 0) {
-        rope::row<(rope::kHalf % 8 == 0) ? 8 : 1>(qkv_row, p.k_cache, p.v_cache, kbase, lay.head_stride, cs, sn);
+        rope::row<kVec ? 8 : 1, kVec>(qkv_row, p.k_cache, p.v_cache, kbase, lay.head_stride, cs, sn, first);
     } else {
-        rope::row<1>(qkv_row, p.k_cache, p.v_cache, kbase, lay.head_stride, cs, sn);
+        rope::row<1, false>(qkv_row, p.k_cache, p.v_cache, kbase, lay.head_stride, cs, sn, first);
     }
 }
