@@ -218,8 +218,9 @@ pub fn compile(
         });
     }
     // The engine-memory prologues and epilogues (draft-extend's and draft decode's), the fill
-    // that stands in for a GEMM library's memset nodes and the skinny GEMM the runtime times
-    // beside cuBLASLt: launched by the runtime, carried by every plan.
+    // that stands in for a GEMM library's memset nodes, the skinny GEMM the runtime times
+    // beside cuBLASLt and the owned-memory graphs' stage_in: launched by the runtime,
+    // carried by every plan.
     let facts = kernel_facts(&d.model, &d.spec, &d.capture, &d.inv_freq);
     kernels.intern(specplan_kernels::Entry::Admit, &facts);
     kernels.intern(specplan_kernels::Entry::Emit, &facts);
@@ -227,6 +228,7 @@ pub fn compile(
     kernels.intern(specplan_kernels::Entry::EmitDecode, &facts);
     kernels.intern(specplan_kernels::Entry::Fill, &facts);
     kernels.intern(specplan_kernels::Entry::SkinnyGemm, &facts);
+    kernels.intern(specplan_kernels::Entry::StageIn, &facts);
     let stats = match jit {
         Some(j) => Some(j.compile_all(&mut kernels.kernels, &kernels.sources, target.sm)?),
         None => None,

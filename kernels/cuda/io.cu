@@ -134,6 +134,22 @@
 //   gets the low elem_bytes bytes of value (a memset; the runtime launches it in place of
 //   the memset nodes a GEMM library leaves in a captured graph). Another elem_bytes writes
 //   nothing.
+//
+// Entry stage_in
+//   Constants: none read (compiled with admit and emit).
+//   Launch:    grid (stage_in_ctas(bucket's hidden vectors), 1, 1) (entries/io.rs), block
+//              (STAGE_IN_THREADS = 256, 1, 1), no dynamic shared memory. The first node of an
+//              owned-memory draft-extend graph; its parameters are set per step.
+//   Params: src const int* (host-mapped: the staged integer inputs, ints_words words),
+//           dst int* (the bucket's integer input buffers, the same words), ctl long long*
+//           (host-mapped: [0] the step's sequence number, [1] the last consumed),
+//           src_hidden const act_t* (the caller's device hidden states), hidden act_t* (the
+//           bucket's), ints_words, hidden_vecs (16-byte vectors of hidden states; 0: none).
+//   When ints_words > 0, CTA 0 copies dst[w] = src[w] for w < ints_words, reading the host's
+//   memory afresh (__ldcv), then thread 0 writes ctl[1] = ctl[0] as read before the copy
+//   (after a system-wide fence): once the host sees it, no read of the block is
+//   outstanding. With ints_words = 0 (a replay on the inputs in place) neither. Every
+//   CTA copies its grid-stride share of the hidden vectors, device to device, bit exact.
 #include "common.cuh"
 
 // AdmitParams, EmitParams and FillParams are declared by the generated prelude, from specplan_kernels
@@ -652,4 +668,43 @@ extern "C" __global__ void __launch_bounds__(FILL_THREADS) fill(FillParams p) {
             *at = (unsigned char)p.value;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(STAGE_IN_THREADS) stage_in(StageInParams p) {
+    // No integer words (a replay on the inputs in place): the block is not read, so its
+    // sequence number is not reported either (it may already name a later step's rows).
+    if (blockIdx.x == 0 && p.ints_words > 0u) {
+        // The sequence number first: the host wrote it with the inputs, before the launch.
+        const long long seq = __ldcv(p.ctl);
+        const unsigned long long words = p.ints_words;
+        const int* src = p.src;
+        int* dst = p.dst;
+        unsigned long long done = 0;
+        if (aligned16(src) && aligned16(dst)) {
+            const unsigned long long nv = words / 4;
+            for (unsigned long long v = threadIdx.x; v < nv; v += 4ull * blockDim.x) {
+                int4 r[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const unsigned long long at = v + (unsigned long long)q * blockDim.x;
+                    r[q] = at < nv ? __ldcv(reinterpret_cast<const int4*>(src) + at) : make_int4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const unsigned long long at = v + (unsigned long long)q * blockDim.x;
+                    if (at < nv) reinterpret_cast<int4*>(dst)[at] = r[q];
+                }
+            }
+            done = nv * 4;
+        }
+        for (unsigned long long w = done + threadIdx.x; w < words; w += blockDim.x) dst[w] = __ldcv(src + w);
+        // Every load of the block has returned (each value was stored above).
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            *reinterpret_cast<volatile long long*>(p.ctl + 1) = seq;
+        }
+    }
+    copy16_strided(reinterpret_cast<uint4*>(p.hidden), reinterpret_cast<const uint4*>(p.src_hidden), p.hidden_vecs,
+                   (long long)blockIdx.x * blockDim.x + threadIdx.x, (long long)gridDim.x * blockDim.x);
 }

@@ -100,6 +100,7 @@ impl Template {
                 Entry::AdmitDecode,
                 Entry::EmitDecode,
                 Entry::Fill,
+                Entry::StageIn,
             ],
             Template::Gemm => &[Entry::SkinnyGemm],
         }
@@ -195,6 +196,7 @@ entries! {
     SelectNormPairs => select::SelectNormPairsParams, "select_norm_pairs", Select;
     NormCast => norm::NormCastParams, "norm_cast", Norm;
     TopkFused => sample::TopkFusedParams, "topk_fused", Sample;
+    StageIn => io::StageInParams, "stage_in", Io;
 }
 
 impl Entry {
@@ -207,11 +209,18 @@ impl Entry {
     /// carries them in its kernel table): `admit` and `emit` around an engine-memory
     /// draft-extend step, `admit_decode` and `emit_decode` around a draft-decode one, `fill`
     /// in place of a GEMM library's memset nodes in a captured graph, `skinny_gemm` in place
-    /// of cuBLASLt for the GEMMs it serves faster (timed at load).
+    /// of cuBLASLt for the GEMMs it serves faster (timed at load), `stage_in` at the head of
+    /// an owned-memory draft-extend graph.
     pub fn runtime_launched(self) -> bool {
         matches!(
             self,
-            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode | Entry::Fill | Entry::SkinnyGemm
+            Entry::Admit
+                | Entry::Emit
+                | Entry::AdmitDecode
+                | Entry::EmitDecode
+                | Entry::Fill
+                | Entry::SkinnyGemm
+                | Entry::StageIn
         )
     }
 

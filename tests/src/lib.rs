@@ -15,6 +15,7 @@ pub mod gpu;
 pub mod host_layouts;
 pub mod numerics;
 pub mod owned_refusals;
+pub mod owned_staging;
 pub mod random;
 pub mod reference;
 pub mod report;

@@ -101,6 +101,72 @@ pub struct EmitParams {
     pub batch: u32,
 }
 
+/// `stage_in`: an owned-memory step's inputs into the bucket's buffers, as the first node of
+/// its graph (the host then makes no copy call). CTA 0 copies the integer inputs, which the
+/// host wrote into the runtime's host-mapped staging block before the launch, and then
+/// writes the step's sequence number (`ctl[0]`, the host's) into `ctl[1]`: the host reuses
+/// the block once it reads it there. Every CTA copies its share of the caller's device
+/// hidden states (`hidden_vecs` 16-byte vectors; 0 when they came from the host by a copy
+/// before the launch). Its pointers and sizes are the runtime's, set per step on the
+/// captured node.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct StageInParams {
+    /// The staged integer inputs (host-mapped runtime memory): `ints_words` 4-byte words.
+    #[arg(scratch)]
+    pub src: DevPtr<i32>,
+    /// Where they go: the bucket's integer input buffers, one range of the arena.
+    #[arg(buffer, rw)]
+    pub dst: DevPtrMut<i32>,
+    /// The block's control words (host-mapped): `[0]` the step's sequence number, `[1]` the
+    /// last one this kernel consumed.
+    #[arg(scratch, rw)]
+    pub ctl: DevPtrMut<i64>,
+    /// The caller's `[b, N, H_in]` hidden states on the device.
+    #[arg(caller)]
+    pub src_hidden: DevPtr<Act>,
+    #[arg(input = io::HIDDEN_STATES, rw)]
+    pub hidden: DevPtrMut<Act>,
+    pub ints_words: u32,
+    pub hidden_vecs: u32,
+}
+
+/// CTAs of a `stage_in` launch for a bucket whose hidden states are `vecs` 16-byte vectors:
+/// four vectors a thread, at most 256 CTAs (the kernel loops over the rest).
+pub fn stage_in_ctas(vecs: u64) -> u32 {
+    vecs.div_ceil(4 * IO_THREADS as u64).clamp(1, 256) as u32
+}
+
+impl Kernel for StageInParams {
+    const ENTRY: Entry = Entry::StageIn;
+    fn threads(_: &KernelFacts) -> u32 {
+        IO_THREADS
+    }
+    /// The runtime sets the pointers and sizes per step; the grid covers the bucket's
+    /// hidden states.
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], StageInScalars) {
+        let vecs = (b.batch as u64 * f.n as u64 * f.hidden_in as u64 * f.act.size()) / 16;
+        (
+            [stage_in_ctas(vecs), 1, 1],
+            StageInScalars {
+                ints_words: 0,
+                hidden_vecs: 0,
+            },
+        )
+    }
+    fn extents(s: &StageInScalars, f: &KernelFacts) -> StageInPtrs<Extent> {
+        let act = f.act.size();
+        let hidden = s.hidden_vecs as u64 * 16 / act;
+        StageInPtrs {
+            src: Extent::Elems(s.ints_words as u64),
+            dst: Extent::Elems(s.ints_words as u64),
+            ctl: Extent::Elems(2),
+            src_hidden: Extent::Elems(hidden),
+            hidden: Extent::Elems(hidden),
+        }
+    }
+}
+
 /// Slots of `admit`'s write set for a bucket of `batch` requests of `n` rows: a power of two
 /// at least twice the rows (linear probing stays short).
 pub fn admit_hash_slots(batch: u32, n: u32) -> u32 {

@@ -410,6 +410,10 @@ fn check_prefixes(plan: &Plan, kind: PhaseKind, prefix_lens: &[i32]) -> R<()> {
 }
 
 /// The typed arguments of entry `K` from a launch's resolved argument list.
+fn by_runtime(e: Entry) -> String {
+    format!("{e} is launched by the GPU runtime itself, never by a plan")
+}
+
 fn typed<P: KernelParams>(slots: &[Slot<Ptr>]) -> R<(P::Ptrs<Ptr>, P::Scalars)> {
     P::split(slots).ok_or_else(|| format!("arguments do not match {}", P::C_NAME))
 }
@@ -565,8 +569,6 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<norm::NormCastParams>(&slots)?;
                 self.norm_cast(k, &p, &s)
             }
-            // The runtime's GEMM alternative, never a plan launch (validation refuses one).
-            Entry::SkinnyGemm => Err("skinny_gemm is launched only in place of a GEMM, not by a plan".into()),
             Entry::RopeAppend => {
                 let (p, s) = typed::<rope::RopeAppendParams>(&slots)?;
                 self.rope_append(k, &p, &s)
@@ -635,10 +637,9 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<tree_entries::GatherRowsParams>(&slots)?;
                 self.gather_rows(k, &p, &s)
             }
-            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode | Entry::Fill => Err(format!(
-                "{} is an entry the GPU runtime launches itself; plans never list it",
-                k.entry
-            )),
+            // Never plan launches (validation refuses one); skinny_gemm stands in for a GEMM.
+            Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode => Err(by_runtime(k.entry)),
+            Entry::Fill | Entry::SkinnyGemm | Entry::StageIn => Err(by_runtime(k.entry)),
         }
     }
 

@@ -173,6 +173,21 @@ impl Mapped {
         unsafe { std::ptr::read_volatile(self.ptr.add(i)) }
     }
 
+    /// Bytes `[0, len)` (at most the allocation) for the host to write. The caller makes
+    /// sure no device work reads or writes them meanwhile (`GraphStaging`: the kernel that
+    /// read them has marked them consumed; its control words lie past `len`).
+    pub fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        let len = len.min(self.words * 8);
+        // SAFETY: `len` bytes inside the allocation, borrowed mutably through `&mut self`;
+        // no device access to them overlaps the borrow (the caller's contract above).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u8, len) }
+    }
+
+    /// The allocation's host address (for a copy that reads it).
+    pub fn host_ptr(&self) -> *const u8 {
+        self.ptr as *const u8
+    }
+
     /// Sets word `i` (ignored past the end).
     pub fn write(&self, i: usize, v: u64) {
         if i >= self.words {

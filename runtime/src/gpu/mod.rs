@@ -8,15 +8,17 @@
 //!
 //! Modules: `device` (RAII and errors), `memory` (registrations, argument resolution),
 //! `launch` (kernel loading, argument packing, issuing, the one capture function), `gemm` +
-//! `lt` + `gemm_cache` (GEMMs: cuBLASLt algorithms from a cache or measured), `staging`,
-//! `owned`, `engine`, `probes` (hooks for tests and benchmarks). Admission checks of host
-//! inputs live in `crate::admission`, shared with the CPU path.
+//! `lt` + `gemm_cache` (GEMMs: cuBLASLt algorithms from a cache or measured), `staging` +
+//! `stage_node` (an owned step's inputs), `owned`, `engine`, `probes` (hooks for tests and
+//! benchmarks). Admission checks of host inputs live in `crate::admission`, shared with the
+//! CPU path.
 //!
 //! Replay path invariants (both modes): no device-to-host copy, no synchronization, no
 //! device allocation (host allocations are a parameter block's few hundred bytes); host
 //! work is O(b·N + b) (owned: plus copying the caller's host hidden states, which are the
-//! input itself; engine: O(1) per bucket replayed — one parameter update, one launch and
-//! one event record), never growing with the KV.
+//! input itself, and a wait for the staging block until the previous graph's first node
+//! has run; engine: O(1) per bucket replayed — one parameter update, one launch and one
+//! event record), never growing with the KV.
 
 mod device;
 mod engine;
@@ -32,6 +34,7 @@ mod owned;
 mod probes;
 mod refusals;
 mod skinny;
+mod stage_node;
 pub use graph::Exec;
 pub use probes::GraphNodes;
 pub use timeline::{OpSpan, Timeline};
@@ -106,6 +109,9 @@ struct Graph {
     graph: graph::Exec,
     admit: Option<sys::CUgraphNode>,
     emit: Option<sys::CUgraphNode>,
+    /// Owned memory's draft-extend buckets: the `stage_in` node that copies the step's
+    /// inputs in (`stage_node.rs`).
+    stage: Option<stage_node::StageNode>,
 }
 
 enum Mode {
@@ -396,18 +402,27 @@ impl GpuRuntime {
             let t0 = Instant::now();
             let stream = self.stream.cu_stream();
             let graph = graph::capture(&self.stream, self.fill_func(), || self.issue_bucket(bi, stream, None))?;
-            let (admit, emit) = match &self.mode {
-                Mode::Engine(e) if bi < extend_buckets => {
-                    (Some(engine::find_node(&graph, self.funcs[e.admit as usize])?), None)
-                }
+            let (admit, emit, stage) = match &self.mode {
+                Mode::Engine(e) if bi < extend_buckets => (
+                    Some(engine::find_node(&graph, self.funcs[e.admit as usize])?),
+                    None,
+                    None,
+                ),
                 Mode::Engine(e) => (
                     Some(engine::find_node(&graph, self.funcs[e.decode.admit as usize])?),
                     Some(engine_decode::kernel_node(&graph, self.funcs[e.decode.emit as usize])?),
+                    None,
                 ),
-                Mode::Owned(_) => (None, None),
+                Mode::Owned(_) if self.can_stage(bi) => (None, None, Some(self.stage_node(bi, &graph)?)),
+                Mode::Owned(_) => (None, None, None),
             };
             self.graph_build_ms[bi] = t0.elapsed().as_secs_f64() * 1e3;
-            self.graphs[bi] = Some(Graph { graph, admit, emit });
+            self.graphs[bi] = Some(Graph {
+                graph,
+                admit,
+                emit,
+                stage,
+            });
         }
         Ok(())
     }
@@ -418,7 +433,12 @@ impl GpuRuntime {
     fn issue_bucket(&self, bi: usize, stream: sys::CUstream, admit: Option<&mut [u8]>) -> Result<(), GpuError> {
         let l = self.launcher(stream);
         match &self.mode {
-            Mode::Owned(_) => l.issue(bi, &|_| true),
+            Mode::Owned(_) => {
+                if self.can_stage(bi) {
+                    self.issue_stage_in(bi, stream)?;
+                }
+                l.issue(bi, &|_| true)
+            }
             Mode::Engine(_) if bi >= self.plan.buckets().len() => self.issue_decode(bi, stream, None),
             Mode::Engine(e) => {
                 let b = bucket_facts(&self.plan.buckets()[bi]);

@@ -13,7 +13,7 @@ use specplan_kernels::kv::TableMode;
 
 use super::device::{cuda, DevMem, GpuError};
 use super::memory::{KvRegistration, Memory, TableRegistration};
-use super::staging::{StageRows, Staging};
+use super::staging::{GraphStaging, StageRows, Staging};
 use super::{meta_block, GpuOptions, GpuRuntime, Mode};
 use crate::admission::{self, Admission};
 use crate::bits::to_act_bytes;
@@ -72,7 +72,10 @@ fn output_rows(plan: &specplan_format::Plan) -> Vec<(&'static str, usize)> {
 
 pub(crate) struct OwnedState {
     pub pool_pages: u32,
+    /// Eager steps' staging (copies and events).
     staging: Staging,
+    /// Graph steps' host-mapped staging, read by each graph's `stage_in`.
+    gstage: GraphStaging,
     /// Host mirror of how many pages each slot has (for O(b) bounds checks).
     slot_pages: Vec<u32>,
     /// Host mirror of the device page table (for the O(b·N) write-conflict check).
@@ -89,6 +92,15 @@ pub(crate) struct OwnedState {
     /// step was one.
     chunk_out: Option<DevMem>,
     chunked: bool,
+}
+
+impl OwnedState {
+    pub(crate) fn graph_staging(&self) -> &GraphStaging {
+        &self.gstage
+    }
+    pub(crate) fn graph_staging_mut(&mut self) -> &mut GraphStaging {
+        &mut self.gstage
+    }
 }
 
 impl GpuRuntime {
@@ -134,6 +146,7 @@ impl GpuRuntime {
         let state = OwnedState {
             pool_pages,
             staging: Staging::new(&plan)?,
+            gstage: GraphStaging::new(&plan)?,
             slot_pages: vec![0; rows as usize],
             table_host: Vec::new(),
             page_rows: vec![Vec::new(); pool_pages as usize],
@@ -471,6 +484,9 @@ impl GpuRuntime {
                 Hidden::Device(_) => None,
             },
         };
+        if !eager && self.stages_in_graph(bi) {
+            return self.step_staged(req, (bi, &rows), t0);
+        }
         let Mode::Owned(s) = &mut self.mode else {
             return Err(GpuError::Mode("step with host inputs"));
         };

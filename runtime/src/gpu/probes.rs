@@ -140,7 +140,10 @@ impl GpuRuntime {
         }
         let bi = self.phase_bucket(kind, batch)?;
         match (eager, &self.graphs[bi]) {
-            (false, Some(g)) => g.graph.launch(),
+            (false, Some(g)) => {
+                self.quiet_stage(kind, bi)?;
+                g.graph.launch()
+            }
             (false, None) => Err(GpuError::Step(format!("{} bucket {batch} has no graph", kind.label()))),
             (true, _) => self.launcher(self.stream.cu_stream()).issue(bi, &|_| true),
         }
@@ -158,7 +161,10 @@ impl GpuRuntime {
             }
         }
         match (filter, &self.graphs[bi]) {
-            (None, Some(g)) => g.graph.launch(),
+            (None, Some(g)) => {
+                self.quiet_stage(PhaseKind::DraftExtend, bi)?;
+                g.graph.launch()
+            }
             (None, None) => self.launcher(stream).issue(bi, &|_| true),
             (Some(f), _) => self.launcher(stream).issue(bi, &|op| op.contains(f)),
         }

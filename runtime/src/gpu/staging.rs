@@ -1,14 +1,23 @@
 //! Host prep of an owned-memory step: the bucket's inputs written into pinned staging that
-//! mirrors the arena's first bytes, then copied with as few asynchronous copies as the
-//! layout allows. Two staging blocks alternate; the one about to be overwritten was last
-//! read by the copies of the step before the previous one, which an event query finds done
-//! (so host prep never waits on the GPU's compute).
+//! mirrors the arena's first bytes.
+//!
+//! A graph step (`GraphStaging`) writes them into one host-mapped block that its graph's
+//! first node, `stage_in`, copies in on the device: the host makes no copy call and records
+//! no event, and the device copies the caller's device hidden states in the same node. The
+//! block is reused once `stage_in` has written the step's sequence number back into it: a
+//! step issued while the previous one is still queued waits until that one's first node has
+//! run (one block, one graph per bucket; perf-notes item 45).
+//!
+//! An eager step (and a graph without `stage_in`) copies them with as few asynchronous
+//! copies as the layout allows (`Staging`). Two blocks alternate; the one about to be
+//! overwritten was last read by the copies of the step before the previous one, which an
+//! event query finds done (so host prep never waits on the GPU's compute).
 
 use cudarc::driver::{result, sys};
 use specplan_format::PhaseKind;
 use specplan_format::{io, BucketPlan, BufferRole, Plan};
 
-use super::device::{cuda, Event, GpuError, Pinned};
+use super::device::{cuda, cuda_rc, Event, GpuError, Mapped, Pinned};
 use crate::bits::as_bytes;
 
 /// Where a bucket's inputs sit in the arena, and the copies that move them. The compiler
@@ -25,6 +34,22 @@ pub(crate) struct StageLayout {
     ints: Vec<(usize, usize)>,
     /// Copy ranges for every input (hidden from the host).
     all: Vec<(usize, usize)>,
+}
+
+impl StageLayout {
+    /// The integer inputs as one range `(offset, bytes)`, when they are one (every plan the
+    /// compiler emits: they are placed first and contiguously), else `None`.
+    pub fn ints_range(&self) -> Option<(usize, usize)> {
+        match self.ints[..] {
+            [r] => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The hidden states' range `(offset, bytes)` of the bucket.
+    pub fn hidden_range(&self) -> (usize, usize) {
+        (self.hidden, self.hidden_bytes)
+    }
 }
 
 pub(crate) fn stage_layout(b: &BucketPlan) -> StageLayout {
@@ -45,27 +70,55 @@ pub(crate) fn stage_layout(b: &BucketPlan) -> StageLayout {
         l.hidden = off;
         l.hidden_bytes = len;
     }
-    // Merge sorted ranges across gaps that no non-input buffer touches.
-    let free = |lo: usize, hi: usize| {
-        b.buffers
-            .iter()
-            .all(|x| x.role == BufferRole::Input || x.offset as usize >= hi || (x.offset + x.bytes) as usize <= lo)
+    // Merge sorted ranges across gaps that no non-input buffer touches; the integer ranges
+    // also never across the hidden states (a graph step's device copy of them comes first).
+    let free = |lo: usize, hi: usize, hidden: bool| {
+        b.buffers.iter().all(|x| {
+            let clear = x.offset as usize >= hi || (x.offset + x.bytes) as usize <= lo;
+            clear || (x.role == BufferRole::Input && (hidden || x.name != io::HIDDEN_STATES))
+        })
     };
-    let merge = |mut v: Vec<(usize, usize)>| -> Vec<(usize, usize)> {
+    let merge = |mut v: Vec<(usize, usize)>, hidden: bool| -> Vec<(usize, usize)> {
         v.sort_unstable();
         let mut out: Vec<(usize, usize)> = Vec::new();
         for (off, len) in v {
             match out.last_mut() {
-                Some((o, l)) if *o + *l <= off && free(*o + *l, off) => *l = off + len - *o,
+                Some((o, l)) if *o + *l <= off && free(*o + *l, off, hidden) => *l = off + len - *o,
                 _ => out.push((off, len)),
             }
         }
         out
     };
-    l.ints = merge(ranges.clone());
+    l.ints = merge(ranges.clone(), false);
     ranges.push((l.hidden, l.hidden_bytes));
-    l.all = merge(ranges);
+    l.all = merge(ranges, true);
     l
+}
+
+/// Writes a step's rows into `s`, a block mirroring the arena's first bytes: the integer
+/// inputs padded to the bucket's `bb` requests of `n` rows (padded requests on the scratch
+/// slot), and the host's hidden states when given.
+fn fill(s: &mut [u8], lay: &StageLayout, rows: &StageRows, (bb, n): (usize, usize), scratch_slot: i32) {
+    let b = rows.slots.len();
+    let put = |s: &mut [u8], at: usize, bytes: &[u8]| s[at..at + bytes.len()].copy_from_slice(bytes);
+    put(s, lay.ids, as_bytes(rows.input_ids));
+    s[lay.ids + b * n * 8..lay.ids + bb * n * 8].fill(0);
+    for i in 0..bb {
+        let (l, a, slot) = if i < b {
+            (rows.prefix_lens[i], rows.accept_lens[i], rows.slots[i])
+        } else {
+            (0, n as i32, scratch_slot)
+        };
+        put(s, lay.prefix + i * 4, &l.to_le_bytes());
+        put(s, lay.accept + i * 4, &a.to_le_bytes());
+        put(s, lay.slots + i * 4, &slot.to_le_bytes());
+    }
+    // Padded rows keep whatever the staging held (an earlier step's rows, or
+    // uninitialized pinned memory): rows never mix, so those values cannot reach a
+    // real request, whatever they are.
+    if let Some(v) = rows.hidden {
+        put(s, lay.hidden, as_bytes(v));
+    }
 }
 
 /// One step's rows as host prep writes them (padded rows use the scratch slot).
@@ -116,7 +169,6 @@ impl Staging {
             bucket.batch as usize,
             plan.rows_per_request(PhaseKind::DraftExtend) as usize,
         );
-        let b = rows.slots.len();
         let lay = &self.layouts[bi];
         let k = self.next;
         self.next ^= 1;
@@ -127,27 +179,13 @@ impl Staging {
                 result::event::synchronize(self.done[k].0)
             })?;
         }
-        let scratch_slot = plan.capture.max_requests as i32;
-        let s = self.blocks[k].as_mut();
-        let put = |s: &mut [u8], at: usize, bytes: &[u8]| s[at..at + bytes.len()].copy_from_slice(bytes);
-        put(s, lay.ids, as_bytes(rows.input_ids));
-        s[lay.ids + b * n * 8..lay.ids + bb * n * 8].fill(0);
-        for i in 0..bb {
-            let (l, a, slot) = if i < b {
-                (rows.prefix_lens[i], rows.accept_lens[i], rows.slots[i])
-            } else {
-                (0, n as i32, scratch_slot)
-            };
-            put(s, lay.prefix + i * 4, &l.to_le_bytes());
-            put(s, lay.accept + i * 4, &a.to_le_bytes());
-            put(s, lay.slots + i * 4, &slot.to_le_bytes());
-        }
-        // Padded rows keep whatever the staging held (an earlier step's rows, or
-        // uninitialized pinned memory): rows never mix, so those values cannot reach a
-        // real request, whatever they are.
-        if let Some(v) = rows.hidden {
-            put(s, lay.hidden, as_bytes(v));
-        }
+        fill(
+            self.blocks[k].as_mut(),
+            lay,
+            rows,
+            (bb, n),
+            plan.capture.max_requests as i32,
+        );
         let base = self.blocks[k].ptr;
         let ranges = if rows.hidden.is_some() { &lay.all } else { &lay.ints };
         for &(off, len) in ranges {
@@ -169,5 +207,122 @@ impl Staging {
         cuda("cuEventRecord", unsafe {
             result::event::record(self.done[k].0, stream)
         })
+    }
+}
+
+/// The host-mapped block of the graph steps and its two control words (`stage_in`'s `ctl`):
+/// `[0]` the sequence number of the step whose rows it holds, `[1]` the last one `stage_in`
+/// consumed.
+pub(crate) struct GraphStaging {
+    block: Mapped,
+    /// Word index of `ctl[0]`, past every bucket's mirror of the arena.
+    ctl: usize,
+    /// The last sequence number written into `ctl[0]` (every write takes a new one, so a
+    /// number a failed launch left behind is never reused).
+    written: u64,
+    /// The sequence number of the last launched graph's rows: the block is free once
+    /// `ctl[1]` reaches it.
+    issued: u64,
+    layouts: Vec<StageLayout>,
+}
+
+impl GraphStaging {
+    pub fn new(plan: &Plan) -> Result<GraphStaging, GpuError> {
+        let layouts: Vec<StageLayout> = plan.buckets().iter().map(stage_layout).collect();
+        let bytes = layouts.iter().map(|l| l.hidden + l.hidden_bytes).max().unwrap_or(0);
+        let ctl = bytes.div_ceil(16) * 2;
+        let block = Mapped::new(ctl + 2)?;
+        block.write(ctl, 0);
+        block.write(ctl + 1, 0);
+        Ok(GraphStaging {
+            block,
+            ctl,
+            written: 0,
+            issued: 0,
+            layouts,
+        })
+    }
+
+    /// Bucket `bi`'s staged integer inputs: (device address in the block, arena offset,
+    /// bytes), when they are one range.
+    pub fn ints(&self, bi: usize) -> Option<(u64, usize, usize)> {
+        let (off, bytes) = self.layouts.get(bi)?.ints_range()?;
+        Some((self.block.dev + off as u64, off, bytes))
+    }
+
+    /// The control words' device address.
+    pub fn ctl_dev(&self) -> u64 {
+        self.block.dev + 8 * self.ctl as u64
+    }
+
+    pub fn layout(&self, bi: usize) -> &StageLayout {
+        &self.layouts[bi]
+    }
+
+    /// Waits until `stage_in` has consumed the block's last step (at once unless that
+    /// step's graph has not started yet), then writes this step's rows and the next
+    /// sequence number. The caller launches the graph and then calls `launched`.
+    pub fn write(&mut self, plan: &Plan, bi: usize, rows: &StageRows, stream: sys::CUstream) -> Result<(), GpuError> {
+        self.wait_consumed(stream)?;
+        let lay = &self.layouts[bi];
+        let (bb, n) = (
+            plan.buckets()[bi].batch as usize,
+            plan.rows_per_request(PhaseKind::DraftExtend) as usize,
+        );
+        let end = lay.hidden + lay.hidden_bytes;
+        fill(
+            self.block.bytes_mut(end),
+            lay,
+            rows,
+            (bb, n),
+            plan.capture.max_requests as i32,
+        );
+        self.written += 1;
+        self.block.write(self.ctl, self.written);
+        Ok(())
+    }
+
+    /// The graph carrying the sequence number `write` set was launched.
+    pub fn launched(&mut self) {
+        self.issued = self.written;
+    }
+
+    /// Issues the copy of bucket `bi`'s hidden states from the block (a step whose hidden
+    /// states came from the host) into the arena at `arena`, before the graph on `stream`:
+    /// `stage_in`, after it in stream order, marks the block consumed.
+    pub fn copy_hidden(&self, bi: usize, arena: u64, stream: sys::CUstream) -> Result<(), GpuError> {
+        let (off, len) = self.layouts[bi].hidden_range();
+        // SAFETY: [off, off + len) lies inside the block (sized for every bucket's mirror)
+        // and inside the arena's input buffers; the block is not rewritten before
+        // `stage_in` (later on the stream) marks it consumed.
+        cuda("cuMemcpyHtoDAsync", unsafe {
+            let src = std::slice::from_raw_parts(self.block.host_ptr().add(off), len);
+            result::memcpy_htod_async(arena + off as u64, src, stream)
+        })
+    }
+
+    fn wait_consumed(&self, stream: sys::CUstream) -> Result<(), GpuError> {
+        let mut polls = 0u32;
+        while self.block.read(self.ctl + 1) < self.issued {
+            polls = polls.wrapping_add(1);
+            if polls.is_multiple_of(256) {
+                // SAFETY: the runtime's live stream.
+                match unsafe { sys::cuStreamQuery(stream) } {
+                    sys::cudaError_enum::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
+                    // Idle: stage_in ran (its write lands before the stream completes).
+                    sys::cudaError_enum::CUDA_SUCCESS => {
+                        if self.block.read(self.ctl + 1) < self.issued {
+                            return Err(GpuError::Step(
+                                "the staging block was not consumed by its graph's stage_in, and the stream is idle"
+                                    .into(),
+                            ));
+                        }
+                    }
+                    rc => cuda_rc("cuStreamQuery", rc)?,
+                }
+            }
+            std::hint::spin_loop();
+        }
+        Ok(())
     }
 }

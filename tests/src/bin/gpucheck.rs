@@ -158,6 +158,18 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
             }
         }
     }
+    // Graph steps that stage their own inputs (`stage_in`): host and device hidden states,
+    // steps without a wait between them, a replay on the inputs in place, against the
+    // eager step bit for bit.
+    if plan.buckets().iter().any(|x| x.batch >= 2) {
+        match specplan_tests::owned_staging::owned_staging(plan, &mut rt, rng) {
+            Ok(n) => println!("{name}: graph steps staging their inputs: {n} steps equal to the eager step  ok"),
+            Err(e) => {
+                println!("{name}: graph steps staging their inputs: FAIL {e}");
+                rep.errors.push(format!("owned staging: {e}"));
+            }
+        }
+    }
     check_decode_phases(name, plan, rng, quick, &mut rep);
     for b in [1u32, 8, 32, 64] {
         if plan.buckets().iter().any(|x| x.batch == b) {
