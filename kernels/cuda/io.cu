@@ -674,8 +674,9 @@ extern "C" __global__ void __launch_bounds__(STAGE_IN_THREADS) stage_in(StageInP
     // No integer words (a replay on the inputs in place): the block is not read, so its
     // sequence number is not reported either (it may already name a later step's rows).
     if (blockIdx.x == 0 && p.ints_words > 0u) {
-        // The sequence number first: the host wrote it with the inputs, before the launch.
-        const long long seq = __ldcv(p.ctl);
+        // The sequence number first (thread 0 reports it): the host wrote it with the
+        // inputs, before the launch.
+        const long long seq = threadIdx.x == 0 ? __ldcv(p.ctl) : 0;
         const unsigned long long words = p.ints_words;
         const int* src = p.src;
         int* dst = p.dst;

@@ -40,6 +40,21 @@ impl DeviceBuf {
         Ok(b)
     }
 
+    /// Copies `self.bytes` bytes from `src` on `stream` (stream ordered, no wait).
+    pub fn copy_from(&self, src: CUdeviceptr, stream: CUstream) -> Result<(), String> {
+        // SAFETY: `src` holds at least `self.bytes` bytes (the caller's contract); the
+        // destination is this allocation.
+        unsafe { result::memcpy_dtod_async(self.ptr, src, self.bytes, stream) }.map_err(err)
+    }
+
+    /// The buffer's bytes (synchronous: waits for the device).
+    pub fn to_host(&self) -> Result<Vec<u8>, String> {
+        let mut v = vec![0u8; self.bytes];
+        // SAFETY: `v` holds exactly the buffer's bytes.
+        unsafe { result::memcpy_dtoh_sync(&mut v, self.ptr) }.map_err(err)?;
+        Ok(v)
+    }
+
     pub fn fill(&self, byte: u8, stream: CUstream) -> Result<(), String> {
         // SAFETY: the whole allocation.
         unsafe { result::memset_d8_async(self.ptr, byte, self.bytes, stream) }.map_err(err)

@@ -409,11 +409,11 @@ fn check_prefixes(plan: &Plan, kind: PhaseKind, prefix_lens: &[i32]) -> R<()> {
     Ok(())
 }
 
-/// The typed arguments of entry `K` from a launch's resolved argument list.
 fn by_runtime(e: Entry) -> String {
     format!("{e} is launched by the GPU runtime itself, never by a plan")
 }
 
+/// The typed arguments of entry `K` from a launch's resolved argument list.
 fn typed<P: KernelParams>(slots: &[Slot<Ptr>]) -> R<(P::Ptrs<Ptr>, P::Scalars)> {
     P::split(slots).ok_or_else(|| format!("arguments do not match {}", P::C_NAME))
 }

@@ -284,8 +284,13 @@ pub(crate) fn set_node(
     })
 }
 
-/// The kernel node of `func` in a captured graph (`emit_decode`: one per graph).
-pub(crate) fn kernel_node(g: &Exec, func: sys::CUfunction) -> Result<sys::CUgraphNode, GpuError> {
+/// The kernel node of `func`, entry `what`'s, in a captured graph (`emit_decode`,
+/// `stage_in`: one per graph).
+pub(crate) fn kernel_node(
+    g: &Exec,
+    func: sys::CUfunction,
+    what: specplan_kernels::Entry,
+) -> Result<sys::CUgraphNode, GpuError> {
     for node in super::graph::nodes(g.cu_graph())? {
         if super::graph::node_type(node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
             continue;
@@ -302,7 +307,7 @@ pub(crate) fn kernel_node(g: &Exec, func: sys::CUfunction) -> Result<sys::CUgrap
     }
     Err(GpuError::Cuda {
         call: "cuGraphKernelNodeGetParams",
-        message: "the captured graph has no emit_decode node".into(),
+        message: format!("the captured graph has no {what} node"),
     })
 }
 

@@ -410,7 +410,11 @@ impl GpuRuntime {
                 ),
                 Mode::Engine(e) => (
                     Some(engine::find_node(&graph, self.funcs[e.decode.admit as usize])?),
-                    Some(engine_decode::kernel_node(&graph, self.funcs[e.decode.emit as usize])?),
+                    Some(engine_decode::kernel_node(
+                        &graph,
+                        self.funcs[e.decode.emit as usize],
+                        specplan_kernels::Entry::EmitDecode,
+                    )?),
                     None,
                 ),
                 Mode::Owned(_) if self.can_stage(bi) => (None, None, Some(self.stage_node(bi, &graph)?)),

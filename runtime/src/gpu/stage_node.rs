@@ -90,7 +90,7 @@ impl GpuRuntime {
     pub(crate) fn stage_node(&self, bi: usize, g: &graph::Exec) -> Result<StageNode, GpuError> {
         let (func, _, _) = self.stage_shape(bi)?;
         Ok(StageNode {
-            node: engine_decode::kernel_node(g, func)?,
+            node: engine_decode::kernel_node(g, func, Entry::StageIn)?,
             set: Cell::new((0, 0, self.stage_words(bi))),
         })
     }
@@ -178,7 +178,12 @@ impl GpuRuntime {
         self.set_stage(bi, (src_hidden, vecs, self.stage_words(bi)))?;
         let prep_us = t0.elapsed().as_secs_f64() * 1e6;
         if let Some(g) = &self.graphs[bi] {
-            g.graph.launch()?;
+            if let Err(e) = g.graph.launch() {
+                // A host hidden-state copy may be queued from the block, which the next step
+                // rewrites: let it finish (an error path, off the replay path).
+                let _ = self.stream.synchronize();
+                return Err(e);
+            }
         }
         if let Mode::Owned(s) = &mut self.mode {
             s.graph_staging_mut().launched();

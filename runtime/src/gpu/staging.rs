@@ -13,12 +13,19 @@
 //! overwritten was last read by the copies of the step before the previous one, which an
 //! event query finds done (so host prep never waits on the GPU's compute).
 
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
 use cudarc::driver::{result, sys};
 use specplan_format::PhaseKind;
 use specplan_format::{io, BucketPlan, BufferRole, Plan};
 
 use super::device::{cuda, cuda_rc, Event, GpuError, Mapped, Pinned};
 use crate::bits::as_bytes;
+
+/// How long a graph step waits for the previous graph's `stage_in` before it reports an
+/// error instead.
+const STAGE_WAIT: Duration = Duration::from_secs(30);
 
 /// Where a bucket's inputs sit in the arena, and the copies that move them. The compiler
 /// places the inputs contiguously; gaps are merged only where no other buffer lives.
@@ -264,6 +271,8 @@ impl GraphStaging {
     /// sequence number. The caller launches the graph and then calls `launched`.
     pub fn write(&mut self, plan: &Plan, bi: usize, rows: &StageRows, stream: sys::CUstream) -> Result<(), GpuError> {
         self.wait_consumed(stream)?;
+        // The block's writes after the read that found it consumed (a weakly ordered host).
+        fence(Ordering::Acquire);
         let lay = &self.layouts[bi];
         let (bb, n) = (
             plan.buckets()[bi].batch as usize,
@@ -278,6 +287,8 @@ impl GraphStaging {
             plan.capture.max_requests as i32,
         );
         self.written += 1;
+        // The rows before the sequence number that names them.
+        fence(Ordering::Release);
         self.block.write(self.ctl, self.written);
         Ok(())
     }
@@ -302,10 +313,18 @@ impl GraphStaging {
     }
 
     fn wait_consumed(&self, stream: sys::CUstream) -> Result<(), GpuError> {
-        let mut polls = 0u32;
+        let (mut polls, t0) = (0u32, Instant::now());
         while self.block.read(self.ctl + 1) < self.issued {
             polls = polls.wrapping_add(1);
             if polls.is_multiple_of(256) {
+                // Never a silent hang: a graph that cannot start (say, a collective waiting
+                // for a rank this thread has not stepped yet) is reported.
+                if t0.elapsed() > STAGE_WAIT {
+                    return Err(GpuError::Step(format!(
+                        "the previous step's graph has not consumed its staged inputs after {} s (a graph waiting on work not yet issued?)",
+                        STAGE_WAIT.as_secs()
+                    )));
+                }
                 // SAFETY: the runtime's live stream.
                 match unsafe { sys::cuStreamQuery(stream) } {
                     sys::cudaError_enum::CUDA_ERROR_NOT_READY => std::thread::yield_now(),
