@@ -314,8 +314,8 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // that read it. 16-byte vectors when all three rows are aligned; the rest element-wise.
 // `scratch`: 32 floats of shared memory. Every thread of the CTA must call it.
 // `X`: act_t, or float for a row of the fp32 residual stream (then `out` cannot alias it).
-// `copy` non-null: also copy[c] = (C) x[c] (bit exact when C is X; one rounding into a 16-bit
-// C), stored from the registers the norm loads x into. A separate copy loop before the norm
+// `copy` non-null: also copy[c] = (C) x[c] (bit exact when C is X, a NaN's payload included;
+// one rounding into a 16-bit C from fp32), stored from the registers the norm loads x into. A separate copy loop before the norm
 // costs the row its memory latency once more per iteration, since the norm's loads cannot
 // be moved above the copy's stores (select_norm_pairs at B 1, perf-notes item 41). `copy`
 // aliases none of x, out, lo.
@@ -323,8 +323,16 @@ template <typename X, typename C = act_t>
 __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* out, long long n, float eps,
                                             float* scratch, act_t* lo = nullptr, C* copy = nullptr) {
     // lo non-null: the normed row as a hi/lo pair (store_vec_split), hi into out.
-    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo)) &&
-                     (copy == nullptr || aligned16(copy));
+    // A 16-bit row copied into its own type keeps its bits (a NaN's payload too), not a
+    // round trip through float.
+    constexpr bool kRawCopy = SameType<C, X>::value && sizeof(X) == 2;
+    if (copy != nullptr && !aligned16(copy)) {
+        // Never in a plan (its buffers are 256-byte aligned): the copy on its own, as the
+        // kernels did before, so the norm keeps the path and the sums it has without one.
+        parts_cast(copy, x, n, 0, 1);
+        copy = nullptr;
+    }
+    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo));
     const long long nv = vec ? (n / 8) * 8 : 0;
     constexpr int kRegVecs = 4;
     if (vec && nv == n && n <= 8LL * kRegVecs * blockDim.x) {
@@ -332,11 +340,17 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         // are loaded together before the reduction, so the row costs one memory latency
         // instead of two. Same sums in the same order as the loop below: bit-identical.
         float v[kRegVecs][8], g[kRegVecs][8];
+        uint4 bits[kRegVecs];  // kRawCopy: the row's own bits, for the copy
 #pragma unroll
         for (int it = 0; it < kRegVecs; ++it) {
             const long long e = ((long long)threadIdx.x + (long long)it * blockDim.x) * 8;
             if (e < n) {
-                load_vec<8>(x + e, v[it]);
+                if constexpr (kRawCopy) {
+                    bits[it] = *reinterpret_cast<const uint4*>(x + e);
+                    unpack8(bits[it], v[it]);  // what load_vec<8> does with an act_t row
+                } else {
+                    load_vec<8>(x + e, v[it]);
+                }
                 load_vec<8>(w + e, g[it]);
             }
         }
@@ -345,7 +359,13 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         for (int it = 0; it < kRegVecs; ++it) {
             const long long e = ((long long)threadIdx.x + (long long)it * blockDim.x) * 8;
             if (e < n) {
-                if (copy != nullptr) store_vec<8>(copy + e, v[it]);
+                if (copy != nullptr) {
+                    if constexpr (kRawCopy) {
+                        *reinterpret_cast<uint4*>(copy + e) = bits[it];
+                    } else {
+                        store_vec<8>(copy + e, v[it]);
+                    }
+                }
 #pragma unroll
                 for (int k = 0; k < 8; ++k) ss += v[it][k] * v[it][k];
             }
@@ -371,13 +391,25 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
     for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
         float v[8];
         load_vec<8>(x + e, v);
-        if (copy != nullptr) store_vec<8>(copy + e, v);
+        if (copy != nullptr) {
+            if constexpr (kRawCopy) {
+                *reinterpret_cast<uint4*>(copy + e) = *reinterpret_cast<const uint4*>(x + e);
+            } else {
+                store_vec<8>(copy + e, v);
+            }
+        }
 #pragma unroll
         for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
     }
     for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
         const float v = to_f(x[e]);
-        if (copy != nullptr) copy[e] = from_f<C>(v);
+        if (copy != nullptr) {
+            if constexpr (kRawCopy) {
+                copy[e] = x[e];
+            } else {
+                copy[e] = from_f<C>(v);
+            }
+        }
         ss += v * v;
     }
     ss = block_sum(ss, scratch);
