@@ -13,7 +13,7 @@ use specplan_kernels::kv::TableMode;
 
 use super::device::{cuda, DevMem, GpuError};
 use super::memory::{KvRegistration, Memory, TableRegistration};
-use super::staging::{GraphStaging, StageRows, Staging};
+use super::staging::{StageRows, Staging};
 use super::{meta_block, GpuOptions, GpuRuntime, Mode};
 use crate::admission::{self, Admission};
 use crate::bits::to_act_bytes;
@@ -72,10 +72,8 @@ fn output_rows(plan: &specplan_format::Plan) -> Vec<(&'static str, usize)> {
 
 pub(crate) struct OwnedState {
     pub pool_pages: u32,
-    /// Eager steps' staging (copies and events).
+    /// Host prep's staging: eager steps' copies and events, graph steps' host-mapped block.
     staging: Staging,
-    /// Graph steps' host-mapped staging, read by each graph's `stage_in`.
-    gstage: GraphStaging,
     /// Host mirror of how many pages each slot has (for O(b) bounds checks).
     slot_pages: Vec<u32>,
     /// Host mirror of the device page table (for the O(b·N) write-conflict check).
@@ -95,11 +93,11 @@ pub(crate) struct OwnedState {
 }
 
 impl OwnedState {
-    pub(crate) fn graph_staging(&self) -> &GraphStaging {
-        &self.gstage
+    pub(crate) fn staging(&self) -> &Staging {
+        &self.staging
     }
-    pub(crate) fn graph_staging_mut(&mut self) -> &mut GraphStaging {
-        &mut self.gstage
+    pub(crate) fn staging_mut(&mut self) -> &mut Staging {
+        &mut self.staging
     }
 }
 
@@ -146,7 +144,6 @@ impl GpuRuntime {
         let state = OwnedState {
             pool_pages,
             staging: Staging::new(&plan)?,
-            gstage: GraphStaging::new(&plan)?,
             slot_pages: vec![0; rows as usize],
             table_host: Vec::new(),
             page_rows: vec![Vec::new(); pool_pages as usize],

@@ -38,13 +38,13 @@ impl GpuRuntime {
     /// more than one range).
     fn stage_params(&self, bi: usize, src_hidden: u64, hidden_vecs: u32, ints_words: u32) -> Option<Vec<u8>> {
         let Mode::Owned(s) = &self.mode else { return None };
-        let (src, off, _) = s.graph_staging().ints(bi)?;
-        let hidden = self.mem.arena.ptr + s.graph_staging().layout(bi).hidden_range().0 as u64;
+        let (src, off, _) = s.staging().graph_ints(bi)?;
+        let hidden = self.mem.arena.ptr + s.staging().layout(bi).hidden_range().0 as u64;
         let args = StageInParams::assemble(
             StageInPtrs {
                 src,
                 dst: self.mem.arena.ptr + off as u64,
-                ctl: s.graph_staging().ctl_dev(),
+                ctl: s.staging().graph_ctl_dev(),
                 src_hidden,
                 hidden,
             },
@@ -59,7 +59,7 @@ impl GpuRuntime {
     /// Words of bucket `bi`'s staged integer inputs (0 when it cannot stage in its graph).
     pub(crate) fn stage_words(&self, bi: usize) -> u32 {
         let Mode::Owned(s) = &self.mode else { return 0 };
-        s.graph_staging().ints(bi).map_or(0, |(_, _, bytes)| (bytes / 4) as u32)
+        s.staging().graph_ints(bi).map_or(0, |(_, _, bytes)| (bytes / 4) as u32)
     }
 
     fn stage_shape(&self, bi: usize) -> Result<(sys::CUfunction, [u32; 3], u32), GpuError> {
@@ -161,11 +161,11 @@ impl GpuRuntime {
         let Mode::Owned(s) = &mut self.mode else {
             return Err(GpuError::Mode("step with host inputs"));
         };
-        s.graph_staging_mut().write(&self.plan, bi, rows, stream)?;
+        s.staging_mut().graph_write(&self.plan, bi, rows, stream)?;
         match req.hidden {
-            Hidden::Host(_) => s.graph_staging_mut().copy_hidden(bi, arena, stream)?,
+            Hidden::Host(_) => s.staging().graph_copy_hidden(bi, arena, stream)?,
             Hidden::Device(p) if vecs == 0 => {
-                let at = arena + s.graph_staging().layout(bi).hidden_range().0 as u64;
+                let at = arena + s.staging().layout(bi).hidden_range().0 as u64;
                 // SAFETY: as in `step_one`: the caller's b·N·H activations into the arena's
                 // B·N·H, before the graph on the stream.
                 cuda("cuMemcpyDtoDAsync", unsafe {
@@ -186,7 +186,7 @@ impl GpuRuntime {
             }
         }
         if let Mode::Owned(s) = &mut self.mode {
-            s.graph_staging_mut().launched();
+            s.staging_mut().graph_launched();
         }
         Ok(StepInfo {
             bucket: self.plan.buckets()[bi].batch,

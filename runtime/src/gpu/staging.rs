@@ -143,6 +143,8 @@ pub(crate) struct Staging {
     done: [Event; 2],
     layouts: Vec<StageLayout>,
     next: usize,
+    /// The graph steps' host-mapped block (`GraphStaging`).
+    graph: GraphStaging,
 }
 
 impl Staging {
@@ -154,6 +156,70 @@ impl Staging {
             done: [Event::new(false)?, Event::new(false)?],
             layouts,
             next: 0,
+            graph: GraphStaging::new(bytes)?,
+        })
+    }
+
+    /// Bucket `bi`'s staged integer inputs in the graph steps' block: (device address,
+    /// arena offset, bytes), when they are one range.
+    pub fn graph_ints(&self, bi: usize) -> Option<(u64, usize, usize)> {
+        let (off, bytes) = self.layouts.get(bi)?.ints_range()?;
+        Some((self.graph.block.dev + off as u64, off, bytes))
+    }
+
+    /// The graph steps' control words' device address.
+    pub fn graph_ctl_dev(&self) -> u64 {
+        self.graph.block.dev + 8 * self.graph.ctl as u64
+    }
+
+    /// A graph step: waits until `stage_in` has consumed the block's last step (at once
+    /// unless that step's graph has not started yet), then writes this step's rows and the
+    /// next sequence number. The caller launches the graph and then calls `graph_launched`.
+    pub fn graph_write(
+        &mut self,
+        plan: &Plan,
+        bi: usize,
+        rows: &StageRows,
+        stream: sys::CUstream,
+    ) -> Result<(), GpuError> {
+        let g = &mut self.graph;
+        g.wait_consumed(stream)?;
+        // The block's writes after the read that found it consumed (a weakly ordered host).
+        fence(Ordering::Acquire);
+        let lay = &self.layouts[bi];
+        let bb = plan.buckets()[bi].batch as usize;
+        let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
+        let end = lay.hidden + lay.hidden_bytes;
+        fill(
+            g.block.bytes_mut(end),
+            lay,
+            rows,
+            (bb, n),
+            plan.capture.max_requests as i32,
+        );
+        g.written += 1;
+        // The rows before the sequence number that names them.
+        fence(Ordering::Release);
+        g.block.write(g.ctl, g.written);
+        Ok(())
+    }
+
+    /// The graph carrying the sequence number `graph_write` set was launched.
+    pub fn graph_launched(&mut self) {
+        self.graph.issued = self.graph.written;
+    }
+
+    /// Issues the copy of bucket `bi`'s hidden states from the graph steps' block (a step
+    /// whose hidden states came from the host) into the arena at `arena`, before the graph
+    /// on `stream`: `stage_in`, after it in stream order, marks the block consumed.
+    pub fn graph_copy_hidden(&self, bi: usize, arena: u64, stream: sys::CUstream) -> Result<(), GpuError> {
+        let (off, len) = self.layouts[bi].hidden_range();
+        // SAFETY: [off, off + len) lies inside the block (sized for every bucket's mirror)
+        // and inside the arena's input buffers; the block is not rewritten before
+        // `stage_in` (later on the stream) marks it consumed.
+        cuda("cuMemcpyHtoDAsync", unsafe {
+            let src = std::slice::from_raw_parts(self.graph.block.host_ptr().add(off), len);
+            result::memcpy_htod_async(arena + off as u64, src, stream)
         })
     }
 
@@ -219,8 +285,8 @@ impl Staging {
 
 /// The host-mapped block of the graph steps and its two control words (`stage_in`'s `ctl`):
 /// `[0]` the sequence number of the step whose rows it holds, `[1]` the last one `stage_in`
-/// consumed.
-pub(crate) struct GraphStaging {
+/// consumed. Its rows sit at the arena's offsets, as the eager blocks' do.
+struct GraphStaging {
     block: Mapped,
     /// Word index of `ctl[0]`, past every bucket's mirror of the arena.
     ctl: usize,
@@ -230,13 +296,11 @@ pub(crate) struct GraphStaging {
     /// The sequence number of the last launched graph's rows: the block is free once
     /// `ctl[1]` reaches it.
     issued: u64,
-    layouts: Vec<StageLayout>,
 }
 
 impl GraphStaging {
-    pub fn new(plan: &Plan) -> Result<GraphStaging, GpuError> {
-        let layouts: Vec<StageLayout> = plan.buckets().iter().map(stage_layout).collect();
-        let bytes = layouts.iter().map(|l| l.hidden + l.hidden_bytes).max().unwrap_or(0);
+    /// A block mirroring `bytes` of the arena, then the control words.
+    fn new(bytes: usize) -> Result<GraphStaging, GpuError> {
         let ctl = bytes.div_ceil(16) * 2;
         let block = Mapped::new(ctl + 2)?;
         block.write(ctl, 0);
@@ -246,69 +310,6 @@ impl GraphStaging {
             ctl,
             written: 0,
             issued: 0,
-            layouts,
-        })
-    }
-
-    /// Bucket `bi`'s staged integer inputs: (device address in the block, arena offset,
-    /// bytes), when they are one range.
-    pub fn ints(&self, bi: usize) -> Option<(u64, usize, usize)> {
-        let (off, bytes) = self.layouts.get(bi)?.ints_range()?;
-        Some((self.block.dev + off as u64, off, bytes))
-    }
-
-    /// The control words' device address.
-    pub fn ctl_dev(&self) -> u64 {
-        self.block.dev + 8 * self.ctl as u64
-    }
-
-    pub fn layout(&self, bi: usize) -> &StageLayout {
-        &self.layouts[bi]
-    }
-
-    /// Waits until `stage_in` has consumed the block's last step (at once unless that
-    /// step's graph has not started yet), then writes this step's rows and the next
-    /// sequence number. The caller launches the graph and then calls `launched`.
-    pub fn write(&mut self, plan: &Plan, bi: usize, rows: &StageRows, stream: sys::CUstream) -> Result<(), GpuError> {
-        self.wait_consumed(stream)?;
-        // The block's writes after the read that found it consumed (a weakly ordered host).
-        fence(Ordering::Acquire);
-        let lay = &self.layouts[bi];
-        let (bb, n) = (
-            plan.buckets()[bi].batch as usize,
-            plan.rows_per_request(PhaseKind::DraftExtend) as usize,
-        );
-        let end = lay.hidden + lay.hidden_bytes;
-        fill(
-            self.block.bytes_mut(end),
-            lay,
-            rows,
-            (bb, n),
-            plan.capture.max_requests as i32,
-        );
-        self.written += 1;
-        // The rows before the sequence number that names them.
-        fence(Ordering::Release);
-        self.block.write(self.ctl, self.written);
-        Ok(())
-    }
-
-    /// The graph carrying the sequence number `write` set was launched.
-    pub fn launched(&mut self) {
-        self.issued = self.written;
-    }
-
-    /// Issues the copy of bucket `bi`'s hidden states from the block (a step whose hidden
-    /// states came from the host) into the arena at `arena`, before the graph on `stream`:
-    /// `stage_in`, after it in stream order, marks the block consumed.
-    pub fn copy_hidden(&self, bi: usize, arena: u64, stream: sys::CUstream) -> Result<(), GpuError> {
-        let (off, len) = self.layouts[bi].hidden_range();
-        // SAFETY: [off, off + len) lies inside the block (sized for every bucket's mirror)
-        // and inside the arena's input buffers; the block is not rewritten before
-        // `stage_in` (later on the stream) marks it consumed.
-        cuda("cuMemcpyHtoDAsync", unsafe {
-            let src = std::slice::from_raw_parts(self.block.host_ptr().add(off), len);
-            result::memcpy_htod_async(arena + off as u64, src, stream)
         })
     }
 
