@@ -39,8 +39,9 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// entry every plan carries. 18: the sample entries' `CANDS` constant (the refinement's
 /// candidates past TOPK; chunk records of 2 + 2·CANDS floats). 19: `topk_fused` and the
 /// runtime's arrival counters (`ArgValue::Counters`). 20: `stage_in`, a runtime-launched entry
-/// every plan carries (the owned-memory graphs' input prologue).
-pub const FORMAT_VERSION: u32 = 20;
+/// every plan carries (the owned-memory graphs' input prologue). 21: `l2_prefetch`, a
+/// runtime-launched entry every plan carries (captured graphs' L2 prefetch branches).
+pub const FORMAT_VERSION: u32 = 21;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -150,6 +150,17 @@
 //   (after a system-wide fence): once the host sees it, no read of the block is
 //   outstanding. With ints_words = 0 (a replay on the inputs in place) neither. Every
 //   CTA copies its grid-stride share of the hidden vectors, device to device, bit exact.
+//
+// Entry l2_prefetch
+//   Constants: none read (compiled with admit and emit).
+//   Launch:    grid (the runtime's CTAs, 1, 1), block (L2_PREFETCH_THREADS = 128, 1, 1), no
+//              dynamic shared memory. A side branch of a captured graph (prefetch.rs in the
+//              runtime): nothing waits on it.
+//   Params: src const act_t* (a GEMM's weight, 16-byte aligned), chunks (4 KiB chunks).
+//   Asks L2 for bytes [src, src + 4096 * chunks): chunk c by the thread c mod the grid's
+//   threads, one cp.async.bulk.prefetch.L2 each (sm_90 and later; before that one
+//   prefetch.global.L2 per 128-byte line). It writes nothing and does not wait for the data:
+//   a prefetch is a hint, so no output of a step depends on whether it ran.
 #include "common.cuh"
 
 // AdmitParams, EmitParams and FillParams are declared by the generated prelude, from specplan_kernels
@@ -708,4 +719,18 @@ extern "C" __global__ void __launch_bounds__(STAGE_IN_THREADS) stage_in(StageInP
     }
     copy16_strided(reinterpret_cast<uint4*>(p.hidden), reinterpret_cast<const uint4*>(p.src_hidden), p.hidden_vecs,
                    (long long)blockIdx.x * blockDim.x + threadIdx.x, (long long)gridDim.x * blockDim.x);
+}
+
+extern "C" __global__ void __launch_bounds__(L2_PREFETCH_THREADS) l2_prefetch(L2PrefetchParams p) {
+    const char* base = reinterpret_cast<const char*>(p.src);
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long c = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; c < p.chunks; c += step) {
+        const char* at = base + c * 4096ull;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(at), "r"(4096u) : "memory");
+#else
+#pragma unroll 4
+        for (int line = 0; line < 32; ++line) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at + line * 128));
+#endif
+    }
 }

@@ -101,6 +101,7 @@ impl Template {
                 Entry::EmitDecode,
                 Entry::Fill,
                 Entry::StageIn,
+                Entry::L2Prefetch,
             ],
             Template::Gemm => &[Entry::SkinnyGemm],
         }
@@ -197,6 +198,7 @@ entries! {
     NormCast => norm::NormCastParams, "norm_cast", Norm;
     TopkFused => sample::TopkFusedParams, "topk_fused", Sample;
     StageIn => io::StageInParams, "stage_in", Io;
+    L2Prefetch => io::L2PrefetchParams, "l2_prefetch", Io;
 }
 
 impl Entry {
@@ -210,7 +212,8 @@ impl Entry {
     /// draft-extend step, `admit_decode` and `emit_decode` around a draft-decode one, `fill`
     /// in place of a GEMM library's memset nodes in a captured graph, `skinny_gemm` in place
     /// of cuBLASLt for the GEMMs it serves faster (timed at load), `stage_in` at the head of
-    /// an owned-memory draft-extend graph.
+    /// an owned-memory draft-extend graph, `l2_prefetch` as a captured graph's side branches
+    /// (when the runtime's options ask for them).
     pub fn runtime_launched(self) -> bool {
         matches!(
             self,
@@ -221,6 +224,7 @@ impl Entry {
                 | Entry::Fill
                 | Entry::SkinnyGemm
                 | Entry::StageIn
+                | Entry::L2Prefetch
         )
     }
 

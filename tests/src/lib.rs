@@ -13,6 +13,7 @@ pub mod decode_contract;
 pub mod engine;
 pub mod gpu;
 pub mod host_layouts;
+pub mod l2_branch;
 pub mod numerics;
 pub mod owned_refusals;
 pub mod owned_staging;

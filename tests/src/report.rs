@@ -200,6 +200,8 @@ pub struct EngineRow {
 /// `specbench.json`: the ceilings, then the rows.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Bench {
+    /// The graphs' L2 prefetch branches (`--l2-prefetch`: `off`, or MiB x CTAs).
+    pub l2_prefetch: String,
     pub ceilings: Option<Ceilings>,
     pub rows: Vec<BenchRow>,
     pub engine: Vec<EngineRow>,

@@ -167,6 +167,42 @@ impl Kernel for StageInParams {
     }
 }
 
+/// Bytes one thread of `l2_prefetch` asks L2 for at a time: one bulk prefetch.
+pub const L2_PREFETCH_CHUNK: u64 = 4096;
+pub const L2_PREFETCH_THREADS: u32 = 128;
+
+/// `l2_prefetch`: asks L2 for `chunks` × [`L2_PREFETCH_CHUNK`] bytes from `src` (a GEMM's
+/// weight, from its first byte), one bulk prefetch per chunk spread over the grid, and
+/// returns without waiting for them. It writes nothing. The runtime adds it to a captured
+/// graph as a branch that forks where the small launches before a GEMM begin and that no
+/// launch waits on, so the weight streams in while those launches keep DRAM idle
+/// (`runtime/src/gpu/prefetch.rs`); its pointer, size and grid are the runtime's.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct L2PrefetchParams {
+    /// The weight's first byte (16-byte aligned: every weight offset is).
+    #[arg(weight)]
+    pub src: DevPtr<Act>,
+    /// 4 KiB chunks to ask for.
+    pub chunks: u32,
+}
+
+impl Kernel for L2PrefetchParams {
+    const ENTRY: Entry = Entry::L2Prefetch;
+    fn threads(_: &KernelFacts) -> u32 {
+        L2_PREFETCH_THREADS
+    }
+    /// Nothing per bucket: the runtime sets the region and the grid of each branch.
+    fn launch(_: &BucketFacts, _: &KernelFacts) -> ([u32; 3], L2PrefetchScalars) {
+        ([1, 1, 1], L2PrefetchScalars { chunks: 0 })
+    }
+    fn extents(s: &L2PrefetchScalars, f: &KernelFacts) -> L2PrefetchPtrs<Extent> {
+        L2PrefetchPtrs {
+            src: Extent::Elems(s.chunks as u64 * L2_PREFETCH_CHUNK / f.act.size()),
+        }
+    }
+}
+
 /// Slots of `admit`'s write set for a bucket of `batch` requests of `n` rows: a power of two
 /// at least twice the rows (linear probing stays short).
 pub fn admit_hash_slots(batch: u32, n: u32) -> u32 {

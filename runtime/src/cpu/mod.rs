@@ -639,7 +639,7 @@ impl<K: KvStore> Ctx<'_, K> {
             }
             // Never plan launches (validation refuses one); skinny_gemm stands in for a GEMM.
             Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode => Err(by_runtime(k.entry)),
-            Entry::Fill | Entry::SkinnyGemm | Entry::StageIn => Err(by_runtime(k.entry)),
+            Entry::Fill | Entry::SkinnyGemm | Entry::StageIn | Entry::L2Prefetch => Err(by_runtime(k.entry)),
         }
     }
 

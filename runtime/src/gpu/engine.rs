@@ -558,7 +558,7 @@ impl GpuRuntime {
                 }
                 self.gemms.set_stream(stream)?;
                 info.prep_us += t0.elapsed().as_secs_f64() * 1e6;
-                let issued = self.issue_bucket(bi, stream, Some(&mut blob));
+                let issued = self.issue_bucket(bi, stream, Some(&mut blob), false);
                 self.gemms.set_stream(self.stream.cu_stream())?;
                 issued.map(|_| false)
             }

@@ -318,12 +318,13 @@ impl GpuRuntime {
 
     /// Issues decode bucket `bi` on `stream` in engine memory: `admit_decode`, the phase's
     /// launches, `emit_decode`, the end-of-step event (the capture-time placeholders when
-    /// `blobs` is `None`).
+    /// `blobs` is `None`). `capture`: for a graph (with its L2 branches, if on).
     pub(super) fn issue_decode(
         &self,
         bi: usize,
         stream: sys::CUstream,
         blobs: Option<(&mut [u8], &mut [u8])>,
+        capture: bool,
     ) -> Result<(), GpuError> {
         let e = self.engine()?;
         let d = &e.decode;
@@ -340,7 +341,12 @@ impl GpuRuntime {
             .shapes(&self.plan, bi)
             .ok_or(GpuError::Mode("a draft-decode bucket"))?;
         launch_packed(self.funcs[d.admit as usize], a.0, [a.1, 1, 1], a.2, admit, stream)?;
-        self.launcher(stream).issue(bi, &|_| true)?;
+        let l = if capture {
+            self.capture_launcher(stream)
+        } else {
+            self.launcher(stream)
+        };
+        l.issue(bi, &|_| true)?;
         launch_packed(self.funcs[d.emit as usize], m.0, [m.1, 1, 1], m.2, emit, stream)?;
         e.record_done(stream)
     }
@@ -521,7 +527,7 @@ impl GpuRuntime {
                 }
                 self.gemms.set_stream(stream)?;
                 info.prep_us += t0.elapsed().as_secs_f64() * 1e6;
-                let issued = self.issue_decode(bi, stream, Some((&mut admit, &mut emit)));
+                let issued = self.issue_decode(bi, stream, Some((&mut admit, &mut emit)), false);
                 self.gemms.set_stream(self.stream.cu_stream())?;
                 issued.map(|_| false)
             }

@@ -185,6 +185,18 @@ pub(crate) fn node_type(node: sys::CUgraphNode) -> Result<sys::CUgraphNodeType, 
     Ok(ty)
 }
 
+/// The function of a kernel node (`None` when the driver reports none: a node made from a
+/// library kernel handle).
+pub(crate) fn kernel_func(node: sys::CUgraphNode) -> Result<Option<sys::CUfunction>, GpuError> {
+    // SAFETY: zeroed plain C struct, filled by the call.
+    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    // SAFETY: a kernel node of a live graph; out-pointer to a local.
+    cuda_rc("cuGraphKernelNodeGetParams", unsafe {
+        sys::cuGraphKernelNodeGetParams_v2(node, &mut p)
+    })?;
+    Ok((!p.func.is_null()).then_some(p.func))
+}
+
 /// A node's neighbours: its dependencies (`up`) or its dependents.
 fn edges(node: sys::CUgraphNode, up: bool) -> Result<Vec<sys::CUgraphNode>, GpuError> {
     // SAFETY: a node of a live graph; the array is null (count only) or holds `*n`

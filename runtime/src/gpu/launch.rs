@@ -15,6 +15,7 @@ use super::device::{cuda, cuda_rc, GpuError, Module};
 use super::gemm::Gemms;
 use super::lt::{GemmPtrs, GemmShape};
 use super::memory::Memory;
+use super::prefetch::{self, Branches};
 
 /// The GEMM shape and operand addresses of a plan GEMM.
 pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc) -> (GemmShape, GemmPtrs) {
@@ -158,6 +159,8 @@ pub(crate) struct Launcher<'a> {
     /// A sharded plan's communicator (`GpuRuntime::core` holds one exactly then).
     pub comm: Option<&'a super::Communicator>,
     pub stream: sys::CUstream,
+    /// While a graph is captured with L2 branches on: the branches to add (`prefetch.rs`).
+    pub branches: Option<Branches>,
 }
 
 impl Launcher<'_> {
@@ -182,8 +185,19 @@ impl Launcher<'_> {
         keep: &dyn Fn(&str) -> bool,
     ) -> Result<(), GpuError> {
         let b = self.bucket(bi)?;
+        let windows = match self.branches {
+            Some(br) => prefetch::windows(self.plan, b, br.opts),
+            None => Vec::new(),
+        };
+        let first = range.start;
         let launches = b.launches.get(range).unwrap_or(&[]);
-        for l in launches.iter().filter(|l| keep(&l.op)) {
+        for (i, l) in launches.iter().enumerate().filter(|(_, l)| keep(&l.op)) {
+            if let Some(br) = self.branches {
+                for w in windows.iter().filter(|w| w.at == first + i) {
+                    let ptr = self.mem.weights.get(w.weight as usize).copied().unwrap_or(0);
+                    br.add(self.stream, w, ptr)?;
+                }
+            }
             match &l.kind {
                 LaunchKind::Gemm(g) => {
                     let (shape, ptrs) = gemm_call(self.mem, self.plan, b, g);

@@ -31,6 +31,7 @@ mod lt;
 mod memory;
 mod nccl;
 mod owned;
+mod prefetch;
 mod probes;
 mod refusals;
 mod skinny;
@@ -61,6 +62,7 @@ use memory::Memory;
 pub use memory::{DeviceTensor, EngineMemory, KvGeometry, KvRegistration, TableRegistration};
 pub use nccl::{selftest as nccl_selftest, Communicator, Selftest as NcclSelftest};
 pub use owned::{Hidden, HostOutputs, StepInfo, StepRequest};
+pub use prefetch::{windows as l2_windows, L2Prefetch, Window as L2Window, L2_PREFETCH_MAX_MIB};
 pub use refusals::{DeviceError, StepPoll};
 pub use specplan_kernels::kv::{DeviceRule, TableMode};
 
@@ -78,6 +80,8 @@ pub struct GpuOptions {
     /// NCCL takes one call at a time on a communicator, and the runtime's steps serialize
     /// only their own.
     pub communicator: Option<Arc<Communicator>>,
+    /// L2 prefetch branches in the captured graphs (`prefetch.rs`); off by default.
+    pub l2_prefetch: L2Prefetch,
 }
 
 impl Default for GpuOptions {
@@ -88,6 +92,7 @@ impl Default for GpuOptions {
             gemms: GemmPolicy::Cached,
             device: 0,
             communicator: None,
+            l2_prefetch: L2Prefetch::OFF,
         }
     }
 }
@@ -139,6 +144,8 @@ pub struct GpuRuntime {
     pub load: LoadTimes,
     mode: Mode,
     logged: HashSet<String>,
+    /// The captured graphs' L2 branches (`GpuOptions::l2_prefetch`).
+    l2_prefetch: L2Prefetch,
 }
 
 impl Drop for GpuRuntime {
@@ -258,6 +265,7 @@ impl GpuRuntime {
             load: LoadTimes::default(),
             mode,
             logged: HashSet::new(),
+            l2_prefetch: opts.l2_prefetch,
         };
         // The counters (u32, two a word) are zero, as every launch that counts leaves them.
         let mut words = vec![0i64; META_WORDS];
@@ -310,6 +318,27 @@ impl GpuRuntime {
             gemms: &self.gemms,
             comm: self.comm.as_deref(),
             stream,
+            branches: None,
+        }
+    }
+
+    /// The launcher a graph capture issues with: with L2 branches when the options ask for
+    /// them and the plan carries `l2_prefetch` (format 21 and later all do).
+    fn capture_launcher(&self, stream: sys::CUstream) -> Launcher<'_> {
+        let func = self
+            .plan
+            .kernels
+            .iter()
+            .position(|k| k.entry == specplan_kernels::Entry::L2Prefetch)
+            .and_then(|i| self.funcs.get(i).copied());
+        Launcher {
+            branches: func
+                .filter(|_| self.l2_prefetch.is_on())
+                .map(|func| prefetch::Branches {
+                    func,
+                    opts: self.l2_prefetch,
+                }),
+            ..self.launcher(stream)
         }
     }
 
@@ -401,7 +430,9 @@ impl GpuRuntime {
             }
             let t0 = Instant::now();
             let stream = self.stream.cu_stream();
-            let graph = graph::capture(&self.stream, self.fill_func(), || self.issue_bucket(bi, stream, None))?;
+            let graph = graph::capture(&self.stream, self.fill_func(), || {
+                self.issue_bucket(bi, stream, None, true)
+            })?;
             let (admit, emit, stage) = match &self.mode {
                 Mode::Engine(e) if bi < extend_buckets => (
                     Some(engine::find_node(&graph, self.funcs[e.admit as usize])?),
@@ -433,9 +464,19 @@ impl GpuRuntime {
 
     /// Issues bucket `bi` on `stream`: the plan's launches, and in engine memory the `admit`
     /// and `emit` launches around them (`admit` with the step's packed parameters, or the
-    /// capture-time placeholders).
-    fn issue_bucket(&self, bi: usize, stream: sys::CUstream, admit: Option<&mut [u8]>) -> Result<(), GpuError> {
-        let l = self.launcher(stream);
+    /// capture-time placeholders). `capture`: for a graph (with its L2 branches, if on).
+    fn issue_bucket(
+        &self,
+        bi: usize,
+        stream: sys::CUstream,
+        admit: Option<&mut [u8]>,
+        capture: bool,
+    ) -> Result<(), GpuError> {
+        let l = if capture {
+            self.capture_launcher(stream)
+        } else {
+            self.launcher(stream)
+        };
         match &self.mode {
             Mode::Owned(_) => {
                 if self.can_stage(bi) {
@@ -443,7 +484,7 @@ impl GpuRuntime {
                 }
                 l.issue(bi, &|_| true)
             }
-            Mode::Engine(_) if bi >= self.plan.buckets().len() => self.issue_decode(bi, stream, None),
+            Mode::Engine(_) if bi >= self.plan.buckets().len() => self.issue_decode(bi, stream, None, capture),
             Mode::Engine(e) => {
                 let b = bucket_facts(&self.plan.buckets()[bi]);
                 let f = kernel_facts_of(&self.plan);

@@ -255,6 +255,8 @@ pub struct GraphNodes {
     pub kernels: usize,
     /// Kernel nodes that replaced a GEMM library's memset (`graph.rs`).
     pub fills: usize,
+    /// Kernel nodes of `l2_prefetch`: the graph's L2 branches (`prefetch.rs`).
+    pub l2_branches: usize,
     pub memsets: usize,
     pub memcpys: usize,
     pub events: usize,
@@ -265,8 +267,8 @@ impl std::fmt::Display for GraphNodes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} kernels ({} fills), {} memsets, {} copies, {} events, {} other",
-            self.kernels, self.fills, self.memsets, self.memcpys, self.events, self.other
+            "{} kernels ({} fills, {} L2 branches), {} memsets, {} copies, {} events, {} other",
+            self.kernels, self.fills, self.l2_branches, self.memsets, self.memcpys, self.events, self.other
         )
     }
 }
@@ -282,9 +284,20 @@ impl GpuRuntime {
             fills: g.graph.fills(),
             ..GraphNodes::default()
         };
+        let l2 = self
+            .plan
+            .kernels
+            .iter()
+            .position(|k| k.entry == specplan_kernels::Entry::L2Prefetch)
+            .and_then(|i| self.funcs.get(i).copied());
         for node in graph::nodes(g.graph.cu_graph())? {
             match graph::node_type(node)? {
-                T::CU_GRAPH_NODE_TYPE_KERNEL => c.kernels += 1,
+                T::CU_GRAPH_NODE_TYPE_KERNEL => {
+                    c.kernels += 1;
+                    if l2.is_some() && graph::kernel_func(node)? == l2 {
+                        c.l2_branches += 1;
+                    }
+                }
                 T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,
                 T::CU_GRAPH_NODE_TYPE_MEMCPY => c.memcpys += 1,
                 T::CU_GRAPH_NODE_TYPE_EVENT_RECORD | T::CU_GRAPH_NODE_TYPE_WAIT_EVENT => c.events += 1,

@@ -170,6 +170,19 @@ fn check_plan(name: &str, plan: &ValidatedPlan, rng: &mut Rng, quick: bool) -> P
             }
         }
     }
+    // The graphs' L2 prefetch branches (off by default): on the small plans, whose second
+    // load is cheap, the branches are where the windows say and change no output.
+    if plan.weight_bytes <= 64 << 20 && plan.buckets().iter().any(|x| x.batch >= 2) {
+        match specplan_tests::l2_branch::l2_branches(plan, &weights, rng) {
+            Ok((n, steps)) => println!(
+                "{name}: L2 prefetch branches: {n} in the graphs, {steps} graph steps equal to the eager step  ok"
+            ),
+            Err(e) => {
+                println!("{name}: L2 prefetch branches: FAIL {e}");
+                rep.errors.push(format!("l2 branches: {e}"));
+            }
+        }
+    }
     check_decode_phases(name, plan, rng, quick, &mut rep);
     for b in [1u32, 8, 32, 64] {
         if plan.buckets().iter().any(|x| x.batch == b) {

@@ -1,5 +1,7 @@
-//! `specbench PLAN_DIR OUT_DIR [--contiguous]`: times every plan's draft-extend step on the
-//! GPU, beside the device's own ceilings measured in the same run.
+//! `specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch SPEC]`: times
+//! every plan's draft-extend step on the GPU, beside the device's own ceilings measured in
+//! the same run. `--l2-prefetch` (`off`, `MIB` or `MIBxCTAS`) captures the graphs with L2
+//! prefetch branches (runtime/src/gpu/prefetch.rs); `.ci/gpu l2ab` alternates it with off.
 //!
 //! Per plan, bucket B and prefix length L (every request at L):
 //! - host prep µs (checks, staging, copies issued), replay µs (graph only, CUDA events),
@@ -23,7 +25,7 @@ use std::time::Instant;
 
 use specplan_format::PhaseKind;
 use specplan_format::{load_file, ValidatedPlan};
-use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, StepRequest};
+use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, L2Prefetch, StepRequest};
 use specplan_tests::gpu::{ceilings, median, percentile, DeviceBuf, Timer, RUNS, WARMUP};
 use specplan_tests::random::pattern_weights;
 use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmRecord, OpTime, SpanTime};
@@ -95,11 +97,15 @@ fn bench_plan(
     ceil: &mut Option<Ceilings>,
     contiguous: bool,
     decode_only: bool,
+    l2_prefetch: L2Prefetch,
     bench: &mut Bench,
 ) -> Result<(), String> {
     let t0 = Instant::now();
-    let mut rt = GpuRuntime::new(plan.clone(), &pattern_weights(plan), GpuOptions::default())
-        .map_err(|e| format!("{name}: {e}"))?;
+    let opts = GpuOptions {
+        l2_prefetch,
+        ..GpuOptions::default()
+    };
+    let mut rt = GpuRuntime::new(plan.clone(), &pattern_weights(plan), opts).map_err(|e| format!("{name}: {e}"))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let stream = rt.stream().cu_stream();
     let c = match ceil {
@@ -421,22 +427,44 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
+    const USAGE: &str =
+        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB|MIBxCTAS]";
     let [_, dir, out, rest @ ..] = args.as_slice() else {
-        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only]");
+        eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
-    if rest.iter().any(|a| a != "--contiguous" && a != "--decode-only") {
-        eprintln!("usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only]");
-        return ExitCode::from(2);
+    let (mut contiguous, mut decode_only, mut l2_prefetch) = (false, false, L2Prefetch::OFF);
+    let mut it = rest.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--contiguous" => contiguous = true,
+            "--decode-only" => decode_only = true,
+            "--l2-prefetch" => match it.next().map(|v| L2Prefetch::parse(v)) {
+                Some(Ok(p)) => l2_prefetch = p,
+                Some(Err(e)) => {
+                    eprintln!("specbench: {e}");
+                    return ExitCode::from(2);
+                }
+                None => {
+                    eprintln!("specbench: --l2-prefetch needs a value\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            other => {
+                eprintln!("specbench: unknown argument `{other}`\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
     }
     if !GpuRuntime::available() {
         println!("SKIP: no CUDA driver or device on this machine");
         return ExitCode::SUCCESS;
     }
-    let contiguous = rest.iter().any(|a| a == "--contiguous");
-    let decode_only = rest.iter().any(|a| a == "--decode-only");
     let run = || -> Result<String, String> {
-        let mut bench = Bench::default();
+        let mut bench = Bench {
+            l2_prefetch: l2_prefetch.to_string(),
+            ..Bench::default()
+        };
         let mut ceil = None;
         for f in plan_files(dir)? {
             let name = f
@@ -444,7 +472,15 @@ fn main() -> ExitCode {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let plan = load_file(&f).map_err(|e| format!("{name}: {e}"))?;
-            bench_plan(&name, &plan, &mut ceil, contiguous, decode_only, &mut bench)?;
+            bench_plan(
+                &name,
+                &plan,
+                &mut ceil,
+                contiguous,
+                decode_only,
+                l2_prefetch,
+                &mut bench,
+            )?;
             write_results(out, &bench)?;
         }
         write_results(out, &bench)

@@ -1,0 +1,233 @@
+//! L2 prefetch branches in captured graphs (perf-notes item 46; off unless the options ask).
+//!
+//! Between two GEMMs a step runs small launches (casts, norms, RoPE and the K/V append, the
+//! attention at small batches, SiLU·mul) that leave DRAM mostly idle, and then the GEMM
+//! streams its whole weight from DRAM. With branches on, the graph forks where those small
+//! launches begin: an `l2_prefetch` node, depending on what the first small launch depends
+//! on, asks L2 for the first bytes of the next GEMM's weight, so they stream in while the
+//! small launches run. No node waits on a branch (each is a leaf; a graph launch completes
+//! when all its nodes have), so a prefetch that is late costs only DRAM time the GEMM would
+//! have spent on the same bytes, and no value changes: a prefetch writes nothing.
+//!
+//! Only GEMMs of the same step are prefetched, never the next step's first: between two
+//! draft-extend steps an engine runs the target model, which leaves nothing of ours in L2,
+//! and specbench flushes L2 before each timed run for the same reason.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+use specplan_format::{BucketPlan, LaunchKind, Plan};
+use specplan_kernels::entries::io::L2_PREFETCH_THREADS;
+use specplan_kernels::entries::io::{L2PrefetchParams, L2PrefetchPtrs, L2PrefetchScalars, L2_PREFETCH_CHUNK};
+use specplan_kernels::Entry;
+
+use super::device::{cuda_rc, GpuError};
+use super::launch::pack_slots;
+use specplan_kernels::abi::KernelParams;
+
+/// How a captured graph's L2 branches are sized: each prefetches at most `cap_bytes` of its
+/// GEMM's weight from `ctas` CTAs. `cap_bytes` 0: no branches (the default until the branch
+/// is measured in the step; `.ci/gpu l2ab`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct L2Prefetch {
+    pub cap_bytes: u64,
+    pub ctas: u32,
+}
+
+impl Default for L2Prefetch {
+    fn default() -> Self {
+        L2Prefetch::OFF
+    }
+}
+
+/// The largest prefetch a branch may ask for: the H100's and H200's L2 is 50 MiB, and a
+/// prefetch larger than it evicts its own first bytes.
+pub const L2_PREFETCH_MAX_MIB: u64 = 48;
+
+impl L2Prefetch {
+    pub const OFF: L2Prefetch = L2Prefetch { cap_bytes: 0, ctas: 0 };
+    /// CTAs of a branch when the option names none (the probes' smaller choice: few SMs
+    /// busy beside the small launches).
+    pub const DEFAULT_CTAS: u32 = 32;
+
+    pub fn is_on(&self) -> bool {
+        self.cap_bytes >= L2_PREFETCH_CHUNK && self.ctas > 0
+    }
+
+    /// `off`, `MIB` or `MIBxCTAS` (e.g. `32` or `32x132`): MiB 1 to [`L2_PREFETCH_MAX_MIB`],
+    /// CTAs 1 to 1024.
+    pub fn parse(s: &str) -> Result<L2Prefetch, String> {
+        if s == "off" || s == "0" {
+            return Ok(L2Prefetch::OFF);
+        }
+        let (mib, ctas) = match s.split_once('x') {
+            Some((m, c)) => (m, Some(c)),
+            None => (s, None),
+        };
+        let mib: u64 = mib
+            .parse()
+            .ok()
+            .filter(|m| (1..=L2_PREFETCH_MAX_MIB).contains(m))
+            .ok_or_else(|| format!("l2 prefetch `{s}`: MiB must be 1 to {L2_PREFETCH_MAX_MIB}, or `off`"))?;
+        let ctas = match ctas {
+            None => Self::DEFAULT_CTAS,
+            Some(c) => c
+                .parse()
+                .ok()
+                .filter(|c| (1..=1024).contains(c))
+                .ok_or_else(|| format!("l2 prefetch `{s}`: CTAs must be 1 to 1024"))?,
+        };
+        Ok(L2Prefetch {
+            cap_bytes: mib << 20,
+            ctas,
+        })
+    }
+}
+
+impl std::fmt::Display for L2Prefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_on() {
+            write!(f, "{}x{}", self.cap_bytes >> 20, self.ctas)
+        } else {
+            f.write_str("off")
+        }
+    }
+}
+
+/// One branch of a bucket's graph: forked just before launch `at` (the first of the small
+/// launches before GEMM launch `gemm`), prefetching the first `bytes` of that GEMM's weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub at: usize,
+    pub gemm: usize,
+    pub weight: u32,
+    pub bytes: u64,
+}
+
+/// The branches of bucket `b`'s launch list under `opts`: one per GEMM that at least one
+/// non-GEMM launch precedes since the previous GEMM (or since the step's start), of
+/// `min(cap, the weight's bytes)` rounded down to whole chunks. A GEMM right after another
+/// gets none: the one before it is already streaming from DRAM.
+pub fn windows(plan: &Plan, b: &BucketPlan, opts: L2Prefetch) -> Vec<Window> {
+    if !opts.is_on() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut start = None;
+    for (i, l) in b.launches.iter().enumerate() {
+        match &l.kind {
+            LaunchKind::Gemm(g) => {
+                let Some(at) = start.take() else { continue };
+                let Some(w) = plan.weights.get(g.w as usize) else {
+                    continue;
+                };
+                let weight_bytes = g.n.saturating_mul(g.k).saturating_mul(w.dtype.size());
+                let bytes = weight_bytes.min(opts.cap_bytes) / L2_PREFETCH_CHUNK * L2_PREFETCH_CHUNK;
+                if bytes > 0 {
+                    out.push(Window {
+                        at,
+                        gemm: i,
+                        weight: g.w,
+                        bytes,
+                    });
+                }
+            }
+            _ => {
+                start.get_or_insert(i);
+            }
+        }
+    }
+    out
+}
+
+/// What issuing a bucket under capture needs to add its branches.
+#[derive(Clone, Copy)]
+pub(crate) struct Branches {
+    pub func: sys::CUfunction,
+    pub opts: L2Prefetch,
+}
+
+impl Branches {
+    /// Adds one branch for `w` to the graph `stream` is capturing: an `l2_prefetch` node on
+    /// the stream's current dependencies, which the stream does not come to depend on.
+    pub fn add(&self, stream: sys::CUstream, w: &Window, weight_ptr: u64) -> Result<(), GpuError> {
+        let chunks =
+            u32::try_from(w.bytes / L2_PREFETCH_CHUNK).map_err(|_| GpuError::Step("l2 prefetch size".into()))?;
+        let threads = L2_PREFETCH_THREADS as u64;
+        let ctas = (chunks as u64).div_ceil(threads).clamp(1, self.opts.ctas as u64) as u32;
+        let slots = L2PrefetchParams::assemble(L2PrefetchPtrs { src: weight_ptr }, L2PrefetchScalars { chunks });
+        let mut blob = pack_slots(&Entry::L2Prefetch.abi(), &slots);
+        add_branch(stream, self.func, [ctas, 1, 1], [L2_PREFETCH_THREADS, 1, 1], &mut blob)
+    }
+}
+
+/// Adds a kernel node to the graph `stream` is capturing, on the dependencies the stream's
+/// next launch would have, without adding it to them: a side branch that nothing waits on.
+fn add_branch(
+    stream: sys::CUstream,
+    func: sys::CUfunction,
+    grid: [u32; 3],
+    block: [u32; 3],
+    blob: &mut [u8],
+) -> Result<(), GpuError> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    let mut deps: *const sys::CUgraphNode = std::ptr::null();
+    let mut n = 0usize;
+    // SAFETY: a live stream; out-pointers to locals. A null edge-data pointer asks the driver
+    // to fail (CUDA_ERROR_LOSSY_QUERY) rather than drop edge data, and a captured step has
+    // only default edges.
+    cuda_rc("cuStreamGetCaptureInfo", unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream,
+            &mut status,
+            std::ptr::null_mut(),
+            &mut graph,
+            &mut deps,
+            std::ptr::null_mut(),
+            &mut n,
+        )
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || graph.is_null() {
+        return Err(GpuError::Step(
+            "an L2 branch is added only while a graph is captured".into(),
+        ));
+    }
+    let mut args = [blob.as_mut_ptr() as *mut c_void];
+    // SAFETY: zeroed plain C struct; every field the call reads is set below.
+    let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.func = func;
+    (p.gridDimX, p.gridDimY, p.gridDimZ) = (grid[0], grid[1], grid[2]);
+    (p.blockDimX, p.blockDimY, p.blockDimZ) = (block[0], block[1], block[2]);
+    p.kernelParams = args.as_mut_ptr();
+    let mut node: sys::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: the capture's live graph and its current dependency nodes (`n` of them, valid
+    // until the stream's next capture call); the parameters point at a struct laid out as
+    // `l2_prefetch` declares, copied by the call.
+    cuda_rc("cuGraphAddKernelNode", unsafe {
+        let d = if n == 0 { std::ptr::null() } else { deps };
+        sys::cuGraphAddKernelNode_v2(&mut node, graph, d, n, &p)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_parse_and_print() {
+        assert_eq!(L2Prefetch::parse("off"), Ok(L2Prefetch::OFF));
+        assert_eq!(L2Prefetch::parse("0"), Ok(L2Prefetch::OFF));
+        let p = L2Prefetch::parse("32").expect("32 MiB");
+        assert_eq!((p.cap_bytes, p.ctas), (32 << 20, L2Prefetch::DEFAULT_CTAS));
+        assert_eq!(p.to_string(), "32x32");
+        let p = L2Prefetch::parse("16x132").expect("16 MiB from 132 CTAs");
+        assert_eq!((p.cap_bytes, p.ctas), (16 << 20, 132));
+        for bad in ["", "x", "49", "-1", "1.5", "32x0", "32x2000", "32x", "ax4"] {
+            let e = L2Prefetch::parse(bad).expect_err(bad);
+            assert!(e.contains("MiB") || e.contains("CTAs"), "{bad}: {e}");
+        }
+        assert!(!L2Prefetch::OFF.is_on());
+        assert_eq!(L2Prefetch::OFF.to_string(), "off");
+    }
+}

@@ -1,0 +1,76 @@
+//! Where a captured graph's L2 prefetch branches fork (runtime/src/gpu/prefetch.rs), over
+//! real plans' launch lists: one branch per GEMM that a non-GEMM launch precedes since the
+//! last GEMM, forked at the first of those launches, sized min(cap, the weight) in whole
+//! 4 KiB chunks; none for a GEMM right after another, none at all when off. The GPU check
+//! (`l2_branch.rs`) finds these in the graphs and the outputs unchanged.
+
+mod common;
+
+use common::compile_preset;
+use specplan_compiler::config::Overrides;
+use specplan_format::LaunchKind;
+use specplan_runtime::gpu::{l2_windows, L2Prefetch};
+
+fn is_gemm(k: &LaunchKind) -> bool {
+    matches!(k, LaunchKind::Gemm(_))
+}
+
+#[test]
+fn branches_fork_where_the_small_launches_before_a_gemm_begin() {
+    let o = Overrides {
+        buckets: Some("1,8,64".into()),
+        ..Overrides::default()
+    };
+    let cap = L2Prefetch::parse("32").expect("32 MiB");
+    for preset in ["llama2-7b-eagle", "llama3.1-8b-eagle3", "tiny"] {
+        let plan = compile_preset(preset, &o);
+        for bi in 0..plan.bucket_count() {
+            let b = plan.flat_bucket(bi).expect("bucket");
+            assert!(l2_windows(&plan, b, L2Prefetch::OFF).is_empty(), "{preset}: off");
+            let w = l2_windows(&plan, b, cap);
+            let kinds: Vec<bool> = b.launches.iter().map(|l| is_gemm(&l.kind)).collect();
+            // Every GEMM with a non-GEMM launch since the previous GEMM (or the start).
+            let want: Vec<usize> = (0..kinds.len())
+                .filter(|&i| kinds[i] && i > 0 && !kinds[i - 1])
+                .collect();
+            assert_eq!(
+                w.iter().map(|x| x.gemm).collect::<Vec<_>>(),
+                want,
+                "{preset} bucket {bi}"
+            );
+            for x in &w {
+                let LaunchKind::Gemm(g) = &b.launches[x.gemm].kind else {
+                    panic!("{preset}: window {x:?} names a non-GEMM launch")
+                };
+                assert_eq!(x.weight, g.w, "{preset}: the GEMM's own weight");
+                assert!(
+                    x.at < x.gemm && (x.at == 0 || kinds[x.at - 1]),
+                    "{preset}: {x:?} forks after a GEMM"
+                );
+                assert!(
+                    kinds[x.at..x.gemm].iter().all(|&k| !k),
+                    "{preset}: only small launches in {x:?}"
+                );
+                let weight = g.n * g.k * plan.weights[g.w as usize].dtype.size();
+                assert_eq!(x.bytes, weight.min(32 << 20) / 4096 * 4096, "{preset}: {x:?}");
+                assert!(x.bytes > 0);
+            }
+            if preset == "llama2-7b-eagle" && b.batch == 1 {
+                // fc, qkv, o_proj, gate_up, down, lm_head: each behind a small launch.
+                assert_eq!(w.len(), 6, "{preset} B 1: {w:?}");
+                let mib: Vec<u64> = w.iter().map(|x| x.bytes >> 20).collect();
+                assert_eq!(mib, [32, 32, 32, 32, 32, 32], "{preset} B 1");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_small_cap_bounds_every_branch() {
+    let plan = compile_preset("tiny", &Overrides::default());
+    let cap = L2Prefetch::parse("1x4").expect("1 MiB");
+    let b = plan.flat_bucket(0).expect("bucket 0");
+    let w = l2_windows(&plan, b, cap);
+    assert!(!w.is_empty());
+    assert!(w.iter().all(|x| x.bytes <= 1 << 20 && x.bytes % 4096 == 0));
+}
