@@ -707,7 +707,7 @@ class ChainRun:
                 return dict(grid=0, sms="-", err=float("inf"), same=False, graph=None, dchain=None, out=None,
                             words=[0, 0, 0, 1])
         stages, _, _, lead = plan(self.chain, grid or None)
-        dchain = self.chain_struct(stages, lead, mode, spins, pf_row)
+        dchain = self.chain_struct(stages, lead, mode, spins, pf_row if mode == "persistent" else 0)
         pf = self.pf_bytes(stages, us, pf_row) if mode == "cublas_pf" else None
         g = self.graph(stages, dchain, mode, kernel, grid, pf, cps)
         if mode != "persistent":

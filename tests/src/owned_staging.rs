@@ -128,7 +128,8 @@ pub fn owned_staging(plan: &ValidatedPlan, rt: &mut GpuRuntime, rng: &mut Rng) -
         } else {
             let name = ["A", "B"][case];
             Err(format!(
-                "b={b} (bucket {batch}): {what}: outputs differ from case {name}'s eager step"
+                "b={b} (bucket {batch}): {what}: outputs differ from case {name}'s eager step ({})",
+                describe(&outputs, &got, &want[case], &want[1 - case])
             ))
         }
     };
@@ -169,4 +170,33 @@ pub fn owned_staging(plan: &ValidatedPlan, rt: &mut GpuRuntime, rng: &mut Rng) -
     step(rt, 0, From::Dev(1), false)?;
     same("a graph step after an eager one", 0, host(&aside(rt)?)?)?;
     Ok(checks)
+}
+
+/// Which outputs differ and how, for a failure message: per output the bytes that differ,
+/// the first of them, and whether the step left the poison (0xFF) or the other case's
+/// eager outputs there.
+fn describe(outputs: &[(&str, usize)], got: &[Vec<u8>], want: &[Vec<u8>], other: &[Vec<u8>]) -> String {
+    let mut parts = Vec::new();
+    for (((&(name, _), g), w), o) in outputs.iter().zip(got).zip(want).zip(other) {
+        let diff: Vec<usize> = g
+            .iter()
+            .zip(w)
+            .enumerate()
+            .filter(|(_, (a, b))| a != b)
+            .map(|(i, _)| i)
+            .collect();
+        let Some(&first) = diff.first() else { continue };
+        let poison = diff.iter().all(|&i| g[i] == 0xff);
+        let stale = diff.iter().all(|&i| o.get(i) == Some(&g[i]));
+        parts.push(format!(
+            "{name}: {} of {} bytes, first at byte {first} (got {:#04x}, want {:#04x}){}{}",
+            diff.len(),
+            g.len(),
+            g[first],
+            w[first],
+            if poison { ", all poison" } else { "" },
+            if stale { ", all as the other case's" } else { "" }
+        ));
+    }
+    parts.join("; ")
 }
