@@ -32,11 +32,14 @@ impl DeviceBuf {
         Ok(DeviceBuf { ptr, bytes })
     }
 
-    /// A buffer holding `data` (synchronous upload).
+    /// A buffer holding `data` (synchronous upload, landed before this returns).
     pub fn from_slice<T: Copy>(data: &[T]) -> Result<DeviceBuf, String> {
         let b = DeviceBuf::new(std::mem::size_of_val(data))?;
         // SAFETY: `b` holds exactly the slice's bytes.
         unsafe { result::memcpy_htod_sync(b.ptr, data) }.map_err(err)?;
+        // A synchronous copy from pageable memory may return before its DMA lands, and
+        // nothing orders that DMA before work on a non-blocking stream (the runtime's).
+        result::ctx::synchronize().map_err(err)?;
         Ok(b)
     }
 
@@ -47,8 +50,12 @@ impl DeviceBuf {
         unsafe { result::memcpy_dtod_async(self.ptr, src, self.bytes, stream) }.map_err(err)
     }
 
-    /// The buffer's bytes (synchronous: waits for the device).
+    /// The buffer's bytes (synchronous: waits for the device, every stream).
     pub fn to_host(&self) -> Result<Vec<u8>, String> {
+        // The copy below runs on the legacy stream, which does not wait for non-blocking
+        // streams such as the runtime's: without this, it can read the buffer before a copy
+        // queued there (`copy_from`) has written it.
+        result::ctx::synchronize().map_err(err)?;
         let mut v = vec![0u8; self.bytes];
         // SAFETY: `v` holds exactly the buffer's bytes.
         unsafe { result::memcpy_dtoh_sync(&mut v, self.ptr) }.map_err(err)?;

@@ -204,14 +204,16 @@ impl GpuRuntime {
     fn reset_page_table(&mut self) -> Result<(), GpuError> {
         let n = (self.mem.table.rows * self.mem.table.cols) as usize;
         let scratch = self.scratch_page();
-        let table = self.mem.table.ptr;
+        let (table, stream) = (self.mem.table.ptr, self.stream.cu_stream());
         let s = self.owned_mut()?;
         s.table_host = vec![scratch; n];
         s.slot_pages.iter_mut().for_each(|p| *p = 0);
         s.page_rows.iter_mut().for_each(Vec::clear);
-        // SAFETY: exactly the table's size.
-        cuda("cuMemcpyHtoD", unsafe {
-            result::memcpy_htod_sync(table, &s.table_host)
+        // SAFETY: exactly the table's size. On the runtime's stream, as `append_pages`'s
+        // copies: a synchronous copy from pageable memory may return before its DMA lands,
+        // unordered with the (non-blocking) stream's first step.
+        cuda("cuMemcpyHtoDAsync", unsafe {
+            result::memcpy_htod_async(table, &s.table_host, stream)
         })
     }
 

@@ -34,13 +34,16 @@ impl GpuRuntime {
             for (which, src) in [k, v].into_iter().enumerate() {
                 let dst = self.pool_base(layer, which);
                 // SAFETY: `per` elements from the start of this layer's pool, which holds
-                // `pool_pages > pages` pages.
-                cuda("cuMemcpyHtoD", unsafe {
-                    result::memcpy_htod_sync(dst, &src[layer * per..(layer + 1) * per])
+                // `pool_pages > pages` pages; the source outlives the copy (the stream is
+                // synchronized below).
+                cuda("cuMemcpyHtoDAsync", unsafe {
+                    result::memcpy_htod_async(dst, &src[layer * per..(layer + 1) * per], self.stream.cu_stream())
                 })?;
             }
         }
-        Ok(())
+        // On the runtime's stream, then waited for: a synchronous copy from pageable memory
+        // may return before its DMA lands, unordered with the (non-blocking) stream's work.
+        cuda("cuStreamSynchronize", self.stream.synchronize())
     }
 
     fn pool_base(&self, layer: usize, which: usize) -> u64 {
@@ -212,11 +215,16 @@ impl GpuRuntime {
                 expected: len,
             });
         }
-        cuda("cuStreamSynchronize", self.stream.synchronize())?;
         // SAFETY: the destination range lies inside the arena allocation (the plan was
-        // validated against the arena size) and its length equals the source's; the
-        // stream is idle, so no kernel reads it concurrently.
-        unsafe { cuda("cuMemcpyHtoD", result::memcpy_htod_sync(ptr, bytes)) }
+        // validated against the arena size) and its length equals the source's; the copy is
+        // ordered after the stream's work, and the source outlives it (synchronized below).
+        unsafe {
+            cuda(
+                "cuMemcpyHtoDAsync",
+                result::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()),
+            )?
+        };
+        cuda("cuStreamSynchronize", self.stream.synchronize())
     }
 
     /// [`GpuRuntime::read_buffer`] in phase `kind`'s bucket.
