@@ -20,6 +20,9 @@ pub(crate) fn err<E: std::fmt::Display>(e: E) -> String {
 
 pub(crate) fn download<T: Copy + Default>(ptr: u64, n: usize) -> Result<Vec<T>, String> {
     let mut v = vec![T::default(); n];
+    // Every stream first: the copy below runs on the legacy stream, which does not wait for
+    // the non-blocking streams steps run on.
+    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
     // SAFETY: `ptr` holds at least n elements (the caller's allocation); synchronous.
     unsafe { result::memcpy_dtoh_sync(&mut v, ptr) }.map_err(|e| format!("{e:?}"))?;
     Ok(v)
@@ -62,6 +65,8 @@ pub(crate) fn upload_at<T: Copy>(bufs: &mut Vec<DeviceBuf>, data: &[T], offset: 
     bufs.push(b);
     // SAFETY: `p` lies `offset` bytes into an allocation of the data's size plus `offset`.
     unsafe { result::memcpy_htod_sync(p, data) }.map_err(|e| format!("{e:?}"))?;
+    // Landed before any stream's next work (as `DeviceBuf::from_slice`).
+    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
     Ok(p)
 }
 

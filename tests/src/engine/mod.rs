@@ -599,6 +599,8 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                     // SAFETY: one entry inside the table allocation; synchronous.
                     unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
                         .map_err(|e| format!("{e:?}"))?;
+                    // Landed before the step's stream (non-blocking) reads the table.
+                    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
                 }
                 DeviceRule::Alias => {
                     // Entry 0 of the request's row (a prefix position it reads) names the
@@ -611,6 +613,8 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                     // SAFETY: one entry inside the table allocation; synchronous.
                     unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
                         .map_err(|e| format!("{e:?}"))?;
+                    // Landed before the step's stream (non-blocking) reads the table.
+                    result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
                 }
                 // Hidden states at 90% of the activation type's largest value: finite
                 // inputs whose forward overflows (set below).
