@@ -1,6 +1,7 @@
 //! The graphs' L2 prefetch branches (runtime/src/gpu/prefetch.rs), checked on the GPU
 //! machine: a runtime loaded with them on holds, in each bucket's graph, exactly the
-//! `l2_prefetch` nodes `l2_windows` lists, and its graph steps equal its eager steps bit for
+//! `l2_prefetch` nodes `l2_windows` lists, each a leaf (nothing waits on it), and its graph
+//! steps equal its eager steps bit for
 //! bit through `owned_staging`'s sequence (host and device hidden states, steps without a
 //! wait, a replay on the inputs in place). A prefetch writes nothing, so any difference is a
 //! branch that broke the graph's order.
@@ -12,8 +13,10 @@ use specplan_runtime::gpu::{l2_windows, GpuOptions, GpuRuntime, L2Prefetch};
 use crate::Rng;
 
 /// Small enough that the small plans' GEMMs get branches too (any weight of ≥ 4 KiB), from
-/// few CTAs (the kernel's grid-stride loop runs more than once).
-const CHECKED: L2Prefetch = L2Prefetch {
+/// few CTAs (the kernel's grid-stride loop runs more than once). The engine-memory check
+/// (`engine::engine_check`) loads its engine runtimes with it too, against an owned runtime
+/// without branches.
+pub const CHECKED: L2Prefetch = L2Prefetch {
     cap_bytes: 1 << 20,
     ctas: 4,
 };
@@ -33,10 +36,10 @@ pub fn l2_branches(plan: &ValidatedPlan, weights: &[WeightData], rng: &mut Rng) 
             continue;
         };
         let want = l2_windows(plan, b, CHECKED).len();
-        if nodes.l2_branches != want {
+        if nodes.l2_branches != want || nodes.l2_leaves != want {
             return Err(format!(
-                "bucket {bi} (batch {}): {} l2_prefetch nodes in its graph, {want} windows listed",
-                b.batch, nodes.l2_branches
+                "bucket {bi} (batch {}): {} l2_prefetch nodes in its graph ({} of them leaves), {want} windows listed",
+                b.batch, nodes.l2_branches, nodes.l2_leaves
             ));
         }
         branches += want;

@@ -9,7 +9,7 @@ mod common;
 use common::compile_preset;
 use specplan_compiler::config::Overrides;
 use specplan_format::LaunchKind;
-use specplan_runtime::gpu::{l2_windows, L2Prefetch};
+use specplan_runtime::gpu::{l2_forks, l2_windows, L2Prefetch};
 
 fn is_gemm(k: &LaunchKind) -> bool {
     matches!(k, LaunchKind::Gemm(_))
@@ -73,4 +73,51 @@ fn a_small_cap_bounds_every_branch() {
     let w = l2_windows(&plan, b, cap);
     assert!(!w.is_empty());
     assert!(w.iter().all(|x| x.bytes <= 1 << 20 && x.bytes % 4096 == 0));
+}
+
+#[test]
+fn partial_and_filtered_lists_fork_only_for_the_gemms_they_run() {
+    let o = Overrides {
+        buckets: Some("1".into()),
+        ..Overrides::default()
+    };
+    let plan = compile_preset("llama2-7b-eagle", &o);
+    let b = plan.flat_bucket(0).expect("bucket 1");
+    let cap = L2Prefetch::parse("32").expect("32 MiB");
+    let all = |_: &str| true;
+    let w = l2_windows(&plan, b, cap);
+    let n = b.launches.len();
+    // The whole list: every window at its own first launch.
+    let f = l2_forks(&plan, b, cap, 0..n, &all);
+    assert_eq!(
+        f.iter().map(|(at, x)| (*at, x.at)).collect::<Vec<_>>(),
+        w.iter().map(|x| (x.at, x.at)).collect::<Vec<_>>()
+    );
+    // A range that starts inside a window forks it at the range's first launch; one that
+    // ends before a GEMM leaves that GEMM's branch out.
+    let o_proj = w[2];
+    let mid = o_proj.at + 1;
+    let f = l2_forks(&plan, b, cap, mid..o_proj.gemm, &all);
+    assert!(f.is_empty(), "o_proj itself is not issued: {f:?}");
+    let f = l2_forks(&plan, b, cap, mid..o_proj.gemm + 1, &all);
+    assert_eq!(
+        f.iter().map(|(at, x)| (*at, x.gemm)).collect::<Vec<_>>(),
+        [(mid, o_proj.gemm)]
+    );
+    // A filter that skips a window's first launch forks at the next one it keeps; one that
+    // skips the GEMM drops the branch.
+    let first_op = b.launches[o_proj.at].op.clone();
+    let skip_first = |op: &str| op != first_op;
+    let f = l2_forks(&plan, b, cap, 0..n, &skip_first);
+    assert!(
+        f.iter().any(|&(at, x)| x.gemm == o_proj.gemm && at == o_proj.at + 1),
+        "{f:?}"
+    );
+    let gemm_op = b.launches[o_proj.gemm].op.clone();
+    let skip_gemm = |op: &str| op != gemm_op;
+    let f = l2_forks(&plan, b, cap, 0..n, &skip_gemm);
+    assert!(
+        f.iter().all(|(_, x)| x.gemm != o_proj.gemm) && f.len() == w.len() - 1,
+        "{f:?}"
+    );
 }

@@ -197,6 +197,11 @@ pub(crate) fn kernel_func(node: sys::CUgraphNode) -> Result<Option<sys::CUfuncti
     Ok((!p.func.is_null()).then_some(p.func))
 }
 
+/// How many nodes depend on `node`.
+pub(crate) fn dependents(node: sys::CUgraphNode) -> Result<usize, GpuError> {
+    Ok(edges(node, false)?.len())
+}
+
 /// A node's neighbours: its dependencies (`up`) or its dependents.
 fn edges(node: sys::CUgraphNode, up: bool) -> Result<Vec<sys::CUgraphNode>, GpuError> {
     // SAFETY: a node of a live graph; the array is null (count only) or holds `*n`

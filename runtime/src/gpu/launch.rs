@@ -185,17 +185,20 @@ impl Launcher<'_> {
         keep: &dyn Fn(&str) -> bool,
     ) -> Result<(), GpuError> {
         let b = self.bucket(bi)?;
-        let windows = match self.branches {
-            Some(br) => prefetch::windows(self.plan, b, br.opts),
+        // L2 branches (capture only): where each forks among the launches issued here.
+        let forks = match self.branches {
+            Some(br) => prefetch::forks(self.plan, b, br.opts, range.clone(), keep),
             None => Vec::new(),
         };
         let first = range.start;
         let launches = b.launches.get(range).unwrap_or(&[]);
         for (i, l) in launches.iter().enumerate().filter(|(_, l)| keep(&l.op)) {
             if let Some(br) = self.branches {
-                for w in windows.iter().filter(|w| w.at == first + i) {
-                    let ptr = self.mem.weights.get(w.weight as usize).copied().unwrap_or(0);
-                    br.add(self.stream, w, ptr)?;
+                for (_, w) in forks.iter().filter(|(at, _)| *at == first + i) {
+                    // A weight the runtime does not hold gets no branch (never address 0).
+                    if let Some(&ptr) = self.mem.weights.get(w.weight as usize).filter(|&&p| p != 0) {
+                        br.add(self.stream, w, ptr)?;
+                    }
                 }
             }
             match &l.kind {

@@ -62,7 +62,7 @@ use memory::Memory;
 pub use memory::{DeviceTensor, EngineMemory, KvGeometry, KvRegistration, TableRegistration};
 pub use nccl::{selftest as nccl_selftest, Communicator, Selftest as NcclSelftest};
 pub use owned::{Hidden, HostOutputs, StepInfo, StepRequest};
-pub use prefetch::{windows as l2_windows, L2Prefetch, Window as L2Window, L2_PREFETCH_MAX_MIB};
+pub use prefetch::{forks as l2_forks, windows as l2_windows, L2Prefetch, Window as L2Window, L2_PREFETCH_MAX_MIB};
 pub use refusals::{DeviceError, StepPoll};
 pub use specplan_kernels::kv::{DeviceRule, TableMode};
 

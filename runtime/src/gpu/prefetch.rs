@@ -140,6 +140,25 @@ pub fn windows(plan: &Plan, b: &BucketPlan, opts: L2Prefetch) -> Vec<Window> {
     out
 }
 
+/// Where the branches of bucket `b` fork when only launches `range` passing `keep` are
+/// issued: `(launch index, window)`, each window at the first issued launch in
+/// `[at, gemm)`, and only when its GEMM is issued too (a partial or filtered list gets the
+/// branches of the GEMMs it runs). The whole list gives `windows` at their own `at`.
+pub fn forks(
+    plan: &Plan,
+    b: &BucketPlan,
+    opts: L2Prefetch,
+    range: std::ops::Range<usize>,
+    keep: &dyn Fn(&str) -> bool,
+) -> Vec<(usize, Window)> {
+    let issued = |i: usize| range.contains(&i) && b.launches.get(i).is_some_and(|l| keep(&l.op));
+    windows(plan, b, opts)
+        .into_iter()
+        .filter(|w| issued(w.gemm))
+        .filter_map(|w| (w.at..w.gemm).find(|&i| issued(i)).map(|i| (i, w)))
+        .collect()
+}
+
 /// What issuing a bucket under capture needs to add its branches.
 #[derive(Clone, Copy)]
 pub(crate) struct Branches {
@@ -173,10 +192,12 @@ fn add_branch(
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     let mut deps: *const sys::CUgraphNode = std::ptr::null();
+    let mut edges: *const sys::CUgraphEdgeData = std::ptr::null();
     let mut n = 0usize;
-    // SAFETY: a live stream; out-pointers to locals. A null edge-data pointer asks the driver
-    // to fail (CUDA_ERROR_LOSSY_QUERY) rather than drop edge data, and a captured step has
-    // only default edges.
+    // SAFETY: a live stream; out-pointers to locals. The edge data is asked for (a null
+    // pointer would make the driver refuse the query when a dependency carries a
+    // programmatic edge, say from a library's launch) and not used: the branch depends on
+    // those nodes through default edges, i.e. on their completion, which is what it wants.
     cuda_rc("cuStreamGetCaptureInfo", unsafe {
         sys::cuStreamGetCaptureInfo_v3(
             stream,
@@ -184,7 +205,7 @@ fn add_branch(
             std::ptr::null_mut(),
             &mut graph,
             &mut deps,
-            std::ptr::null_mut(),
+            &mut edges,
             &mut n,
         )
     })?;

@@ -265,6 +265,8 @@ pub struct GraphNodes {
     pub fills: usize,
     /// Kernel nodes of `l2_prefetch`: the graph's L2 branches (`prefetch.rs`).
     pub l2_branches: usize,
+    /// Of those, the ones no node depends on (every branch should be one).
+    pub l2_leaves: usize,
     pub memsets: usize,
     pub memcpys: usize,
     pub events: usize,
@@ -304,6 +306,7 @@ impl GpuRuntime {
                     c.kernels += 1;
                     if l2.is_some() && graph::kernel_func(node)? == l2 {
                         c.l2_branches += 1;
+                        c.l2_leaves += usize::from(graph::dependents(node)? == 0);
                     }
                 }
                 T::CU_GRAPH_NODE_TYPE_MEMSET => c.memsets += 1,

@@ -576,8 +576,11 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
             table: fx.table.clone(),
             weights: &fx.weights,
         };
+        // The engine runtimes' graphs carry L2 prefetch branches (they change no value: the
+        // owned reference has none), so engine memory's capture with them is checked too.
         let eng_opts = GpuOptions {
             build_graphs: !ec.eager,
+            l2_prefetch: crate::l2_branch::CHECKED,
             ..opts()
         };
         let mut eng = GpuRuntime::with_engine_memory(plan.clone(), mem, eng_opts).map_err(err)?;
