@@ -324,6 +324,9 @@ impl GpuRuntime {
                 return None;
             }
             let mut v = vec![0i64; usize::try_from(t.shape[0]).ok()?];
+            // The caller may have written it on a non-blocking stream, which the legacy
+            // stream's copy below does not wait for: every stream of the context first.
+            result::ctx::synchronize().ok()?;
             // SAFETY: the caller's i64 tensor of shape [n] (its registration says so);
             // synchronous copy at load.
             unsafe { result::memcpy_dtoh_sync(&mut v, t.ptr) }.ok()?;
