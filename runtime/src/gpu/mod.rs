@@ -325,12 +325,7 @@ impl GpuRuntime {
     /// The launcher a graph capture issues with: with L2 branches when the options ask for
     /// them and the plan carries `l2_prefetch` (format 21 and later all do).
     fn capture_launcher(&self, stream: sys::CUstream) -> Launcher<'_> {
-        let func = self
-            .plan
-            .kernels
-            .iter()
-            .position(|k| k.entry == specplan_kernels::Entry::L2Prefetch)
-            .and_then(|i| self.funcs.get(i).copied());
+        let func = self.entry_func(specplan_kernels::Entry::L2Prefetch);
         Launcher {
             branches: func
                 .filter(|_| self.l2_prefetch.is_on())
@@ -513,11 +508,12 @@ impl GpuRuntime {
     /// The plan's `fill` kernel (memset nodes of captured graphs become its launches), if
     /// the plan carries one.
     fn fill_func(&self) -> Option<sys::CUfunction> {
-        let i = self
-            .plan
-            .kernels
-            .iter()
-            .position(|k| k.entry == specplan_kernels::Entry::Fill)?;
+        self.entry_func(specplan_kernels::Entry::Fill)
+    }
+
+    /// The loaded function of the plan's (one) kernel of a runtime-launched `entry`.
+    fn entry_func(&self, entry: specplan_kernels::Entry) -> Option<sys::CUfunction> {
+        let i = self.plan.kernels.iter().position(|k| k.entry == entry)?;
         self.funcs.get(i).copied()
     }
 

@@ -294,12 +294,7 @@ impl GpuRuntime {
             fills: g.graph.fills(),
             ..GraphNodes::default()
         };
-        let l2 = self
-            .plan
-            .kernels
-            .iter()
-            .position(|k| k.entry == specplan_kernels::Entry::L2Prefetch)
-            .and_then(|i| self.funcs.get(i).copied());
+        let l2 = self.entry_func(specplan_kernels::Entry::L2Prefetch);
         for node in graph::nodes(g.graph.cu_graph())? {
             match graph::node_type(node)? {
                 T::CU_GRAPH_NODE_TYPE_KERNEL => {
