@@ -19,6 +19,7 @@ use crate::Rng;
 pub const CHECKED: L2Prefetch = L2Prefetch {
     cap_bytes: 1 << 20,
     ctas: 4,
+    max_batch: u32::MAX,
 };
 
 /// Loads `plan` with branches on and runs the checks above; returns the branches found and

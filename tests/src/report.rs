@@ -200,7 +200,7 @@ pub struct EngineRow {
 /// `specbench.json`: the ceilings, then the rows.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Bench {
-    /// The graphs' L2 prefetch branches (`--l2-prefetch`: `off`, or MiB x CTAs).
+    /// The graphs' L2 prefetch branches (`--l2-prefetch`: `off`, or MiB x CTAs / largest bucket).
     pub l2_prefetch: String,
     pub ceilings: Option<Ceilings>,
     pub rows: Vec<BenchRow>,

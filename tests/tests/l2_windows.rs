@@ -121,3 +121,18 @@ fn partial_and_filtered_lists_fork_only_for_the_gemms_they_run() {
         "{f:?}"
     );
 }
+
+#[test]
+fn branches_stop_above_the_largest_bucket_asked_for() {
+    let o = Overrides {
+        buckets: Some("1,8,64".into()),
+        ..Overrides::default()
+    };
+    let plan = compile_preset("llama2-7b-eagle", &o);
+    let small = L2Prefetch::parse("32/8").expect("up to bucket 8");
+    for bi in 0..plan.buckets().len() {
+        let b = &plan.buckets()[bi];
+        let w = l2_windows(&plan, b, small);
+        assert_eq!(w.is_empty(), b.batch > 8, "bucket {}: {w:?}", b.batch);
+    }
+}

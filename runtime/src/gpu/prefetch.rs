@@ -26,12 +26,15 @@ use super::launch::pack_slots;
 use specplan_kernels::abi::KernelParams;
 
 /// How a captured graph's L2 branches are sized: each prefetches at most `cap_bytes` of its
-/// GEMM's weight from `ctas` CTAs. `cap_bytes` 0: no branches (the default until the branch
-/// is measured in the step; `.ci/gpu l2ab`).
+/// GEMM's weight from `ctas` CTAs, in the buckets of at most `max_batch` requests (the
+/// small buckets, where the small launches leave DRAM idle; the large ones' GEMMs are
+/// compute-bound and their attention keeps DRAM busy). `cap_bytes` 0: no branches (the
+/// default until the branch is measured in the step: `AB_L2=SPEC .ci/gpu ab`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct L2Prefetch {
     pub cap_bytes: u64,
     pub ctas: u32,
+    pub max_batch: u32,
 }
 
 impl Default for L2Prefetch {
@@ -45,7 +48,11 @@ impl Default for L2Prefetch {
 pub const L2_PREFETCH_MAX_MIB: u64 = 48;
 
 impl L2Prefetch {
-    pub const OFF: L2Prefetch = L2Prefetch { cap_bytes: 0, ctas: 0 };
+    pub const OFF: L2Prefetch = L2Prefetch {
+        cap_bytes: 0,
+        ctas: 0,
+        max_batch: 0,
+    };
     /// CTAs of a branch when the option names none (the probes' smaller choice: few SMs
     /// busy beside the small launches).
     pub const DEFAULT_CTAS: u32 = 32;
@@ -54,15 +61,25 @@ impl L2Prefetch {
         self.cap_bytes >= L2_PREFETCH_CHUNK && self.ctas > 0
     }
 
-    /// `off`, `MIB` or `MIBxCTAS` (e.g. `32` or `32x132`): MiB 1 to [`L2_PREFETCH_MAX_MIB`],
-    /// CTAs 1 to 1024.
+    /// `off`, or `MIB[xCTAS][/MAXB]` (e.g. `32`, `32x132`, `32/8`): MiB 1 to
+    /// [`L2_PREFETCH_MAX_MIB`], CTAs 1 to 1024 (default [`Self::DEFAULT_CTAS`]), branches in
+    /// the buckets of at most MAXB requests (default every bucket).
     pub fn parse(s: &str) -> Result<L2Prefetch, String> {
         if s == "off" || s == "0" {
             return Ok(L2Prefetch::OFF);
         }
-        let (mib, ctas) = match s.split_once('x') {
+        let (s_size, max_batch) = match s.split_once('/') {
+            Some((a, b)) => (
+                a,
+                b.parse().ok().filter(|&m| m >= 1).ok_or_else(|| {
+                    format!("l2 prefetch `{s}`: the largest bucket after `/` must be a positive integer")
+                })?,
+            ),
+            None => (s, u32::MAX),
+        };
+        let (mib, ctas) = match s_size.split_once('x') {
             Some((m, c)) => (m, Some(c)),
-            None => (s, None),
+            None => (s_size, None),
         };
         let mib: u64 = mib
             .parse()
@@ -80,6 +97,7 @@ impl L2Prefetch {
         Ok(L2Prefetch {
             cap_bytes: mib << 20,
             ctas,
+            max_batch,
         })
     }
 }
@@ -87,7 +105,11 @@ impl L2Prefetch {
 impl std::fmt::Display for L2Prefetch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.is_on() {
-            write!(f, "{}x{}", self.cap_bytes >> 20, self.ctas)
+            write!(f, "{}x{}", self.cap_bytes >> 20, self.ctas)?;
+            if self.max_batch != u32::MAX {
+                write!(f, "/{}", self.max_batch)?;
+            }
+            Ok(())
         } else {
             f.write_str("off")
         }
@@ -104,12 +126,13 @@ pub struct Window {
     pub bytes: u64,
 }
 
-/// The branches of bucket `b`'s launch list under `opts`: one per GEMM that at least one
+/// The branches of bucket `b`'s launch list under `opts` (none in a bucket above
+/// `opts.max_batch`): one per GEMM that at least one
 /// non-GEMM launch precedes since the previous GEMM (or since the step's start), of
 /// `min(cap, the weight's bytes)` rounded down to whole chunks. A GEMM right after another
 /// gets none: the one before it is already streaming from DRAM.
 pub fn windows(plan: &Plan, b: &BucketPlan, opts: L2Prefetch) -> Vec<Window> {
-    if !opts.is_on() {
+    if !opts.is_on() || b.batch > opts.max_batch {
         return Vec::new();
     }
     let mut out = Vec::new();
@@ -243,7 +266,15 @@ mod tests {
         assert_eq!((p.cap_bytes, p.ctas), (32 << 20, L2Prefetch::DEFAULT_CTAS));
         assert_eq!(p.to_string(), "32x32");
         let p = L2Prefetch::parse("16x132").expect("16 MiB from 132 CTAs");
-        assert_eq!((p.cap_bytes, p.ctas), (16 << 20, 132));
+        assert_eq!((p.cap_bytes, p.ctas, p.max_batch), (16 << 20, 132, u32::MAX));
+        let p = L2Prefetch::parse("16x132/8").expect("up to bucket 8");
+        assert_eq!((p.cap_bytes, p.ctas, p.max_batch), (16 << 20, 132, 8));
+        assert_eq!(p.to_string(), "16x132/8");
+        assert_eq!(L2Prefetch::parse("8/1").map(|p| p.to_string()), Ok("8x32/1".into()));
+        for bad in ["32/0", "32/", "32/x", "/8"] {
+            let e = L2Prefetch::parse(bad).expect_err(bad);
+            assert!(e.contains("bucket") || e.contains("MiB"), "{bad}: {e}");
+        }
         for bad in ["", "x", "49", "-1", "1.5", "32x0", "32x2000", "32x", "ax4"] {
             let e = L2Prefetch::parse(bad).expect_err(bad);
             assert!(e.contains("MiB") || e.contains("CTAs"), "{bad}: {e}");

@@ -1,6 +1,6 @@
 //! `specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch SPEC]`: times
 //! every plan's draft-extend step on the GPU, beside the device's own ceilings measured in
-//! the same run. `--l2-prefetch` (`off`, `MIB` or `MIBxCTAS`) captures the graphs with L2
+//! the same run. `--l2-prefetch` (`off` or `MIB[xCTAS][/MAXB]`) captures the graphs with L2
 //! prefetch branches (runtime/src/gpu/prefetch.rs); `.ci/gpu l2ab` alternates it with off.
 //!
 //! Per plan, bucket B and prefix length L (every request at L):
@@ -428,7 +428,7 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     const USAGE: &str =
-        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB|MIBxCTAS]";
+        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB[xCTAS][/MAXB]]";
     let [_, dir, out, rest @ ..] = args.as_slice() else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
