@@ -178,6 +178,10 @@ class Engine:
                   block when its kernel blocks, the pool's pages, are smaller)
     gemms         "cached" (default: cuBLASLt algorithms from the on-disk cache, timed once
                   per shape), "heuristic" or "retune"
+    l2_prefetch   the graphs' L2 prefetch branches: "off" (default) or "MIB[xCTAS][/MAXB]",
+                  e.g. "32" (each GEMM's first 32 MiB asked for while the small launches
+                  before it run) or "32/8" (only in the buckets of at most 8 requests);
+                  CUDA tensors only (the CPU engine captures no graphs)
     tp_group      a sharded plan's (`tp_size` > 1) communicator over the engine's ranks: the
                   engine's tensor-parallel group (SGLang 0.5.23's and vLLM 0.33.0's
                   `get_tp_group()`), its PyNccl communicator, or an `ncclComm_t` address;
@@ -190,7 +194,8 @@ class Engine:
     """
 
     def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
-                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached", tp_group=None):
+                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached", tp_group=None,
+                 l2_prefetch="off"):
         from . import Plan
 
         torch = _torch()
@@ -210,6 +215,8 @@ class Engine:
             self._index = device.index if device.index is not None else torch.cuda.current_device()
         else:
             self._index = -1
+        if not isinstance(l2_prefetch, str):
+            raise TypeError(f"l2_prefetch: expected a str (\"off\" or \"MIB[xCTAS][/MAXB]\"), got {type(l2_prefetch).__name__}")
         if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
             raise TypeError(f"block_size: expected a positive int, got {block_size!r}")
         table, mode, tpage = self._table(req_to_token, block_table, block_size or page)
@@ -224,10 +231,12 @@ class Engine:
         comm, self._tp_kept = _nccl_comm(tp_group), tp_group
         if self._cuda:
             with torch.cuda.device(self._index):
-                self._engine = _native.Engine(*args, self._index, gemms, comm)
+                self._engine = _native.Engine(*args, self._index, gemms, comm, l2_prefetch)
         else:
             if comm:
                 raise ValueError("tp_group: the CPU engine runs unsharded plans only")
+            if l2_prefetch not in ("off", "0"):
+                raise ValueError(f"l2_prefetch {l2_prefetch!r}: the CPU engine captures no graphs (\"off\" only)")
             if gemms not in ("cached", "heuristic", "retune"):
                 raise ValueError(f"gemms {gemms!r}: expected \"cached\", \"heuristic\" or \"retune\"")
             self._engine = _native.CpuEngine(*args)
@@ -436,9 +445,11 @@ class DraftExtendRunner:
     """
 
     def __init__(self, plan, weights, k_cache=None, v_cache=None, req_to_token=None, block_table=None, *,
-                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached", tp_group=None):
+                 kv_cache=None, kv_layout=None, block_size=None, gemms="cached", tp_group=None,
+                 l2_prefetch="off"):
         self._attach(Engine(plan, weights, k_cache, v_cache, req_to_token, block_table, kv_cache=kv_cache,
-                            kv_layout=kv_layout, block_size=block_size, gemms=gemms))
+                            kv_layout=kv_layout, block_size=block_size, gemms=gemms, tp_group=tp_group,
+                            l2_prefetch=l2_prefetch))
 
     @classmethod
     def _on(cls, engine):

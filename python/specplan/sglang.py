@@ -181,7 +181,7 @@ class SGLangDraftExtendRunner:
     # ---- construction ----
 
     @classmethod
-    def from_draft_worker(cls, draft_worker, plan, *, gemms="cached"):
+    def from_draft_worker(cls, draft_worker, plan, *, gemms="cached", l2_prefetch="off"):
         """Registers a started `EagleDraftWorker`'s memory: its draft model runner's KV pool,
         the shared `req_to_token` and the draft model's parameters (and `hot_token_id`)."""
         dr = draft_worker.draft_runner
@@ -193,7 +193,7 @@ class SGLangDraftExtendRunner:
         tp_group = _sglang_tp(plan, sa, draft_worker)
         engine = Engine(
             plan, weights, [k for k, _ in pools], [v for _, v in pools], req_to_token=table,
-            kv_layout=layout, gemms=gemms, tp_group=tp_group,
+            kv_layout=layout, gemms=gemms, tp_group=tp_group, l2_prefetch=l2_prefetch,
         )
         runner = engine.draft_extend()
         return cls(
@@ -556,7 +556,8 @@ class _Fused:
         return True
 
 
-def install(target, plan, *, fused=False, gemms="cached", adaptive=True, decode=True, allow_other_versions=False):
+def install(target, plan, *, fused=False, gemms="cached", adaptive=True, decode=True, allow_other_versions=False,
+            l2_prefetch="off"):
     """Installs specplan into a started SGLang EAGLE worker (after the scheduler's
     `init_model_worker`, which captures SGLang's graphs and resets the slot first). Returns
     the draft-extend slot runner; `runner.tiers` lists the adaptive tiers (num_steps) it was
@@ -574,7 +575,7 @@ def install(target, plan, *, fused=False, gemms="cached", adaptive=True, decode=
         raise ValueError(f"plan: num_draft_tokens {plan.num_draft_tokens}, the worker runs {n}")
     if getattr(dw, "topk", plan.topk) != plan.topk:
         raise ValueError(f"plan: topk {plan.topk}, the worker runs {dw.topk}")
-    slot = SGLangDraftExtendRunner.from_draft_worker(dw, plan, gemms=gemms)
+    slot = SGLangDraftExtendRunner.from_draft_worker(dw, plan, gemms=gemms, l2_prefetch=l2_prefetch)
     dw.cuda_graph_runner_for_draft_extend = slot
     slot.tiers = []
     ac = getattr(eagle, "adaptive_controller", None) if eagle is not None else None

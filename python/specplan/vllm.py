@@ -49,7 +49,7 @@ VLLM_VERSION = "0.33.0"
 
 logger = logging.getLogger("vllm.specplan")
 
-_STATE = {"plan": None, "gemms": "cached", "original": None}
+_STATE = {"plan": None, "gemms": "cached", "l2_prefetch": "off", "original": None}
 
 
 def _base():
@@ -172,6 +172,7 @@ def make_speculator_class(base):
             engine = Engine(
                 plan, _weights(self.model, plan), kv_cache=kv, kv_layout="BHNC", block_table=table,
                 block_size=block, gemms=_STATE["gemms"], tp_group=_vllm_tp(plan, self),
+                l2_prefetch=_STATE["l2_prefetch"],
             )
             runner = engine.draft_extend()
             self._sp_runner = runner
@@ -400,7 +401,7 @@ def _weights(model, plan):
     return out
 
 
-def install(plan, *, gemms="cached", allow_other_versions=False):
+def install(plan, *, gemms="cached", allow_other_versions=False, l2_prefetch="off"):
     """Makes vLLM build `SpecplanEagleSpeculator` for EAGLE / EAGLE-3 (rebinding the name
     MRv2's `init_speculator` reads). Call it in every worker process before the model runner
     is built. Returns the class."""
@@ -416,7 +417,7 @@ def install(plan, *, gemms="cached", allow_other_versions=False):
     if _STATE["original"] is None:
         _STATE["original"] = base
     cls = make_speculator_class(_STATE["original"])
-    _STATE["plan"], _STATE["gemms"] = plan, gemms
+    _STATE["plan"], _STATE["gemms"], _STATE["l2_prefetch"] = plan, gemms, l2_prefetch
     mod.EagleSpeculator = cls
     return cls
 

@@ -16,8 +16,8 @@ use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostSt
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::gpu::{
     AcceptForm, Communicator, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep,
-    DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime, KvGeometry, KvRegistration, StepPoll,
-    TableMode, TableRegistration,
+    DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime, KvGeometry, KvRegistration, L2Prefetch,
+    StepPoll, TableMode, TableRegistration,
 };
 use specplan_runtime::registration::RegError;
 
@@ -169,7 +169,9 @@ impl Engine {
     #[new]
     /// `communicator`: a sharded plan's NCCL communicator, the address of the engine's
     /// `ncclComm_t` (0: none), which the Python side keeps alive with the engine.
-    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights, device=0, gemms="cached", communicator=0))]
+    /// `l2_prefetch`: the graphs' L2 prefetch branches, `"off"` or `"MIB[xCTAS][/MAXB]"`
+    /// (`specplan_runtime::gpu::L2Prefetch`).
+    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights, device=0, gemms="cached", communicator=0, l2_prefetch="off"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         plan: &Plan,
@@ -186,7 +188,10 @@ impl Engine {
         device: usize,
         gemms: &str,
         communicator: usize,
+        l2_prefetch: &str,
     ) -> PyResult<Engine> {
+        let l2_prefetch =
+            L2Prefetch::parse(l2_prefetch).map_err(|e| PyValueError::new_err(format!("l2_prefetch: {e}")))?;
         let gemms = match gemms {
             "cached" => GemmPolicy::Cached,
             "heuristic" => GemmPolicy::Heuristic,
@@ -220,6 +225,7 @@ impl Engine {
             gemms,
             device,
             communicator,
+            l2_prefetch,
             ..GpuOptions::default()
         };
         let vp = plan.inner.clone();

@@ -190,6 +190,12 @@ def test_runner_registration_checks_name_the_argument(fake):
         R(plan, {"w": torch.Tensor((4,), torch.bfloat16, device=_Device("cpu"))}, k, v, req_to_token=table)
     with pytest.raises(TypeError, match="plan: expected a specplan.Plan"):
         R("tiny.plan", {}, k, v, req_to_token=table)
+    # The graphs' L2 prefetch branches: checked before anything touches the device.
+    with pytest.raises(TypeError, match="l2_prefetch: expected a str"):
+        R(plan, {}, k, v, req_to_token=table, l2_prefetch=32)
+    for bad, why in [("99", "MiB must be 1 to 48"), ("32x0", "CTAs must be 1 to 1024"), ("32/0", "the largest bucket after `/` must be a positive integer")]:
+        with pytest.raises(ValueError, match=f"l2_prefetch: l2 prefetch `{bad}`: {why}"):
+            R(plan, {}, k, v, req_to_token=table, l2_prefetch=bad)
     # Every host check passed: the native side needs a GPU, which this machine lacks (or
     # the stand-in pointers are refused) -- either way a clear error, no crash.
     with pytest.raises((RuntimeError, ValueError)):
