@@ -341,12 +341,7 @@ impl GpuRuntime {
             .shapes(&self.plan, bi)
             .ok_or(GpuError::Mode("a draft-decode bucket"))?;
         launch_packed(self.funcs[d.admit as usize], a.0, [a.1, 1, 1], a.2, admit, stream)?;
-        let l = if capture {
-            self.capture_launcher(stream)
-        } else {
-            self.launcher(stream)
-        };
-        l.issue(bi, &|_| true)?;
+        self.bucket_launcher(stream, capture).issue(bi, &|_| true)?;
         launch_packed(self.funcs[d.emit as usize], m.0, [m.1, 1, 1], m.2, emit, stream)?;
         e.record_done(stream)
     }

@@ -322,13 +322,14 @@ impl GpuRuntime {
         }
     }
 
-    /// The launcher a graph capture issues with: with L2 branches when the options ask for
-    /// them and the plan carries `l2_prefetch` (format 21 and later all do).
-    fn capture_launcher(&self, stream: sys::CUstream) -> Launcher<'_> {
+    /// The launcher a bucket is issued with: for a graph capture (`capture`), with L2
+    /// branches when the options ask for them and the plan carries `l2_prefetch` (format 21
+    /// and later all do).
+    fn bucket_launcher(&self, stream: sys::CUstream, capture: bool) -> Launcher<'_> {
         let func = self.entry_func(specplan_kernels::Entry::L2Prefetch);
         Launcher {
             branches: func
-                .filter(|_| self.l2_prefetch.is_on())
+                .filter(|_| capture && self.l2_prefetch.is_on())
                 .map(|func| prefetch::Branches {
                     func,
                     opts: self.l2_prefetch,
@@ -467,11 +468,7 @@ impl GpuRuntime {
         admit: Option<&mut [u8]>,
         capture: bool,
     ) -> Result<(), GpuError> {
-        let l = if capture {
-            self.capture_launcher(stream)
-        } else {
-            self.launcher(stream)
-        };
+        let l = self.bucket_launcher(stream, capture);
         match &self.mode {
             Mode::Owned(_) => {
                 if self.can_stage(bi) {
