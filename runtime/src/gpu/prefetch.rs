@@ -17,13 +17,14 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys;
 use specplan_format::{BucketPlan, LaunchKind, Plan};
-use specplan_kernels::entries::io::L2_PREFETCH_THREADS;
-use specplan_kernels::entries::io::{L2PrefetchParams, L2PrefetchPtrs, L2PrefetchScalars, L2_PREFETCH_CHUNK};
+use specplan_kernels::abi::KernelParams;
+use specplan_kernels::entries::io::{
+    L2PrefetchParams, L2PrefetchPtrs, L2PrefetchScalars, L2_PREFETCH_CHUNK, L2_PREFETCH_THREADS,
+};
 use specplan_kernels::Entry;
 
 use super::device::{cuda_rc, GpuError};
 use super::launch::pack_slots;
-use specplan_kernels::abi::KernelParams;
 
 /// How a captured graph's L2 branches are sized: each prefetches at most `cap_bytes` of its
 /// GEMM's weight from `ctas` CTAs, in the buckets of at most `max_batch` requests (the
