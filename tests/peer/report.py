@@ -3,19 +3,23 @@
 the bandwidth/compute floor, from the JSON the two write. Python standard library only.
 
   report.py --specbench specbench.json [--peer peer-a.json ...] [--device device.txt]
-            [--commit SHA] --out DIR
+            [--commit SHA] [--previous report.json] --out DIR
 
 Writes DIR/report.md (tables), DIR/report.json (the rows joined by model, N, L, B) and
 DIR/report.svg (step time vs bucket, specplan vs peer vs floor, one panel per model, N, L),
 and prints the main table. Where an EAGLE-3 model and its EAGLE-1 partner (HEAD_PAIRS) were
 both measured, report.md compares their step times at equal shapes. Without specbench.json, the rows of specbench.txt beside it are
-read (a run cut short prints them as it goes). Missing values show as "—".
+read (a run cut short prints them as it goes). Missing values show as "—". With --previous
+(the last full report's report.json), issue 23's criteria are judged (criteria.py): a section of
+report.md, "criteria" in report.json, and the verdict as the last lines printed.
 """
 import argparse
 import json
 import os
 import re
 import sys
+
+import criteria
 
 # The peer figures the benchmark issue quotes (H200, PyTorch + FlashInfer graphs), µs.
 ISSUE_PEER = {
@@ -424,6 +428,7 @@ def main():
     ap.add_argument("--peer", nargs="*", default=[], help="peer JSON files (flashinfer_peer.py run --json)")
     ap.add_argument("--device", help="a text file describing the device (nvidia-smi output, date)")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--previous", help="the previous full report's report.json: judge issue 23's criteria against it")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -444,6 +449,14 @@ def main():
     errors = [x for d in peers for x in d.get("errors", [])]
     versions = sorted({f"torch {d.get('torch')}, FlashInfer {d.get('flashinfer', '?')}, CUDA {d.get('cuda')}" for d in peers})
     settings = next((d.get("settings") for d in peers if d.get("settings")), {})
+    judged = None
+    if a.previous:
+        try:
+            previous = load_json(a.previous)
+        except Exception as e:  # judged without it: the verdict then says "not met"
+            notes.append(f"previous report {a.previous}: {type(e).__name__}: {e}")
+            previous = {"rows": [], "device": ""}
+        judged = criteria.judge(rows, device, checks, previous)
 
     md = ["# specplan vs PyTorch + FlashInfer vs the floor", ""]
     if device:
@@ -481,6 +494,8 @@ def main():
         md += ["", check_table(checks)]
     elif peers:
         md += ["## Equal outputs", "", "No check ran (see errors).", ""]
+    if judged is not None:
+        md += criteria.section(judged)
     md += ["## Draft-extend step", ""] + floors_note(rows) + [main_table(rows)]
     issue = [e for e in rows if e["issue_peer_step_us"] is not None]
     if issue:
@@ -519,6 +534,8 @@ def main():
         "errors": errors + notes,
         "rows": [{k: v for k, v in e.items() if k not in ("specplan", "peer")} for e in rows],
     }
+    if judged is not None:
+        doc["criteria"] = judged
     with open(os.path.join(a.out, "report.json"), "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -540,6 +557,9 @@ def main():
     for x in errors + notes:
         print("error:", x)
     print(f"wrote {os.path.join(a.out, 'report.md')}, report.json, report.svg")
+    if judged is not None:
+        for line in criteria.summary(judged):
+            print(line)
     return 0
 
 

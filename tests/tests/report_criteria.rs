@@ -1,0 +1,157 @@
+//! `tests/peer/report.py --previous`: issue 23's criteria judged on a benchmark run
+//! (`tests/peer/criteria.py`). Synthetic specbench, peer and previous-report files, small enough
+//! to work out by hand, so the verdict a real run prints is known to count what it says:
+//! the floor targets (1.1× at B 1, 1.2× elsewhere), shapes slower than the previous report, a
+//! shape the previous report had and this run lacks, the equal-output checks, and a previous
+//! report from another GPU (not compared). Needs python3 (standard library only).
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+const H200: &str = "name, driver_version, memory.total [MiB], clocks.max.sm [MHz]\n\
+                    NVIDIA H200, 580.159.04, 143771 MiB, 1980 MHz\n";
+const H100: &str = "name, driver_version, memory.total [MiB], clocks.max.sm [MHz]\n\
+                    NVIDIA H100 80GB HBM3, 580.159.04, 81559 MiB, 1980 MHz\n";
+
+/// One specbench row: (plan, batch, step µs, floor µs).
+fn spec_row(plan: &str, batch: u32, step: f64, floor: f64) -> Value {
+    json!({"plan": plan, "batch": batch, "prefix": 1024, "prep_us": 5.0, "replay_us": step - 5.0,
+           "full_us": step, "eager_us": step * 2.0, "floor_us": floor, "attn_us": 10.0, "attn_tb_s": 1.0})
+}
+
+/// One previous-report row (report.json's keys).
+fn prev_row(model: &str, n: u32, batch: u32, step: f64) -> Value {
+    json!({"model": model, "n": n, "prefix": 1024, "batch": batch, "specplan_step_us": step})
+}
+
+/// The run most tests judge. m-n4: B 1 at 1.05× the floor (met), B 8 at 1.25× (missed: 1.2×);
+/// m-n8: B 1 at 1.15× (missed: 1.1×).
+fn mixed_run() -> Vec<Value> {
+    vec![
+        spec_row("m-n4", 1, 105.0, 100.0),
+        spec_row("m-n4", 8, 250.0, 200.0),
+        spec_row("m-n8", 1, 115.0, 100.0),
+    ]
+}
+
+/// Its previous report: m-n4 B 1 was 104 (now 0.96% slower), B 8 was 260 (now faster), m-n8
+/// B 1 was 110 (now 4.5% slower); m-n8 B 8 is in the previous report only.
+fn mixed_previous() -> Vec<Value> {
+    vec![
+        prev_row("m", 4, 1, 104.0),
+        prev_row("m", 4, 8, 260.0),
+        prev_row("m", 8, 1, 110.0),
+        prev_row("m", 8, 8, 300.0),
+    ]
+}
+
+/// Runs report.py over these rows in `dir` and returns (its stdout, report.json's "criteria").
+fn report(dir: &Path, rows: Vec<Value>, prev: Vec<Value>, previous_gpu: &str, checks_ok: bool) -> (String, Value) {
+    let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14}, "rows": rows});
+    let previous = json!({"device": previous_gpu, "commit": "abc1234", "rows": prev});
+    let peer = json!({"rows": [], "checks": [{"plan": "m-n4", "ok": true}, {"plan": "m-n8", "ok": checks_ok}]});
+    let write = |name: &str, v: &Value| fs::write(dir.join(name), v.to_string()).expect("write a test file");
+    write("specbench.json", &spec);
+    write("previous.json", &previous);
+    write("peer.json", &peer);
+    fs::write(dir.join("device.txt"), H200).expect("write device.txt");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
+    let arg = |name: &str| dir.join(name).display().to_string();
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(["--specbench", &arg("specbench.json"), "--peer", &arg("peer.json")])
+        .args(["--device", &arg("device.txt"), "--previous", &arg("previous.json")])
+        .args(["--out", &arg("out")])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "report.py failed:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_str(&fs::read_to_string(dir.join("out/report.json")).expect("report.json"))
+        .expect("report.json parses");
+    (stdout, doc["criteria"].clone())
+}
+
+#[test]
+fn the_criteria_count_floor_targets_slower_shapes_and_missing_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (stdout, c) = report(dir.path(), mixed_run(), mixed_previous(), H200, true);
+    assert_eq!(c["shapes"], 3);
+    assert_eq!(
+        c["floor_met"], 1,
+        "only m-n4 B 1 (1.05× ≤ 1.1×) meets its floor target: {c}"
+    );
+    assert_eq!(
+        (c["b1_shapes"].as_u64(), c["b1_floor_met"].as_u64()),
+        (Some(2), Some(1))
+    );
+    let p = &c["previous"];
+    assert_eq!(p["comparable"], true);
+    assert_eq!(p["compared"], 3);
+    assert_eq!(p["slower"], 2, "m-n4 B 1 and m-n8 B 1 are slower: {p}");
+    assert_eq!(p["slower_1pct"], 1, "only m-n8 B 1 by more than 1%: {p}");
+    assert_eq!(p["missing"], json!(["m N8 L1024 B8"]));
+    let worst = p["worst"].as_f64().expect("worst");
+    assert!((worst - 115.0 / 110.0).abs() < 1e-9, "worst {worst}");
+    assert_eq!(c["met"], false);
+    assert!(
+        stdout.contains("floor targets: 1/3 shapes within 1.2x (B 1: 1/2 within 1.1x)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("2/3 shapes slower (1 by more than 1%)"), "{stdout}");
+    assert!(
+        stdout.trim_end().ends_with("issue 23's benchmark criteria: not met"),
+        "{stdout}"
+    );
+    let md = fs::read_to_string(dir.path().join("out/report.md")).expect("report.md");
+    assert!(md.contains("## Issue 23's criteria in this run"), "{md}");
+    // The table lists the three shapes that miss something, not m-n4 B 8's faster step alone.
+    assert!(
+        md.contains("| m | 8 | 1024 | 1 | 115.0 | 1.15× | 1.1× | 110.0 | 1.045× |"),
+        "{md}"
+    );
+}
+
+#[test]
+fn a_previous_report_from_another_gpu_is_not_compared() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (stdout, c) = report(dir.path(), mixed_run(), mixed_previous(), H100, false);
+    let p = &c["previous"];
+    assert_eq!(p["comparable"], false);
+    assert_eq!(p["gpu"], "NVIDIA H100 80GB HBM3");
+    assert_eq!(p["this_gpu"], "NVIDIA H200");
+    assert!(p.get("slower").is_none(), "no step compared across GPUs: {p}");
+    assert_eq!((c["checks"].as_u64(), c["checks_passed"].as_u64()), (Some(2), Some(1)));
+    assert!(
+        stdout.contains("previous report (NVIDIA H100 80GB HBM3) not compared: this run is on NVIDIA H200"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("equal-output checks: 1/2 passed"), "{stdout}");
+    assert_eq!(c["met"], false);
+}
+
+#[test]
+fn a_run_within_every_target_is_met() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rows = vec![spec_row("m-n4", 1, 109.0, 100.0), spec_row("m-n4", 8, 239.0, 200.0)];
+    let prev = vec![prev_row("m", 4, 1, 109.0), prev_row("m", 4, 8, 300.0)];
+    let (stdout, c) = report(dir.path(), rows, prev, H200, true);
+    assert_eq!((c["floor_met"].as_u64(), c["shapes"].as_u64()), (Some(2), Some(2)));
+    assert_eq!(c["previous"]["slower"], 0, "an equal step is not slower: {c}");
+    assert_eq!(c["met"], true, "{c}");
+    assert!(
+        stdout.trim_end().ends_with("issue 23's benchmark criteria: MET"),
+        "{stdout}"
+    );
+    // Without the equal-output checks the same times are not enough.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rows = vec![spec_row("m-n4", 1, 109.0, 100.0)];
+    let (_, c) = report(dir.path(), rows, vec![prev_row("m", 4, 1, 109.0)], H200, false);
+    assert_eq!(c["met"], false, "{c}");
+}
