@@ -149,31 +149,7 @@ fn bench_plan(
     let max_l = (plan.capture.max_context_len as usize).saturating_sub(n);
     let builds: f64 = rt.graph_build_ms.iter().sum();
     let (arena, kv_bytes) = (rt.arena_bytes(), rt.kv_bytes());
-    let mut tuned = Vec::new();
-    for (m, gn, k, ch) in rt.gemm_choices() {
-        if BATCHES.iter().any(|&b| m == (b * n) as u64) || m <= 64 {
-            tuned.push(format!(
-                "m{m} n{gn} k{k}: {:.1} -> {:.1} µs (#{} of {}{})",
-                ch.first_us,
-                ch.best_us,
-                ch.rank,
-                ch.candidates,
-                if ch.ours { ": skinny_gemm" } else { "" }
-            ));
-            bench.gemms.push(GemmRecord {
-                plan: name.into(),
-                m,
-                n: gn,
-                k,
-                first_us: ch.first_us,
-                best_us: ch.best_us,
-                rank: ch.rank,
-                candidates: ch.candidates,
-                skinny: ch.ours,
-            });
-        }
-    }
-    println!("{name}: GEMM tuning {:.0} ms; {}", rt.gemm_tune_ms, tuned.join("; "));
+    record_gemms(name, &rt, n, bench);
     for b in BATCHES
         .into_iter()
         .filter(|&b| plan.buckets().iter().any(|x| x.batch as usize == b))
@@ -226,71 +202,7 @@ fn bench_plan(
             // Where the replay goes: each op's launches alone, at L 1024, smallest and largest B.
             let work = floors::Work::of(plan, b as u64, l as u64);
             if l == 1024 && (b == 1 || b == 64) {
-                let bk = plan.buckets().iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
-                let mut ops: Vec<&str> = Vec::new();
-                for launch in &bk.launches {
-                    if !ops.contains(&launch.op.as_str()) {
-                        ops.push(&launch.op);
-                    }
-                }
-                let mut parts = Vec::new();
-                for op in ops {
-                    let graph = rt.capture_where(b as u32, op).map_err(g)?;
-                    let us = timer.time_flushed(&flush, || graph.launch().map_err(|e| format!("{op}: {e:?}")))?;
-                    parts.push(format!("{op} {us:.1}"));
-                    bench.ops.push(OpTime {
-                        plan: name.into(),
-                        batch: b,
-                        prefix: l,
-                        op: op.into(),
-                        us,
-                    });
-                }
-                println!("  ops ({name}, B {b}, L {l}, µs): {}", parts.join(", "));
-                // The same ops as the whole graph runs them: spans between event nodes.
-                let t = rt.timeline(b as u32, 50).map_err(g)?;
-                let mut sum = [0.0f64; 3];
-                let mut line = Vec::new();
-                for s in &t.ops {
-                    let (class, i) = if s.gemm {
-                        ("gemm", 0)
-                    } else if s.op.contains("attention") {
-                        ("attention", 1)
-                    } else {
-                        ("kernel", 2)
-                    };
-                    sum[i] += s.us;
-                    line.push(format!("{} {:.1}", s.op, s.us));
-                    bench.spans.push(SpanTime {
-                        plan: name.into(),
-                        batch: b,
-                        prefix: l,
-                        op: s.op.clone(),
-                        class,
-                        us: s.us,
-                    });
-                }
-                println!(
-                    "  timeline ({name}, B {b}, L {l}, µs): gemm {:.1}, attention {:.1}, small kernels {:.1}; instrumented {:.1} vs replay {replay:.1} (L2 flushed); {}",
-                    sum[0],
-                    sum[1],
-                    sum[2],
-                    t.total_us,
-                    line.join(", ")
-                );
-                let (gemm_weight_bytes, gemm_flops) = work.gemm_totals();
-                bench.breakdown.push(Breakdown {
-                    plan: name.into(),
-                    batch: b,
-                    prefix: l,
-                    gemm_us: sum[0],
-                    attention_us: sum[1],
-                    kernel_us: sum[2],
-                    timeline_us: t.total_us,
-                    replay_us: replay,
-                    gemm_weight_bytes,
-                    gemm_flops,
-                });
+                breakdown(name, plan, &rt, &timer, &flush, (b, l), replay, &work, bench)?;
             }
             rt.synchronize().map_err(g)?;
             let row = BenchRow {
@@ -336,6 +248,118 @@ fn bench_plan(
         arena,
         kv_bytes
     );
+    Ok(())
+}
+
+/// The tuner's choice for each GEMM of the benchmarked buckets (and every m ≤ 64), printed and
+/// kept in specbench.json.
+fn record_gemms(name: &str, rt: &GpuRuntime, n: usize, bench: &mut Bench) {
+    let mut tuned = Vec::new();
+    for (m, gn, k, ch) in rt.gemm_choices() {
+        if BATCHES.iter().any(|&b| m == (b * n) as u64) || m <= 64 {
+            tuned.push(format!(
+                "m{m} n{gn} k{k}: {:.1} -> {:.1} µs (#{} of {}{})",
+                ch.first_us,
+                ch.best_us,
+                ch.rank,
+                ch.candidates,
+                if ch.ours { ": skinny_gemm" } else { "" }
+            ));
+            bench.gemms.push(GemmRecord {
+                plan: name.into(),
+                m,
+                n: gn,
+                k,
+                first_us: ch.first_us,
+                best_us: ch.best_us,
+                rank: ch.rank,
+                candidates: ch.candidates,
+                skinny: ch.ours,
+            });
+        }
+    }
+    println!("{name}: GEMM tuning {:.0} ms; {}", rt.gemm_tune_ms, tuned.join("; "));
+}
+
+/// Where one (B, L)'s replay goes: each op's launches alone as a graph of their own, then the
+/// same ops as the whole graph runs them (spans between event nodes), L2 flushed.
+#[allow(clippy::too_many_arguments)]
+fn breakdown(
+    name: &str,
+    plan: &ValidatedPlan,
+    rt: &GpuRuntime,
+    timer: &Timer,
+    flush: &DeviceBuf,
+    (b, l): (usize, usize),
+    replay: f64,
+    work: &floors::Work,
+    bench: &mut Bench,
+) -> Result<(), String> {
+    let bk = plan.buckets().iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
+    let mut ops: Vec<&str> = Vec::new();
+    for launch in &bk.launches {
+        if !ops.contains(&launch.op.as_str()) {
+            ops.push(&launch.op);
+        }
+    }
+    let mut parts = Vec::new();
+    for op in ops {
+        let graph = rt.capture_where(b as u32, op).map_err(g)?;
+        let us = timer.time_flushed(flush, || graph.launch().map_err(|e| format!("{op}: {e:?}")))?;
+        parts.push(format!("{op} {us:.1}"));
+        bench.ops.push(OpTime {
+            plan: name.into(),
+            batch: b,
+            prefix: l,
+            op: op.into(),
+            us,
+        });
+    }
+    println!("  ops ({name}, B {b}, L {l}, µs): {}", parts.join(", "));
+    // The same ops as the whole graph runs them: spans between event nodes.
+    let t = rt.timeline(b as u32, 50).map_err(g)?;
+    let mut sum = [0.0f64; 3];
+    let mut line = Vec::new();
+    for s in &t.ops {
+        let (class, i) = if s.gemm {
+            ("gemm", 0)
+        } else if s.op.contains("attention") {
+            ("attention", 1)
+        } else {
+            ("kernel", 2)
+        };
+        sum[i] += s.us;
+        line.push(format!("{} {:.1}", s.op, s.us));
+        bench.spans.push(SpanTime {
+            plan: name.into(),
+            batch: b,
+            prefix: l,
+            op: s.op.clone(),
+            class,
+            us: s.us,
+        });
+    }
+    println!(
+            "  timeline ({name}, B {b}, L {l}, µs): gemm {:.1}, attention {:.1}, small kernels {:.1}; instrumented {:.1} vs replay {replay:.1} (L2 flushed); {}",
+            sum[0],
+            sum[1],
+            sum[2],
+            t.total_us,
+            line.join(", ")
+        );
+    let (gemm_weight_bytes, gemm_flops) = work.gemm_totals();
+    bench.breakdown.push(Breakdown {
+        plan: name.into(),
+        batch: b,
+        prefix: l,
+        gemm_us: sum[0],
+        attention_us: sum[1],
+        kernel_us: sum[2],
+        timeline_us: t.total_us,
+        replay_us: replay,
+        gemm_weight_bytes,
+        gemm_flops,
+    });
     Ok(())
 }
 
