@@ -262,97 +262,110 @@ fn parted_lanes(parents: &[i64], gpu: &[i64], cpu: &[i64], k: usize, steps: usiz
     out
 }
 
-/// Runs phase `kind` for `b` requests on the GPU (graph and eager) and on the CPU executor.
-pub fn check_decode(
-    plan: &ValidatedPlan,
-    rt: &mut GpuRuntime,
-    weights: &[WeightData],
-    kind: PhaseKind,
-    rng: &mut Rng,
+/// The lengths of one request's tree outputs: the parent list, the N − 1 nodes, the
+/// candidates of the score and token lists.
+#[derive(Clone, Copy)]
+struct Sizes {
     b: usize,
-) -> Result<DecodeReport, String> {
-    let c = make_case(plan, kind, rng, b)?;
-    let (k, steps) = (plan.spec.topk as usize, kind.steps() as usize);
-    let nodes = kind.draft_tokens(&plan.spec) as usize - 1;
-    let (pw, cands) = (
-        parent_width(k as u32, steps as u32) as usize,
-        tree_candidates(k as u32, steps as u32) as usize,
-    );
-    let act = plan.capture.dtype;
-    let verifying = plan.capture.decode_verify;
-    for (i, &s) in c.slots.iter().enumerate() {
-        rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
-    }
-    let mut run = |eager: bool| -> Result<_, String> {
-        rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
-        rt.poison().map_err(g)?;
-        for (name, bytes, _) in &c.inputs {
-            rt.write_phase_buffer(kind, c.bucket, name, bytes).map_err(g)?;
-        }
-        rt.run_phase(kind, c.bucket, eager).map_err(g)?;
-        let read = |name: &str| rt.read_phase_buffer(kind, c.bucket, name).map_err(g);
-        // The real requests' rows only: padded rows share the scratch slot, so their lanes
-        // race on the scratch page's slots (their outputs are discarded, as in draft-extend).
-        // The score list stays live to the last launch, so it still holds the tree.
-        let outs = (
-            i64s(&read(io::PARENT_LIST)?)[..b * pw].to_vec(),
-            i64s(&read(io::TOP_SCORES_INDEX)?)[..b * nodes].to_vec(),
-            i64s(&read(io::DRAFT_TOKENS)?)[..b * nodes].to_vec(),
-        );
-        let scores = f32s(&read(SCORE_LIST)?)[..b * cands].to_vec();
-        let tokens = i64s(&read(TOKEN_LIST)?)[..b * cands].to_vec();
-        // The verify inputs (as i64 values; the mask is i32), real requests only.
-        let mut verify = Vec::new();
-        if verifying {
-            for name in VERIFY {
-                let bytes = read(name)?;
-                let v: Vec<i64> = if name == io::TREE_MASK {
-                    bytes
-                        .chunks_exact(4)
-                        .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
-                        .collect()
-                } else {
-                    i64s(&bytes)
-                };
-                let w = v.len() / c.bucket as usize;
-                verify.push(v[..b * w].to_vec());
-            }
-        }
-        let (kk, vv) = rt.read_kv(c.used_pages).map_err(g)?;
-        Ok((outs, scores, tokens, verify, kk, vv))
-    };
-    let (og, sg, tg, vfg, kg, vg) = run(false)?;
-    let (oe, se, te, vfe, ke, ve) = run(true)?;
-    // Back-to-back graph replays (the inputs stay in place), wall time per replay.
-    let reps = 100;
-    rt.run_phase(kind, c.bucket, false).map_err(g)?;
-    rt.synchronize().map_err(g)?;
-    let t0 = std::time::Instant::now();
-    for _ in 0..reps {
-        rt.run_phase(kind, c.bucket, false).map_err(g)?;
-    }
-    rt.synchronize().map_err(g)?;
-    let replay_us = t0.elapsed().as_secs_f64() * 1e6 / reps as f64;
-    let mut e = DecodeReport {
-        phase: kind.label(),
-        b,
-        bucket: c.bucket,
-        replay_us,
-        ..DecodeReport::default()
-    };
-    e.graph_vs_eager_diff = bit_diffs(&og.0, &oe.0)
-        + bit_diffs(&og.1, &oe.1)
-        + bit_diffs(&og.2, &oe.2)
-        + bit_diffs(
-            &sg.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            &se.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-        )
-        + bit_diffs(&tg, &te)
-        + vfg.iter().zip(&vfe).map(|(a, e)| bit_diffs(a, e)).sum::<usize>()
-        + bit_diffs(&kg, &ke)
-        + bit_diffs(&vg, &ve);
+    pw: usize,
+    nodes: usize,
+    cands: usize,
+}
 
-    // The CPU executor on the same values: the case's pages plus a scratch page.
+/// One GPU run of a case, the real requests' rows only.
+struct GpuRun {
+    /// parent_list, top_scores_index, draft_tokens.
+    outs: (Vec<i64>, Vec<i64>, Vec<i64>),
+    scores: Vec<f32>,
+    tokens: Vec<i64>,
+    /// The verify inputs (as i64 values; the mask is i32), when the plan emits them.
+    verify: Vec<Vec<i64>>,
+    k: Vec<u16>,
+    v: Vec<u16>,
+}
+
+impl GpuRun {
+    /// Values that differ from `other`'s, bit for bit, over every output and the cache.
+    fn bit_diffs(&self, other: &GpuRun) -> usize {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        bit_diffs(&self.outs.0, &other.outs.0)
+            + bit_diffs(&self.outs.1, &other.outs.1)
+            + bit_diffs(&self.outs.2, &other.outs.2)
+            + bit_diffs(&bits(&self.scores), &bits(&other.scores))
+            + bit_diffs(&self.tokens, &other.tokens)
+            + self
+                .verify
+                .iter()
+                .zip(&other.verify)
+                .map(|(a, e)| bit_diffs(a, e))
+                .sum::<usize>()
+            + bit_diffs(&self.k, &other.k)
+            + bit_diffs(&self.v, &other.v)
+    }
+}
+
+/// Runs the case's bucket once (as its graph, or eagerly) from the case's cache and inputs,
+/// outputs poisoned first, and reads back what `check_decode` compares.
+fn gpu_run(rt: &mut GpuRuntime, c: &DecodeCase, kind: PhaseKind, n: Sizes, eager: bool) -> Result<GpuRun, String> {
+    let Sizes { b, pw, nodes, cands } = n;
+    rt.write_kv(&c.k0, &c.v0, c.used_pages).map_err(g)?;
+    rt.poison().map_err(g)?;
+    for (name, bytes, _) in &c.inputs {
+        rt.write_phase_buffer(kind, c.bucket, name, bytes).map_err(g)?;
+    }
+    rt.run_phase(kind, c.bucket, eager).map_err(g)?;
+    let read = |name: &str| rt.read_phase_buffer(kind, c.bucket, name).map_err(g);
+    // The real requests' rows only: padded rows share the scratch slot, so their lanes
+    // race on the scratch page's slots (their outputs are discarded, as in draft-extend).
+    // The score list stays live to the last launch, so it still holds the tree.
+    let outs = (
+        i64s(&read(io::PARENT_LIST)?)[..b * pw].to_vec(),
+        i64s(&read(io::TOP_SCORES_INDEX)?)[..b * nodes].to_vec(),
+        i64s(&read(io::DRAFT_TOKENS)?)[..b * nodes].to_vec(),
+    );
+    let scores = f32s(&read(SCORE_LIST)?)[..b * cands].to_vec();
+    let tokens = i64s(&read(TOKEN_LIST)?)[..b * cands].to_vec();
+    let mut verify = Vec::new();
+    if rt.plan().capture.decode_verify {
+        for name in VERIFY {
+            let bytes = read(name)?;
+            let v: Vec<i64> = if name == io::TREE_MASK {
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
+                    .collect()
+            } else {
+                i64s(&bytes)
+            };
+            let w = v.len() / c.bucket as usize;
+            verify.push(v[..b * w].to_vec());
+        }
+    }
+    let (k, v) = rt.read_kv(c.used_pages).map_err(g)?;
+    Ok(GpuRun {
+        outs,
+        scores,
+        tokens,
+        verify,
+        k,
+        v,
+    })
+}
+
+/// The CPU executor's run of a case: its cache afterwards and the tree's lists.
+struct CpuTree {
+    pool: KvPool,
+    parents: Vec<i64>,
+    top: Vec<i64>,
+    drafts: Vec<i64>,
+    tokens: Vec<i64>,
+    scores: Vec<f64>,
+    verify: Vec<Vec<i64>>,
+}
+
+/// Runs the case on the CPU executor, on the same values: the case's pages plus a scratch page.
+fn cpu_tree(plan: &ValidatedPlan, weights: &[WeightData], kind: PhaseKind, c: &DecodeCase) -> Result<CpuTree, String> {
+    let act = plan.capture.dtype;
     let page = plan.kv_page_bytes() as usize / 2;
     let per_layer = c.used_pages * page;
     let to_pool = |bits: &[u16]| -> Vec<Vec<f32>> {
@@ -382,26 +395,104 @@ pub fn check_decode(
     let outs = exec
         .run_named_reading(kind, bucket, &named, &table, &mut pool, &[SCORE_LIST, TOKEN_LIST])
         .map_err(|x| x.to_string())?;
-    let cpu_verify: Vec<Vec<i64>> = VERIFY
-        .iter()
-        .filter(|_| verifying)
-        .map(|name| {
-            outs.iter()
-                .find(|(n, _)| n == name)
-                .map_or_else(Vec::new, |(_, v)| v.iter().map(|&x| x as i64).collect())
-        })
-        .collect();
-    let get = |name: &str| -> Vec<i64> {
-        outs.iter()
-            .find(|(n, _)| n == name)
-            .map_or_else(Vec::new, |(_, v)| v.iter().map(|&x| x as i64).collect())
+    let find = |name: &str| outs.iter().find(|(n, _)| n == name).map(|(_, v)| v);
+    let get = |name: &str| -> Vec<i64> { find(name).map_or_else(Vec::new, |v| v.iter().map(|&x| x as i64).collect()) };
+    let verify = if plan.capture.decode_verify {
+        VERIFY.iter().map(|name| get(name)).collect()
+    } else {
+        Vec::new()
     };
-    let (cp, ct, cd) = (get(io::PARENT_LIST), get(io::TOP_SCORES_INDEX), get(io::DRAFT_TOKENS));
-    let ctl = get(TOKEN_LIST);
-    let csl: Vec<f64> = outs
-        .iter()
-        .find(|(n, _)| n == SCORE_LIST)
-        .map_or_else(Vec::new, |(_, v)| v.clone());
+    Ok(CpuTree {
+        parents: get(io::PARENT_LIST),
+        top: get(io::TOP_SCORES_INDEX),
+        drafts: get(io::DRAFT_TOKENS),
+        tokens: get(TOKEN_LIST),
+        scores: find(SCORE_LIST).cloned().unwrap_or_default(),
+        verify,
+        pool,
+    })
+}
+
+/// Cache elements of a GPU run that changed from the case's and lie outside every lane's
+/// slots (`written`, one layer's elements).
+fn changed_outside(run: &GpuRun, c: &DecodeCase, written: &[bool]) -> usize {
+    let mut n = 0;
+    for (got, init) in [(&run.k, &c.k0), (&run.v, &c.v0)] {
+        for (idx, (&gv, &iv)) in got.iter().zip(init.iter()).enumerate() {
+            if !written[idx % written.len().max(1)] && gv != iv {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// Wall time per graph replay over 100 back-to-back replays of a bucket (the inputs stay in
+/// place), µs.
+fn replay_us(rt: &mut GpuRuntime, kind: PhaseKind, bucket: u32) -> Result<f64, String> {
+    let reps = 100;
+    rt.run_phase(kind, bucket, false).map_err(g)?;
+    rt.synchronize().map_err(g)?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..reps {
+        rt.run_phase(kind, bucket, false).map_err(g)?;
+    }
+    rt.synchronize().map_err(g)?;
+    Ok(t0.elapsed().as_secs_f64() * 1e6 / reps as f64)
+}
+
+/// Runs phase `kind` for `b` requests on the GPU (graph and eager) and on the CPU executor.
+pub fn check_decode(
+    plan: &ValidatedPlan,
+    rt: &mut GpuRuntime,
+    weights: &[WeightData],
+    kind: PhaseKind,
+    rng: &mut Rng,
+    b: usize,
+) -> Result<DecodeReport, String> {
+    let c = make_case(plan, kind, rng, b)?;
+    let (k, steps) = (plan.spec.topk as usize, kind.steps() as usize);
+    let nodes = kind.draft_tokens(&plan.spec) as usize - 1;
+    let (pw, cands) = (
+        parent_width(k as u32, steps as u32) as usize,
+        tree_candidates(k as u32, steps as u32) as usize,
+    );
+    let act = plan.capture.dtype;
+    for (i, &s) in c.slots.iter().enumerate() {
+        rt.set_pages(s as usize, &c.pages[i]).map_err(g)?;
+    }
+    let sizes = Sizes { b, pw, nodes, cands };
+    let graph = gpu_run(rt, &c, kind, sizes, false)?;
+    let eager = gpu_run(rt, &c, kind, sizes, true)?;
+    let GpuRun {
+        outs: og,
+        scores: sg,
+        tokens: tg,
+        verify: vfg,
+        k: kg,
+        v: vg,
+    } = &graph;
+    let replay_us = replay_us(rt, kind, c.bucket)?;
+    let mut e = DecodeReport {
+        phase: kind.label(),
+        b,
+        bucket: c.bucket,
+        replay_us,
+        ..DecodeReport::default()
+    };
+    e.graph_vs_eager_diff = graph.bit_diffs(&eager);
+
+    // The CPU executor on the same values: the case's pages plus a scratch page.
+    let per_layer = c.used_pages * plan.kv_page_bytes() as usize / 2;
+    let CpuTree {
+        pool,
+        parents: cp,
+        top: ct,
+        drafts: cd,
+        tokens: ctl,
+        scores: csl,
+        verify: cpu_verify,
+    } = cpu_tree(plan, weights, kind, &c)?;
     if ctl.len() < b * cands || csl.len() < b * cands {
         return Err("the CPU executor did not return the tree's score and token lists".into());
     }
@@ -527,13 +618,7 @@ pub fn check_decode(
             }
         }
     }
-    for (got, init) in [(&kg, &c.k0), (&vg, &c.v0)] {
-        for (idx, (&gv, &iv)) in got.iter().zip(init.iter()).enumerate() {
-            if !written[idx % per_layer.max(1)] && gv != iv {
-                e.kv_untouched_changed += 1;
-            }
-        }
-    }
+    e.kv_untouched_changed = changed_outside(&graph, &c, &written);
     if e.kv_untouched_changed > 0 {
         e.failures.push(format!(
             "b={b}: {} cache elements outside the lanes' slots changed",
