@@ -8,16 +8,17 @@
 //! Each good case replays twice, the second time with every integer input in int32 (the
 //! replay path after the first launch); a batch above the largest bucket runs in chunks.
 
-use specplan_format::{io, PhaseKind, ValidatedPlan};
+use specplan_format::{io, Phase, PhaseKind, ValidatedPlan};
 use specplan_kernels::facts::{decode_reach, lane_offset, parent_width};
 use specplan_runtime::bits::to_act_bits;
-use specplan_runtime::gpu::TableMode;
 use specplan_runtime::gpu::{
-    DecodeOutputs, DeviceDecode, DeviceInts, DeviceRule, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime,
+    DecodeOutputs, DeviceDecode, DeviceInts, DeviceRule, EngineMemory, GemmPolicy, GpuOptions, GpuRuntime, StepInfo,
 };
+use specplan_runtime::gpu::{KvGeometry, TableMode};
 use specplan_runtime::registration::{KvRegistration, TableRegistration};
 
 use super::fixture::{device_weights, download, err, upload, Layout};
+use crate::gpu::DeviceBuf;
 use crate::Rng;
 
 /// One case's verdict line and its failures.
@@ -170,6 +171,286 @@ fn owned_run(
     Ok((trees, kv))
 }
 
+/// An engine's K/V pool in one layout: where dense slot t's K and V of each layer lie.
+struct EnginePool {
+    geom: KvGeometry,
+    slots: usize,
+    hk: usize,
+    d: usize,
+    /// Elements of one layer of the dense pool (slots × kv heads × head dim).
+    per_layer: usize,
+    /// Elements of one plane (K, or K and V interleaved per block when `packed`).
+    span: usize,
+    /// V's element offset from K's.
+    v_at: usize,
+    /// K and V share one buffer per layer (vLLM's blocks).
+    packed: bool,
+}
+
+impl EnginePool {
+    /// Elements of one layer's buffer.
+    fn image_len(&self) -> usize {
+        if self.packed {
+            self.span
+        } else {
+            2 * self.span
+        }
+    }
+
+    /// Every (dense index, buffer offset) of one layer's K (V lies `v_at` further).
+    fn each(&self, layer: usize, mut f: impl FnMut(usize, usize)) -> Result<(), String> {
+        for t in 0..self.slots as u64 {
+            for g in 0..self.hk as u64 {
+                for e in 0..self.d as u64 {
+                    let at = self.geom.offset(t, g, e).ok_or("geometry overflow")? as usize;
+                    f(
+                        layer * self.per_layer + ((t as usize * self.hk + g as usize) * self.d + e as usize),
+                        at,
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `layer` of the dense pool `kv` placed in this layout.
+    fn image(&self, kv: &Pool, layer: usize) -> Result<Vec<u16>, String> {
+        let mut image = vec![0u16; self.image_len()];
+        self.each(layer, |src, at| {
+            image[at] = kv.0[src];
+            image[at + self.v_at] = kv.1[src];
+        })?;
+        Ok(image)
+    }
+
+    /// Values of layer `layer`'s buffer `got` that differ from the dense pool `want`.
+    fn diffs(&self, got: &[u16], want: &Pool, layer: usize) -> Result<usize, String> {
+        let mut n = 0usize;
+        self.each(layer, |src, at| {
+            n += (got[at] != want.0[src]) as usize + (got[at + self.v_at] != want.1[src]) as usize;
+        })?;
+        Ok(n)
+    }
+}
+
+/// `b` requests with prefixes up to `max_l`, each on its own pages of a pool of `pool_pages`
+/// (its last page spare), and random draft-extend outputs.
+fn random_reqs(
+    plan: &ValidatedPlan,
+    kind: PhaseKind,
+    rng: &mut Rng,
+    b: usize,
+    max_l: usize,
+    pool_pages: usize,
+) -> Reqs {
+    let (k, h, vocab) = (
+        plan.spec.topk as usize,
+        plan.model.hidden as usize,
+        plan.model.vocab as usize,
+    );
+    let ps = plan.capture.page_size as usize;
+    let reach = |l: usize| decode_reach(l as u64, kind.steps(), plan.spec.topk, ps as u32) as usize;
+    let perm = rng.permutation(pool_pages - 1);
+    let mut next = 0usize;
+    let hidden: Vec<f32> = (0..b * h).map(|_| rng.uniform()).collect();
+    let mut r = Reqs {
+        l: Vec::new(),
+        pages: Vec::new(),
+        probs: Vec::new(),
+        ids: Vec::new(),
+        hidden: to_act_bits(&hidden, plan.capture.dtype),
+        bonus: (0..b).map(|_| rng.below(vocab) as i64).collect(),
+    };
+    for _ in 0..b {
+        let l = 1 + rng.below(max_l);
+        let n = (l + reach(l)).div_ceil(ps);
+        r.pages.push(perm[next..next + n].iter().map(|&p| p as i32).collect());
+        next += n;
+        r.l.push(l);
+        let mut p: Vec<f32> = (0..k).map(|_| rng.uniform().abs() + 0.05).collect();
+        let s: f32 = p.iter().sum();
+        p.iter_mut().for_each(|x| *x /= s);
+        p.sort_by(|a, b| b.total_cmp(a));
+        r.probs.extend(p);
+        r.ids.extend((0..k).map(|_| rng.below(vocab) as i64));
+    }
+    r
+}
+
+/// What an engine step of a case is given: the requests, their ids, rows and prefixes as
+/// the engine passes them (the bad request broken there only), in int32 or int64.
+struct EngineInputs<'a> {
+    r: &'a Reqs,
+    ids: &'a [i64],
+    rows: &'a [i64],
+    prefix: &'a [i64],
+    i32s: bool,
+}
+
+/// Uploads a step's inputs and its outputs (poisoned: -1) and runs the tier on engine
+/// memory; returns the step's info and the outputs' addresses, in `widths`' order.
+fn device_step(
+    rt: &mut GpuRuntime,
+    plan: &ValidatedPlan,
+    kind: PhaseKind,
+    given: &EngineInputs,
+    widths: &[(&'static str, usize)],
+    bufs: &mut Vec<DeviceBuf>,
+) -> Result<(StepInfo, Vec<u64>), String> {
+    let b = given.r.l.len();
+    let ints = |v: &[i64], bufs: &mut Vec<DeviceBuf>| -> Result<DeviceInts, String> {
+        Ok(if given.i32s {
+            let w: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+            DeviceInts {
+                ptr: upload(bufs, &w)?,
+                i32: true,
+            }
+        } else {
+            DeviceInts {
+                ptr: upload(bufs, v)?,
+                i32: false,
+            }
+        })
+    };
+    let ids = ints(given.ids, bufs)?;
+    let outs: Vec<u64> = widths
+        .iter()
+        .map(|&(name, w)| {
+            if name == io::TREE_MASK {
+                upload(bufs, &vec![-1i32; b * w])
+            } else {
+                upload(bufs, &vec![-1i64; b * w])
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let at = |name: &str| widths.iter().position(|&(n, _)| n == name).map_or(0, |i| outs[i]);
+    let step = DeviceDecode {
+        b,
+        topk_p: upload(bufs, &given.r.probs)?,
+        topk_index: ids.ptr,
+        ids_i32: ids.i32,
+        hidden_states: upload(bufs, &given.r.hidden)?,
+        req_pool_indices: ints(given.rows, bufs)?,
+        prefix_lens: ints(given.prefix, bufs)?,
+        prefix_bias: 0,
+        bonus_tokens: if plan.capture.decode_verify {
+            Some(ints(&given.r.bonus, bufs)?)
+        } else {
+            None
+        },
+        outputs: DecodeOutputs {
+            parent_list: at(io::PARENT_LIST),
+            top_scores_index: at(io::TOP_SCORES_INDEX),
+            draft_tokens: at(io::DRAFT_TOKENS),
+            verify: [
+                at(io::VERIFY_TOKENS),
+                at(io::VERIFY_POSITIONS),
+                at(io::RETRIEVE_INDEX),
+                at(io::RETRIEVE_NEXT_TOKEN),
+                at(io::RETRIEVE_NEXT_SIBLING),
+            ],
+            tree_mask: at(io::TREE_MASK),
+        },
+        stream: rt.stream().cu_stream() as u64,
+    };
+    let info = rt.step_decode_device(kind, &step).map_err(err)?;
+    Ok((info, outs))
+}
+
+/// The cases of one tier: its smallest and largest bucket, a batch above the largest (run in
+/// chunks) where the plan allows it, and at the largest bucket each device rule broken by
+/// request 2.
+fn decode_cases(phase: &Phase, max_req: usize) -> Vec<(usize, Option<(usize, DeviceRule)>)> {
+    let (lo, hi) = (
+        phase.buckets.first().map_or(1, |x| x.batch as usize),
+        phase.buckets.last().map_or(1, |x| x.batch as usize),
+    );
+    let mut cases: Vec<(usize, Option<(usize, DeviceRule)>)> = vec![(lo, None), (hi, None)];
+    if hi + lo <= max_req {
+        cases.push((hi + lo, None));
+    }
+    if hi >= 4 {
+        for rule in [
+            DeviceRule::Request,
+            DeviceRule::Prefix,
+            DeviceRule::Slot,
+            DeviceRule::Id,
+            DeviceRule::Alias,
+        ] {
+            cases.push((hi, Some((2, rule))));
+        }
+    }
+    cases
+}
+
+/// Each request's rows of the step's outputs (at `outs`, in `widths`' order) against the
+/// owned graph's trees `want`; a request refused on the engine step must read as zeros there.
+fn compare_trees(
+    outs: &[u64],
+    widths: &[(&'static str, usize)],
+    want: &Trees,
+    refused: &[bool],
+    label: &str,
+    failures: &mut Vec<String>,
+) -> Result<(), String> {
+    let b = refused.len();
+    for (j, &(name, w)) in widths.iter().enumerate() {
+        let got: Vec<i64> = if name == io::TREE_MASK {
+            download::<i32>(outs[j], b * w)?.into_iter().map(|x| x as i64).collect()
+        } else {
+            download::<i64>(outs[j], b * w)?
+        };
+        for i in 0..b {
+            if got[i * w..(i + 1) * w] != want[j].2[i * w..(i + 1) * w] {
+                failures.push(format!(
+                    "{label}: request {i} ({}): {name} differs from the owned graph's",
+                    if refused[i] {
+                        "refused: zeros expected"
+                    } else {
+                        "admitted"
+                    }
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The engine's page table for requests `r` on rows `rows` of `rows_n`: vLLM's block ids
+/// (`blocks`) or SGLang's token slots, rows longer than either phase reaches, a padded stride
+/// and -1 elsewhere. Returns (the table, its columns, its row stride).
+fn engine_table(
+    plan: &ValidatedPlan,
+    kind: PhaseKind,
+    r: &Reqs,
+    rows: &[i64],
+    rows_n: usize,
+    blocks: bool,
+) -> (Vec<i32>, usize, usize) {
+    let ps = plan.capture.page_size as usize;
+    let reach = |l: usize| decode_reach(l as u64, kind.steps(), plan.spec.topk, ps as u32) as usize;
+    // Rows longer than draft-extend's reach too (the registration asks for it).
+    let n_ext = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
+    let cols = if blocks {
+        r.pages.iter().map(|p| p.len()).max().unwrap_or(1) + n_ext.div_ceil(ps) + 1
+    } else {
+        r.l.iter().map(|&l| l + reach(l)).max().unwrap_or(1) + n_ext + 8
+    };
+    let stride = cols + 5;
+    let mut table = vec![-1i32; rows_n * stride];
+    for i in 0..r.l.len() {
+        let row = &mut table[rows[i] as usize * stride..];
+        if blocks {
+            row[..r.pages[i].len()].copy_from_slice(&r.pages[i]);
+        } else {
+            for (p, e) in row[..r.l[i] + reach(r.l[i])].iter_mut().enumerate() {
+                *e = r.pages[i][p / ps] * ps as i32 + (p % ps) as i32;
+            }
+        }
+    }
+    (table, cols, stride)
+}
+
 /// The check of one plan's every draft-decode tier in `layout`.
 pub fn engine_decode_check(
     plan: &ValidatedPlan,
@@ -181,7 +462,7 @@ pub fn engine_decode_check(
         return Ok(Vec::new());
     }
     let m = &plan.model;
-    let (k, h) = (plan.spec.topk as usize, m.hidden as usize);
+    let k = plan.spec.topk as usize;
     let ps = plan.capture.page_size as usize;
     let (hk, d, layers) = (m.kv_heads as usize, m.head_dim as usize, m.layers as usize);
     let max_req = plan.capture.max_requests as usize;
@@ -204,50 +485,8 @@ pub fn engine_decode_check(
     let mut reports = Vec::new();
     for &kind in &kinds {
         let phase = plan.phase(kind).ok_or("no phase")?;
-        let (lo, hi) = (
-            phase.buckets.first().map_or(1, |x| x.batch as usize),
-            phase.buckets.last().map_or(1, |x| x.batch as usize),
-        );
-        let mut cases: Vec<(usize, Option<(usize, DeviceRule)>)> = vec![(lo, None), (hi, None)];
-        if hi + lo <= max_req {
-            cases.push((hi + lo, None));
-        }
-        if hi >= 4 {
-            for rule in [
-                DeviceRule::Request,
-                DeviceRule::Prefix,
-                DeviceRule::Slot,
-                DeviceRule::Id,
-                DeviceRule::Alias,
-            ] {
-                cases.push((hi, Some((2, rule))));
-            }
-        }
-        for (b, bad) in cases {
-            let reach = |l: usize| decode_reach(l as u64, kind.steps(), plan.spec.topk, ps as u32) as usize;
-            let perm = rng.permutation(pool_pages - 1);
-            let mut next = 0usize;
-            let mut r = Reqs {
-                l: Vec::new(),
-                pages: Vec::new(),
-                probs: Vec::new(),
-                ids: Vec::new(),
-                hidden: bits(rng, b * h),
-                bonus: (0..b).map(|_| rng.below(m.vocab as usize) as i64).collect(),
-            };
-            for _ in 0..b {
-                let l = 1 + rng.below(max_l);
-                let n = (l + reach(l)).div_ceil(ps);
-                r.pages.push(perm[next..next + n].iter().map(|&p| p as i32).collect());
-                next += n;
-                r.l.push(l);
-                let mut p: Vec<f32> = (0..k).map(|_| rng.uniform().abs() + 0.05).collect();
-                let s: f32 = p.iter().sum();
-                p.iter_mut().for_each(|x| *x /= s);
-                p.sort_by(|a, b| b.total_cmp(a));
-                r.probs.extend(p);
-                r.ids.extend((0..k).map(|_| rng.below(m.vocab as usize) as i64));
-            }
+        for (b, bad) in decode_cases(phase, max_req) {
+            let mut r = random_reqs(plan, kind, rng, b, max_l, pool_pages);
             if let Some((i, DeviceRule::Alias)) = bad {
                 // Request i reads and writes exactly request i − 1's positions.
                 r.l[i] = r.l[i - 1];
@@ -261,25 +500,7 @@ pub fn engine_decode_check(
             let row_perm = rng.permutation(rows_n);
             let mut rows: Vec<i64> = (0..b).map(|i| row_perm[i] as i64).collect();
             let blocks = layout.blocks();
-            // Rows longer than draft-extend's reach too (the registration asks for it).
-            let n_ext = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
-            let cols = if blocks {
-                r.pages.iter().map(|p| p.len()).max().unwrap_or(1) + n_ext.div_ceil(ps) + 1
-            } else {
-                r.l.iter().map(|&l| l + reach(l)).max().unwrap_or(1) + n_ext + 8
-            };
-            let stride = cols + 5;
-            let mut table = vec![-1i32; rows_n * stride];
-            for i in 0..b {
-                let row = &mut table[rows[i] as usize * stride..];
-                if blocks {
-                    row[..r.pages[i].len()].copy_from_slice(&r.pages[i]);
-                } else {
-                    for (p, e) in row[..r.l[i] + reach(r.l[i])].iter_mut().enumerate() {
-                        *e = r.pages[i][p / ps] * ps as i32 + (p % ps) as i32;
-                    }
-                }
-            }
+            let (mut table, cols, stride) = engine_table(plan, kind, &r, &rows, rows_n, blocks);
             let mut refused = vec![false; b];
             if let Some((i, rule)) = bad {
                 refused[i] = true;
@@ -304,26 +525,23 @@ pub fn engine_decode_check(
             let (want, want_kv) = owned_run(&mut own, plan, kind, &r, &keep, &kv0, pool_pages)?;
             // The engine's pool: dense slot t placed by the layout's geometry.
             let mut bufs = Vec::new();
-            let geom = layout.geometry(slots as u64, ps as u64, hk as u64, d as u64);
-            let packed = blocks;
-            let span = slots * hk * d * if packed { 2 } else { 1 };
-            let v_at = if packed { d } else { span };
+            let packed = layout.blocks();
+            let epool = EnginePool {
+                geom: layout.geometry(slots as u64, ps as u64, hk as u64, d as u64),
+                slots,
+                hk,
+                d,
+                per_layer,
+                span: slots * hk * d * if packed { 2 } else { 1 },
+                v_at: if packed { d } else { slots * hk * d },
+                packed,
+            };
+            let geom = epool.geom;
             let (mut kp, mut vp) = (Vec::new(), Vec::new());
             for l in 0..layers {
-                let mut image = vec![0u16; if packed { span } else { 2 * span }];
-                for t in 0..slots as u64 {
-                    for g in 0..hk as u64 {
-                        for e in 0..d as u64 {
-                            let at = geom.offset(t, g, e).ok_or("geometry overflow")? as usize;
-                            let src = l * per_layer + ((t as usize * hk + g as usize) * d + e as usize);
-                            image[at] = kv0.0[src];
-                            image[at + v_at] = kv0.1[src];
-                        }
-                    }
-                }
-                let base = upload(&mut bufs, &image)?;
+                let base = upload(&mut bufs, &epool.image(&kv0, l)?)?;
                 kp.push(base);
-                vp.push(base + (v_at * 2) as u64);
+                vp.push(base + (epool.v_at * 2) as u64);
             }
             let tp = upload(&mut bufs, &table)?;
             let wts = device_weights(plan, &weights, &mut bufs, 0)?;
@@ -353,100 +571,25 @@ pub fn engine_decode_check(
             let reps = if bad.is_none() { 2 } else { 1 };
             for rep in 0..reps {
                 let i32s = rep == 1;
-                let ints = |v: &[i64], bufs: &mut Vec<_>| -> Result<DeviceInts, String> {
-                    Ok(if i32s {
-                        let w: Vec<i32> = v.iter().map(|&x| x as i32).collect();
-                        DeviceInts {
-                            ptr: upload(bufs, &w)?,
-                            i32: true,
-                        }
-                    } else {
-                        DeviceInts {
-                            ptr: upload(bufs, v)?,
-                            i32: false,
-                        }
-                    })
+                let given = EngineInputs {
+                    r: &r,
+                    ids: &e_ids,
+                    rows: &rows,
+                    prefix: &e_l,
+                    i32s,
                 };
-                let ids = ints(&e_ids, &mut bufs)?;
-                let outs: Vec<u64> = widths
-                    .iter()
-                    .map(|&(name, w)| {
-                        if name == io::TREE_MASK {
-                            upload(&mut bufs, &vec![-1i32; b * w])
-                        } else {
-                            upload(&mut bufs, &vec![-1i64; b * w])
-                        }
-                    })
-                    .collect::<Result<_, _>>()?;
-                let at = |name: &str| widths.iter().position(|&(n, _)| n == name).map_or(0, |i| outs[i]);
-                let step = DeviceDecode {
-                    b,
-                    topk_p: upload(&mut bufs, &r.probs)?,
-                    topk_index: ids.ptr,
-                    ids_i32: ids.i32,
-                    hidden_states: upload(&mut bufs, &r.hidden)?,
-                    req_pool_indices: ints(&rows, &mut bufs)?,
-                    prefix_lens: ints(&e_l, &mut bufs)?,
-                    prefix_bias: 0,
-                    bonus_tokens: if plan.capture.decode_verify {
-                        Some(ints(&r.bonus, &mut bufs)?)
-                    } else {
-                        None
-                    },
-                    outputs: DecodeOutputs {
-                        parent_list: at(io::PARENT_LIST),
-                        top_scores_index: at(io::TOP_SCORES_INDEX),
-                        draft_tokens: at(io::DRAFT_TOKENS),
-                        verify: [
-                            at(io::VERIFY_TOKENS),
-                            at(io::VERIFY_POSITIONS),
-                            at(io::RETRIEVE_INDEX),
-                            at(io::RETRIEVE_NEXT_TOKEN),
-                            at(io::RETRIEVE_NEXT_SIBLING),
-                        ],
-                        tree_mask: at(io::TREE_MASK),
-                    },
-                    stream: rt.stream().cu_stream() as u64,
-                };
-                let info = rt.step_decode_device(kind, &step).map_err(err)?;
+                let (info, outs) = device_step(&mut rt, plan, kind, &given, &widths, &mut bufs)?;
                 rt.synchronize().map_err(err)?;
                 if !info.graph {
                     failures.push(format!("b={b}: the step ran eagerly"));
                 }
-                for (j, &(name, w)) in widths.iter().enumerate() {
-                    let got: Vec<i64> = if name == io::TREE_MASK {
-                        download::<i32>(outs[j], b * w)?.into_iter().map(|x| x as i64).collect()
-                    } else {
-                        download::<i64>(outs[j], b * w)?
-                    };
-                    for i in 0..b {
-                        if got[i * w..(i + 1) * w] != want[j].2[i * w..(i + 1) * w] {
-                            failures.push(format!(
-                                "b={b} rep {rep}: request {i} ({}): {name} differs from the owned graph's",
-                                if refused[i] {
-                                    "refused: zeros expected"
-                                } else {
-                                    "admitted"
-                                }
-                            ));
-                        }
-                    }
-                }
+                let label = format!("b={b} rep {rep}");
+                compare_trees(&outs, &widths, &want, &refused, &label, &mut failures)?;
                 let tree_equal =
                     b * widths.len() - failures.iter().filter(|f| f.contains("differs from the owned")).count();
                 let mut kv_diffs = 0usize;
                 for (l, &base) in kp.iter().enumerate() {
-                    let got: Vec<u16> = download(base, if packed { span } else { 2 * span })?;
-                    for t in 0..slots as u64 {
-                        for g in 0..hk as u64 {
-                            for e in 0..d as u64 {
-                                let at = geom.offset(t, g, e).ok_or("geometry overflow")? as usize;
-                                let src = l * per_layer + ((t as usize * hk + g as usize) * d + e as usize);
-                                kv_diffs +=
-                                    (got[at] != want_kv.0[src]) as usize + (got[at + v_at] != want_kv.1[src]) as usize;
-                            }
-                        }
-                    }
+                    kv_diffs += epool.diffs(&download(base, epool.image_len())?, &want_kv, l)?;
                 }
                 if kv_diffs != 0 {
                     failures.push(format!(
