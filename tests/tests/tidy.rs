@@ -1,7 +1,7 @@
 //! Tidy rules checked over the workspace's Rust sources (as `cargo test` runs):
 //! - no source file of a library or binary crate (`compiler/`, `runtime/`, `kernels/`,
 //!   `format/`, `cli/`, `macros/`; their `tests/` folders aside) over 700 lines;
-//! - no function there over 200 lines;
+//! - no function there, nor in the test support crate (`tests/src`), over 200 lines;
 //! - every kernel entry name written as a string literal at most once in all Rust sources
 //!   (its declaration in the kernels crate);
 //! - every `unsafe` block, function or impl has a `// SAFETY:` comment just above it;
@@ -55,6 +55,37 @@ fn all_files() -> Vec<PathBuf> {
     v
 }
 
+/// Functions of `lines` (rustfmt'd code from `f`) over 200 lines: a function starts at `fn`
+/// and ends at the first `}` at its indent.
+fn long_functions(f: &Path, lines: &[&str]) -> Vec<String> {
+    let mut bad = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let t = l.trim_start();
+        let is_fn = [
+            "fn ",
+            "pub fn ",
+            "pub(crate) fn ",
+            "pub(super) fn ",
+            "const fn ",
+            "pub const fn ",
+            "unsafe fn ",
+        ]
+        .iter()
+        .any(|p| t.starts_with(p));
+        if !is_fn || t.ends_with(';') {
+            continue;
+        }
+        let indent = l.len() - t.len();
+        let close = format!("{}}}", " ".repeat(indent));
+        if let Some(len) = lines[i..].iter().position(|x| *x == close) {
+            if len > 200 {
+                bad.push(format!("{}:{}: a function of {len} lines (> 200)", f.display(), i + 1));
+            }
+        }
+    }
+    bad
+}
+
 #[test]
 fn library_files_and_functions_stay_small() {
     let mut bad = Vec::new();
@@ -64,31 +95,21 @@ fn library_files_and_functions_stay_small() {
         if lines.len() > 700 {
             bad.push(format!("{}: {} lines (> 700)", f.display(), lines.len()));
         }
-        // rustfmt'd code: a function starts at `fn` and ends at the first `}` at its indent.
-        for (i, l) in lines.iter().enumerate() {
-            let t = l.trim_start();
-            let is_fn = [
-                "fn ",
-                "pub fn ",
-                "pub(crate) fn ",
-                "pub(super) fn ",
-                "const fn ",
-                "pub const fn ",
-                "unsafe fn ",
-            ]
-            .iter()
-            .any(|p| t.starts_with(p));
-            if !is_fn || t.ends_with(';') {
-                continue;
-            }
-            let indent = l.len() - t.len();
-            let close = format!("{}}}", " ".repeat(indent));
-            if let Some(len) = lines[i..].iter().position(|x| *x == close) {
-                if len > 200 {
-                    bad.push(format!("{}:{}: a function of {len} lines (> 200)", f.display(), i + 1));
-                }
-            }
-        }
+        bad.extend(long_functions(&f, &lines));
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The test support crate's checks and GPU binaries (`tests/src`) keep the same function
+/// bound: they run only on the GPU machine, where a long function is the hardest to debug.
+#[test]
+fn harness_functions_stay_small() {
+    let harness = root().join("tests").join("src");
+    let mut bad = Vec::new();
+    for f in all_files().into_iter().filter(|f| f.starts_with(&harness)) {
+        let text = std::fs::read_to_string(&f).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        bad.extend(long_functions(&f, &lines));
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
