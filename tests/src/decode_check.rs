@@ -262,8 +262,8 @@ fn parted_lanes(parents: &[i64], gpu: &[i64], cpu: &[i64], k: usize, steps: usiz
     out
 }
 
-/// The lengths of one request's tree outputs: the parent list, the N − 1 nodes, the
-/// candidates of the score and token lists.
+/// The requests of a run (`b`) and the lengths of each one's tree outputs: the parent list,
+/// the N − 1 nodes, the candidates of the score and token lists.
 #[derive(Clone, Copy)]
 struct Sizes {
     b: usize,

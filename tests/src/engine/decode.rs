@@ -525,7 +525,7 @@ pub fn engine_decode_check(
             let (want, want_kv) = owned_run(&mut own, plan, kind, &r, &keep, &kv0, pool_pages)?;
             // The engine's pool: dense slot t placed by the layout's geometry.
             let mut bufs = Vec::new();
-            let packed = layout.blocks();
+            let packed = blocks;
             let epool = EnginePool {
                 geom: layout.geometry(slots as u64, ps as u64, hk as u64, d as u64),
                 slots,

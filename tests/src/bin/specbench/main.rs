@@ -281,8 +281,9 @@ fn record_gemms(name: &str, rt: &GpuRuntime, n: usize, bench: &mut Bench) {
     println!("{name}: GEMM tuning {:.0} ms; {}", rt.gemm_tune_ms, tuned.join("; "));
 }
 
-/// Where one (B, L)'s replay goes: each op's launches alone as a graph of their own, then the
-/// same ops as the whole graph runs them (spans between event nodes), L2 flushed.
+/// Where one (B, L)'s replay goes: each op's launches alone as a graph of their own (L2
+/// flushed before each run), then the same ops as the whole graph runs them (spans between
+/// event nodes, not flushed).
 #[allow(clippy::too_many_arguments)]
 fn breakdown(
     name: &str,
@@ -340,13 +341,13 @@ fn breakdown(
         });
     }
     println!(
-            "  timeline ({name}, B {b}, L {l}, µs): gemm {:.1}, attention {:.1}, small kernels {:.1}; instrumented {:.1} vs replay {replay:.1} (L2 flushed); {}",
-            sum[0],
-            sum[1],
-            sum[2],
-            t.total_us,
-            line.join(", ")
-        );
+        "  timeline ({name}, B {b}, L {l}, µs): gemm {:.1}, attention {:.1}, small kernels {:.1}; instrumented {:.1} vs replay {replay:.1} (L2 flushed); {}",
+        sum[0],
+        sum[1],
+        sum[2],
+        t.total_us,
+        line.join(", ")
+    );
     let (gemm_weight_bytes, gemm_flops) = work.gemm_totals();
     bench.breakdown.push(Breakdown {
         plan: name.into(),
