@@ -2,8 +2,8 @@
 //! references and the comparison rules the GPU checks use, the `run` contract's files,
 //! report records (JSON through serde) and, for the GPU binaries, timing helpers.
 //!
-//! Integration tests live in `tests/`; the GPU binaries (`src/bin/gpucheck.rs`,
-//! `src/bin/specbench.rs`) are drivers over this library; `src/bin/peerprep.rs` writes the
+//! Integration tests live in `tests/`; the GPU binaries (`src/bin/gpucheck/`,
+//! `src/bin/specbench/`) are drivers over this library; `src/bin/peerprep.rs` writes the
 //! peer benchmark's files.
 
 pub mod checks;
