@@ -451,12 +451,13 @@ def main():
     settings = next((d.get("settings") for d in peers if d.get("settings")), {})
     judged = None
     if a.previous:
+        # A previous report that cannot be read or judged is an error of the report, never a
+        # lost report: the run's own tables are still written, and the verdict says "not met".
         try:
-            previous = load_json(a.previous)
-        except Exception as e:  # judged without it: the verdict then says "not met"
+            judged = criteria.judge(rows, device, checks, load_json(a.previous))
+        except Exception as e:
             notes.append(f"previous report {a.previous}: {type(e).__name__}: {e}")
-            previous = {"rows": [], "device": ""}
-        judged = criteria.judge(rows, device, checks, previous)
+            judged = criteria.judge(rows, device, checks, {"rows": [], "device": ""})
 
     md = ["# specplan vs PyTorch + FlashInfer vs the floor", ""]
     if device:

@@ -155,3 +155,37 @@ fn a_run_within_every_target_is_met() {
     let (_, c) = report(dir.path(), rows, vec![prev_row("m", 4, 1, 109.0)], H200, false);
     assert_eq!(c["met"], false, "{c}");
 }
+
+#[test]
+fn an_unreadable_previous_report_is_an_error_not_a_lost_report() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14},
+                      "rows": [spec_row("m-n4", 1, 105.0, 100.0)]});
+    fs::write(d.join("specbench.json"), spec.to_string()).expect("write specbench.json");
+    fs::write(d.join("previous.json"), "[1, 2]").expect("write previous.json");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
+    let arg = |name: &str| d.join(name).display().to_string();
+    let out = Command::new("python3")
+        .arg(&script)
+        .args([
+            "--specbench",
+            &arg("specbench.json"),
+            "--previous",
+            &arg("previous.json"),
+        ])
+        .args(["--out", &arg("out")])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("error: previous report"),
+        "the error is named: {stdout}"
+    );
+    assert!(
+        stdout.trim_end().ends_with("issue 23's benchmark criteria: not met"),
+        "{stdout}"
+    );
+    assert!(d.join("out/report.md").exists() && d.join("out/report.json").exists());
+}
