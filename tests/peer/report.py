@@ -46,6 +46,14 @@ def split_plan(name):
     return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
+def write_file(path, text):
+    """Writes `text` whole or not at all: a temporary file beside `path`, renamed over it."""
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def load_json(path):
     with open(path) as f:
         return json.load(f)
@@ -523,8 +531,13 @@ def main():
     md += ["![step time vs bucket](report.svg)", ""]
 
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "report.md"), "w") as f:
-        f.write("\n".join(md))
+    outs = {name: os.path.join(a.out, name) for name in ("report.md", "report.json", "report.svg")}
+    for path in outs.values():
+        # Never write through a FIFO or device node (an open would block or write into it).
+        if os.path.lexists(path) and not os.path.isfile(path):
+            print(f"report.py: {path} exists and is not a regular file: refusing to write it", file=sys.stderr)
+            return 2
+    write_file(outs["report.md"], "\n".join(md))
     doc = {
         "device": device,
         "commit": a.commit,
@@ -537,11 +550,8 @@ def main():
     }
     if judged is not None:
         doc["criteria"] = judged
-    with open(os.path.join(a.out, "report.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    with open(os.path.join(a.out, "report.svg"), "w") as f:
-        f.write(svg(rows, "draft-extend step vs bucket: specplan, PyTorch + FlashInfer, floor"))
+    write_file(outs["report.json"], json.dumps(doc, indent=1) + "\n")
+    write_file(outs["report.svg"], svg(rows, "draft-extend step vs bucket: specplan, PyTorch + FlashInfer, floor"))
 
     # The short table last.
     print(f"{'plan':<26} {'L':>5} {'B':>3} {'floor':>8} {'op floor':>8} {'specplan':>9} {'peer':>9} {'peer rpl':>9} "

@@ -2,8 +2,9 @@
 //! (`tests/peer/criteria.py`). Synthetic specbench, peer and previous-report files, small enough
 //! to work out by hand, so the verdict a real run prints is known to count what it says:
 //! the floor targets (1.1× at B 1, 1.2× elsewhere), shapes slower than the previous report, a
-//! shape the previous report had and this run lacks, the equal-output checks, and a previous
-//! report from another GPU (not compared). Needs python3 (standard library only).
+//! shape the previous report had and this run lacks, the equal-output checks, a previous
+//! report from another GPU (not compared) or unreadable (an error, the report still written),
+//! and an output that is a FIFO (refused). Needs python3 (standard library only).
 
 use std::fs;
 use std::path::Path;
@@ -188,4 +189,33 @@ fn an_unreadable_previous_report_is_an_error_not_a_lost_report() {
         "{stdout}"
     );
     assert!(d.join("out/report.md").exists() && d.join("out/report.json").exists());
+}
+
+#[test]
+fn report_py_refuses_to_write_through_a_fifo() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14},
+                      "rows": [spec_row("m-n4", 1, 105.0, 100.0)]});
+    fs::write(d.join("specbench.json"), spec.to_string()).expect("write specbench.json");
+    fs::create_dir(d.join("out")).expect("mkdir out");
+    // A FIFO made here, in the temp folder (never one of the machine's own nodes).
+    let fifo = d.join("out/report.json");
+    let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {}", fifo.display());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(["--specbench", &d.join("specbench.json").display().to_string()])
+        .args(["--out", &d.join("out").display().to_string()])
+        .output()
+        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"));
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("report.json exists and is not a regular file"));
+    let kind = fs::symlink_metadata(&fifo)
+        .expect("the FIFO is still there")
+        .file_type();
+    use std::os::unix::fs::FileTypeExt;
+    assert!(kind.is_fifo(), "the FIFO was replaced");
+    assert!(!d.join("out/report.md").exists(), "nothing written before the refusal");
 }
