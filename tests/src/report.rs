@@ -169,6 +169,26 @@ pub struct GemmRecord {
     pub skinny: bool,
 }
 
+/// `specbench --gemm-flip`: one GEMM's load-time choice (skinny kernel or cuBLASLt) against
+/// the other one, inside the whole bucket's graph (captured afresh each way, L2 flushed before
+/// every replay; the two alternated `rounds` times, medians kept).
+#[derive(Clone, Debug, Serialize)]
+pub struct GemmFlip {
+    pub plan: String,
+    pub batch: usize,
+    pub prefix: usize,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    /// The load-time choice was the skinny GEMM.
+    pub tuned_skinny: bool,
+    /// The graph with the load-time choice, median µs.
+    pub tuned_us: f64,
+    /// The graph with the other one, median µs (`None`: the other does not serve the shape).
+    pub flipped_us: Option<f64>,
+    pub rounds: usize,
+}
+
 /// One engine-memory `specbench` row: the step on caller memory and the caller's stream.
 #[derive(Clone, Debug, Serialize)]
 pub struct EngineRow {
@@ -209,6 +229,8 @@ pub struct Bench {
     pub spans: Vec<SpanTime>,
     pub breakdown: Vec<Breakdown>,
     pub gemms: Vec<GemmRecord>,
+    /// `--gemm-flip` only: each GEMM's choice against the other inside the bucket's graph.
+    pub gemm_flips: Vec<GemmFlip>,
     /// Draft-decode phases (plans compiled with `--draft-decode-steps`).
     pub decode: Vec<DecodeRow>,
 }

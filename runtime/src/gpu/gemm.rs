@@ -165,6 +165,11 @@ impl Gemms {
         Ok(())
     }
 
+    /// [`Lt::flip_skinny`] (false without tuned algorithms).
+    pub fn flip_skinny(&mut self, s: &GemmShape) -> bool {
+        self.lt.as_mut().is_some_and(|lt| lt.flip_skinny(s))
+    }
+
     pub fn choice(&self, s: &GemmShape) -> Option<GemmChoice> {
         self.lt.as_ref().and_then(|lt| lt.choice(s))
     }

@@ -110,6 +110,8 @@ struct Tuned {
     /// Workspace bytes the kept algorithm needs (cuBLASLt's figure for it; 0 when the
     /// skinny GEMM serves the shape, `choice.ours`).
     ws_need: usize,
+    /// Workspace bytes `algo` needs, whichever of the two serves the shape.
+    lt_ws: usize,
 }
 
 impl Drop for Tuned {
@@ -218,6 +220,7 @@ impl Lt {
                 ours: false,
             },
             ws_need: 0,
+            lt_ws: 0,
         };
         t.layouts[0] = mk(dtype(s.w), k, n, k as i64)?;
         t.layouts[1] = mk(dtype(s.a), k, m, s.lda as i64)?;
@@ -269,9 +272,27 @@ impl Lt {
             return Ok(false); // the cached choice's kernel does not serve it here: timed again
         }
         t.choice = choice;
-        t.ws_need = if choice.ours { 0 } else { check.workspaceSize };
+        t.lt_ws = check.workspaceSize;
+        t.ws_need = if choice.ours { 0 } else { t.lt_ws };
         self.tuned.insert(s, t);
         Ok(true)
+    }
+
+    /// Switches shape `s` between the skinny GEMM and its cuBLASLt algorithm, for calls from
+    /// now on (a probe's question: is the choice timed one GEMM at a time also the faster one
+    /// inside a bucket's graph?). Only where both serve the shape and the algorithm's
+    /// workspace fits the one held; returns whether it switched. The cache is not touched.
+    pub(crate) fn flip_skinny(&mut self, s: &GemmShape) -> bool {
+        let (serves, held) = (self.skinny.serves(s), self.ws.1);
+        let Some(t) = self.tuned.get_mut(s) else {
+            return false;
+        };
+        if !serves || (t.choice.ours && t.lt_ws > held) {
+            return false;
+        }
+        t.choice.ours = !t.choice.ours;
+        t.ws_need = if t.choice.ours { 0 } else { t.lt_ws };
+        true
     }
 
     /// The algorithm kept for `s`, as plain data (for the cache).
@@ -391,7 +412,8 @@ impl Lt {
             return Ok(());
         };
         t.algo = found[lt_rank].algo;
-        t.ws_need = if ours { 0 } else { found[lt_rank].workspaceSize };
+        t.lt_ws = found[lt_rank].workspaceSize;
+        t.ws_need = if ours { 0 } else { t.lt_ws };
         t.choice = GemmChoice {
             first_us: timed.first().copied().flatten().map_or(f32::NAN, |x| x.0),
             best_us,

@@ -6,8 +6,9 @@ use cudarc::driver::result;
 
 use super::device::{cuda, GpuError};
 use super::graph::{self, Exec};
+use super::launch::gemm_call;
 use super::{GpuRuntime, Mode};
-use specplan_format::PhaseKind;
+use specplan_format::{LaunchKind, PhaseKind};
 
 impl GpuRuntime {
     /// Owned memory: uploads K/V pages `[0, pages)` (layer-major, raw act bits).
@@ -247,6 +248,27 @@ impl GpuRuntime {
         graph::capture(&self.stream, self.fill_func(), || {
             self.launcher(stream).issue(bi, &|op| op.contains(filter))
         })
+    }
+
+    /// Switches every GEMM of dims (m, n, k) between the skinny kernel and its cuBLASLt
+    /// algorithm for the launches issued and graphs captured from now on (the bucket graphs
+    /// built at load keep their choice; [`GpuRuntime::capture_where`] sees the switch).
+    /// specbench's `--gemm-flip` asks with it whether the load-time choice, timed one GEMM
+    /// at a time, also wins inside a bucket's graph; called twice it restores the choice.
+    /// Returns how many GEMM shapes switched (0 where the two do not both serve the dims).
+    pub fn flip_gemm(&mut self, m: u64, n: u64, k: u64) -> usize {
+        let mut shapes = Vec::new();
+        for (_, b) in self.plan.all_buckets() {
+            for l in &b.launches {
+                if let LaunchKind::Gemm(g) = &l.kind {
+                    let shape = gemm_call(&self.mem, &self.plan, b, g).0;
+                    if (g.m, g.n, g.k) == (m, n, k) && !shapes.contains(&shape) {
+                        shapes.push(shape);
+                    }
+                }
+            }
+        }
+        shapes.iter().filter(|s| self.gemms.flip_skinny(s)).count()
     }
 
     /// Whether a bucket has a built graph.

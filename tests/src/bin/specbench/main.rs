@@ -1,7 +1,9 @@
-//! `specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch SPEC]`: times
-//! every plan's draft-extend step on the GPU, beside the device's own ceilings measured in
-//! the same run. `--l2-prefetch` (`off` or `MIB[xCTAS][/MAXB]`) captures the graphs with L2
-//! prefetch branches (runtime/src/gpu/prefetch.rs); `.ci/gpu l2ab` alternates it with off.
+//! `specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch SPEC] [--gemm-flip]`:
+//! times every plan's draft-extend step on the GPU, beside the device's own ceilings measured
+//! in the same run. `--l2-prefetch` (`off` or `MIB[xCTAS][/MAXB]`) captures the graphs with L2
+//! prefetch branches (runtime/src/gpu/prefetch.rs); `AB_L2=SPEC .ci/gpu ab` alternates it with
+//! off. `--gemm-flip` also times, at B 1 and 8 and L 1024, each GEMM's load-time choice
+//! against the other inside the bucket's graph (`gemm_flips`).
 //!
 //! Per plan, bucket B and prefix length L (every request at L):
 //! - host prep µs (checks, staging, copies issued), replay µs (graph only, CUDA events),
@@ -23,12 +25,11 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use specplan_format::PhaseKind;
-use specplan_format::{load_file, ValidatedPlan};
+use specplan_format::{load_file, LaunchKind, PhaseKind, ValidatedPlan};
 use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, L2Prefetch, StepRequest};
 use specplan_tests::gpu::{ceilings, median, percentile, DeviceBuf, Timer, RUNS, WARMUP};
 use specplan_tests::random::pattern_weights;
-use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmRecord, OpTime, SpanTime};
+use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmFlip, GemmRecord, OpTime, SpanTime};
 use specplan_tests::{json, plan_files, write_atomic, Rng};
 
 mod decode;
@@ -90,19 +91,30 @@ fn write_results(out: &str, bench: &Bench) -> Result<String, String> {
     Ok(table)
 }
 
+/// The command line's options.
+#[derive(Clone, Copy, Default)]
+struct Opts {
+    /// Every request on consecutive pages (else a fixed random order).
+    contiguous: bool,
+    /// The draft-decode tiers alone.
+    decode_only: bool,
+    /// The graphs' L2 prefetch branches.
+    l2_prefetch: L2Prefetch,
+    /// Each GEMM's load-time choice against the other inside the graph (`gemm_flips`).
+    gemm_flip: bool,
+}
+
 /// Times one plan at every benchmarked (B, L) it holds.
 fn bench_plan(
     name: &str,
     plan: &ValidatedPlan,
     ceil: &mut Option<Ceilings>,
-    contiguous: bool,
-    decode_only: bool,
-    l2_prefetch: L2Prefetch,
+    o: Opts,
     bench: &mut Bench,
 ) -> Result<(), String> {
     let t0 = Instant::now();
     let opts = GpuOptions {
-        l2_prefetch,
+        l2_prefetch: o.l2_prefetch,
         ..GpuOptions::default()
     };
     let mut rt = GpuRuntime::new(plan.clone(), &pattern_weights(plan), opts).map_err(|e| format!("{name}: {e}"))?;
@@ -125,7 +137,7 @@ fn bench_plan(
     let timer = Timer::new(stream)?;
     // L2 flush buffer (256 MiB, several times the H200's L2).
     let flush = DeviceBuf::new(256 << 20)?;
-    if decode_only {
+    if o.decode_only {
         // The draft-decode tiers alone (`--decode-only`).
         return decode::bench(
             name,
@@ -159,7 +171,7 @@ fn bench_plan(
             if b * per + 1 > rt.pool_pages() as usize {
                 continue;
             }
-            let order: Vec<usize> = if contiguous {
+            let order: Vec<usize> = if o.contiguous {
                 (0..b * per).collect()
             } else {
                 Rng(0x5eed_0000 + (b * per) as u64).permutation(b * per)
@@ -204,12 +216,15 @@ fn bench_plan(
             if l == 1024 && (b == 1 || b == 64) {
                 breakdown(name, plan, &rt, &timer, &flush, (b, l), replay, &work, bench)?;
             }
+            if o.gemm_flip && l == 1024 && (b == 1 || b == 8) {
+                gemm_flips(name, plan, &mut rt, &timer, &flush, (b, l), bench)?;
+            }
             rt.synchronize().map_err(g)?;
             let row = BenchRow {
                 plan: name.into(),
                 batch: b,
                 prefix: l,
-                pages: if contiguous { "contiguous" } else { "scattered" },
+                pages: if o.contiguous { "contiguous" } else { "scattered" },
                 prep_us: median(preps),
                 replay_us: replay,
                 full_us: median(walls),
@@ -364,6 +379,82 @@ fn breakdown(
     Ok(())
 }
 
+/// Alternations of the two choices per GEMM in `gemm_flips`.
+const FLIP_ROUNDS: usize = 3;
+
+/// Each GEMM of bucket `b` with its load-time choice against the other (skinny kernel or
+/// cuBLASLt), inside the whole bucket's graph: the GEMM choice is timed one GEMM at a time
+/// after an L2 flush, and perf-notes items 24 and 34 saw GEMMs behave otherwise in a chain.
+/// The graphs are the plan's launches captured afresh (`capture_where`), alternated
+/// `FLIP_ROUNDS` times, L2 flushed before each replay; the choice is restored after each.
+fn gemm_flips(
+    name: &str,
+    plan: &ValidatedPlan,
+    rt: &mut GpuRuntime,
+    timer: &Timer,
+    flush: &DeviceBuf,
+    (b, l): (usize, usize),
+    bench: &mut Bench,
+) -> Result<(), String> {
+    let bk = plan.buckets().iter().find(|x| x.batch == b as u32).ok_or("bucket")?;
+    let mut dims: Vec<(u64, u64, u64)> = Vec::new();
+    for launch in &bk.launches {
+        if let LaunchKind::Gemm(gd) = &launch.kind {
+            if !dims.contains(&(gd.m, gd.n, gd.k)) {
+                dims.push((gd.m, gd.n, gd.k));
+            }
+        }
+    }
+    let time = |rt: &GpuRuntime| -> Result<f64, String> {
+        let graph = rt.capture_where(b as u32, "").map_err(g)?;
+        timer.time_flushed(flush, || graph.launch().map_err(|e| format!("bucket graph: {e:?}")))
+    };
+    let mut line = Vec::new();
+    for (m, n, k) in dims {
+        let tuned_skinny = rt
+            .gemm_choices()
+            .iter()
+            .any(|c| (c.0, c.1, c.2) == (m, n, k) && c.3.ours);
+        let (mut tuned, mut flipped) = (Vec::new(), Vec::new());
+        for _ in 0..FLIP_ROUNDS {
+            tuned.push(time(rt)?);
+            if rt.flip_gemm(m, n, k) == 0 {
+                break; // the other does not serve these dims
+            }
+            let t = time(rt);
+            // Restored before any error is passed on: later rows time the load-time choice.
+            rt.flip_gemm(m, n, k);
+            flipped.push(t?);
+        }
+        let (tuned_us, flipped_us) = (median(tuned), (!flipped.is_empty()).then(|| median(flipped)));
+        line.push(match flipped_us {
+            Some(f) => format!(
+                "m{m} n{n} k{k} {} {tuned_us:.1} vs {f:.1} ({:.3}x)",
+                if tuned_skinny { "skinny" } else { "cublasLt" },
+                f / tuned_us
+            ),
+            None => format!("m{m} n{n} k{k} {tuned_us:.1} (one choice)"),
+        });
+        bench.gemm_flips.push(GemmFlip {
+            plan: name.into(),
+            batch: b,
+            prefix: l,
+            m,
+            n,
+            k,
+            tuned_skinny,
+            tuned_us,
+            flipped_us,
+            rounds: FLIP_ROUNDS,
+        });
+    }
+    println!(
+        "  gemm flip ({name}, B {b}, L {l}, whole-graph µs, load-time choice vs the other): {}",
+        line.join("; ")
+    );
+    Ok(())
+}
+
 /// Steady-state host timing of `step_device`: bursts × calls per burst.
 const HOST_BURSTS: usize = 40;
 const HOST_BURST_LEN: usize = 8;
@@ -453,19 +544,20 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     const USAGE: &str =
-        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB[xCTAS][/MAXB]]";
+        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB[xCTAS][/MAXB]] [--gemm-flip]";
     let [_, dir, out, rest @ ..] = args.as_slice() else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
     };
-    let (mut contiguous, mut decode_only, mut l2_prefetch) = (false, false, L2Prefetch::OFF);
+    let mut o = Opts::default();
     let mut it = rest.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--contiguous" => contiguous = true,
-            "--decode-only" => decode_only = true,
+            "--contiguous" => o.contiguous = true,
+            "--decode-only" => o.decode_only = true,
+            "--gemm-flip" => o.gemm_flip = true,
             "--l2-prefetch" => match it.next().map(|v| L2Prefetch::parse(v)) {
-                Some(Ok(p)) => l2_prefetch = p,
+                Some(Ok(p)) => o.l2_prefetch = p,
                 Some(Err(e)) => {
                     eprintln!("specbench: {e}");
                     return ExitCode::from(2);
@@ -487,7 +579,7 @@ fn main() -> ExitCode {
     }
     let run = || -> Result<String, String> {
         let mut bench = Bench {
-            l2_prefetch: l2_prefetch.to_string(),
+            l2_prefetch: o.l2_prefetch.to_string(),
             ..Bench::default()
         };
         let mut ceil = None;
@@ -497,15 +589,7 @@ fn main() -> ExitCode {
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let plan = load_file(&f).map_err(|e| format!("{name}: {e}"))?;
-            bench_plan(
-                &name,
-                &plan,
-                &mut ceil,
-                contiguous,
-                decode_only,
-                l2_prefetch,
-                &mut bench,
-            )?;
+            bench_plan(&name, &plan, &mut ceil, o, &mut bench)?;
             write_results(out, &bench)?;
         }
         write_results(out, &bench)
