@@ -170,10 +170,10 @@ pub struct GemmRecord {
 }
 
 /// `specbench --gemm-flip`: one GEMM's load-time choice (skinny kernel or cuBLASLt) against
-/// the other one, inside the whole bucket's graph (captured afresh each way, L2 flushed before
-/// every replay; the two alternated `rounds` times, medians kept).
+/// the other one, inside the bucket's plan launches captured as one graph (afresh each way,
+/// L2 flushed before every replay; the two alternated `rounds` times, medians kept).
 #[derive(Clone, Debug, Serialize)]
-pub struct GemmFlip {
+pub struct GemmFlipRecord {
     pub plan: String,
     pub batch: usize,
     pub prefix: usize,
@@ -184,8 +184,10 @@ pub struct GemmFlip {
     pub tuned_skinny: bool,
     /// The graph with the load-time choice, median µs.
     pub tuned_us: f64,
-    /// The graph with the other one, median µs (`None`: the other does not serve the shape).
+    /// The graph with the other one, median µs (`None`: not switched, `refused` says why).
     pub flipped_us: Option<f64>,
+    /// Why the other choice was not timed (the runtime's `GemmFlip`), else `None`.
+    pub refused: Option<String>,
     pub rounds: usize,
 }
 
@@ -230,7 +232,7 @@ pub struct Bench {
     pub breakdown: Vec<Breakdown>,
     pub gemms: Vec<GemmRecord>,
     /// `--gemm-flip` only: each GEMM's choice against the other inside the bucket's graph.
-    pub gemm_flips: Vec<GemmFlip>,
+    pub gemm_flips: Vec<GemmFlipRecord>,
     /// Draft-decode phases (plans compiled with `--draft-decode-steps`).
     pub decode: Vec<DecodeRow>,
 }

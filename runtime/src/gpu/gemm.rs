@@ -13,7 +13,7 @@ use specplan_format::DType;
 
 use super::device::{cublas_ok, cuda, BlasHandle, DevMem, GpuError};
 use super::gemm_cache::GemmCache;
-use super::lt::{GemmChoice, GemmPtrs, GemmShape, Lt};
+use super::lt::{GemmChoice, GemmFlip, GemmPtrs, GemmShape, Lt};
 use super::skinny::Skinny;
 
 /// How the runtime picks each GEMM's algorithm at load.
@@ -99,12 +99,14 @@ impl Gemms {
 
     /// Chooses a cuBLASLt algorithm for every shape: from `cache` when it holds one cuBLASLt
     /// accepts, else by timing the candidates on the shape's pointers (overwrites C: call
-    /// before the arena holds anything a step needs, and before capture).
+    /// before the arena holds anything a step needs, and before capture). `switchable`
+    /// keeps the workspace either choice of a shape needs (`flip_skinny`).
     pub fn prepare(
         &mut self,
         shapes: &[(GemmShape, GemmPtrs)],
         cache: &mut GemmCache,
         retune: bool,
+        switchable: bool,
         stream: sys::CUstream,
     ) -> Result<GemmLoad, GpuError> {
         if self.ws.bytes < WORKSPACE_BYTES {
@@ -135,7 +137,7 @@ impl Gemms {
         // The chosen algorithms' largest workspace is all a step needs: the candidates were
         // timed with the full one, the runtime keeps only that much (cuBLASLt's figures; with
         // the cublasGemmEx path in use, whose needs are not known, the full one stays).
-        let need = lt.ws_need().div_ceil(256) * 256;
+        let need = lt.ws_need(switchable).div_ceil(256) * 256;
         if self.blas.is_none() && need < self.ws.bytes {
             // SAFETY: the runtime's live stream; the timing runs on it are finished before
             // their workspace is freed.
@@ -165,9 +167,9 @@ impl Gemms {
         Ok(())
     }
 
-    /// [`Lt::flip_skinny`] (false without tuned algorithms).
-    pub fn flip_skinny(&mut self, s: &GemmShape) -> bool {
-        self.lt.as_mut().is_some_and(|lt| lt.flip_skinny(s))
+    /// [`Lt::flip_skinny`] (`NoAlgorithm` without tuned algorithms).
+    pub fn flip_skinny(&mut self, s: &GemmShape) -> GemmFlip {
+        self.lt.as_mut().map_or(GemmFlip::NoAlgorithm, |lt| lt.flip_skinny(s))
     }
 
     pub fn choice(&self, s: &GemmShape) -> Option<GemmChoice> {

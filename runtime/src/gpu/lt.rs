@@ -102,6 +102,21 @@ pub struct GemmChoice {
     pub ours: bool,
 }
 
+/// What [`Lt::flip_skinny`] did with a shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmFlip {
+    /// Switched; `to_skinny`: the skinny kernel serves the shape from now on.
+    Switched { to_skinny: bool },
+    /// Not switched: the skinny kernel does not serve the shape.
+    NotServed,
+    /// Not switched: the shape has no tuned cuBLASLt algorithm (cublasGemmEx serves it).
+    NoAlgorithm,
+    /// Not switched: the algorithm needs more workspace than the runtime holds.
+    Workspace { need: usize, held: usize },
+    /// The bucket has no GEMM of these dims.
+    NoGemm,
+}
+
 struct Tuned {
     desc: lsys::cublasLtMatmulDesc_t,
     layouts: [lsys::cublasLtMatrixLayout_t; 3], // W, A, C/D
@@ -281,18 +296,24 @@ impl Lt {
     /// Switches shape `s` between the skinny GEMM and its cuBLASLt algorithm, for calls from
     /// now on (a probe's question: is the choice timed one GEMM at a time also the faster one
     /// inside a bucket's graph?). Only where both serve the shape and the algorithm's
-    /// workspace fits the one held; returns whether it switched. The cache is not touched.
-    pub(crate) fn flip_skinny(&mut self, s: &GemmShape) -> bool {
+    /// workspace fits the one held (a load with `gemm_switchable` keeps enough). The cache
+    /// is not touched.
+    pub(crate) fn flip_skinny(&mut self, s: &GemmShape) -> GemmFlip {
         let (serves, held) = (self.skinny.serves(s), self.ws.1);
         let Some(t) = self.tuned.get_mut(s) else {
-            return false;
+            return GemmFlip::NoAlgorithm;
         };
-        if !serves || (t.choice.ours && t.lt_ws > held) {
-            return false;
+        if !serves {
+            return GemmFlip::NotServed;
+        }
+        if t.choice.ours && t.lt_ws > held {
+            return GemmFlip::Workspace { need: t.lt_ws, held };
         }
         t.choice.ours = !t.choice.ours;
         t.ws_need = if t.choice.ours { 0 } else { t.lt_ws };
-        true
+        GemmFlip::Switched {
+            to_skinny: t.choice.ours,
+        }
     }
 
     /// The algorithm kept for `s`, as plain data (for the cache).
@@ -518,9 +539,11 @@ impl Lt {
         })
     }
 
-    /// The largest workspace a kept algorithm needs.
-    pub(crate) fn ws_need(&self) -> usize {
-        self.tuned.values().map(|t| t.ws_need).max().unwrap_or(0)
+    /// The largest workspace a kept algorithm needs (`either`: the kept one or the shape's
+    /// other choice, for `flip_skinny`).
+    pub(crate) fn ws_need(&self, either: bool) -> usize {
+        let need = |t: &Tuned| if either { t.ws_need.max(t.lt_ws) } else { t.ws_need };
+        self.tuned.values().map(need).max().unwrap_or(0)
     }
 
     /// Points every later call at workspace `ws` (address, bytes), which must hold

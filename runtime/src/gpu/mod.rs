@@ -57,7 +57,7 @@ pub use engine_decode::{DecodeOutputs, DeviceDecode};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
 use launch::{gemm_call, load_kernels, Launcher};
-pub use lt::GemmChoice;
+pub use lt::{GemmChoice, GemmFlip};
 use memory::Memory;
 pub use memory::{DeviceTensor, EngineMemory, KvGeometry, KvRegistration, TableRegistration};
 pub use nccl::{selftest as nccl_selftest, Communicator, Selftest as NcclSelftest};
@@ -82,6 +82,10 @@ pub struct GpuOptions {
     pub communicator: Option<Arc<Communicator>>,
     /// L2 prefetch branches in the captured graphs (`prefetch.rs`); off by default.
     pub l2_prefetch: L2Prefetch,
+    /// Keep the GEMM workspace either choice of each shape needs (the skinny kernel or its
+    /// cuBLASLt algorithm), so [`GpuRuntime::flip_gemm`] can switch later. Benchmarks only:
+    /// off, the workspace is what the kept choices need.
+    pub gemm_switchable: bool,
 }
 
 impl Default for GpuOptions {
@@ -93,6 +97,7 @@ impl Default for GpuOptions {
             device: 0,
             communicator: None,
             l2_prefetch: L2Prefetch::OFF,
+            gemm_switchable: false,
         }
     }
 }
@@ -285,7 +290,7 @@ impl GpuRuntime {
         // (the counters above all: a nonzero one would merge a row early).
         cuda("cuCtxSynchronize", rt.ctx.synchronize())?;
         rt.load.setup_ms = t0.elapsed().as_secs_f64() * 1e3;
-        rt.choose_gemms(opts.gemms)?;
+        rt.choose_gemms(opts.gemms, opts.gemm_switchable)?;
         if opts.build_graphs {
             let t = Instant::now();
             rt.build_graphs()?;
@@ -341,7 +346,7 @@ impl GpuRuntime {
     /// Chooses an algorithm for every GEMM shape of the plan (`GemmPolicy`). Runs at load,
     /// before any graph exists and before any step has put data in the arena (timed calls
     /// overwrite their outputs).
-    fn choose_gemms(&mut self, policy: GemmPolicy) -> Result<(), GpuError> {
+    fn choose_gemms(&mut self, policy: GemmPolicy, switchable: bool) -> Result<(), GpuError> {
         let t0 = Instant::now();
         if policy == GemmPolicy::Heuristic {
             return self.gemms.prepare_heuristic();
@@ -359,6 +364,7 @@ impl GpuRuntime {
             &shapes,
             &mut cache,
             policy == GemmPolicy::Retune,
+            switchable,
             self.stream.cu_stream(),
         )?;
         cuda("cuStreamSynchronize", self.stream.synchronize())?;

@@ -7,6 +7,7 @@ use cudarc::driver::result;
 use super::device::{cuda, GpuError};
 use super::graph::{self, Exec};
 use super::launch::gemm_call;
+use super::lt::{GemmChoice, GemmFlip, GemmShape};
 use super::{GpuRuntime, Mode};
 use specplan_format::{LaunchKind, PhaseKind};
 
@@ -250,25 +251,57 @@ impl GpuRuntime {
         })
     }
 
-    /// Switches every GEMM of dims (m, n, k) between the skinny kernel and its cuBLASLt
-    /// algorithm for the launches issued and graphs captured from now on (the bucket graphs
-    /// built at load keep their choice; [`GpuRuntime::capture_where`] sees the switch).
-    /// specbench's `--gemm-flip` asks with it whether the load-time choice, timed one GEMM
-    /// at a time, also wins inside a bucket's graph; called twice it restores the choice.
-    /// Returns how many GEMM shapes switched (0 where the two do not both serve the dims).
-    pub fn flip_gemm(&mut self, m: u64, n: u64, k: u64) -> usize {
-        let mut shapes = Vec::new();
-        for (_, b) in self.plan.all_buckets() {
-            for l in &b.launches {
-                if let LaunchKind::Gemm(g) = &l.kind {
-                    let shape = gemm_call(&self.mem, &self.plan, b, g).0;
-                    if (g.m, g.n, g.k) == (m, n, k) && !shapes.contains(&shape) {
-                        shapes.push(shape);
+    /// Switches the GEMMs of dims (m, n, k) in draft-extend bucket `batch` between the
+    /// skinny kernel and their cuBLASLt algorithm, for the launches issued and graphs captured
+    /// from now on (the graphs built at load keep their choice; [`GpuRuntime::capture_where`]
+    /// sees the switch; a shape other buckets share switches there too). specbench's
+    /// `--gemm-flip` asks with it whether the load-time choice, timed one GEMM at a time,
+    /// also wins inside the bucket's launches; called twice it restores the choice. All of
+    /// the bucket's shapes of these dims switch, or none (the first refusal is returned).
+    pub fn flip_gemm(&mut self, batch: u32, m: u64, n: u64, k: u64) -> Result<GemmFlip, GpuError> {
+        let shapes = self.bucket_gemms(batch, m, n, k)?;
+        let mut done = Vec::new();
+        for s in &shapes {
+            match self.gemms.flip_skinny(s) {
+                GemmFlip::Switched { .. } => done.push(*s),
+                refused => {
+                    for d in &done {
+                        self.gemms.flip_skinny(d);
                     }
+                    return Ok(refused);
                 }
             }
         }
-        shapes.iter().filter(|s| self.gemms.flip_skinny(s)).count()
+        Ok(shapes.first().map_or(GemmFlip::NoGemm, |s| GemmFlip::Switched {
+            to_skinny: self.gemms.choice(s).is_some_and(|c| c.ours),
+        }))
+    }
+
+    /// The current choice of the first GEMM of dims (m, n, k) in draft-extend bucket `batch`.
+    pub fn gemm_choice(&self, batch: u32, m: u64, n: u64, k: u64) -> Result<Option<GemmChoice>, GpuError> {
+        Ok(self
+            .bucket_gemms(batch, m, n, k)?
+            .first()
+            .and_then(|s| self.gemms.choice(s)))
+    }
+
+    /// The distinct GEMM shapes of dims (m, n, k) in draft-extend bucket `batch`.
+    fn bucket_gemms(&self, batch: u32, m: u64, n: u64, k: u64) -> Result<Vec<GemmShape>, GpuError> {
+        let bi = self.bucket_index(batch)?;
+        let b = self
+            .plan
+            .flat_bucket(bi)
+            .ok_or_else(|| self.no_bucket(batch as usize))?;
+        let mut shapes = Vec::new();
+        for l in &b.launches {
+            if let LaunchKind::Gemm(g) = &l.kind {
+                let shape = gemm_call(&self.mem, &self.plan, b, g).0;
+                if (g.m, g.n, g.k) == (m, n, k) && !shapes.contains(&shape) {
+                    shapes.push(shape);
+                }
+            }
+        }
+        Ok(shapes)
     }
 
     /// Whether a bucket has a built graph.

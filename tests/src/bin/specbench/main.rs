@@ -26,10 +26,12 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use specplan_format::{load_file, LaunchKind, PhaseKind, ValidatedPlan};
-use specplan_runtime::gpu::{GpuError, GpuOptions, GpuRuntime, Hidden, L2Prefetch, StepRequest};
+use specplan_runtime::gpu::{GemmFlip, GpuError, GpuOptions, GpuRuntime, Hidden, L2Prefetch, StepRequest};
 use specplan_tests::gpu::{ceilings, median, percentile, DeviceBuf, Timer, RUNS, WARMUP};
 use specplan_tests::random::pattern_weights;
-use specplan_tests::report::{Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmFlip, GemmRecord, OpTime, SpanTime};
+use specplan_tests::report::{
+    Bench, BenchRow, Breakdown, Ceilings, EngineRow, GemmFlipRecord, GemmRecord, OpTime, SpanTime,
+};
 use specplan_tests::{json, plan_files, write_atomic, Rng};
 
 mod decode;
@@ -115,6 +117,8 @@ fn bench_plan(
     let t0 = Instant::now();
     let opts = GpuOptions {
         l2_prefetch: o.l2_prefetch,
+        // `--gemm-flip` switches choices after load: the workspace either choice needs.
+        gemm_switchable: o.gemm_flip,
         ..GpuOptions::default()
     };
     let mut rt = GpuRuntime::new(plan.clone(), &pattern_weights(plan), opts).map_err(|e| format!("{name}: {e}"))?;
@@ -383,10 +387,12 @@ fn breakdown(
 const FLIP_ROUNDS: usize = 3;
 
 /// Each GEMM of bucket `b` with its load-time choice against the other (skinny kernel or
-/// cuBLASLt), inside the whole bucket's graph: the GEMM choice is timed one GEMM at a time
-/// after an L2 flush, and perf-notes items 24 and 34 saw GEMMs behave otherwise in a chain.
-/// The graphs are the plan's launches captured afresh (`capture_where`), alternated
-/// `FLIP_ROUNDS` times, L2 flushed before each replay; the choice is restored after each.
+/// cuBLASLt), inside the bucket's plan launches captured as one graph (no admit or emit, no
+/// L2 branches): the GEMM choice is timed one GEMM at a time after an L2 flush, and
+/// perf-notes items 24 and 34 saw GEMMs behave otherwise in a chain. Captured afresh each
+/// way, alternated `FLIP_ROUNDS` times (which goes first alternates too), L2 flushed before
+/// each replay; the load-time choice is restored after each. The runtime must be loaded
+/// with `gemm_switchable`.
 fn gemm_flips(
     name: &str,
     plan: &ValidatedPlan,
@@ -405,37 +411,50 @@ fn gemm_flips(
             }
         }
     }
+    let batch = b as u32;
     let time = |rt: &GpuRuntime| -> Result<f64, String> {
-        let graph = rt.capture_where(b as u32, "").map_err(g)?;
+        let graph = rt.capture_where(batch, "").map_err(g)?;
         timer.time_flushed(flush, || graph.launch().map_err(|e| format!("bucket graph: {e:?}")))
+    };
+    // The other choice's graph, the load-time choice restored before any error is passed on.
+    let flipped = |rt: &mut GpuRuntime, (m, n, k): (u64, u64, u64)| -> Result<Result<f64, String>, String> {
+        match rt.flip_gemm(batch, m, n, k).map_err(g)? {
+            GemmFlip::Switched { .. } => {}
+            refused => return Ok(Err(format!("{refused:?}"))),
+        }
+        let t = time(rt);
+        rt.flip_gemm(batch, m, n, k).map_err(g)?;
+        Ok(Ok(t?))
     };
     let mut line = Vec::new();
     for (m, n, k) in dims {
-        let tuned_skinny = rt
-            .gemm_choices()
-            .iter()
-            .any(|c| (c.0, c.1, c.2) == (m, n, k) && c.3.ours);
-        let (mut tuned, mut flipped) = (Vec::new(), Vec::new());
-        for _ in 0..FLIP_ROUNDS {
-            tuned.push(time(rt)?);
-            if rt.flip_gemm(m, n, k) == 0 {
-                break; // the other does not serve these dims
+        let tuned_skinny = rt.gemm_choice(batch, m, n, k).map_err(g)?.is_some_and(|c| c.ours);
+        let (mut tuned, mut other, mut refused) = (Vec::new(), Vec::new(), None);
+        for round in 0..FLIP_ROUNDS {
+            if round % 2 == 1 && refused.is_none() {
+                match flipped(rt, (m, n, k))? {
+                    Ok(us) => other.push(us),
+                    Err(why) => refused = Some(why),
+                }
             }
-            let t = time(rt);
-            // Restored before any error is passed on: later rows time the load-time choice.
-            rt.flip_gemm(m, n, k);
-            flipped.push(t?);
+            tuned.push(time(rt)?);
+            if round % 2 == 0 && refused.is_none() {
+                match flipped(rt, (m, n, k))? {
+                    Ok(us) => other.push(us),
+                    Err(why) => refused = Some(why),
+                }
+            }
         }
-        let (tuned_us, flipped_us) = (median(tuned), (!flipped.is_empty()).then(|| median(flipped)));
-        line.push(match flipped_us {
-            Some(f) => format!(
-                "m{m} n{n} k{k} {} {tuned_us:.1} vs {f:.1} ({:.3}x)",
-                if tuned_skinny { "skinny" } else { "cublasLt" },
+        let (tuned_us, flipped_us) = (median(tuned), (!other.is_empty()).then(|| median(other)));
+        let label = if tuned_skinny { "skinny" } else { "cublasLt" };
+        line.push(match (flipped_us, &refused) {
+            (Some(f), _) => format!(
+                "m{m} n{n} k{k} {label} {tuned_us:.1}, other {f:.1} ({:.3}x)",
                 f / tuned_us
             ),
-            None => format!("m{m} n{n} k{k} {tuned_us:.1} (one choice)"),
+            (None, why) => format!("m{m} n{n} k{k} {label} {tuned_us:.1}, other not timed: {why:?}"),
         });
-        bench.gemm_flips.push(GemmFlip {
+        bench.gemm_flips.push(GemmFlipRecord {
             plan: name.into(),
             batch: b,
             prefix: l,
@@ -445,11 +464,12 @@ fn gemm_flips(
             tuned_skinny,
             tuned_us,
             flipped_us,
+            refused,
             rounds: FLIP_ROUNDS,
         });
     }
     println!(
-        "  gemm flip ({name}, B {b}, L {l}, whole-graph µs, load-time choice vs the other): {}",
+        "  gemm flip ({name}, B {b}, L {l}; the bucket's graph, µs, with the load-time choice and with the other, other/load-time): {}",
         line.join("; ")
     );
     Ok(())
@@ -572,6 +592,10 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         }
+    }
+    if o.gemm_flip && o.decode_only {
+        eprintln!("specbench: --gemm-flip times draft-extend buckets; --decode-only has none\n{USAGE}");
+        return ExitCode::from(2);
     }
     if !GpuRuntime::available() {
         println!("SKIP: no CUDA driver or device on this machine");
