@@ -8,7 +8,7 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 
 use serde_json::{json, Value};
 
@@ -49,6 +49,28 @@ fn mixed_previous() -> Vec<Value> {
     ]
 }
 
+/// `python3 tests/peer/report.py --specbench DIR/specbench.json ... --out DIR/out`, each
+/// `--flag name` pair naming a file in `dir`.
+fn report_py(dir: &Path, flags: &[(&str, &str)]) -> Output {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
+    let mut cmd = Command::new("python3");
+    cmd.arg(&script).arg("--specbench").arg(dir.join("specbench.json"));
+    for (flag, name) in flags {
+        cmd.arg(flag).arg(dir.join(name));
+    }
+    cmd.arg("--out")
+        .arg(dir.join("out"))
+        .output()
+        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"))
+}
+
+/// A specbench.json of one row (m-n4, B 1, at 1.05× its floor) in `dir`.
+fn one_row_run(dir: &Path) {
+    let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14},
+                      "rows": [spec_row("m-n4", 1, 105.0, 100.0)]});
+    fs::write(dir.join("specbench.json"), spec.to_string()).expect("write specbench.json");
+}
+
 /// Runs report.py over these rows in `dir` and returns (its stdout, report.json's "criteria").
 fn report(dir: &Path, rows: Vec<Value>, prev: Vec<Value>, previous_gpu: &str, checks_ok: bool) -> (String, Value) {
     let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14}, "rows": rows});
@@ -59,15 +81,12 @@ fn report(dir: &Path, rows: Vec<Value>, prev: Vec<Value>, previous_gpu: &str, ch
     write("previous.json", &previous);
     write("peer.json", &peer);
     fs::write(dir.join("device.txt"), H200).expect("write device.txt");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
-    let arg = |name: &str| dir.join(name).display().to_string();
-    let out = Command::new("python3")
-        .arg(&script)
-        .args(["--specbench", &arg("specbench.json"), "--peer", &arg("peer.json")])
-        .args(["--device", &arg("device.txt"), "--previous", &arg("previous.json")])
-        .args(["--out", &arg("out")])
-        .output()
-        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"));
+    let flags = [
+        ("--peer", "peer.json"),
+        ("--device", "device.txt"),
+        ("--previous", "previous.json"),
+    ];
+    let out = report_py(dir, &flags);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -161,23 +180,9 @@ fn a_run_within_every_target_is_met() {
 fn an_unreadable_previous_report_is_an_error_not_a_lost_report() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14},
-                      "rows": [spec_row("m-n4", 1, 105.0, 100.0)]});
-    fs::write(d.join("specbench.json"), spec.to_string()).expect("write specbench.json");
+    one_row_run(d);
     fs::write(d.join("previous.json"), "[1, 2]").expect("write previous.json");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
-    let arg = |name: &str| d.join(name).display().to_string();
-    let out = Command::new("python3")
-        .arg(&script)
-        .args([
-            "--specbench",
-            &arg("specbench.json"),
-            "--previous",
-            &arg("previous.json"),
-        ])
-        .args(["--out", &arg("out")])
-        .output()
-        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"));
+    let out = report_py(d, &[("--previous", "previous.json")]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(
@@ -195,21 +200,13 @@ fn an_unreadable_previous_report_is_an_error_not_a_lost_report() {
 fn report_py_refuses_to_write_through_a_fifo() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
-    let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14},
-                      "rows": [spec_row("m-n4", 1, 105.0, 100.0)]});
-    fs::write(d.join("specbench.json"), spec.to_string()).expect("write specbench.json");
+    one_row_run(d);
     fs::create_dir(d.join("out")).expect("mkdir out");
     // A FIFO made here, in the temp folder (never one of the machine's own nodes).
     let fifo = d.join("out/report.json");
     let made = Command::new("mkfifo").arg(&fifo).status().expect("mkfifo runs");
     assert!(made.success(), "mkfifo {}", fifo.display());
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .args(["--specbench", &d.join("specbench.json").display().to_string()])
-        .args(["--out", &d.join("out").display().to_string()])
-        .output()
-        .unwrap_or_else(|e| panic!("python3 report.py could not start: {e}"));
+    let out = report_py(d, &[]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("report.json exists and is not a regular file"));
     let kind = fs::symlink_metadata(&fifo)
