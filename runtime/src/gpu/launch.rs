@@ -184,12 +184,49 @@ impl Launcher<'_> {
         range: std::ops::Range<usize>,
         keep: &dyn Fn(&str) -> bool,
     ) -> Result<(), GpuError> {
-        let b = self.bucket(bi)?;
         // L2 branches (capture only): where each forks among the launches issued here.
-        let forks = match self.branches {
-            Some(br) => prefetch::forks(self.plan, b, br.opts, range.clone(), keep),
+        let forks = self.forks(bi, range.clone(), keep)?;
+        self.issue_forking(bi, range, keep, &forks)
+    }
+
+    /// Issues launches `span` of bucket `bi`, one part of the whole list `whole` that a
+    /// caller issues in several calls with nodes of its own between them (the timeline's
+    /// event records): the L2 branches fork where they would in `whole` issued at once.
+    pub fn issue_span(
+        &self,
+        bi: usize,
+        span: std::ops::Range<usize>,
+        whole: std::ops::Range<usize>,
+    ) -> Result<(), GpuError> {
+        let forks = self.forks(bi, whole, &|_| true)?;
+        self.issue_forking(bi, span, &|_| true, &forks)
+    }
+
+    /// The L2 branches' forks when launches `range` of bucket `bi` passing `keep` are issued
+    /// (none unless capturing with branches).
+    fn forks(
+        &self,
+        bi: usize,
+        range: std::ops::Range<usize>,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<Vec<(usize, prefetch::Window)>, GpuError> {
+        let b = self.bucket(bi)?;
+        Ok(match self.branches {
+            Some(br) => prefetch::forks(self.plan, b, br.opts, range, keep),
             None => Vec::new(),
-        };
+        })
+    }
+
+    /// Issues launches `range` of bucket `bi` passing `keep`, each preceded by the branches
+    /// of `forks` that fork at it.
+    fn issue_forking(
+        &self,
+        bi: usize,
+        range: std::ops::Range<usize>,
+        keep: &dyn Fn(&str) -> bool,
+        forks: &[(usize, prefetch::Window)],
+    ) -> Result<(), GpuError> {
+        let b = self.bucket(bi)?;
         let first = range.start;
         let launches = b.launches.get(range).unwrap_or(&[]);
         for (i, l) in launches.iter().enumerate().filter(|(_, l)| keep(&l.op)) {

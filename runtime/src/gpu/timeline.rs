@@ -4,7 +4,7 @@
 //! over runs). Each span is the op's kernels *plus* the gap since the previous node as the
 //! graph runs them — what per-op graphs (specbench's `ops`, each with its own launch) cannot
 //! show. The event nodes themselves add a little to every span; `total_us` against the plain
-//! replay says how much.
+//! replay says how much. The bucket graphs' L2 branches (`prefetch.rs`), when on, are in it.
 
 use cudarc::driver::{result, sys};
 use specplan_format::LaunchKind;
@@ -80,11 +80,14 @@ impl GpuRuntime {
                 sys::cuEventRecordWithFlags(e, stream, sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32)
             })
         };
+        // With the bucket graphs' L2 branches, when the options ask for them: each forks
+        // where it would in the whole list, so the spans show what the branches do.
+        let whole = 0..b.launches.len();
         let exec = graph::capture(&self.stream, self.fill_func(), || {
-            let l = self.launcher(stream);
+            let l = self.bucket_launcher(stream, true);
             record(ev[0])?;
             for (k, (_, _, range)) in spans.iter().enumerate() {
-                l.issue_range(bi, range.clone(), &|_| true)?;
+                l.issue_span(bi, range.clone(), whole.clone())?;
                 record(ev[k + 1])?;
             }
             Ok(())
