@@ -587,6 +587,9 @@ impl GpuRuntime {
 /// Device addresses of every plan weight: in place, or packed into one runtime allocation
 /// (concatenated or gathered rows, device-to-device copies at load).
 fn place_weights(plan: &Plan, bindings: &[WeightBinding]) -> Result<(Vec<u64>, Vec<DevMem>), GpuError> {
+    // The caller may have written its weights on a non-blocking stream, which the legacy
+    // stream's copies below do not wait for: every stream of the context first.
+    cuda("cuCtxSynchronize", result::ctx::synchronize())?;
     let packed: u64 = plan
         .weights
         .iter()

@@ -212,6 +212,9 @@ pub fn selftest(device: usize, elems: usize) -> Result<Selftest, GpuError> {
         cuda("cuMemcpyHtoD", result::memcpy_htod_sync(y.ptr, &ys))?;
         cuda("cuMemcpyHtoD", result::memcpy_htod_sync(g.ptr, &nan))?;
     }
+    // The collectives run on `stream`, which is non-blocking: it does not wait for the legacy
+    // stream's uploads above (a pageable-memory upload may return before it lands).
+    cuda("cuCtxSynchronize", result::ctx::synchronize())?;
     let reduce = CollectiveDesc {
         op: CollectiveOp::AllReduceSum,
         send: 0,

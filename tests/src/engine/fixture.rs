@@ -298,7 +298,10 @@ impl Fixture {
     pub fn restore_table(&mut self) -> Result<(), String> {
         self.table_host = self.table_good.clone();
         // SAFETY: the whole table allocation; synchronous.
-        unsafe { result::memcpy_htod_sync(self.table.ptr, self.table_host.as_slice()) }.map_err(|e| format!("{e:?}"))
+        unsafe { result::memcpy_htod_sync(self.table.ptr, self.table_host.as_slice()) }
+            .map_err(|e| format!("{e:?}"))?;
+        // A legacy-stream upload: steps on a non-blocking stream would not wait for it.
+        result::ctx::synchronize().map_err(|e| format!("{e:?}"))
     }
 
     /// Puts the case's initial cache back into the caller's pool (the whole allocation of
@@ -308,7 +311,8 @@ impl Fixture {
             // SAFETY: layer l's allocation holds its image's size; synchronous.
             unsafe { result::memcpy_htod_sync(self.kv.k[l], image.as_slice()) }.map_err(|e| format!("{e:?}"))?;
         }
-        Ok(())
+        // Legacy-stream uploads: steps on a non-blocking stream would not wait for them.
+        result::ctx::synchronize().map_err(|e| format!("{e:?}"))
     }
 
     /// Layer `l`'s K and V as the device holds them now, gathered slot-major through the
