@@ -238,6 +238,14 @@ fn add_branch(
             "an L2 branch is added only while a graph is captured".into(),
         ));
     }
+    // The driver's array stays valid only until the next call that operates on the stream:
+    // copied now, so no later edit can read it after one.
+    let deps: Vec<sys::CUgraphNode> = if n == 0 || deps.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: the query succeeded with an active capture: `deps` holds `n` nodes.
+        unsafe { std::slice::from_raw_parts(deps, n) }.to_vec()
+    };
     let mut args = [blob.as_mut_ptr() as *mut c_void];
     // SAFETY: zeroed plain C struct; every field the call reads is set below.
     let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -246,12 +254,15 @@ fn add_branch(
     (p.blockDimX, p.blockDimY, p.blockDimZ) = (block[0], block[1], block[2]);
     p.kernelParams = args.as_mut_ptr();
     let mut node: sys::CUgraphNode = std::ptr::null_mut();
-    // SAFETY: the capture's live graph and its current dependency nodes (`n` of them, valid
-    // until the stream's next capture call); the parameters point at a struct laid out as
-    // `l2_prefetch` declares, copied by the call.
+    // SAFETY: the capture's live graph and its current dependency nodes (copied above); the
+    // parameters point at a struct laid out as `l2_prefetch` declares, copied by the call.
     cuda_rc("cuGraphAddKernelNode", unsafe {
-        let d = if n == 0 { std::ptr::null() } else { deps };
-        sys::cuGraphAddKernelNode_v2(&mut node, graph, d, n, &p)
+        let d = if deps.is_empty() {
+            std::ptr::null()
+        } else {
+            deps.as_ptr()
+        };
+        sys::cuGraphAddKernelNode_v2(&mut node, graph, d, deps.len(), &p)
     })
 }
 
