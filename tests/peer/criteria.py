@@ -1,8 +1,8 @@
-"""Issue 23's done criteria judged on one benchmark run, against the previous full report.
+"""The benchmark targets judged on one benchmark run, against the previous full report.
 
-The issue is done when, in one `.ci/gpu bench` on the H200 over the same 72 shapes: every
-step is ≤ 1.2× the floor (≤ 1.1× at B 1), no shape is slower than in the previous report,
-and the equal-output checks pass. (The numerics targets and the memory figure are asserted
+The targets are met when, in one `.ci/gpu bench` over the same shapes: every step is
+≤ 1.2× the floor (≤ 1.1× at B 1), no shape is slower than in the previous report, and the
+equal-output checks pass. (The numerics targets and the memory figure are asserted
 by gpucheck, not measured here.) report.py calls `judge` with the joined rows and writes
 `section` into report.md, `judgement` into report.json and `summary` last on stdout, so a
 run says itself whether it meets them. Python standard library only.
@@ -103,7 +103,7 @@ def summary(j):
             f"({p['slower_1pct']} by more than 1%), median {p['median']:.3f}x, worst {p['worst']:.3f}x"
             + (f"; missing here: {len(p['missing'])}" if p["missing"] else "")
         )
-    lines.append("issue 23's benchmark criteria: " + ("MET" if j["met"] else "not met"))
+    lines.append("benchmark targets: " + ("MET" if j["met"] else "not met"))
     return lines
 
 
@@ -113,7 +113,7 @@ def _x(v):
 
 def section(j):
     """report.md lines: the verdict, then every shape that misses a target."""
-    md = ["## Issue 23's criteria in this run", ""]
+    md = ["## The benchmark targets in this run", ""]
     md += [f"- {line}" for line in summary(j)]
     md += ["", "(The numerics targets and the engine-memory figure are asserted by gpucheck, not here.)", ""]
     miss = [s for s in j["rows"] if not s["floor_met"] or (s.get("per_previous") or 0) > 1.0]

@@ -10,7 +10,7 @@ DIR/report.svg (step time vs bucket, specplan vs peer vs floor, one panel per mo
 and prints the main table. Where an EAGLE-3 model and its EAGLE-1 partner (HEAD_PAIRS) were
 both measured, report.md compares their step times at equal shapes. Without specbench.json, the rows of specbench.txt beside it are
 read (a run cut short prints them as it goes). Missing values show as "—". With --previous
-(the last full report's report.json), issue 23's criteria are judged (criteria.py): a section of
+(the last full report's report.json), the benchmark targets are judged (criteria.py): a section of
 report.md, "criteria" in report.json, and the verdict as the last lines printed.
 """
 import argparse
@@ -436,7 +436,7 @@ def main():
     ap.add_argument("--peer", nargs="*", default=[], help="peer JSON files (flashinfer_peer.py run --json)")
     ap.add_argument("--device", help="a text file describing the device (nvidia-smi output, date)")
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--previous", help="the previous full report's report.json: judge issue 23's criteria against it")
+    ap.add_argument("--previous", help="the previous full report's report.json: judge the benchmark targets against it")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 

@@ -1,4 +1,4 @@
-//! `tests/peer/report.py --previous`: issue 23's criteria judged on a benchmark run
+//! `tests/peer/report.py --previous`: the benchmark targets judged on a benchmark run
 //! (`tests/peer/criteria.py`). Synthetic specbench, peer and previous-report files, small enough
 //! to work out by hand, so the verdict a real run prints is known to count what it says:
 //! the floor targets (1.1× at B 1, 1.2× elsewhere), shapes slower than the previous report, a
@@ -125,12 +125,9 @@ fn the_criteria_count_floor_targets_slower_shapes_and_missing_ones() {
         "{stdout}"
     );
     assert!(stdout.contains("2/3 shapes slower (1 by more than 1%)"), "{stdout}");
-    assert!(
-        stdout.trim_end().ends_with("issue 23's benchmark criteria: not met"),
-        "{stdout}"
-    );
+    assert!(stdout.trim_end().ends_with("benchmark targets: not met"), "{stdout}");
     let md = fs::read_to_string(dir.path().join("out/report.md")).expect("report.md");
-    assert!(md.contains("## Issue 23's criteria in this run"), "{md}");
+    assert!(md.contains("## The benchmark targets in this run"), "{md}");
     // The table lists the three shapes that miss something, not m-n4 B 8's faster step alone.
     assert!(
         md.contains("| m | 8 | 1024 | 1 | 115.0 | 1.15× | 1.1× | 110.0 | 1.045× |"),
@@ -165,10 +162,7 @@ fn a_run_within_every_target_is_met() {
     assert_eq!((c["floor_met"].as_u64(), c["shapes"].as_u64()), (Some(2), Some(2)));
     assert_eq!(c["previous"]["slower"], 0, "an equal step is not slower: {c}");
     assert_eq!(c["met"], true, "{c}");
-    assert!(
-        stdout.trim_end().ends_with("issue 23's benchmark criteria: MET"),
-        "{stdout}"
-    );
+    assert!(stdout.trim_end().ends_with("benchmark targets: MET"), "{stdout}");
     // Without the equal-output checks the same times are not enough.
     let dir = tempfile::tempdir().expect("tempdir");
     let rows = vec![spec_row("m-n4", 1, 109.0, 100.0)];
@@ -189,10 +183,7 @@ fn an_unreadable_previous_report_is_an_error_not_a_lost_report() {
         stdout.contains("error: previous report"),
         "the error is named: {stdout}"
     );
-    assert!(
-        stdout.trim_end().ends_with("issue 23's benchmark criteria: not met"),
-        "{stdout}"
-    );
+    assert!(stdout.trim_end().ends_with("benchmark targets: not met"), "{stdout}");
     assert!(d.join("out/report.md").exists() && d.join("out/report.json").exists());
 }
 
