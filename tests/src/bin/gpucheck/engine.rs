@@ -41,8 +41,8 @@ pub(crate) fn engine_decode(plans: &[String]) -> ExitCode {
 
 /// The most device memory an engine runner with every bucket graphed may add beyond the
 /// engine's weights and K/V (llama3-8b-eagle's 27 buckets added 86 MiB with a fixed 32 MiB
-/// GEMM workspace; 42–46 MiB since the workspace is what the chosen algorithms need and the
-/// last layer's rows are selected before the MLP).
+/// GEMM workspace; 42–46 MiB since, with the workspace the chosen algorithms need and a
+/// smaller arena).
 const ENGINE_MEMORY_BOUND: u64 = 64 << 20;
 
 /// The engine-memory checks and the load time onto caller memory; a load that adds more
