@@ -6,6 +6,7 @@ use std::path::Path;
 use safetensors::tensor::Dtype;
 use specplan_format::{DType, Packing, Shard, ValidatedPlan};
 use specplan_runtime::cpu::WeightData;
+use specplan_runtime::registration::first_repeat;
 use specplan_runtime::step::{input_error, InputError};
 
 use super::tensors::{floats, ints, parse, read, weights_cap};
@@ -166,7 +167,16 @@ fn check_d2t(d2t: &[i64], vocab: usize) -> Result<(), InputError> {
                 (d as i64).saturating_add(d2t[d])
             ),
         )),
-        None => Ok(()),
+        None => match first_repeat(d2t.iter().enumerate().map(|(d, &x)| d as i64 + x)) {
+            Some((e, d, t)) => Err(input_error(
+                "d2t",
+                format!("[{d}]"),
+                format!(
+                    "maps draft id {d} to target id {t}, as d2t[{e}] maps draft id {e}: the map must be one to one"
+                ),
+            )),
+            None => Ok(()),
+        },
     }
 }
 
@@ -177,6 +187,13 @@ fn check_hot_ids(ids: &[i64], vocab: usize) -> Result<(), InputError> {
             format!("[{i}]"),
             format!("{} is outside [0, {vocab})", ids[i]),
         )),
-        None => Ok(()),
+        None => match first_repeat(ids.iter().copied()) {
+            Some((e, i, id)) => Err(input_error(
+                "hot_token_ids",
+                format!("[{i}]"),
+                format!("repeats id {id} (hot_token_ids[{e}]): the ids must be distinct"),
+            )),
+            None => Ok(()),
+        },
     }
 }

@@ -232,6 +232,8 @@ fn eagle3_weight_files_that_do_not_fit_are_refused() {
     let (h, vd) = (hd.h, hd.vd);
     let mut far = hd.d2t.clone();
     far[7] = hd.vocab as i64; // 7 + vocab is past the target vocabulary
+    let mut twice = hd.d2t.clone();
+    twice[1] = hd.d2t[0] - 1; // draft id 1 maps to draft id 0's target id
     let cases: Vec<(&str, Vec<Tensor>, &str)> = vec![
         (
             "fc.weight",
@@ -240,6 +242,7 @@ fn eagle3_weight_files_that_do_not_fit_are_refused() {
         ),
         ("d2t", vec![], "d2t"),
         ("d2t", vec![i64_tensor("d2t", vec![vd], &far)], "d2t[7]"),
+        ("d2t", vec![i64_tensor("d2t", vec![vd], &twice)], "one to one"),
         (
             "lm_head.weight",
             vec![bf16_tensor(

@@ -252,8 +252,23 @@ pub fn check_table(plan: &Plan, t: &TableRegistration) -> Result<(), RegError> {
     Ok(())
 }
 
+/// The first id of `ids` that an earlier one repeats: `(earlier index, index, id)`. An id
+/// map (FR-Spec's hot ids, EAGLE-3's draft→target map) must be one to one, or the top-K
+/// would emit one token under several of its places.
+pub fn first_repeat(ids: impl IntoIterator<Item = i64>) -> Option<(usize, usize, i64)> {
+    let mut seen = std::collections::HashMap::new();
+    for (i, id) in ids.into_iter().enumerate() {
+        if let Some(&first) = seen.get(&id) {
+            return Some((first, i, id));
+        }
+        seen.insert(id, i);
+    }
+    None
+}
+
 /// EAGLE-3's d2t, read once at load: every draft id d must map to a target id d + d2t[d]
-/// inside the vocabulary (the ids leave the runtime as target ids).
+/// inside the vocabulary (the ids leave the runtime as target ids), and no two draft ids to
+/// the same target id.
 pub fn check_d2t(plan: &Plan, d2t: Option<&[i64]>) -> Result<(), RegError> {
     if !plan.weights.iter().any(|w| w.name == "d2t") {
         return Ok(());
@@ -271,7 +286,12 @@ pub fn check_d2t(plan: &Plan, d2t: Option<&[i64]>) -> Result<(), RegError> {
         Some((d, t)) => Err(RegError::Weights(format!(
             "d2t[{d}] maps draft id {d} to {t}, outside the target vocabulary [0, {vocab})"
         ))),
-        None => Ok(()),
+        None => match first_repeat(d2t.iter().enumerate().map(|(d, &x)| d as i64 + x)) {
+            Some((e, d, t)) => Err(RegError::Weights(format!(
+                "d2t[{d}] maps draft id {d} to target id {t}, which d2t[{e}] maps draft id {e} to: the map must be one to one"
+            ))),
+            None => Ok(()),
+        },
     }
 }
 
@@ -395,6 +415,11 @@ pub fn bind_weights(
                         "{is}: {} ids, expected {} in [0, {vocab})",
                         ids.len(),
                         w.shape[0]
+                    )));
+                }
+                if let Some((e, i, id)) = first_repeat(ids.iter().copied()) {
+                    return Err(RegError::Weights(format!(
+                        "{is}[{i}] repeats id {id} ({is}[{e}]): the ids must be distinct"
                     )));
                 }
                 out.push(WeightBinding::Gather {

@@ -452,3 +452,67 @@ fn leading_rows_bind_in_place() {
         "{e}"
     );
 }
+
+/// FR-Spec's hot ids and EAGLE-3's d2t are one-to-one maps: a repeated id is refused naming
+/// both places (the top-K would otherwise emit one token under several of its places).
+#[test]
+fn id_maps_must_be_one_to_one() {
+    assert_eq!(first_repeat([3, 1, 4, 1, 5]), Some((1, 3, 1)));
+    assert_eq!(first_repeat([3, 1, 4]), None);
+    let mut p = plan();
+    p.weights.push(WeightDesc {
+        name: "d2t".into(),
+        dtype: DType::I64,
+        bytes: 4 * 8,
+        shape: vec![4],
+        sources: vec!["d2t".into()],
+        packing: Packing::Single,
+        shard: Vec::new(),
+        offset: 0,
+    });
+    check_d2t(&p, Some(&[10, 10, 10, 10])).expect("d -> d + 10 is one to one");
+    // Draft ids 0 and 1 both map to target id 5.
+    let e = check_d2t(&p, Some(&[5, 4, 0, 0])).unwrap_err().to_string();
+    assert!(
+        e.contains("d2t[1]") && e.contains("d2t[0]") && e.contains("one to one"),
+        "{e}"
+    );
+    // The hot rows of lm_head, gathered by hot_token_ids: a repeated id is refused.
+    p.weights.push(WeightDesc {
+        name: "lm_head.hot".into(),
+        dtype: DType::Bf16,
+        bytes: 3 * 256 * 2,
+        shape: vec![3, 256],
+        sources: vec!["lm_head.weight".into(), "hot_token_ids".into()],
+        packing: Packing::GatherRows,
+        shard: Vec::new(),
+        offset: 0,
+    });
+    let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {
+        ptr,
+        dtype: DType::Bf16,
+        shape,
+    };
+    let mut tensors = HashMap::new();
+    tensors.insert("embed_tokens.weight".to_string(), t(0x10_0000, vec![1000, 256]));
+    tensors.insert(
+        "layers.0.self_attn.qkv_proj.weight".to_string(),
+        t(0x20_0000, vec![512, 256]),
+    );
+    tensors.insert("lm_head.weight".to_string(), t(0x30_0000, vec![1000, 256]));
+    tensors.insert(
+        "d2t".to_string(),
+        DeviceTensor {
+            ptr: 0x40_0000,
+            dtype: DType::I64,
+            shape: vec![4],
+        },
+    );
+    let ids = |v: Vec<i64>| move |name: &str| (name == "hot_token_ids").then(|| v.clone());
+    bind_weights(&p, &tensors, &ids(vec![7, 3, 999])).expect("distinct hot ids bind");
+    let e = bind_weights(&p, &tensors, &ids(vec![7, 3, 7])).unwrap_err().to_string();
+    assert!(
+        e.contains("hot_token_ids[2] repeats id 7") && e.contains("hot_token_ids[0]"),
+        "{e}"
+    );
+}
