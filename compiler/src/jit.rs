@@ -343,16 +343,32 @@ pub fn check_ptx_version(kernel: &str, ptx: &str) -> Result<(), JitError> {
     }
 }
 
-/// Cache entry: postcard of the binary; unreadable or foreign entries count as misses.
+/// Bytes of a cache entry's trailer: the SHA-256 of the postcard before it.
+const CACHE_DIGEST: usize = 32;
+
+/// Cache entry: postcard of the binary, then its SHA-256. An entry that is not a regular
+/// file, does not match its digest (a flipped byte would otherwise go into the plan, and the
+/// plan's checksum would cover it), does not decode, or was built for another arch or source
+/// counts as a miss: the kernel is compiled again and the entry rewritten.
 fn read_cache(path: &Path, arch: &str, source_hash: &str) -> Option<KernelBinary> {
+    // A FIFO or device node in the cache folder would block or never end a read.
+    if !std::fs::symlink_metadata(path).ok()?.is_file() {
+        return None;
+    }
     let bytes = std::fs::read(path).ok()?;
-    let bin: KernelBinary = postcard::from_bytes(&bytes).ok()?;
+    let (body, digest) = bytes.split_at_checked(bytes.len().checked_sub(CACHE_DIGEST)?)?;
+    if Sha256::digest(body).as_slice() != digest {
+        return None;
+    }
+    let bin: KernelBinary = postcard::from_bytes(body).ok()?;
     (bin.arch == arch && bin.source_hash == source_hash && !bin.cubin.is_empty()).then_some(bin)
 }
 
 fn write_cache(dir: &Path, file: &str, bin: &KernelBinary) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let bytes = postcard::to_allocvec(bin).map_err(std::io::Error::other)?;
+    let mut bytes = postcard::to_allocvec(bin).map_err(std::io::Error::other)?;
+    let digest = Sha256::digest(&bytes);
+    bytes.extend_from_slice(&digest);
     let tmp = tempfile::NamedTempFile::new_in(dir)?;
     std::fs::write(tmp.path(), bytes)?;
     tmp.persist(dir.join(file)).map_err(|e| e.error)?;

@@ -122,6 +122,48 @@ fn warm_recompile_hits_the_cache() {
     }
 }
 
+/// A cache entry with a flipped byte, cut short, or replaced by a FIFO is a miss: the kernel
+/// is compiled again (never a corrupted binary into the plan, never a blocked read), and the
+/// plan equals the cold one.
+#[test]
+#[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
+fn a_damaged_cache_entry_is_compiled_again() {
+    let Some(jit) = jit() else { return };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jit = jit.with_cache_dir(Some(dir.path().to_path_buf()));
+    let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("config");
+    let cold = compile(&cfg, &Target::default(), Some(&jit), &|_, _| {}).expect("cold compile");
+    let mut entries: Vec<std::path::PathBuf> = std::fs::read_dir(dir.path())
+        .expect("cache folder")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "bin"))
+        .collect();
+    entries.sort();
+    assert!(entries.len() >= 3, "cache entries: {entries:?}");
+    // A byte flipped in the middle (inside the CUBIN), one cut short, one a FIFO (made here,
+    // in the temp folder).
+    let mut bytes = std::fs::read(&entries[0]).expect("entry");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x5a;
+    std::fs::write(&entries[0], &bytes).expect("flip");
+    let cut = std::fs::read(&entries[1]).expect("entry");
+    std::fs::write(&entries[1], &cut[..cut.len() - 7]).expect("cut");
+    std::fs::remove_file(&entries[2]).expect("remove");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&entries[2])
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    let warm = compile(&cfg, &Target::default(), Some(&jit), &|_, _| {}).expect("warm compile");
+    let ws = warm.jit.expect("stats");
+    assert_eq!(
+        ws.compiled, 3,
+        "the three damaged entries are compiled again ({} cached)",
+        ws.cached
+    );
+    assert_eq!(cold.plan.plan(), warm.plan.plan(), "a damaged entry reached the plan");
+}
+
 #[test]
 #[cfg_attr(not(specplan_nvrtc), ignore = "needs the pinned NVRTC: run under .ci/with-nvrtc")]
 fn compile_errors_show_the_kernel_and_numbered_source() {
