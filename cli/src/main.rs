@@ -311,15 +311,27 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let compiled = compile(&cfg, &target, jit.as_ref(), &|done, _| bar.set_position(done as u64))?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
-            // Both outputs are staged (written to temporary files) before either is put in
-            // place: a failure while staging leaves both paths as they were; then the plan,
-            // then the text (a text this command created goes if the plan cannot be put).
-            let text_staged = match &text_out {
-                Some(t) => Some(t.stage(format::to_text(&compiled.plan).as_bytes())?),
+            // A stream (a FIFO or a device) may block, fail, and cannot be taken back: streams
+            // are written first, before any temporary file exists, so a command killed while
+            // a FIFO waits for its reader leaves nothing behind. The files are then staged
+            // (written to temporary files) before either is put in place: a failure while
+            // staging leaves both paths as they were; then the plan, then the text (a plan
+            // this command created goes if the text cannot be put).
+            let text = text_out.as_ref().map(|t| (t, format::to_text(&compiled.plan)));
+            let streams = |t: &output::OutputTarget| t.kind == output::OutputKind::Stream;
+            if streams(&plan_out) {
+                plan_out.write(&bytes)?;
+            }
+            if let Some((t, text)) = text.as_ref().filter(|(t, _)| streams(t)) {
+                t.write(text.as_bytes())?;
+            }
+            let text_staged = match text.as_ref().filter(|(t, _)| !streams(t)) {
+                Some((t, text)) => Some(t.stage(text.as_bytes())?),
                 None => None,
             };
-            let plan_staged = plan_out.stage(&bytes)?;
-            plan_staged.commit()?;
+            if !streams(&plan_out) {
+                plan_out.stage(&bytes)?.commit()?;
+            }
             if let Some(t) = text_staged {
                 if let Err(e) = t.commit() {
                     plan_out.undo_new();

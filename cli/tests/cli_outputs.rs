@@ -40,6 +40,36 @@ fn a_fifo_is_written_through_never_replaced() {
     assert_eq!(names(dir.path()), ["link", "pipe", "ref.plan"]);
 }
 
+/// A FIFO with no reader blocks its writer (as `cat > fifo` does). Streams are written
+/// before any file is staged, so a command killed while it waits leaves nothing behind:
+/// no plan without its text, no temporary file.
+#[test]
+fn a_command_killed_while_a_fifo_waits_leaves_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plan = dir.path().join("a.plan");
+    let fifo = dir.path().join("a.plan.txt");
+    mkfifo(&fifo);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_specplan"))
+        .args(["compile", "--no-kernels", "--preset", "tiny", "--text", "-o", &s(&plan)])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run specplan");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    assert!(
+        child.try_wait().expect("wait").is_none(),
+        "the writer should be waiting for a reader"
+    );
+    child.kill().expect("kill");
+    child.wait().expect("reap");
+    assert!(is_fifo(&fifo), "the FIFO was replaced");
+    assert_eq!(
+        names(dir.path()),
+        ["a.plan.txt"],
+        "a plan without its text, or a temporary file, was left"
+    );
+}
+
 #[test]
 fn a_symlink_is_followed_and_kept() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -120,7 +150,8 @@ fn a_directory_is_refused_before_any_work_and_leaves_nothing() {
     assert_refused(&o, "p.plan.txt: it is a directory");
     assert_eq!(names(dir.path()), ["d", "p.plan.txt"]);
 
-    // A directory that does not exist: nothing created anywhere.
+    // A directory that does not exist: refused by the check, before any work; nothing
+    // created anywhere.
     let o = specplan(&[
         "compile",
         "--no-kernels",
@@ -129,7 +160,7 @@ fn a_directory_is_refused_before_any_work_and_leaves_nothing() {
         "-o",
         &s(&dir.path().join("missing/p.plan")),
     ]);
-    assert_refused(&o, "cannot create a temporary file in");
+    assert_refused(&o, "its folder");
     assert_eq!(names(dir.path()), ["d", "p.plan.txt"]);
 }
 

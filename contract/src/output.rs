@@ -9,8 +9,12 @@
 //!   for writing without truncating or creating, then streamed. It is never replaced.
 //! - A symbolic link is followed: its target gets the rules above; the link stays. A link
 //!   to nothing is refused.
-//! - Refused, with the reason: a read-only file, a directory, a block device, a socket, and
-//!   an output that is the same file (device and inode) as one of the command's inputs.
+//! - Refused, with the reason: a read-only file, a directory, a block device, a socket, a
+//!   new path whose folder does not exist, and an output that is the same file (device and
+//!   inode) as one of the command's inputs.
+//! - A command with several outputs writes its streams first, before any temporary file
+//!   exists (a FIFO without a reader blocks, and a stream cannot be taken back), then
+//!   stages its files and puts them in place.
 //!
 //! [`check_output`] applies the rules before any work (so a doomed command fails at once);
 //! [`OutputTarget::write`] re-checks the file type just before it writes.
@@ -81,6 +85,16 @@ pub fn check_output(path: &Path, inputs: &[(&str, &Path)]) -> Result<OutputTarge
         Ok(m) => (path.to_path_buf(), Some(m)),
     };
     let Some(meta) = meta else {
+        // A new file needs a folder to go in: said now, before the command does its work.
+        let dir = match resolved.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        match std::fs::metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(err(path, format!("{} is not a directory", dir.display()))),
+            Err(e) => return Err(err(path, format!("its folder {} cannot be used: {e}", dir.display()))),
+        }
         return Ok(OutputTarget {
             path: path.to_path_buf(),
             resolved,
@@ -283,6 +297,13 @@ impl TempFile {
         let base = target
             .file_name()
             .map_or("out".into(), |f| f.to_string_lossy().into_owned());
+        // The temporary name adds about 30 bytes to the target's: a name near the usual
+        // 255-byte limit keeps only its first 200 bytes (the name is ours, never shown).
+        let cut = (0..=base.len().min(200))
+            .rev()
+            .find(|&i| base.is_char_boundary(i))
+            .unwrap_or(0);
+        let base = &base[..cut];
         let mut last = None;
         for _ in 0..16 {
             let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -353,5 +374,32 @@ mod tests {
         t_old.stage(b"new text").expect("stage").commit().expect("commit");
         assert_eq!(std::fs::read(&old).expect("read"), b"new text");
         assert_eq!(std::fs::read(&fresh).expect("read"), b"plan");
+    }
+
+    /// A new path in a folder that does not exist (or is a file) is refused by the check,
+    /// before any work, naming the folder.
+    #[test]
+    fn a_new_path_needs_its_folder() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("nodir").join("x.plan");
+        let e = check_output(&missing, &[]).unwrap_err().to_string();
+        assert!(e.contains("nodir") && e.contains("cannot be used"), "{e}");
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").expect("write");
+        let e = check_output(&file.join("x.plan"), &[]).unwrap_err().to_string();
+        assert!(e.to_lowercase().contains("not a directory"), "{e}");
+    }
+
+    /// A name near the 255-byte limit is written: the temporary name beside it is cut short.
+    #[test]
+    fn a_long_name_is_written() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let name = "é".repeat(120) + "abcdefghijklmno"; // 255 bytes
+        assert_eq!(name.len(), 255);
+        let path = dir.path().join(&name);
+        write_file(&path, b"plan").expect("a 255-byte name is written");
+        assert_eq!(std::fs::read(&path).expect("read"), b"plan");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
+        assert_eq!(names.len(), 1, "no temporary file left");
     }
 }
