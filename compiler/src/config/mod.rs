@@ -66,7 +66,12 @@ impl Errors {
 
     pub fn push(&mut self, field: String, message: String) {
         let path = field.split(' ').next().unwrap_or(&field);
-        if message.starts_with("missing") && self.non_finite.iter().any(|p| p == path) {
+        // A value already reported (non-finite, of the wrong type, out of range) reads as
+        // absent afterwards: it is not reported again as "missing".
+        let reported = |f: &FieldError| f.field.split(' ').next() == Some(path);
+        if message.starts_with("missing")
+            && (self.non_finite.iter().any(|p| p == path) || self.list.iter().any(reported))
+        {
             return;
         }
         self.list.push(FieldError { field, message });
@@ -286,7 +291,11 @@ fn uint_field(v: &Value, key: &str, field: &str, e: &mut Errors) -> Option<u32> 
         None | Some(Value::Null) => None,
         Some(x) => match x.as_u64() {
             Some(n) if n <= u32::MAX as u64 => Some(n as u32),
-            _ => {
+            Some(n) => {
+                e.push(field.to_string(), format!("{n} exceeds {}", u32::MAX));
+                None
+            }
+            None => {
                 e.push(field.to_string(), format!("expected a non-negative integer, got {x}"));
                 None
             }
@@ -433,6 +442,17 @@ fn read_capture(
             flags::label("hot_vocab_size"),
             "does not apply to an EAGLE-3 head: its draft vocabulary already maps to target ids through d2t".into(),
         );
+    }
+    if let (None, Some(s)) = (m.desc.draft_vocab, spec) {
+        if m.desc.vocab < s.topk {
+            e.push(
+                "model.vocab_size".into(),
+                format!(
+                    "{} is below topk = {}: the top-K needs at least topk vocabulary rows",
+                    m.desc.vocab, s.topk
+                ),
+            );
+        }
     }
     if let (Some(vd), Some(s)) = (m.desc.draft_vocab, spec) {
         if vd < s.topk {
