@@ -291,3 +291,18 @@ dtype = "bf16"
     );
     assert!(!msg.contains("compiler bug"), "{msg}");
 }
+
+/// A Hugging Face config that is valid JSON but not an object is refused naming the file
+/// (it named nothing: an empty field and "expected a table of model keys").
+#[test]
+fn a_json_config_that_is_not_an_object_names_its_file() {
+    for text in ["[1, 2, 3]", "null", "4", "\"config\""] {
+        let src = Source::HfConfig {
+            name: "array".into(),
+            text: text.into(),
+        };
+        let e = resolve(&src, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("array: expected a JSON object of model keys"), "{text}: {e}");
+        assert_eq!(e.lines().count(), 2, "one error only: {e}");
+    }
+}

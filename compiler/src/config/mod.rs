@@ -185,6 +185,19 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
         },
         Source::Toml { name, text } => (name.clone(), parse_toml(text, name, &mut e), false),
         Source::HfConfig { name, text } => match serde_json::from_str::<Value>(text) {
+            Ok(v) if !v.is_object() => {
+                let mut got = v.to_string();
+                if got.len() > 60 {
+                    let cut = (0..=60).rev().find(|&i| got.is_char_boundary(i)).unwrap_or(0);
+                    got.truncate(cut);
+                    got.push('…');
+                }
+                e.push(
+                    name.clone(),
+                    format!("expected a JSON object of model keys (a Hugging Face config.json), got {got}"),
+                );
+                (name.clone(), None, true)
+            }
             Ok(v) => (name.clone(), Some(v), true),
             Err(err) => {
                 e.push(name.clone(), keys::json_error(text, &err));

@@ -60,7 +60,14 @@ pub(super) fn shard(m: &mut ModelConfig, c: &mut CaptureConfig, topk: u32, prefi
     let t = c.tp.size;
     c.kv_parts = 1;
     if t <= 1 {
-        // One rank: the table is whole whatever the flag says.
+        // One rank: the table is whole whatever the flag says (said, so that a flag that
+        // did nothing is not taken for one that did).
+        if c.tp.vocab_embedding {
+            e.note(format!(
+                "{}: vocab applies only with tp_size > 1; the embedding stays whole",
+                flags::label("tp_embedding")
+            ));
+        }
         c.tp.vocab_embedding = false;
         return;
     }
