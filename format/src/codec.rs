@@ -110,6 +110,12 @@ pub fn decode(bytes: &[u8]) -> Result<ValidatedPlan, PlanError> {
         });
     }
     let body = &bytes[HEADER_LEN..];
+    if body.len() as u64 > body_len {
+        return Err(PlanError::Trailing {
+            expected: body_len,
+            found: body.len() as u64,
+        });
+    }
     if body.len() as u64 != body_len {
         return Err(PlanError::Truncated {
             what: "body",

@@ -51,6 +51,8 @@ pub enum PlanError {
         expected: u64,
         found: u64,
     },
+    #[error("plan has trailing bytes: its body should be {expected} bytes, found {found}")]
+    Trailing { expected: u64, found: u64 },
     #[error("plan is too large: {bytes} bytes exceed the limit of {limit}")]
     TooLarge { bytes: u64, limit: u64 },
     #[error("plan checksum mismatch: the body was corrupted")]

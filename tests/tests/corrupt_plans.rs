@@ -25,6 +25,12 @@ fn every_truncation_is_rejected() {
         assert!(matches!(err, PlanError::Truncated { .. }), "len {len}: {err}");
         assert!(err.to_string().contains("truncated"), "{err}");
     }
+    // A byte too many is said as such, not as a truncation.
+    let mut longer = bytes.clone();
+    longer.push(0);
+    let err = decode(&longer).expect_err("a plan with a trailing byte accepted");
+    assert!(matches!(err, PlanError::Trailing { .. }), "{err}");
+    assert!(err.to_string().contains("trailing bytes"), "{err}");
 }
 
 #[test]
