@@ -311,33 +311,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let compiled = compile(&cfg, &target, jit.as_ref(), &|done, _| bar.set_position(done as u64))?;
             bar.finish_and_clear();
             let bytes = format::encode(&compiled.plan)?;
-            // A stream (a FIFO or a device) may block, fail, and cannot be taken back: streams
-            // are written first, before any temporary file exists, so a command killed while
-            // a FIFO waits for its reader leaves nothing behind. The files are then staged
-            // (written to temporary files) before either is put in place: a failure while
-            // staging leaves both paths as they were; then the plan, then the text (a plan
-            // this command created goes if the text cannot be put).
-            let text = text_out.as_ref().map(|t| (t, format::to_text(&compiled.plan)));
-            let streams = |t: &output::OutputTarget| t.kind == output::OutputKind::Stream;
-            if streams(&plan_out) {
-                plan_out.write(&bytes)?;
-            }
-            if let Some((t, text)) = text.as_ref().filter(|(t, _)| streams(t)) {
-                t.write(text.as_bytes())?;
-            }
-            let text_staged = match text.as_ref().filter(|(t, _)| !streams(t)) {
-                Some((t, text)) => Some(t.stage(text.as_bytes())?),
-                None => None,
-            };
-            if !streams(&plan_out) {
-                plan_out.stage(&bytes)?.commit()?;
-            }
-            if let Some(t) = text_staged {
-                if let Err(e) = t.commit() {
-                    plan_out.undo_new();
-                    return Err(e.into());
-                }
-            }
+            write_plan(&plan_out, text_out.as_ref(), &bytes, &compiled.plan)?;
             print_summary(&compiled.plan, &out, bytes.len(), t0.elapsed().as_secs_f64())?;
             match compiled.jit {
                 Some(st) => outln!(
@@ -465,6 +439,44 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Doctor => doctor(),
     }
+}
+
+/// Writes a compiled plan to `plan_out`, and its text form to `text_out` (`--text`), both or
+/// neither as far as files go.
+fn write_plan(
+    plan_out: &output::OutputTarget,
+    text_out: Option<&output::OutputTarget>,
+    bytes: &[u8],
+    plan: &format::Plan,
+) -> Result<()> {
+    // A stream (a FIFO or a device) may block, fail, and cannot be taken back: streams
+    // are written first, before any temporary file exists, so a command killed while
+    // a FIFO waits for its reader leaves nothing behind. The files are then staged
+    // (written to temporary files) before either is put in place: a failure while
+    // staging leaves both paths as they were; then the plan, then the text (a plan
+    // this command created goes if the text cannot be put).
+    let text = text_out.map(|t| (t, format::to_text(plan)));
+    let streams = |t: &output::OutputTarget| t.kind == output::OutputKind::Stream;
+    if streams(plan_out) {
+        plan_out.write(bytes)?;
+    }
+    if let Some((t, text)) = text.as_ref().filter(|(t, _)| streams(t)) {
+        t.write(text.as_bytes())?;
+    }
+    let text_staged = match text.as_ref().filter(|(t, _)| !streams(t)) {
+        Some((t, text)) => Some(t.stage(text.as_bytes())?),
+        None => None,
+    };
+    if !streams(plan_out) {
+        plan_out.stage(bytes)?.commit()?;
+    }
+    if let Some(t) = text_staged {
+        if let Err(e) = t.commit() {
+            plan_out.undo_new();
+            return Err(e.into());
+        }
+    }
+    Ok(())
 }
 
 fn bucket_list(p: &format::Plan) -> String {

@@ -306,3 +306,19 @@ fn a_json_config_that_is_not_an_object_names_its_file() {
         assert_eq!(e.lines().count(), 2, "one error only: {e}");
     }
 }
+
+/// A Hugging Face config naming a key twice in one object is refused (serde_json would keep
+/// the last value silently; TOML refuses such a file too).
+#[test]
+fn a_json_config_with_a_repeated_key_is_refused() {
+    let text = r#"{"hidden_size": 256, "num_attention_heads": 4, "hidden_size": 512}"#;
+    let src = Source::HfConfig {
+        name: "dupkey".into(),
+        text: text.into(),
+    };
+    let e = resolve(&src, &Overrides::default()).unwrap_err().to_string();
+    assert!(
+        e.contains("dupkey: not a usable config: key \"hidden_size\" appears twice in one object"),
+        "{e}"
+    );
+}

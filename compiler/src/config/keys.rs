@@ -223,6 +223,73 @@ pub fn json_error(text: &str, err: &serde_json::Error) -> String {
     }
 }
 
+/// A JSON document walked only to find a key that one object repeats: serde_json's `Value`
+/// keeps the last silently, where TOML refuses the file; a `config.json` naming
+/// `hidden_size` twice would otherwise compile with whichever came last.
+struct NoRepeats;
+
+impl<'de> serde::Deserialize<'de> for NoRepeats {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NoRepeatsVisitor)
+    }
+}
+
+struct NoRepeatsVisitor;
+
+impl<'de> serde::de::Visitor<'de> for NoRepeatsVisitor {
+    type Value = NoRepeats;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<NoRepeats, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!(
+                    "key \"{key}\" appears twice in one object"
+                )));
+            }
+            map.next_value::<NoRepeats>()?;
+        }
+        Ok(NoRepeats)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<NoRepeats, A::Error> {
+        while seq.next_element::<NoRepeats>()?.is_some() {}
+        Ok(NoRepeats)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<NoRepeats, E> {
+        Ok(NoRepeats)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<NoRepeats, E> {
+        Ok(NoRepeats)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<NoRepeats, E> {
+        Ok(NoRepeats)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<NoRepeats, E> {
+        Ok(NoRepeats)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<NoRepeats, E> {
+        Ok(NoRepeats)
+    }
+    fn visit_unit<E>(self) -> Result<NoRepeats, E> {
+        Ok(NoRepeats)
+    }
+}
+
+/// The first key an object of the JSON `text` repeats, with where (`None`: none, or the text
+/// is not JSON, which the parse itself reports).
+pub fn json_repeated_key(text: &str) -> Option<String> {
+    serde_json::from_str::<NoRepeats>(text)
+        .err()
+        .filter(|e| e.to_string().contains("appears twice"))
+        .map(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,5 +325,16 @@ mod tests {
             json_error(text, &err),
             "NaN at line 1 column 16 is not a finite number (JSON numbers must be finite)"
         );
+    }
+
+    #[test]
+    fn json_repeated_keys_are_found() {
+        let e = json_repeated_key("{\"a\": 1, \"b\": {\"c\": 2, \"c\": 3}}").expect("repeat found");
+        assert!(e.contains("key \"c\" appears twice") && e.contains("line 1"), "{e}");
+        assert_eq!(
+            json_repeated_key("{\"a\": [{\"c\": 1}, {\"c\": 2}], \"b\": null}"),
+            None
+        );
+        assert_eq!(json_repeated_key("not json"), None);
     }
 }

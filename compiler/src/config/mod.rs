@@ -198,7 +198,14 @@ pub fn resolve(source: &Source, o: &Overrides) -> Result<Config, ConfigError> {
                 );
                 (name.clone(), None, true)
             }
-            Ok(v) => (name.clone(), Some(v), true),
+            Ok(v) => match keys::json_repeated_key(text) {
+                // serde_json keeps a repeated key's last value; TOML refuses the file.
+                Some(at) => {
+                    e.push(name.clone(), format!("not a usable config: {at}"));
+                    (name.clone(), None, true)
+                }
+                None => (name.clone(), Some(v), true),
+            },
             Err(err) => {
                 e.push(name.clone(), keys::json_error(text, &err));
                 (name.clone(), None, true)
