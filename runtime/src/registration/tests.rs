@@ -81,6 +81,29 @@ fn plan() -> Plan {
     }
 }
 
+/// A weight of the test plans.
+fn desc(name: &str, dtype: DType, shape: Vec<u64>, sources: &[&str], packing: Packing) -> WeightDesc {
+    WeightDesc {
+        name: name.into(),
+        dtype,
+        bytes: shape.iter().product::<u64>() * dtype.size(),
+        shape,
+        sources: sources.iter().map(|s| s.to_string()).collect(),
+        packing,
+        shard: Vec::new(),
+        offset: 0,
+    }
+}
+
+/// A caller's bf16 tensor.
+fn bf16(ptr: u64, shape: Vec<u64>) -> DeviceTensor {
+    DeviceTensor {
+        ptr,
+        dtype: DType::Bf16,
+        shape,
+    }
+}
+
 fn kv_ok() -> KvRegistration {
     KvRegistration::dense(vec![0x10_0000, 0x20_0000], vec![0x30_0000, 0x40_0000], 100, 128, 64)
 }
@@ -419,21 +442,14 @@ fn weights_bind_in_place_or_packed() {
 #[test]
 fn leading_rows_bind_in_place() {
     let mut p = plan();
-    p.weights.push(WeightDesc {
-        name: "lm_head.weight".into(),
-        dtype: DType::Bf16,
-        shape: vec![600, 256],
-        bytes: 600 * 256 * 2,
-        sources: vec!["embed_tokens.weight".into()],
-        packing: Packing::LeadingRows,
-        shard: Vec::new(),
-        offset: 0,
-    });
-    let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {
-        ptr,
-        dtype: DType::Bf16,
-        shape,
-    };
+    p.weights.push(desc(
+        "lm_head.weight",
+        DType::Bf16,
+        vec![600, 256],
+        &["embed_tokens.weight"],
+        Packing::LeadingRows,
+    ));
+    let t = bf16;
     let mut tensors = HashMap::new();
     tensors.insert("embed_tokens.weight".to_string(), t(0x10_0000, vec![1000, 256]));
     for (name, rows) in [("q", 256), ("k", 128), ("v", 128)] {
@@ -460,16 +476,8 @@ fn id_maps_must_be_one_to_one() {
     assert_eq!(first_repeat([3, 1, 4, 1, 5]), Some((1, 3, 1)));
     assert_eq!(first_repeat([3, 1, 4]), None);
     let mut p = plan();
-    p.weights.push(WeightDesc {
-        name: "d2t".into(),
-        dtype: DType::I64,
-        bytes: 4 * 8,
-        shape: vec![4],
-        sources: vec!["d2t".into()],
-        packing: Packing::Single,
-        shard: Vec::new(),
-        offset: 0,
-    });
+    p.weights
+        .push(desc("d2t", DType::I64, vec![4], &["d2t"], Packing::Single));
     check_d2t(&p, Some(&[10, 10, 10, 10])).expect("d -> d + 10 is one to one");
     // Draft ids 0 and 1 both map to target id 5.
     let e = check_d2t(&p, Some(&[5, 4, 0, 0])).unwrap_err().to_string();
@@ -478,28 +486,20 @@ fn id_maps_must_be_one_to_one() {
         "{e}"
     );
     // The hot rows of lm_head, gathered by hot_token_ids: a repeated id is refused.
-    p.weights.push(WeightDesc {
-        name: "lm_head.hot".into(),
-        dtype: DType::Bf16,
-        bytes: 3 * 256 * 2,
-        shape: vec![3, 256],
-        sources: vec!["lm_head.weight".into(), "hot_token_ids".into()],
-        packing: Packing::GatherRows,
-        shard: Vec::new(),
-        offset: 0,
-    });
-    let t = |ptr: u64, shape: Vec<u64>| DeviceTensor {
-        ptr,
-        dtype: DType::Bf16,
-        shape,
-    };
+    p.weights.push(desc(
+        "lm_head.hot",
+        DType::Bf16,
+        vec![3, 256],
+        &["lm_head.weight", "hot_token_ids"],
+        Packing::GatherRows,
+    ));
     let mut tensors = HashMap::new();
-    tensors.insert("embed_tokens.weight".to_string(), t(0x10_0000, vec![1000, 256]));
+    tensors.insert("embed_tokens.weight".to_string(), bf16(0x10_0000, vec![1000, 256]));
     tensors.insert(
         "layers.0.self_attn.qkv_proj.weight".to_string(),
-        t(0x20_0000, vec![512, 256]),
+        bf16(0x20_0000, vec![512, 256]),
     );
-    tensors.insert("lm_head.weight".to_string(), t(0x30_0000, vec![1000, 256]));
+    tensors.insert("lm_head.weight".to_string(), bf16(0x30_0000, vec![1000, 256]));
     tensors.insert(
         "d2t".to_string(),
         DeviceTensor {
