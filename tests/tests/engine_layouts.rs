@@ -43,8 +43,15 @@ struct Run {
     error: Option<specplan_runtime::gpu::DeviceError>,
 }
 
-fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, accept: &[i32]) -> Run {
-    let mut pools = pools(plan, c.used_pages, &c.k0, &c.v0, layout);
+/// A CPU engine on `c`'s pools (in `layout`) and a table of its requests' rows (returned: it
+/// must outlive the engine, which reads it in place).
+fn layout_engine(
+    plan: &ValidatedPlan,
+    w: &HostWeights,
+    c: &Case,
+    layout: Layout,
+    pools: &mut Pools,
+) -> (CpuEngine, Vec<i32>) {
     let p = plan.capture.page_size as usize;
     let token_slots = matches!(layout, Layout::SglangNhd | Layout::SglangHnd);
     // Row i of the table: request i's pages (page ids), or its positions' token slots.
@@ -67,7 +74,7 @@ fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, a
         }
     }
     let mem = EngineMemory {
-        kv: kv_registration(plan, &mut pools),
+        kv: kv_registration(plan, pools),
         table: TableRegistration {
             ptr: table.as_ptr() as u64,
             mode: if token_slots {
@@ -85,7 +92,13 @@ fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, a
     // SAFETY: every address is a live host buffer of this function sized for its
     // registration (pools for the geometry's extent past the 16-byte shift, the table for
     // b × cols, the weights for their shapes), untouched while the engine runs.
-    let mut eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    let eng = unsafe { CpuEngine::new(plan.clone(), mem) }.expect("registers");
+    (eng, table)
+}
+
+fn run_layout(plan: &ValidatedPlan, w: &HostWeights, c: &Case, layout: Layout, accept: &[i32]) -> Run {
+    let mut pools = pools(plan, c.used_pages, &c.k0, &c.v0, layout);
+    let (mut eng, _table) = layout_engine(plan, w, c, layout, &mut pools);
     let (k, h) = (plan.spec.topk as usize, plan.model.hidden as usize);
     let cols_l = signature::logits_cols(plan) as usize;
     let outs = plan.capture.outputs;
@@ -282,6 +295,78 @@ fn a_refused_request_writes_nothing_and_has_zero_outputs() {
             let o = from_act_bits(c.k0[layer * per_layer + (t * hh * d) as usize], plan.capture.dtype);
             assert_eq!(got.to_bits(), o.to_bits(), "refused request 1 wrote slot {t}");
         }
+    }
+}
+
+/// Prefixes and select indices near the i64 limits are refused (prefix, accept), never an
+/// overflow: the engine reads what a caller passes as plain i64s.
+#[test]
+fn integers_near_the_i64_limits_are_refused_not_overflowed() {
+    let mut rng = Rng(seed() ^ 0x7e57);
+    let plan = plan(4, "topk");
+    let w = random_weights(&plan, &mut rng);
+    let hw = host_weights(&plan, &w);
+    let c = make_case(&plan, &mut rng, 3, 9);
+    let mut pools = pools(&plan, c.used_pages, &c.k0, &c.v0, Layout::VllmNhd);
+    let (mut eng, _table) = layout_engine(&plan, &hw, &c, Layout::VllmNhd, &mut pools);
+    let (k, h, n) = (
+        plan.spec.topk as usize,
+        plan.model.hidden as usize,
+        plan.spec.num_draft_tokens as i64,
+    );
+    let req: Vec<i64> = (0..3).collect();
+    let good_sel: Vec<i64> = (0..3).map(|i| i * n).collect();
+    let prefix: Vec<i64> = c.step.prefix_lens.iter().map(|&l| l as i64 + n).collect();
+    let cases: [(&str, Vec<i64>, Vec<i64>, i32, DeviceRule); 4] = [
+        (
+            "prefix i64::MAX",
+            vec![prefix[0], i64::MAX, prefix[2]],
+            good_sel.clone(),
+            -(n as i32),
+            DeviceRule::Prefix,
+        ),
+        (
+            "prefix i64::MIN, bias -N",
+            vec![prefix[0], i64::MIN, prefix[2]],
+            good_sel.clone(),
+            -(n as i32),
+            DeviceRule::Prefix,
+        ),
+        (
+            "prefix i64::MAX, bias +1",
+            vec![prefix[0] - n - 1, i64::MAX, prefix[2] - n - 1],
+            good_sel.clone(),
+            1,
+            DeviceRule::Prefix,
+        ),
+        (
+            "select index i64::MIN",
+            prefix.clone(),
+            vec![0, i64::MIN, 2 * n],
+            -(n as i32),
+            DeviceRule::Accept,
+        ),
+    ];
+    for (what, pre, sel, bias, rule) in cases {
+        let (mut probs, mut ids, mut hidden) = (vec![0f32; 3 * k], vec![0i64; 3 * k], vec![0u16; 3 * h]);
+        let step = HostStep {
+            input_ids: Ints::I64(&c.step.input_ids),
+            hidden: &c.hidden_bits,
+            req: Ints::I64(&req),
+            prefix: Ints::I64(&pre),
+            accept: Ints::I64(&sel),
+            accept_form: AcceptForm::SelectRows,
+            prefix_bias: bias,
+        };
+        let mut o = HostOutputs {
+            topk_p: Some(&mut probs[..]),
+            topk_index: Some(&mut ids[..]),
+            hidden: Some(&mut hidden[..]),
+            logits: None,
+        };
+        eng.step(&step, &mut o).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let e = eng.last_error().unwrap_or_else(|| panic!("{what}: not refused"));
+        assert_eq!((e.request, e.rule), (1, Some(rule)), "{what}: {e}");
     }
 }
 

@@ -237,12 +237,18 @@ impl CpuEngine {
         std::mem::take(&mut self.unpolled)
     }
 
-    /// Request `i`'s accept length (`A`, however the caller gave it).
+    /// Request `i`'s accept length (`A`, however the caller gave it); 0 (outside [1, N], so
+    /// refused) where a select index is so far out that the arithmetic would overflow.
     fn accept(&self, x: &HostStep, i: usize) -> i64 {
         let n = self.plan.rows_per_request(PhaseKind::DraftExtend) as i64;
         match x.accept_form {
             crate::gpu::AcceptForm::Lengths => x.accept.get(i),
-            crate::gpu::AcceptForm::SelectRows => x.accept.get(i) - i as i64 * n + 1,
+            crate::gpu::AcceptForm::SelectRows => x
+                .accept
+                .get(i)
+                .checked_sub(i as i64 * n)
+                .and_then(|a| a.checked_add(1))
+                .unwrap_or(0),
         }
     }
 
@@ -252,20 +258,21 @@ impl CpuEngine {
         let n = p.rows_per_request(PhaseKind::DraftExtend) as i64;
         let ps = p.capture.page_size as i64;
         let r = x.req.get(i);
-        let l = x.prefix.get(i) + x.prefix_bias as i64;
         let a = self.accept(x, i);
-        let end = l + n;
         let t = &self.table;
+        if r < 0 || r as u64 >= t.rows {
+            return Err(DeviceRule::Request);
+        }
+        // Compared before any sum: a prefix near the i64 limits is refused, never overflowed.
+        let l = match x.prefix.get(i).checked_add(x.prefix_bias as i64) {
+            Some(l) if l >= 0 && l <= p.capture.max_context_len as i64 - n => l,
+            _ => return Err(DeviceRule::Prefix),
+        };
+        let end = l + n;
         let need = match t.mode {
             TableMode::TokenSlots => end,
             TableMode::PageIds => (end + ps - 1).div_euclid(ps),
         };
-        if r < 0 || r as u64 >= t.rows {
-            return Err(DeviceRule::Request);
-        }
-        if l < 0 || end > p.capture.max_context_len as i64 {
-            return Err(DeviceRule::Prefix);
-        }
         if need > t.cols as i64 {
             return Err(DeviceRule::Row);
         }
@@ -360,7 +367,12 @@ impl CpuEngine {
             let reqs: Vec<aliasing::Request> = (start..end)
                 .zip(&admitted)
                 .map(|(i, a)| aliasing::Request {
-                    l: (x.prefix.get(i) + x.prefix_bias as i64).max(0) as usize,
+                    // A refused request's prefix may be anything an i64 holds; it reads nothing.
+                    l: if a.is_ok() {
+                        (x.prefix.get(i) + x.prefix_bias as i64) as usize
+                    } else {
+                        0
+                    },
                     admitted: a.is_ok(),
                 })
                 .collect();

@@ -67,11 +67,15 @@ impl CpuEngine {
         let p = self.plan();
         let (k, steps, ps) = (p.spec.topk, kind.steps(), p.capture.page_size as i64);
         let r = x.req.get(i);
-        let l = x.prefix.get(i) + x.prefix_bias as i64;
         let t = self.table();
         if r < 0 || r as u64 >= t.rows {
             return Err(DeviceRule::Request);
         }
+        let l = x
+            .prefix
+            .get(i)
+            .checked_add(x.prefix_bias as i64)
+            .ok_or(DeviceRule::Prefix)?;
         let l32 = i32::try_from(l).map_err(|_| DeviceRule::Prefix)?;
         crate::admission::check_prefix(p, kind, i, l32).map_err(|_| DeviceRule::Prefix)?;
         let end = l + decode_reach(l as u64, steps, k, ps as u32) as i64;
@@ -188,7 +192,9 @@ impl CpuEngine {
             };
             let admitted: Vec<Result<Vec<i32>, DeviceRule>> =
                 (start..end).map(|i| self.admit_decode(kind, x, i)).collect();
-            let prefix = |i: usize| (x.prefix.get(i) + x.prefix_bias as i64).max(0) as usize;
+            // Admitted requests' prefixes only: a refused one reads and writes nothing, and
+            // its prefix may be anything an i64 holds.
+            let prefix = |i: usize| x.prefix.get(i).saturating_add(x.prefix_bias as i64).max(0) as usize;
             // The aliasing rule over the lanes' writes: a request reads its prefix and its
             // own lanes' slots, and writes those.
             let mode = self.table().mode;
@@ -196,16 +202,19 @@ impl CpuEngine {
             let reqs: Vec<aliasing::Sets> = (start..end)
                 .zip(&admitted)
                 .map(|(i, a)| {
+                    if a.is_err() {
+                        return aliasing::Sets {
+                            reads: Vec::new(),
+                            writes: Vec::new(),
+                            admitted: false,
+                        };
+                    }
                     let l = prefix(i);
-                    let writes: Vec<usize> = if a.is_ok() {
-                        lane_positions(&p, kind, l).collect()
-                    } else {
-                        Vec::new()
-                    };
+                    let writes: Vec<usize> = lane_positions(&p, kind, l).collect();
                     aliasing::Sets {
                         reads: (0..l).chain(writes.iter().copied()).collect(),
                         writes,
-                        admitted: a.is_ok(),
+                        admitted: true,
                     }
                 })
                 .collect();
