@@ -317,7 +317,7 @@ fn integers_near_the_i64_limits_are_refused_not_overflowed() {
     let req: Vec<i64> = (0..3).collect();
     let good_sel: Vec<i64> = (0..3).map(|i| i * n).collect();
     let prefix: Vec<i64> = c.step.prefix_lens.iter().map(|&l| l as i64 + n).collect();
-    let cases: [(&str, Vec<i64>, Vec<i64>, i32, DeviceRule); 4] = [
+    let cases = [
         (
             "prefix i64::MAX",
             vec![prefix[0], i64::MAX, prefix[2]],
