@@ -15,7 +15,9 @@ use specplan_kernels::kv::{DeviceRule, TableMode};
 use super::{CpuExecutor, ExecError, KvStore, StridedKv, WeightData};
 use crate::aliasing;
 use crate::gpu::DeviceError;
-use crate::registration::{bind_weights, check_d2t, check_kv, check_table, EngineMemory, RegError, WeightBinding};
+use crate::registration::{
+    bind_weights, check_d2t, check_hot_ids, check_kv, check_table, EngineMemory, RegError, WeightBinding,
+};
 use crate::step::{first_non_finite, BucketInputs, PageTable};
 
 /// A `[b]` integer tensor of the caller, i32 or i64.
@@ -137,6 +139,7 @@ impl CpuEngine {
         };
         let bindings = bind_weights(&plan, tensors, &ids_of)?;
         check_d2t(&plan, ids_of("d2t").as_deref())?;
+        check_hot_ids(&plan, ids_of("hot_token_ids").as_deref())?;
         let act = plan.capture.dtype;
         let mut weights = Vec::with_capacity(bindings.len());
         for (w, b) in plan.weights.iter().zip(&bindings) {

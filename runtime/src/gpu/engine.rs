@@ -336,6 +336,8 @@ impl GpuRuntime {
         // EAGLE-3's d2t is used in place; its ids leave the runtime as target ids, so it is
         // read once here and checked against the target vocabulary.
         crate::registration::check_d2t(&plan, ids_of("d2t").as_deref())?;
+        // FR-Spec's hot ids likewise (the top-K emits them), however lm_head.hot was given.
+        crate::registration::check_hot_ids(&plan, ids_of("hot_token_ids").as_deref())?;
         let (admit, emit) = (kernel_of(&plan, Entry::Admit)?, kernel_of(&plan, Entry::Emit)?);
         let core = Self::core(&plan, &opts)?;
         // admit's write set grows with the bucket: above 48 KiB of shared memory a kernel

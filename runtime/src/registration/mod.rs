@@ -153,6 +153,21 @@ pub fn check_kv(plan: &Plan, kv: &KvRegistration) -> Result<(), RegError> {
         ));
     }
     let bytes = span.checked_mul(elem);
+    // Two layers' pools starting at one address share their first element (a list that
+    // names one tensor twice; K and V of one layer are the gap's check below). Partial
+    // overlaps between layers are not looked for: engines may interleave layers in one
+    // buffer, where only an element-wise test could tell.
+    let mut starts: Vec<(u64, usize, &str)> = (0..layers)
+        .flat_map(|l| [(kv.k[l], l, io::K_CACHE), (kv.v[l], l, io::V_CACHE)])
+        .collect();
+    starts.sort();
+    if let Some(w) = starts.windows(2).find(|w| w[0].0 == w[1].0 && w[0].1 != w[1].1) {
+        let ((p, la, na), (_, lb, nb)) = (w[0], w[1]);
+        return Err(bad(
+            &format!("{nb}[{lb}]"),
+            format!("starts at {p:#x}, as {na}[{la}] does: two layers' pools would share memory"),
+        ));
+    }
     for l in 0..layers {
         let (k, v) = (kv.k[l], kv.v[l]);
         for (name, p) in [(io::K_CACHE, k), (io::V_CACHE, v)] {
@@ -163,8 +178,14 @@ pub fn check_kv(plan: &Plan, kv: &KvRegistration) -> Result<(), RegError> {
                 ));
             }
         }
-        // K and V as one more dimension of extent 2, `|v - k|` apart.
+        // K and V as one more dimension of extent 2, `|v - k|` apart (never 0: one pool).
         let gap = v.abs_diff(k);
+        if gap == 0 {
+            return Err(bad(
+                &format!("v_cache[{l}]"),
+                format!("is k_cache[{l}] (address {k:#x}): K and V must not share memory"),
+            ));
+        }
         if !gap.is_multiple_of(elem) {
             return Err(bad(
                 &format!("v_cache[{l}]"),
@@ -292,6 +313,33 @@ pub fn check_d2t(plan: &Plan, d2t: Option<&[i64]>) -> Result<(), RegError> {
             ))),
             None => Ok(()),
         },
+    }
+}
+
+/// FR-Spec's map from the hot columns to vocabulary ids, read once at load whenever the plan
+/// has one (whether `lm_head.hot` is gathered here or given packed): ids in [0, V), distinct.
+pub fn check_hot_ids(plan: &Plan, ids: Option<&[i64]>) -> Result<(), RegError> {
+    let Some(w) = plan.weights.iter().find(|w| w.name == "hot_token_ids") else {
+        return Ok(());
+    };
+    let ids = ids.ok_or_else(|| {
+        RegError::Weights(format!(
+            "hot_token_ids: FR-Spec's hot vocabulary ids must be given as a 1-D i64 tensor of {} (missing, or another dtype or shape)",
+            w.shape.first().copied().unwrap_or(0)
+        ))
+    })?;
+    let vocab = plan.model.vocab as i64;
+    if let Some(i) = ids.iter().position(|&x| x < 0 || x >= vocab) {
+        return Err(RegError::Weights(format!(
+            "hot_token_ids[{i}] is {}, outside the vocabulary [0, {vocab})",
+            ids[i]
+        )));
+    }
+    match first_repeat(ids.iter().copied()) {
+        Some((e, i, id)) => Err(RegError::Weights(format!(
+            "hot_token_ids[{i}] repeats id {id} (hot_token_ids[{e}]): the ids must be distinct"
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -140,6 +140,22 @@ fn kv_registration_rules() {
     kv.geom.page_stride = 256;
     let e = check_kv(&p, &kv).unwrap_err().to_string();
     assert!(e.contains("the attention addresses"), "{e}");
+    // One tensor passed as K and V of a layer, or as two layers' pools.
+    let mut kv = kv_ok();
+    kv.v[0] = kv.k[0];
+    let e = check_kv(&p, &kv).unwrap_err().to_string();
+    assert!(
+        e.contains("v_cache[0]: is k_cache[0]") && e.contains("must not share memory"),
+        "{e}"
+    );
+    let mut kv = kv_ok();
+    kv.k[1] = kv.k[0];
+    let e = check_kv(&p, &kv).unwrap_err().to_string();
+    assert!(e.contains("k_cache[1]") && e.contains("as k_cache[0] does"), "{e}");
+    let mut kv = kv_ok();
+    kv.k[1] = kv.v[0];
+    let e = check_kv(&p, &kv).unwrap_err().to_string();
+    assert!(e.contains("k_cache[1]") && e.contains("v_cache[0]"), "{e}");
 }
 
 /// The engines' layouts in place: SGLang NHD and HND pools, vLLM's packed `[.., 2·D]`
@@ -515,4 +531,22 @@ fn id_maps_must_be_one_to_one() {
         e.contains("hot_token_ids[2] repeats id 7") && e.contains("hot_token_ids[0]"),
         "{e}"
     );
+    // The top-K's own map, checked whether or not lm_head.hot is gathered here.
+    p.weights.push(desc(
+        "hot_token_ids",
+        DType::I64,
+        vec![3],
+        &["hot_token_ids"],
+        Packing::Single,
+    ));
+    check_hot_ids(&p, Some(&[7, 3, 999])).expect("distinct ids in range");
+    let e = check_hot_ids(&p, Some(&[7, 3, 7])).unwrap_err().to_string();
+    assert!(e.contains("hot_token_ids[2] repeats id 7"), "{e}");
+    let e = check_hot_ids(&p, Some(&[7, 1000, 3])).unwrap_err().to_string();
+    assert!(
+        e.contains("hot_token_ids[1] is 1000, outside the vocabulary [0, 1000)"),
+        "{e}"
+    );
+    let e = check_hot_ids(&p, None).unwrap_err().to_string();
+    assert!(e.contains("1-D i64 tensor of 3"), "{e}");
 }

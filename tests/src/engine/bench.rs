@@ -5,8 +5,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use cudarc::driver::result;
-use specplan_format::PhaseKind;
-use specplan_format::ValidatedPlan;
+use specplan_format::{DType, PhaseKind, ValidatedPlan};
 use specplan_runtime::gpu::{
     DeviceInts, DeviceOutputs, DeviceStep, DeviceTensor, EngineMemory, GpuOptions, GpuRuntime, KvRegistration,
     TableMode, TableRegistration,
@@ -51,6 +50,12 @@ pub fn engine_load_ms(
         if w.name == "d2t" {
             // EAGLE-3's d2t is read and range-checked at load: zero offsets map d to d.
             b.fill(0, std::ptr::null_mut())?;
+        } else if w.dtype == DType::I64 {
+            // FR-Spec's hot ids likewise (in range, distinct): 0, 1, 2, ...
+            let ids: Vec<i64> = (0..(w.bytes / 8) as i64).collect();
+            // SAFETY: `b` holds the weight's bytes, `w.bytes / 8` i64s.
+            unsafe { result::memcpy_htod_sync(b.ptr, &ids) }.map_err(|e| format!("{e:?}"))?;
+            result::ctx::synchronize().map_err(|e| format!("{e:?}"))?;
         }
         weights.insert(
             w.name.clone(),
@@ -132,9 +137,16 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
     let mut weights = HashMap::new();
     for w in &plan.weights {
         let ptr = fill(&mut bufs, w.bytes as usize)?;
-        if w.name == "d2t" {
-            // A byte pattern is not a d2t map (its ids would leave the vocabulary): zero offsets.
-            let z = upload(&mut bufs, &vec![0i64; (w.bytes / 8) as usize])?;
+        if w.dtype == DType::I64 {
+            // A byte pattern is no id map (its ids would leave the vocabulary, or repeat):
+            // d2t's zero offsets, the hot ids 0, 1, 2, ...
+            let n = (w.bytes / 8) as i64;
+            let ids: Vec<i64> = if w.name == "d2t" {
+                vec![0; n as usize]
+            } else {
+                (0..n).collect()
+            };
+            let z = upload(&mut bufs, &ids)?;
             weights.insert(
                 w.name.clone(),
                 DeviceTensor {
