@@ -12,7 +12,7 @@ another request reads), and a request breaking one writes nothing and gets zero 
 `poll_error()` reports either phase's refusals without waiting: they share one ring).
 """
 
-from ._runner import DeviceError, _TORCH_DTYPES
+from ._runner import DeviceError, _TORCH_DTYPES, _need_tensor
 
 
 _VERIFY = ("verify_tokens", "verify_positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
@@ -96,9 +96,7 @@ class DraftDecodeRunner:
         return self._nodes + 1
 
     def _tensor(self, name, t, dtypes, shape):
-        torch = self._torch
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        _need_tensor(self._torch, name, t)
         if t.dtype not in dtypes:
             want = " or ".join(str(d) for d in dtypes)
             raise TypeError(f"{name}: dtype {t.dtype}, expected {want}")

@@ -140,7 +140,18 @@ def _TORCH_DTYPES(torch):
 def _need_tensor(torch, name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _need_memory(name, t)
     return t
+
+
+def _need_memory(name, t):
+    """A tensor whose memory holds its values: not on the meta device (no memory), not a
+    lazily negated or conjugated view (its memory holds the un-negated values, which the
+    kernels would read)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: on the meta device, which holds no memory")
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name}: a lazily negated or conjugated view; pass t.resolve_neg() or t.resolve_conj()")
 
 
 # KV layouts a runner takes in place, by the order of a per-layer tensor's dimensions:
@@ -403,6 +414,10 @@ class Engine:
             for s in sources:
                 rows.setdefault(s, None)
         out = {}
+        # Rows a vocabulary-sized weight may carry past the plan's (padding); any other
+        # weight's shape is the plan's exactly (the runtime checks it).
+        vocab_rows = {self.plan.vocab_size, self.plan.draft_vocab_size}
+        bare = {}
         for name, t in weights.items():
             if not isinstance(name, str):
                 raise TypeError(f"weights: keys must be tensor names (str), got {type(name).__name__}")
@@ -410,8 +425,12 @@ class Engine:
             _need_tensor(torch, what, t)
             if t.device != self._device:
                 raise ValueError(f"{what}: on {t.device}, the K/V pools are on {self._device}")
-            want = rows.get(name[len("model."):] if name.startswith("model.") else name)
-            if want is not None and t.dim() == 2 and t.shape[0] > want:
+            key = name[len("model."):] if name.startswith("model.") else name
+            if key in bare:
+                raise ValueError(f"{what}: given twice, as {bare[key]!r} and {name!r}; pass one")
+            bare[key] = name
+            want = rows.get(key)
+            if want is not None and want in vocab_rows and t.dim() == 2 and t.shape[0] > want:
                 # A vocabulary padded past the plan's rows (SGLang pads lm_head to a
                 # multiple of 64): its first rows, a contiguous view.
                 t = t[:want]
@@ -492,8 +511,7 @@ class DraftExtendRunner:
     # ---- per step ----
 
     def _ints(self, name, t, b):
-        if not isinstance(t, self._torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        _need_tensor(self._torch, name, t)
         dt = t.dtype
         if dt is not self._i64 and dt is not self._i32:
             raise TypeError(f"{name}: dtype {dt}, expected torch.int64 or torch.int32")
@@ -539,16 +557,14 @@ class DraftExtendRunner:
         prefix_i32 = self._ints("prefix_lens", prefix_lens, b)
         accept_i32 = self._ints("accept_lens", accept_lens, b)
         n = self._n
-        if not isinstance(input_ids, torch.Tensor):
-            raise TypeError(f"input_ids: expected a torch.Tensor, got {type(input_ids).__name__}")
+        _need_tensor(torch, "input_ids", input_ids)
         if input_ids.dtype is not self._i64 and input_ids.dtype is not self._i32:
             raise TypeError(f"input_ids: dtype {input_ids.dtype}, expected torch.int64 or torch.int32")
         if tuple(input_ids.shape) not in ((b * n,), (b, n)):
             raise ValueError(f"input_ids: shape {tuple(input_ids.shape)}, expected [{b * n}] or [{b}, {n}]")
         if input_ids.get_device() != self._index or not input_ids.is_contiguous():
             raise ValueError(f"input_ids: must be contiguous on {self._device} (is on {input_ids.device})")
-        if not isinstance(hidden_states, torch.Tensor):
-            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
+        _need_tensor(torch, "hidden_states", hidden_states)
         if hidden_states.dtype is not self._act:
             raise TypeError(f"hidden_states: dtype {hidden_states.dtype}, the plan's activations are {self._act}")
         hin = self._hin
@@ -558,6 +574,10 @@ class DraftExtendRunner:
             )
         if hidden_states.get_device() != self._index or not hidden_states.is_contiguous():
             raise ValueError(f"hidden_states: must be contiguous on {self._device} (is on {hidden_states.device})")
+        if not isinstance(prefix_includes_new_tokens, bool):
+            raise TypeError(
+                f"prefix_includes_new_tokens: expected a bool, got {type(prefix_includes_new_tokens).__name__}"
+            )
         bias = -n if prefix_includes_new_tokens else 0
         if prefix_lens_cpu is not None:
             self._check_lengths(prefix_lens_cpu, b, bias)
