@@ -92,10 +92,11 @@ def _fake_torch():
     class Tensor:
         _next = 0x7F0000000000
 
-        def __init__(self, shape, dtype, device=cuda0, strides=None):
+        def __init__(self, shape, dtype, device=cuda0, strides=None, neg=False):
             self.shape = tuple(shape)
             self.dtype = dtype
             self.device = device
+            self._neg = neg
             if strides is None:
                 strides, acc = [], 1
                 for s in reversed(self.shape):
@@ -119,6 +120,12 @@ def _fake_torch():
 
         def data_ptr(self):
             return self._ptr
+
+        def is_neg(self):
+            return self._neg
+
+        def is_conj(self):
+            return False
 
         def get_device(self):
             return self.device.index if self.device.type == "cuda" else -1
@@ -280,6 +287,11 @@ def test_run_checks_every_input_before_launching(fake):
         ((ids, hid, req, pre, torch.Tensor((b,), torch.int32, device=_Device("cpu"))), ValueError, "accept_lens: on cpu"),
         ((ids, hid, req, pre, torch.Tensor((b, 2), torch.int32, strides=(1, b))), ValueError, "accept_lens: shape"),
         ((ids, hid, req, pre, [1, 2, 3]), TypeError, "accept_lens: expected a torch.Tensor"),
+        # Memory that does not hold the values: a lazily negated view, the meta device.
+        ((ids, torch.Tensor((b * n, h), torch.bfloat16, neg=True), req, pre, acc), ValueError,
+         "hidden_states: a lazily negated"),
+        ((ids, hid, req, torch.Tensor((b,), torch.int32, device=_Device("meta")), acc), ValueError,
+         "prefix_lens: on the meta device"),
     ]
     for args, exc, msg in cases:
         before = len(r._engine.calls)
@@ -292,6 +304,11 @@ def test_run_checks_every_input_before_launching(fake):
               torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64))
     with pytest.raises(ValueError, match=r"prefix_lens_cpu\[1\]"):
         r.run(ids, hid, req, pre, acc, prefix_lens_cpu=[0, plan.max_context_len, 0])
+    # A flag must be a bool: the string "False" is truthy.
+    before = len(r._engine.calls)
+    with pytest.raises(TypeError, match="prefix_includes_new_tokens: expected a bool"):
+        r.run(ids, hid, req, pre, acc, prefix_includes_new_tokens="False")
+    assert len(r._engine.calls) == before
 
 
 def test_draft_decode_runner_names_its_tier_and_checks_inputs(fake):
