@@ -6,7 +6,7 @@ use std::path::Path;
 use safetensors::tensor::Dtype;
 use specplan_format::{DType, Packing, Shard, ValidatedPlan};
 use specplan_runtime::cpu::WeightData;
-use specplan_runtime::registration::first_repeat;
+use specplan_runtime::registration::{first_repeat, source_rows};
 use specplan_runtime::step::{input_error, InputError};
 
 use super::tensors::{floats, ints, parse, read, weights_cap};
@@ -32,18 +32,7 @@ pub fn load_weights(plan: &ValidatedPlan, path: &Path) -> Result<Vec<WeightData>
     }
     let mut out = Vec::with_capacity(plan.weights.len());
     for w in &plan.weights {
-        let rows_of = |name: &str| -> usize {
-            let hd = m.head_dim as usize;
-            if name.ends_with("q_proj.weight") {
-                m.heads as usize * hd
-            } else if name.ends_with("k_proj.weight") || name.ends_with("v_proj.weight") {
-                m.kv_heads as usize * hd
-            } else if name.ends_with("gate_proj.weight") || name.ends_with("up_proj.weight") {
-                m.intermediate as usize
-            } else {
-                w.shape[0] as usize
-            }
-        };
+        let rows_of = |name: &str| -> usize { source_rows(m, name).unwrap_or(w.shape[0]) as usize };
         let cols: usize = w.shape.iter().skip(1).product::<u64>() as usize;
         // The plan's dtype decides how a weight is read, never its name: an id map is an
         // i64 weight the plan declares as such (and a float tensor under an id map's name

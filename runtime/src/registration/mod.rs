@@ -343,6 +343,23 @@ pub fn check_hot_ids(plan: &Plan, ids: Option<&[i64]>) -> Result<(), RegError> {
     }
 }
 
+/// The rows a packed weight takes from the source named `source` (the rank's share in a
+/// sharded plan, whose model facts are the rank's), where the name says it: q_proj's heads
+/// × head_dim, k_proj's and v_proj's kv heads × head_dim, gate_proj's and up_proj's
+/// intermediate rows; `None` for other names.
+pub fn source_rows(m: &specplan_format::ModelDesc, source: &str) -> Option<u64> {
+    let hd = m.head_dim as u64;
+    if source.ends_with("q_proj.weight") {
+        Some(m.heads as u64 * hd)
+    } else if source.ends_with("k_proj.weight") || source.ends_with("v_proj.weight") {
+        Some(m.kv_heads as u64 * hd)
+    } else if source.ends_with("gate_proj.weight") || source.ends_with("up_proj.weight") {
+        Some(m.intermediate as u64)
+    } else {
+        None
+    }
+}
+
 /// The layout words of a registration (`specplan_kernels::kv`).
 pub fn layout_words(kv: &KvRegistration, t: &TableRegistration) -> [i64; kv::KV_WORDS] {
     let mut w = [0i64; kv::KV_WORDS];
@@ -434,7 +451,9 @@ pub fn bind_weights(
                 let mut rows = 0u64;
                 for s in &w.sources {
                     let t = tensors.get(s).ok_or_else(|| missing(s))?;
-                    let r = t.shape.first().copied().unwrap_or(0);
+                    // Each part's own rows where its name says them (q/k/v, gate/up): a
+                    // q of 320 rows beside a k of 64 would otherwise pass as 384.
+                    let r = source_rows(&plan.model, s).unwrap_or_else(|| t.shape.first().copied().unwrap_or(0));
                     check(s, t, act, &[r, cols])?;
                     rows += r;
                     parts.push((t.ptr, r * cols * act.size()));

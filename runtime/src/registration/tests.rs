@@ -441,6 +441,23 @@ fn weights_bind_in_place_or_packed() {
         bind_weights(&p, &tensors, &|_| None).expect("binds")[1],
         WeightBinding::InPlace(0x50_0000)
     );
+    // Each part's rows, not only their sum: a q of 320 rows beside a k of 64 is refused
+    // naming the q (their 384 rows equal 256 + 128).
+    let mut split = tensors.clone();
+    split.remove("layers.0.self_attn.qkv_proj.weight");
+    split.insert(
+        "layers.0.self_attn.q_proj.weight".to_string(),
+        t(0x20_0000, vec![320, 256]),
+    );
+    split.insert(
+        "layers.0.self_attn.k_proj.weight".to_string(),
+        t(0x30_0000, vec![64, 256]),
+    );
+    let e = bind_weights(&p, &split, &|_| None).unwrap_err().to_string();
+    assert!(
+        e.contains("layers.0.self_attn.q_proj.weight") && e.contains("256"),
+        "{e}"
+    );
     // A wrong shape names the tensor and both shapes; a missing source is named.
     tensors.get_mut("embed_tokens.weight").expect("embed").shape[0] = 999;
     let e = bind_weights(&p, &tensors, &|_| None).unwrap_err().to_string();
