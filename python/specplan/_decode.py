@@ -12,7 +12,7 @@ another request reads), and a request breaking one writes nothing and gets zero 
 `poll_error()` reports either phase's refusals without waiting: they share one ring).
 """
 
-from ._runner import DeviceError, _TORCH_DTYPES, _need_tensor
+from ._runner import DeviceError, _TORCH_DTYPES, _int_arg, _need_tensor
 
 
 _VERIFY = ("verify_tokens", "verify_positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
@@ -139,6 +139,8 @@ class DraftDecodeRunner:
         self._tensor("hidden_states", hidden_states, (self._act,), (b, self._h))
         if isinstance(prefix_bias, bool) or not isinstance(prefix_bias, int):
             raise TypeError(f"prefix_bias: expected an int, got {type(prefix_bias).__name__}")
+        if not -(2**31) <= prefix_bias < 2**31:
+            raise ValueError(f"prefix_bias: {prefix_bias} is outside the int32 range")
         extra = {}
         if self._verify:
             if bonus_tokens is None:
@@ -167,8 +169,8 @@ class DraftDecodeRunner:
         """Whether the tier serves this batch: every batch up to max_requests (above the
         largest bucket in chunks of it; on CUDA tensors each chunk replays that bucket's
         graph)."""
-        b = int(batch_size)
-        return 0 < b <= self._max_b
+        batch_size = _int_arg("batch_size", batch_size)
+        return 0 < batch_size <= self._max_b
 
     @property
     def device(self):

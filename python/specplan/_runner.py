@@ -12,6 +12,7 @@ executor on them in place (the same registration, rules and outputs: for tests o
 engine adapter on a machine without a GPU).
 """
 
+import operator
 import os
 
 from . import _native
@@ -137,6 +138,16 @@ def _TORCH_DTYPES(torch):
             "i64": torch.int64, "i32": torch.int32}
 
 
+def _int_arg(name, x):
+    """An integer argument (a Python, NumPy or 0-d tensor integer; not a bool) as an int."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}") from None
+
+
 def _need_tensor(torch, name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -228,8 +239,12 @@ class Engine:
             self._index = -1
         if not isinstance(l2_prefetch, str):
             raise TypeError(f"l2_prefetch: expected a str (\"off\" or \"MIB[xCTAS][/MAXB]\"), got {type(l2_prefetch).__name__}")
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
             raise TypeError(f"block_size: expected a positive int, got {block_size!r}")
+        if block_size is not None and not 1 <= block_size < 2**31:
+            raise ValueError(f"block_size: {block_size} is outside [1, 2^31 - 1]")
+        if block_size is not None and req_to_token is not None:
+            raise ValueError("block_size: applies to block_table (vLLM's blocks); req_to_token holds token slots")
         table, mode, tpage = self._table(req_to_token, block_table, block_size or page)
         self._weights = self._load_weights(weights)
         listed = []
@@ -660,7 +675,8 @@ class DraftExtendRunner:
 
     def can_run(self, batch_size):
         """Whether a captured graph serves this batch size."""
-        return self._engine.can_run(int(batch_size))
+        batch_size = _int_arg("batch_size", batch_size)
+        return 0 < batch_size < 2**32 and self._engine.can_run(batch_size)
 
     @property
     def device(self):

@@ -207,6 +207,11 @@ def test_runner_registration_checks_name_the_argument(fake):
     # the stand-in pointers are refused) -- either way a clear error, no crash.
     with pytest.raises((RuntimeError, ValueError)):
         R(plan, {}, k, v, req_to_token=table)
+    # block_size applies to a block table: beside req_to_token it would be ignored.
+    with pytest.raises(ValueError, match="block_size: applies to block_table"):
+        R(plan, {}, k, v, req_to_token=table, block_size=16)
+    with pytest.raises(ValueError, match=r"block_size: 18446744073709551616 is outside"):
+        R(plan, {}, k, v, req_to_token=table, block_size=2**64)
 
 
 class _RecordingEngine:
@@ -218,6 +223,9 @@ class _RecordingEngine:
 
     def draft_decode(self, *args, **kwargs):
         self.calls.append(args + ((kwargs,) if kwargs else ()))
+
+    def can_run(self, b):
+        return b <= 8
 
 
 def _bare_engine(torch, plan):
@@ -304,6 +312,11 @@ def test_run_checks_every_input_before_launching(fake):
               torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64), torch.Tensor((big,), torch.int64))
     with pytest.raises(ValueError, match=r"prefix_lens_cpu\[1\]"):
         r.run(ids, hid, req, pre, acc, prefix_lens_cpu=[0, plan.max_context_len, 0])
+    # can_run: any integer (out of range: False), not a string or a bool.
+    assert [r.can_run(x) for x in (1, 8, 9, 0, -1, 2**70)] == [True, True, False, False, False, False]
+    for bad in ("x", 1.0, True):
+        with pytest.raises(TypeError, match="batch_size: expected an int"):
+            r.can_run(bad)
     # A flag must be a bool: the string "False" is truthy.
     before = len(r._engine.calls)
     with pytest.raises(TypeError, match="prefix_includes_new_tokens: expected a bool"):
