@@ -100,19 +100,11 @@ fn init_scale(name: &str, cols: usize) -> (f32, f32) {
     }
 }
 
-/// Rows of one source of a `ConcatRows` weight.
+/// Rows of one source of a `ConcatRows` weight (the runtime's rule, `source_rows`).
 fn concat_rows(plan: &Plan, source: &str) -> Result<usize, String> {
-    let m = &plan.model;
-    let hd = m.head_dim as usize;
-    if source.ends_with("q_proj.weight") {
-        Ok(m.heads as usize * hd)
-    } else if source.ends_with("k_proj.weight") || source.ends_with("v_proj.weight") {
-        Ok(m.kv_heads as usize * hd)
-    } else if source.ends_with("gate_proj.weight") || source.ends_with("up_proj.weight") {
-        Ok(m.intermediate as usize)
-    } else {
-        Err(format!("no row count known for the concatenated source {source}"))
-    }
+    specplan_runtime::registration::source_rows(&plan.model, source)
+        .map(|r| r as usize)
+        .ok_or_else(|| format!("no row count known for the concatenated source {source}"))
 }
 
 /// Random weights under their file names, one tensor per name.
