@@ -137,8 +137,7 @@ class DraftDecodeRunner:
         ids_i32 = self._tensor("topk_index", topk_index, ints, (b, self._k))
         self._tensor("topk_p", topk_p, (self._f32,), (b, self._k))
         self._tensor("hidden_states", hidden_states, (self._act,), (b, self._h))
-        if isinstance(prefix_bias, bool) or not isinstance(prefix_bias, int):
-            raise TypeError(f"prefix_bias: expected an int, got {type(prefix_bias).__name__}")
+        prefix_bias = _int_arg("prefix_bias", prefix_bias)
         if not -(2**31) <= prefix_bias < 2**31:
             raise ValueError(f"prefix_bias: {prefix_bias} is outside the int32 range")
         extra = {}

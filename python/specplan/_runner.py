@@ -239,12 +239,12 @@ class Engine:
             self._index = -1
         if not isinstance(l2_prefetch, str):
             raise TypeError(f"l2_prefetch: expected a str (\"off\" or \"MIB[xCTAS][/MAXB]\"), got {type(l2_prefetch).__name__}")
-        if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
-            raise TypeError(f"block_size: expected a positive int, got {block_size!r}")
-        if block_size is not None and not 1 <= block_size < 2**31:
-            raise ValueError(f"block_size: {block_size} is outside [1, 2^31 - 1]")
-        if block_size is not None and req_to_token is not None:
-            raise ValueError("block_size: applies to block_table (vLLM's blocks); req_to_token holds token slots")
+        if block_size is not None:
+            block_size = _int_arg("block_size", block_size)
+            if not 1 <= block_size < 2**31:
+                raise ValueError(f"block_size: {block_size} is outside [1, 2^31 - 1]")
+            if req_to_token is not None:
+                raise ValueError("block_size: applies to block_table (vLLM's blocks); req_to_token holds token slots")
         table, mode, tpage = self._table(req_to_token, block_table, block_size or page)
         self._weights = self._load_weights(weights)
         listed = []
