@@ -219,8 +219,8 @@ pub fn compile(
     }
     // The engine-memory prologues and epilogues (draft-extend's and draft decode's), the fill
     // that stands in for a GEMM library's memset nodes, the skinny GEMM the runtime times
-    // beside cuBLASLt, the owned-memory graphs' stage_in and the graphs' L2 prefetch branch:
-    // launched by the runtime, carried by every plan.
+    // beside cuBLASLt, the owned-memory graphs' stage_in, the graphs' L2 prefetch branch and
+    // the rounded copy after a cuBLASLt GEMM: launched by the runtime, carried by every plan.
     let facts = kernel_facts(&d.model, &d.spec, &d.capture, &d.inv_freq);
     kernels.intern(specplan_kernels::Entry::Admit, &facts);
     kernels.intern(specplan_kernels::Entry::Emit, &facts);
@@ -230,6 +230,7 @@ pub fn compile(
     kernels.intern(specplan_kernels::Entry::SkinnyGemm, &facts);
     kernels.intern(specplan_kernels::Entry::StageIn, &facts);
     kernels.intern(specplan_kernels::Entry::L2Prefetch, &facts);
+    kernels.intern(specplan_kernels::Entry::GemmRound, &facts);
     let stats = match jit {
         Some(j) => Some(j.compile_all(&mut kernels.kernels, &kernels.sources, target.sm)?),
         None => None,

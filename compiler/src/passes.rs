@@ -13,6 +13,7 @@ use crate::config::Config;
 use crate::graph::{Op, OpGraph, OpKind, Storage, Tensor, TensorId};
 
 mod eagle3;
+mod round;
 mod select;
 mod topk;
 mod tp;
@@ -38,6 +39,7 @@ pub const PASSES: &[(&str, Pass)] = &[
     ("residual_into_all_reduce", tp::residual_into_all_reduce),
     ("mlp_pairs", select::mlp_pairs),
     (NORM_CAST, select::norm_cast),
+    ("round_into_gemm", round::round_into_gemm),
     (SOFTMAX_TOPK, topk::softmax_topk),
 ];
 

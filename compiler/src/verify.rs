@@ -248,7 +248,15 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             )
         }
         OpKind::Linear { bias, accumulate } => {
-            c.arity(2 + *bias as usize + *accumulate as usize, 1)?;
+            // A second output: the first, f32, rounded to the activation type
+            // (`round_into_gemm`).
+            let rounded = outs.len() == 2;
+            c.arity(2 + *bias as usize + *accumulate as usize, 1 + rounded as usize)?;
+            if rounded {
+                c.dtype(true, 0, &[DType::F32])?;
+                c.dtype(true, 1, &ACT)?;
+                c.same((true, 0), (true, 1))?;
+            }
             let (m, k) = c.rank2(false, 0)?;
             let (n, k2) = c.rank2(false, 1)?;
             want(k == k2, || {

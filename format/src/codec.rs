@@ -40,8 +40,10 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// candidates past TOPK; chunk records of 2 + 2·CANDS floats). 19: `topk_fused` and the
 /// runtime's arrival counters (`ArgValue::Counters`). 20: `stage_in`, a runtime-launched entry
 /// every plan carries (the owned-memory graphs' input prologue). 21: `l2_prefetch`, a
-/// runtime-launched entry every plan carries (captured graphs' L2 prefetch branches).
-pub const FORMAT_VERSION: u32 = 21;
+/// runtime-launched entry every plan carries (captured graphs' L2 prefetch branches). 22:
+/// `GemmDesc.rounded` (a GEMM's f32 output also written rounded) and `gemm_round`, a
+/// runtime-launched entry every plan carries.
+pub const FORMAT_VERSION: u32 = 22;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -9,6 +9,7 @@
 mod codec;
 mod diff;
 mod facts;
+mod gemm;
 pub mod limits;
 mod location;
 mod parallel;

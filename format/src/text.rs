@@ -445,7 +445,7 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                 )
             }
             LaunchKind::Gemm(g) => format!(
-                "#{li} gemm m={} n={} k={}{} a={} w={} c={}{}",
+                "#{li} gemm m={} n={} k={}{} a={} w={} c={}{}{}",
                 g.m,
                 g.n,
                 g.k,
@@ -457,7 +457,8 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
                 bname(g.a),
                 wname(g.w),
                 bname(g.c),
-                if g.accumulate { " accumulate" } else { "" }
+                if g.accumulate { " accumulate" } else { "" },
+                g.rounded.map_or(String::new(), |r| format!(" rounded={}", bname(r)))
             ),
             LaunchKind::Collective(c) => format!(
                 "#{li} {} {} count={} send={} recv={}",

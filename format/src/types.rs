@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 pub use specplan_kernels::abi::Access;
 pub use specplan_kernels::{io, ConstValue, DType, Entry};
 
+pub use crate::gemm::GemmDesc;
 pub use crate::parallel::{CollectiveDesc, CollectiveOp, Shard, TensorParallel};
 
 /// Hugging Face `rope_scaling`, as the Llama family applies it to `inv_freq`.
@@ -351,24 +352,6 @@ pub enum ArgValue {
     U32(u32),
     /// A null pointer (an operand this launch does not use).
     Null,
-}
-
-/// `C[m, n] (+)= A[m, k] · W[n, k]^T`, row-major, fp32 accumulation. (A bias is folded
-/// by the compiler into a kernel that initializes C, so GEMMs carry none.)
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GemmDesc {
-    pub m: u64,
-    pub n: u64,
-    pub k: u64,
-    /// A's row stride in elements (≥ k): A is the first `k` columns of an `[m, lda]`
-    /// buffer (the down projection reads the SwiGLU product in place in the gate half of
-    /// the gate/up rows, so no separate `[m, I]` buffer is needed).
-    pub lda: u64,
-    pub a: u32,
-    pub w: u32,
-    pub c: u32,
-    /// `true`: C += A·Wᵀ (the residual add folded into the GEMM, beta = 1).
-    pub accumulate: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -6,13 +6,19 @@
 // one rounding into C's type.
 //   A: act_t, row r at a + r*lda; W: act_t [n, k]; C: act_t (c_f32 = 0) or float (1),
 //   [m, n] dense; accumulate = 1 adds into C's values (the residual add, beta = 1).
+//   c2 (only with c_f32; null: none): C's new values rounded to act_t, [m, n] dense, the
+//   rounding `cast_rows` would apply to C (GemmDesc.rounded).
 // Requires (the runtime's `skinny_eligible`): 1 <= m <= 16, n >= 1, k a multiple of 32,
 // lda a multiple of 8 and >= k, a and w 16-byte aligned. Reads exactly A's m rows of k,
 // W's n rows and C's m x n (with accumulate); writes C's m x n.
 //
 // Entry skinny_gemm: grid (ceil(n / 16), 1, 1), block (SKINNY_GEMM_THREADS = 256, 1, 1),
-// no dynamic shared memory. Params (SkinnyGemmParams): a, w, c, m, n, k, lda, accumulate,
-// c_f32.
+// no dynamic shared memory. Params (SkinnyGemmParams): a, w, c, c2, m, n, k, lda,
+// accumulate, c_f32.
+//
+// Entry gemm_round: dst[i] = round(src[i]) for i < count, f32 to act_t: the rounded copy of
+// a GEMM that cuBLASLt ran (it cannot write one). Grid (ceil(count / (256 * 8)), 1, 1),
+// block (GEMM_ROUND_THREADS = 256, 1, 1); each thread rounds 8 consecutive elements.
 //
 // Method (the weights are a stream read once; A is a few KB, served by L1/L2): CTA x
 // owns output columns [16x, 16x + 16); its 8 warps split K in 32-wide steps (warp w takes
@@ -133,7 +139,9 @@ __device__ __forceinline__ void body(const SkinnyGemmParams& p) {
         const long long at = (long long)row * p.n + col;
         if (p.c_f32) {
             float* c = p.c;
-            c[at] = p.accumulate ? c[at] + sum : sum;
+            const float v = p.accumulate ? c[at] + sum : sum;
+            c[at] = v;
+            if (p.c2 != nullptr) p.c2[at] = to_act(v);
         } else {
             act_t* c = reinterpret_cast<act_t*>(p.c);
             c[at] = to_act(p.accumulate ? to_f(c[at]) + sum : sum);
@@ -147,4 +155,17 @@ extern "C" __global__ void __launch_bounds__(SKINNY_GEMM_THREADS) skinny_gemm(Sk
     if (p.m == 0u || p.m > 16u || p.n == 0u || p.k % 32u != 0u) return;  // outside the contract: nothing
     if (p.m <= 8u) skinny::body<1>(p);
     else skinny::body<2>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_ROUND_THREADS) gemm_round(GemmRoundParams p) {
+    const unsigned long long i0 = ((unsigned long long)blockIdx.x * GEMM_ROUND_THREADS + threadIdx.x) * 8ull;
+    if (i0 >= p.count) return;
+    const unsigned long long end = i0 + 8ull < p.count ? i0 + 8ull : (unsigned long long)p.count;
+    // Loads before stores (every element in flight at once).
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = i0 + j < end ? p.src[i0 + j] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (i0 + j < end) p.dst[i0 + j] = to_act(v[j]);
 }

@@ -103,7 +103,7 @@ impl Template {
                 Entry::StageIn,
                 Entry::L2Prefetch,
             ],
-            Template::Gemm => &[Entry::SkinnyGemm],
+            Template::Gemm => &[Entry::SkinnyGemm, Entry::GemmRound],
         }
     }
 
@@ -199,6 +199,7 @@ entries! {
     TopkFused => sample::TopkFusedParams, "topk_fused", Sample;
     StageIn => io::StageInParams, "stage_in", Io;
     L2Prefetch => io::L2PrefetchParams, "l2_prefetch", Io;
+    GemmRound => gemm::GemmRoundParams, "gemm_round", Gemm;
 }
 
 impl Entry {
@@ -213,7 +214,8 @@ impl Entry {
     /// in place of a GEMM library's memset nodes in a captured graph, `skinny_gemm` in place
     /// of cuBLASLt for the GEMMs it serves faster (timed at load), `stage_in` at the head of
     /// an owned-memory draft-extend graph, `l2_prefetch` as a captured graph's side branches
-    /// (when the runtime's options ask for them).
+    /// (when the runtime's options ask for them), `gemm_round` after a GEMM with a rounded
+    /// copy that cuBLASLt ran.
     pub fn runtime_launched(self) -> bool {
         matches!(
             self,
@@ -225,6 +227,7 @@ impl Entry {
                 | Entry::SkinnyGemm
                 | Entry::StageIn
                 | Entry::L2Prefetch
+                | Entry::GemmRound
         )
     }
 

@@ -96,8 +96,15 @@ pub fn owned_staging(plan: &ValidatedPlan, rt: &mut GpuRuntime, rng: &mut Rng) -
         Ok(bufs)
     };
     let host = |bufs: &[DeviceBuf]| -> Result<Vec<Vec<u8>>, String> { bufs.iter().map(|x| x.to_host()).collect() };
+    // The poison fills each output's whole arena buffer, which holds the bucket's rows
+    // (`outputs` above are the `b` rows a step returns, fewer where b < bucket).
+    let bucket_outputs: Vec<(&str, usize)> = signature::bucket_io(plan, batch)
+        .into_iter()
+        .filter(|t| t.role == BufferRole::Output)
+        .map(|t| (t.name, (t.shape.iter().product::<u64>() * t.dtype.size()) as usize))
+        .collect();
     let poison_outputs = |rt: &GpuRuntime| -> Result<(), String> {
-        for &(name, bytes) in &outputs {
+        for &(name, bytes) in &bucket_outputs {
             rt.write_buffer(batch, name, &vec![0xff; bytes]).map_err(g)?;
         }
         Ok(())

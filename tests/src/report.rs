@@ -224,6 +224,8 @@ pub struct EngineRow {
 pub struct Bench {
     /// The graphs' L2 prefetch branches (`--l2-prefetch`: `off`, or MiB x CTAs / largest bucket).
     pub l2_prefetch: String,
+    /// `--split-gemm-round`: every GEMM's rounded copy in its own launch.
+    pub split_gemm_round: bool,
     pub ceilings: Option<Ceilings>,
     pub rows: Vec<BenchRow>,
     pub engine: Vec<EngineRow>,

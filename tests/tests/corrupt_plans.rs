@@ -190,6 +190,27 @@ fn inconsistent_plans_name_the_bad_field() {
             g.k += 1;
         }
     });
+    case("gemm rounded copy over its own input", &|p| {
+        if let Some(LaunchKind::Gemm(g)) = p.phases[0].buckets[0]
+            .launches
+            .iter_mut()
+            .map(|l| &mut l.kind)
+            .find(|k| matches!(k, LaunchKind::Gemm(g) if g.rounded.is_some()))
+        {
+            g.rounded = Some(g.a);
+        }
+    });
+    case("gemm rounded copy of an activation-typed C", &|p| {
+        let b = &mut p.phases[0].buckets[0];
+        let act_c = |g: &specplan_format::GemmDesc| b.buffers[g.c as usize].dtype != specplan_format::DType::F32;
+        let at = b
+            .launches
+            .iter()
+            .position(|l| matches!(&l.kind, LaunchKind::Gemm(g) if g.rounded.is_none() && act_c(g)));
+        if let Some(LaunchKind::Gemm(g)) = at.map(|i| &mut b.launches[i].kind) {
+            g.rounded = Some(g.a);
+        }
+    });
     case("rows argument past the bucket", &|p| {
         for l in &mut p.phases[0].buckets[0].launches {
             if let LaunchKind::Kernel { args, .. } = &mut l.kind {

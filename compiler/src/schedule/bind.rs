@@ -328,6 +328,7 @@ fn gemm(b: &mut Binder, op: &Op, accumulate: bool) {
             w: b.buffer_id(op.ins[1]),
             c: b.buffer_id(op.outs[0]),
             accumulate,
+            rounded: op.outs.get(1).map(|&t| b.buffer_id(t)),
         }),
     });
 }

@@ -7,6 +7,7 @@ use specplan_kernels::abi::{Access, FieldKind};
 use specplan_kernels::facts::{KernelFacts, MAX_ATTN_SPLITS};
 
 use super::common::{printable, Errors};
+use super::gemm::gemm;
 use super::rules::{kernel_launch, Touched};
 use crate::limits::{ADMIT_MAX_ROWS, ALIGN, MAX_BATCH, MAX_REGION_BYTES};
 use crate::location::Location;
@@ -184,7 +185,8 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
             LaunchKind::Gemm(g) => {
                 gemm(p, b, g, &lat, touched, &mut buf_touched, e);
                 let c = if g.accumulate { Access::ReadWrite } else { Access::Write };
-                for (buf, access) in [(g.a, Access::Read), (g.c, c)] {
+                let rounded = g.rounded.map(|r| (r, Access::Write));
+                for (buf, access) in [(g.a, Access::Read), (g.c, c)].into_iter().chain(rounded) {
                     if (buf as usize) < b.buffers.len() {
                         uses.push(Use {
                             buf,
@@ -405,94 +407,6 @@ fn io_shapes(bi: At, b: &BucketPlan, tag: &str, sig: &[IoTensor], e: &mut Errors
             });
         }
     }
-}
-
-fn gemm(
-    p: &Plan,
-    b: &BucketPlan,
-    g: &GemmDesc,
-    lat: &dyn Fn(Option<u32>, String) -> (Location, String),
-    touched: &mut Touched,
-    buf_touched: &mut [u64],
-    e: &mut Errors,
-) {
-    let two_d = |shape: &[u64]| -> Option<(u64, u64)> {
-        match shape {
-            [r, c] => Some((*r, *c)),
-            _ => None,
-        }
-    };
-    let a = b.buffers.get(g.a as usize);
-    let c = b.buffers.get(g.c as usize);
-    let w = p.weights.get(g.w as usize);
-    e.check(a.is_some() && c.is_some() && w.is_some(), || {
-        lat(
-            None,
-            format!(": operand out of range (a = {}, c = {}, w = {})", g.a, g.c, g.w),
-        )
-    });
-    let (Some(a), Some(c), Some(w)) = (a, c, w) else { return };
-    let act = p.capture.dtype;
-    e.check(g.a != g.c, || lat(None, ".c: the output cannot be the input".into()));
-    e.check(
-        g.m >= 1 && g.m <= b.rows as u64 && g.n >= 1 && g.k >= 1 && g.n < 1 << 31 && g.k < 1 << 31,
-        || {
-            lat(
-                None,
-                format!(": m×n×k = {}×{}×{} outside [1, rows]×[1, 2^31)²", g.m, g.n, g.k),
-            )
-        },
-    );
-    e.check(g.lda >= g.k && g.lda < 1 << 31, || {
-        lat(None, format!(".lda: {} outside [k, 2^31) with k = {}", g.lda, g.k))
-    });
-    e.check(two_d(&a.shape) == Some((g.m, g.lda)) && a.dtype == act, || {
-        lat(
-            None,
-            format!(
-                ".a: {} {:?} is not {} [m, lda] = [{}, {}]",
-                a.dtype.name(),
-                a.shape,
-                act.name(),
-                g.m,
-                g.lda
-            ),
-        )
-    });
-    e.check(
-        two_d(&c.shape) == Some((g.m, g.n)) && (c.dtype == act || c.dtype == DType::F32),
-        || {
-            lat(
-                None,
-                format!(
-                    ".c: {} {:?} is not [m, n] = [{}, {}] of {} or f32",
-                    c.dtype.name(),
-                    c.shape,
-                    g.m,
-                    g.n,
-                    act.name()
-                ),
-            )
-        },
-    );
-    e.check(two_d(&w.shape) == Some((g.n, g.k)) && w.dtype == act, || {
-        lat(
-            None,
-            format!(
-                ".w: {} {:?} is not {} [n, k] = [{}, {}]",
-                w.dtype.name(),
-                w.shape,
-                act.name(),
-                g.n,
-                g.k
-            ),
-        )
-    });
-    touched
-        .weights
-        .insert(g.w, touched.weights.get(&g.w).copied().unwrap_or(0).max(w.bytes));
-    buf_touched[g.a as usize] = buf_touched[g.a as usize].max(a.bytes);
-    buf_touched[g.c as usize] = buf_touched[g.c as usize].max(c.bytes);
 }
 
 /// A collective launch: only in a sharded plan; an all-reduce in place over a whole buffer

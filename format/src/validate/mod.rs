@@ -52,6 +52,7 @@
 
 mod bucket;
 mod common;
+mod gemm;
 mod phase;
 mod rules;
 

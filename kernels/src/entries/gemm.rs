@@ -1,9 +1,12 @@
 //! gemm.cu: the skinny GEMM, the runtime's alternative to cuBLASLt for a plan GEMM of at
-//! most 16 rows (timed beside cuBLASLt's candidates at load; runtime/src/gpu/lt.rs).
+//! most 16 rows (timed beside cuBLASLt's candidates at load; runtime/src/gpu/lt.rs), and
+//! `gemm_round`, which writes a GEMM's rounded copy (`GemmDesc.rounded`) where cuBLASLt,
+//! which cannot, ran the GEMM.
 //!
-//! Every plan carries one instance of it but never launches it (`Entry::runtime_launched`):
-//! its launches are the runtime's, from a validated `GemmDesc` (whose operands the validator
-//! bounds), so the shape declared here (grid 0) describes no plan launch.
+//! Every plan carries one instance of each but never launches them
+//! (`Entry::runtime_launched`): their launches are the runtime's, from a validated
+//! `GemmDesc` (whose operands the validator bounds), so the shapes declared here (grid 0)
+//! describe no plan launch.
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
 use crate::facts::{BucketFacts, KernelFacts};
@@ -25,6 +28,10 @@ pub struct SkinnyGemmParams {
     /// C: `float` when `c_f32`, else `act_t` (the kernel casts).
     #[arg(buffer, rw)]
     pub c: DevPtrMut<f32>,
+    /// C's new values rounded to `act_t`, `[m, n]` dense (`GemmDesc.rounded`; null: none,
+    /// and only with `c_f32`).
+    #[arg(buffer)]
+    pub c2: DevPtrMut<Act>,
     pub m: u32,
     pub n: u32,
     pub k: u32,
@@ -77,6 +84,47 @@ impl Kernel for SkinnyGemmParams {
             a: Extent::Elems(if m == 0 { 0 } else { (m - 1) * lda + k }),
             w: Extent::Elems(n * k),
             c: Extent::Elems(m * n),
+            c2: Extent::Elems(m * n),
+        }
+    }
+}
+
+/// `gemm_round`: `dst[i] = round(src[i])` for `i < count` (f32 to `act_t`, the rounding of
+/// `cast_rows` and of the skinny GEMM's `c2`): a GEMM's rounded copy where cuBLASLt ran it.
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct GemmRoundParams {
+    #[arg(buffer)]
+    pub src: DevPtr<f32>,
+    #[arg(buffer)]
+    pub dst: DevPtrMut<Act>,
+    pub count: u32,
+}
+
+pub const GEMM_ROUND_THREADS: u32 = 256;
+/// Elements each thread of a `gemm_round` launch rounds (one 16-byte store of bf16/f16).
+pub const GEMM_ROUND_PER_THREAD: u64 = 8;
+
+/// CTAs of a `gemm_round` launch over `count` elements.
+pub fn gemm_round_ctas(count: u64) -> u32 {
+    count
+        .div_ceil(GEMM_ROUND_THREADS as u64 * GEMM_ROUND_PER_THREAD)
+        .clamp(1, u32::MAX as u64) as u32
+}
+
+impl Kernel for GemmRoundParams {
+    const ENTRY: Entry = Entry::GemmRound;
+    fn threads(_: &KernelFacts) -> u32 {
+        GEMM_ROUND_THREADS
+    }
+    /// Not a plan launch (the module docs): grid 0.
+    fn launch(_: &BucketFacts, _: &KernelFacts) -> ([u32; 3], GemmRoundScalars) {
+        ([0, 0, 0], GemmRoundScalars { count: 0 })
+    }
+    fn extents(s: &GemmRoundScalars, _: &KernelFacts) -> GemmRoundPtrs<Extent> {
+        GemmRoundPtrs {
+            src: Extent::Elems(s.count as u64),
+            dst: Extent::Elems(s.count as u64),
         }
     }
 }

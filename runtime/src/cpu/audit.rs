@@ -111,7 +111,12 @@ fn writes_of(plan: &Plan, b: &BucketPlan) -> Vec<Writes> {
         .map(|l| {
             let mut w = Writes::default();
             match &l.kind {
-                LaunchKind::Gemm(g) => w.cells.extend(cells(g.c)),
+                LaunchKind::Gemm(g) => {
+                    w.cells.extend(cells(g.c));
+                    if let Some(r) = g.rounded {
+                        w.cells.extend(cells(r));
+                    }
+                }
                 LaunchKind::Collective(c) => w.cells.extend(cells(c.recv)),
                 LaunchKind::Kernel { kernel, args, .. } => {
                     let fields = plan

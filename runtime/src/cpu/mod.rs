@@ -19,6 +19,7 @@ mod eagle3;
 pub mod engine;
 pub mod engine_decode;
 mod entries;
+mod gemm;
 mod kv;
 mod topk;
 mod tree;
@@ -30,8 +31,7 @@ use std::borrow::Cow;
 pub use audit::{audit_bucket, synthetic_weights, Audit, AuditError, AuditLimits};
 pub use kv::{KvPool, KvStore, StridedKv};
 use specplan_format::{
-    ArgValue, BucketPlan, CollectiveDesc, CollectiveOp, DType, GemmDesc, KernelDesc, KvKind, LaunchKind, Plan,
-    ValidatedPlan,
+    ArgValue, BucketPlan, CollectiveDesc, CollectiveOp, DType, KernelDesc, KvKind, LaunchKind, Plan, ValidatedPlan,
 };
 use specplan_kernels::abi::{KernelParams, Slot};
 use specplan_kernels::entries::{attention, embed, mlp, norm, rope, sample, select, tree as tree_entries};
@@ -639,62 +639,9 @@ impl<K: KvStore> Ctx<'_, K> {
             }
             // Never plan launches (validation refuses one); skinny_gemm stands in for a GEMM.
             Entry::Admit | Entry::Emit | Entry::AdmitDecode | Entry::EmitDecode => Err(by_runtime(k.entry)),
-            Entry::Fill | Entry::SkinnyGemm | Entry::StageIn | Entry::L2Prefetch => Err(by_runtime(k.entry)),
-        }
-    }
-
-    fn gemm(&mut self, g: &GemmDesc) -> R<()> {
-        let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-        let (a, c, w) = (g.a as usize, g.c as usize, g.w as usize);
-        let Some(WeightData::F32(wv)) = self.weights.get(w) else {
-            return Err(format!("GEMM weight {w} is not a float weight"));
-        };
-        if wv.len() < n * k {
-            return Err(format!("GEMM weight {w} holds {} of n·k = {} values", wv.len(), n * k));
-        }
-        let lda = g.lda as usize;
-        let a_rows: Vec<f64> = (0..m * k)
-            .map(|i| self.ld(a, (i / k) * lda + i % k))
-            .collect::<R<_>>()?;
-        // Output columns split across threads: the big heads' GEMMs would otherwise make
-        // the oracle the slowest part of a GPU check.
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |t| t.get())
-            .min(n.div_ceil(64))
-            .max(1);
-        let per = n.div_ceil(threads);
-        let parts: Vec<Option<Vec<f64>>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads)
-                .map(|t| {
-                    let (a_rows, wv) = (&a_rows, &wv);
-                    s.spawn(move || {
-                        let (lo, hi) = ((t * per).min(n), ((t + 1) * per).min(n));
-                        let mut part = vec![0f64; m * (hi - lo)];
-                        for r in 0..m {
-                            let ar = &a_rows[r * k..(r + 1) * k];
-                            for col in lo..hi {
-                                let wr = &wv[col * k..(col + 1) * k];
-                                part[r * (hi - lo) + col - lo] = ar.iter().zip(wr).map(|(x, y)| x * *y as f64).sum();
-                            }
-                        }
-                        part
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().ok()).collect()
-        });
-        for (t, part) in parts.into_iter().enumerate() {
-            let part = part.ok_or("a GEMM worker thread failed")?;
-            let (lo, hi) = ((t * per).min(n), ((t + 1) * per).min(n));
-            for r in 0..m {
-                for col in lo..hi {
-                    let i = r * n + col;
-                    let prev = if g.accumulate { self.ld(c, i)? } else { 0.0 };
-                    // fp32 result, as cuBLAS writes it before the output cast.
-                    self.st(c, i, (prev + part[r * (hi - lo) + col - lo]) as f32 as f64)?;
-                }
+            Entry::Fill | Entry::SkinnyGemm | Entry::StageIn | Entry::L2Prefetch | Entry::GemmRound => {
+                Err(by_runtime(k.entry))
             }
         }
-        Ok(())
     }
 }

@@ -213,6 +213,7 @@ impl Gemms {
                 cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         };
-        cublas_ok("cublasGemmEx", st)
+        cublas_ok("cublasGemmEx", st)?;
+        self.skinny.round_after(s, p, stream)
     }
 }

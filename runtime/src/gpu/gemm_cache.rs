@@ -22,12 +22,13 @@ pub(crate) struct GemmCache {
 
 fn key(s: &GemmShape) -> String {
     format!(
-        "m{} n{} k{} lda{} acc{} w{} a{} c{} al{}",
+        "m{} n{} k{} lda{} acc{}{} w{} a{} c{} al{}",
         s.m,
         s.n,
         s.k,
         s.lda,
         s.accumulate as u8,
+        if s.rounded { " rounded" } else { "" },
         s.w.name(),
         s.a.name(),
         s.c.name(),
@@ -158,6 +159,7 @@ mod tests {
             k: 8192,
             lda: 8192,
             accumulate: true,
+            rounded: false,
             w: DType::Bf16,
             a: DType::Bf16,
             c: DType::F32,

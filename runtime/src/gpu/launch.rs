@@ -26,6 +26,7 @@ pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc)
         w: mem.weights.get(g.w as usize).copied().unwrap_or(0),
         a: mem.arena.ptr + off(g.a),
         c: mem.arena.ptr + off(g.c),
+        r: g.rounded.map_or(0, |r| mem.arena.ptr + off(r)),
     };
     (
         GemmShape {
@@ -34,6 +35,7 @@ pub(crate) fn gemm_call(mem: &Memory, plan: &Plan, b: &BucketPlan, g: &GemmDesc)
             k: g.k as u32,
             lda: g.lda as u32,
             accumulate: g.accumulate,
+            rounded: g.rounded.is_some(),
             w: w.map_or(plan.capture.dtype, |x| x.dtype),
             a: dt(g.a),
             c: dt(g.c),

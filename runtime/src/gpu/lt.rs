@@ -64,6 +64,10 @@ pub(crate) struct GemmShape {
     /// place in the gate/up rows).
     pub lda: u32,
     pub accumulate: bool,
+    /// The GEMM also writes C's values rounded into `GemmPtrs::r` (`GemmDesc.rounded`):
+    /// the skinny GEMM in its epilogue, else `gemm_round` after the library's call, which
+    /// tuning charges to the library's candidates.
+    pub rounded: bool,
     pub w: DType,
     pub a: DType,
     pub c: DType,
@@ -81,12 +85,14 @@ impl GemmPtrs {
     }
 }
 
-/// Operands of one call: device addresses of W, A and C (= D).
+/// Operands of one call: device addresses of W, A and C (= D), and of C's rounded copy (0:
+/// none; not part of the alignment class, which is the library's concern).
 #[derive(Clone, Copy)]
 pub(crate) struct GemmPtrs {
     pub w: u64,
     pub a: u64,
     pub c: u64,
+    pub r: u64,
 }
 
 /// What tuning found for one shape (reported by the benchmarks).
@@ -400,16 +406,23 @@ impl Lt {
                     continue; // unusable, or out since an earlier round
                 }
                 let mut ok = true;
+                // With a rounded copy, the library's call and the `gemm_round` after it (one
+                // more node), as a step would issue them.
                 let us = self.time(stream, &mut || {
                     ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok()
+                        && (!s.rounded || self.skinny.round(&s, p, stream).is_ok())
                 })?;
                 if round == 0 && ok {
-                    extra[i] = self.extra_nodes(&t, &h.algo, s.accumulate, p, stream).ok();
+                    extra[i] = self
+                        .extra_nodes(&t, &h.algo, s.accumulate, p, stream)
+                        .ok()
+                        .map(|x| x + s.rounded as usize);
                 }
                 let run = extra[i].filter(|_| ok).map(|x| (us, us + NODE_US * x as f32));
                 keep_best(&mut timed[i], run);
             }
-            // The skinny GEMM (one kernel node: nothing to add), charged SKINNY_MARGIN.
+            // The skinny GEMM (one kernel node, the rounded copy in its epilogue: nothing to
+            // add), charged SKINNY_MARGIN.
             if let Some(k) = skinny.filter(|_| round == 0 || timed[n - 1].is_some()) {
                 let mut ok = true;
                 let us = self.time(stream, &mut || ok &= k.run(&s, p, stream).is_ok())?;
@@ -559,6 +572,9 @@ impl Lt {
             // Kept only where `skinny_for` found the kernel serving the shape.
             return Some(self.skinny.run(s, p, stream));
         }
-        Some(self.call(t, &t.algo, s.accumulate, p, stream))
+        Some(
+            self.call(t, &t.algo, s.accumulate, p, stream)
+                .and_then(|()| self.skinny.round_after(s, p, stream)),
+        )
     }
 }

@@ -86,6 +86,11 @@ pub struct GpuOptions {
     /// cuBLASLt algorithm), so [`GpuRuntime::flip_gemm`] can switch later. Benchmarks only:
     /// off, the workspace is what the kept choices need.
     pub gemm_switchable: bool,
+    /// Write each GEMM's rounded copy (`GemmDesc.rounded`) in its own `gemm_round` launch
+    /// even where the skinny GEMM, which otherwise writes it in its epilogue, runs the
+    /// shape: the plan's launches as they were before the `round_into_gemm` fusion, for
+    /// its A/B on one plan (`specbench --split-gemm-round`). Benchmarks only: off.
+    pub split_gemm_round: bool,
 }
 
 impl Default for GpuOptions {
@@ -98,6 +103,7 @@ impl Default for GpuOptions {
             communicator: None,
             l2_prefetch: L2Prefetch::OFF,
             gemm_switchable: false,
+            split_gemm_round: false,
         }
     }
 }
@@ -227,10 +233,13 @@ impl GpuRuntime {
         unsafe { ctx.disable_event_tracking() };
         let stream = cuda("cuStreamCreate", ctx.new_stream())?;
         let (modules, funcs) = load_kernels(plan)?;
-        // The plan's skinny GEMM (validation: every plan carries exactly one).
+        // The plan's skinny GEMM and gemm_round (validation: every plan carries exactly one
+        // of each).
         let skinny = skinny::Skinny {
             func: funcs[engine::kernel_of(plan, specplan_kernels::Entry::SkinnyGemm)? as usize],
+            round: funcs[engine::kernel_of(plan, specplan_kernels::Entry::GemmRound)? as usize],
             act: plan.capture.dtype,
+            split_round: opts.split_gemm_round,
         };
         let gemms = Gemms::new(stream.cu_stream(), skinny)?;
         Ok(Core {

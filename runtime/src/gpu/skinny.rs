@@ -11,7 +11,8 @@
 use specplan_format::DType;
 use specplan_kernels::abi::{Abi, KernelParams};
 use specplan_kernels::entries::gemm::{
-    skinny_fits, SkinnyGemmParams, SkinnyGemmPtrs, SkinnyGemmScalars, SKINNY_GEMM_COLS, SKINNY_GEMM_THREADS,
+    gemm_round_ctas, skinny_fits, GemmRoundParams, GemmRoundPtrs, GemmRoundScalars, SkinnyGemmParams, SkinnyGemmPtrs,
+    SkinnyGemmScalars, GEMM_ROUND_THREADS, SKINNY_GEMM_COLS, SKINNY_GEMM_THREADS,
 };
 
 use cudarc::driver::sys;
@@ -20,11 +21,18 @@ use super::device::GpuError;
 use super::launch::{launch_packed, pack_slots};
 use super::lt::{GemmPtrs, GemmShape};
 
-/// The loaded `skinny_gemm` of a plan and the activation type it was specialized for.
+/// The loaded `skinny_gemm` and `gemm_round` of a plan and the activation type they were
+/// specialized for.
 #[derive(Clone, Copy)]
 pub(crate) struct Skinny {
     pub func: sys::CUfunction,
+    /// `gemm_round`: a GEMM's rounded copy (`GemmDesc.rounded`) where the library ran it.
+    pub round: sys::CUfunction,
     pub act: DType,
+    /// The rounded copy in its own `gemm_round` launch even after the skinny GEMM, which
+    /// otherwise writes it in its epilogue (`GpuOptions::split_gemm_round`: the A/B of
+    /// the `round_into_gemm` fusion on one plan).
+    pub split_round: bool,
 }
 
 impl Skinny {
@@ -37,13 +45,20 @@ impl Skinny {
             && s.a == self.act
             && s.w == self.act
             && (s.c == self.act || s.c == DType::F32)
+            && (!s.rounded || s.c == DType::F32)
             && s.align >= 16
     }
 
     /// Issues `s` on `p` (eagerly or under capture); the caller checked [`Skinny::serves`].
     pub fn run(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
+        let c2 = if s.rounded && !self.split_round { p.r } else { 0 };
         let args = SkinnyGemmParams::assemble(
-            SkinnyGemmPtrs { a: p.a, w: p.w, c: p.c },
+            SkinnyGemmPtrs {
+                a: p.a,
+                w: p.w,
+                c: p.c,
+                c2,
+            },
             SkinnyGemmScalars {
                 m: s.m,
                 n: s.n,
@@ -59,6 +74,40 @@ impl Skinny {
             self.func,
             [grid, 1, 1],
             [SKINNY_GEMM_THREADS, 1, 1],
+            0,
+            &mut blob,
+            stream,
+        )?;
+        if self.split_round {
+            self.round_after(s, p, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Issues `gemm_round` for shape `s`'s rounded copy, if it has one: after a GEMM that
+    /// did not write it (the library's, or the skinny one with `split_round`).
+    pub fn round_after(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
+        if !s.rounded {
+            return Ok(());
+        }
+        self.round(s, p, stream)
+    }
+
+    /// Issues `gemm_round`: `r[i] = round(c[i])` over the shape's m × n (a validated plan's
+    /// rounded copy holds at most 2^32 - 1 elements).
+    pub fn round(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
+        let count = s.m as u64 * s.n as u64;
+        let args = GemmRoundParams::assemble(
+            GemmRoundPtrs { src: p.c, dst: p.r },
+            GemmRoundScalars {
+                count: count.min(u32::MAX as u64) as u32,
+            },
+        );
+        let mut blob = pack_slots(&Abi::of::<GemmRoundParams>(), &args);
+        launch_packed(
+            self.round,
+            [gemm_round_ctas(count), 1, 1],
+            [GEMM_ROUND_THREADS, 1, 1],
             0,
             &mut blob,
             stream,

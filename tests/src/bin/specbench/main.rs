@@ -104,6 +104,8 @@ struct Opts {
     l2_prefetch: L2Prefetch,
     /// Each GEMM's load-time choice against the other inside the graph (`gemm_flips`).
     gemm_flip: bool,
+    /// Each GEMM's rounded copy in its own launch (`GpuOptions::split_gemm_round`).
+    split_gemm_round: bool,
 }
 
 /// Times one plan at every benchmarked (B, L) it holds.
@@ -119,6 +121,7 @@ fn bench_plan(
         l2_prefetch: o.l2_prefetch,
         // `--gemm-flip` switches choices after load: the workspace either choice needs.
         gemm_switchable: o.gemm_flip,
+        split_gemm_round: o.split_gemm_round,
         ..GpuOptions::default()
     };
     let mut rt = GpuRuntime::new(plan.clone(), &pattern_weights(plan), opts).map_err(|e| format!("{name}: {e}"))?;
@@ -564,7 +567,7 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     const USAGE: &str =
-        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB[xCTAS][/MAXB]] [--gemm-flip]";
+        "usage: specbench PLAN_DIR OUT_DIR [--contiguous] [--decode-only] [--l2-prefetch off|MIB[xCTAS][/MAXB]] [--gemm-flip] [--split-gemm-round]";
     let [_, dir, out, rest @ ..] = args.as_slice() else {
         eprintln!("{USAGE}");
         return ExitCode::from(2);
@@ -576,6 +579,7 @@ fn main() -> ExitCode {
             "--contiguous" => o.contiguous = true,
             "--decode-only" => o.decode_only = true,
             "--gemm-flip" => o.gemm_flip = true,
+            "--split-gemm-round" => o.split_gemm_round = true,
             "--l2-prefetch" => match it.next().map(|v| L2Prefetch::parse(v)) {
                 Some(Ok(p)) => o.l2_prefetch = p,
                 Some(Err(e)) => {
@@ -604,6 +608,7 @@ fn main() -> ExitCode {
     let run = || -> Result<String, String> {
         let mut bench = Bench {
             l2_prefetch: o.l2_prefetch.to_string(),
+            split_gemm_round: o.split_gemm_round,
             ..Bench::default()
         };
         let mut ceil = None;
