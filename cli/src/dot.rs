@@ -44,10 +44,13 @@ pub fn plan_dot(p: &format::Plan, b: &format::BucketPlan) -> String {
             ),
             LaunchKind::Gemm(g) => (
                 format!("gemm {}x{}x{}", g.m, g.n, g.k),
-                vec![
+                [
                     (g.a, Access::Read),
                     (g.c, if g.accumulate { Access::ReadWrite } else { Access::Write }),
-                ],
+                ]
+                .into_iter()
+                .chain(g.rounded.map(|r| (r, Access::Write)))
+                .collect(),
             ),
             LaunchKind::Collective(c) => (
                 format!("{} {}", c.op.name(), c.count),

@@ -10,14 +10,15 @@
 //   rounding `cast_rows` would apply to C (GemmDesc.rounded).
 // Requires (the runtime's `skinny_eligible`): 1 <= m <= 16, n >= 1, k a multiple of 32,
 // lda a multiple of 8 and >= k, a and w 16-byte aligned. Reads exactly A's m rows of k,
-// W's n rows and C's m x n (with accumulate); writes C's m x n.
+// W's n rows and C's m x n (with accumulate); writes C's m x n (and c2's, when given).
 //
 // Entry skinny_gemm: grid (ceil(n / 16), 1, 1), block (SKINNY_GEMM_THREADS = 256, 1, 1),
 // no dynamic shared memory. Params (SkinnyGemmParams): a, w, c, c2, m, n, k, lda,
 // accumulate, c_f32.
 //
 // Entry gemm_round: dst[i] = round(src[i]) for i < count, f32 to act_t: the rounded copy of
-// a GEMM that cuBLASLt ran (it cannot write one). Grid (ceil(count / (256 * 8)), 1, 1),
+// a GEMM the library ran (cuBLASLt or cublasGemmEx cannot write one), or the skinny GEMM
+// with the runtime's split_gemm_round (an A/B switch). Grid (ceil(count / (256 * 8)), 1, 1),
 // block (GEMM_ROUND_THREADS = 256, 1, 1); each thread rounds 8 consecutive elements.
 //
 // Method (the weights are a stream read once; A is a few KB, served by L1/L2): CTA x

@@ -29,7 +29,8 @@
 // Params:    x const act_t* [rows, 2*HIDDEN], w_a, w_b const act_t* [HIDDEN],
 //            out act_t* [rows, 2*HIDDEN], rows unsigned
 //
-// Entry:     cast_rows (the stream's one rounding: hidden_out, and EAGLE-1's layer-0 input)
+// Entry:     cast_rows (the stream's one rounding: hidden_out, and EAGLE-1's layer-0 input,
+//            where the GEMM writing the stream does not write it: GemmDesc.rounded)
 //   out[r, c] = round(x[r, c])
 // Launch:    grid (rows, parts, 1), block (CAST_ROWS_THREADS = 256, 1, 1), no shared memory;
 //            parts = kernels::facts::row_parts: CTA (r, y) converts every parts-th slice.

@@ -215,7 +215,7 @@ impl Entry {
     /// of cuBLASLt for the GEMMs it serves faster (timed at load), `stage_in` at the head of
     /// an owned-memory draft-extend graph, `l2_prefetch` as a captured graph's side branches
     /// (when the runtime's options ask for them), `gemm_round` after a GEMM with a rounded
-    /// copy that cuBLASLt ran.
+    /// copy that a library ran.
     pub fn runtime_launched(self) -> bool {
         matches!(
             self,

@@ -17,8 +17,9 @@ fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
 /// graph and eagerly, in owned memory, and once in engine memory: what the compute
 /// sanitizers watch (`.ci/gpu sanitize`). Before each owned step it prints the arena map
 /// (`map NAME START END WRITER`, addresses in hex) so a report's address can be traced to
-/// the buffer and what writes it. `prefill_gemm_outputs`: every buffer a GEMM writes
-/// (without accumulating) is first written from the host, and engine steps are skipped —
+/// the buffer and what writes it. `prefill_gemm_outputs`: every C a GEMM writes without
+/// accumulating (a library's kernel may read it; a rounded copy is our kernels' own write,
+/// never read) is first written from the host, and engine steps are skipped —
 /// initcheck then says whether any uninitialized read was not of a GEMM's output.
 pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs: bool) -> Result<(), String> {
     let weights = crate::random::random_weights(plan, rng);
@@ -46,7 +47,7 @@ pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs:
         // Which launches write buffer `id` (GEMM C, or a kernel's read-write pointer).
         let writes = |l: &specplan_format::Launch, id: u32| {
             match &l.kind {
-            LaunchKind::Gemm(d) => d.c == id,
+            LaunchKind::Gemm(d) => d.c == id || d.rounded == Some(id),
             LaunchKind::Collective(c) => c.recv == id,
             LaunchKind::Kernel { kernel, args, .. } => plan.kernels.get(*kernel as usize).is_some_and(|k| {
                 k.entry.abi().fields.iter().zip(args).any(|(f, a)| {
@@ -159,6 +160,11 @@ pub fn kernel_steps(plan: &ValidatedPlan, rng: &mut Rng) -> Result<(), String> {
                     };
                     rt.synchronize().map_err(g)?;
                     rt.write_buffer(batch, &x.name, &data).map_err(g)?;
+                    // The GEMM's rounded copy (`GemmDesc.rounded`): C's values rounded.
+                    if let Some(r) = d.rounded.and_then(|r| bk.buffers.get(r as usize)) {
+                        rt.write_buffer(batch, &r.name, &bytes_of(&to_act_bits(&v, act)))
+                            .map_err(g)?;
+                    }
                 }
                 LaunchKind::Kernel { .. } => rt.replay_only(batch, Some(&l.op)).map_err(g)?,
                 LaunchKind::Collective(_) => {

@@ -111,7 +111,8 @@ pub enum OpKind {
     Embed,
     /// ins: a [T,X], b [T,Y] → out [T,X+Y].
     Concat,
-    /// ins: a [M,K], w [N,K], (bias [N]) (, c_in [M,N] when accumulating) → out [M,N].
+    /// ins: a [M,K], w [N,K], (bias [N]) (, c_in [M,N] when accumulating) → out [M,N]
+    /// (, out rounded to act [M,N] when out is f32: `round_into_gemm`'s second output).
     Linear { bias: bool, accumulate: bool },
     /// ins: x [M,H], w [H] → out [M,H]. fp32 math: x·rsqrt(mean(x²)+eps)·w.
     RmsNorm,

@@ -30,6 +30,12 @@ pub(super) fn round_into_gemm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecor
             continue;
         }
         let rounded = g.graph[c].outs[0];
+        // The copy is written at the GEMM, earlier than the cast ran: only into a tensor of
+        // its own (no view over another, none over it).
+        let own = g.tensor(rounded).alias_of.is_none() && g.tensors.iter().all(|t| t.alias_of != Some(rounded));
+        if !own {
+            continue;
+        }
         out.push(FusionRecord {
             rule: "round_into_gemm".into(),
             fused: names(g, &[l, c]),

@@ -1,6 +1,6 @@
 //! gemm.cu: the skinny GEMM, the runtime's alternative to cuBLASLt for a plan GEMM of at
 //! most 16 rows (timed beside cuBLASLt's candidates at load; runtime/src/gpu/lt.rs), and
-//! `gemm_round`, which writes a GEMM's rounded copy (`GemmDesc.rounded`) where cuBLASLt,
+//! `gemm_round`, which writes a GEMM's rounded copy (`GemmDesc.rounded`) where a library,
 //! which cannot, ran the GEMM.
 //!
 //! Every plan carries one instance of each but never launches them
@@ -90,7 +90,7 @@ impl Kernel for SkinnyGemmParams {
 }
 
 /// `gemm_round`: `dst[i] = round(src[i])` for `i < count` (f32 to `act_t`, the rounding of
-/// `cast_rows` and of the skinny GEMM's `c2`): a GEMM's rounded copy where cuBLASLt ran it.
+/// `cast_rows` and of the skinny GEMM's `c2`): a GEMM's rounded copy where a library ran it.
 #[derive(KernelParams)]
 #[repr(C)]
 pub struct GemmRoundParams {
@@ -102,7 +102,7 @@ pub struct GemmRoundParams {
 }
 
 pub const GEMM_ROUND_THREADS: u32 = 256;
-/// Elements each thread of a `gemm_round` launch rounds (one 16-byte store of bf16/f16).
+/// Elements each thread of a `gemm_round` launch rounds (loaded together, then stored).
 pub const GEMM_ROUND_PER_THREAD: u64 = 8;
 
 /// CTAs of a `gemm_round` launch over `count` elements.

@@ -115,11 +115,15 @@ impl Gemms {
         }
         let mut lt = Lt::new((self.ws.ptr, self.ws.bytes), self.skinny)?;
         let mut load = GemmLoad::default();
+        // `split_gemm_round` (an A/B switch) times the rounded shapes' choices under other
+        // costs: such a load neither reads nor writes the cache, so each side of the A/B
+        // chooses for itself and leaves the other's choices alone.
+        let use_cache = !self.skinny.split_round;
         for &(shape, ptrs) in shapes {
             if lt.algo(&shape).is_some() {
                 continue;
             }
-            if let Some((algo, choice)) = cache.get(&shape).filter(|_| !retune) {
+            if let Some((algo, choice)) = cache.get(&shape).filter(|_| !retune && use_cache) {
                 if lt.adopt(shape, algo, choice)? {
                     load.cached += 1;
                     continue;
@@ -128,7 +132,8 @@ impl Gemms {
             lt.tune(shape, ptrs, stream)?;
             load.timed += 1;
             match (lt.algo(&shape), lt.choice(&shape)) {
-                (Some(algo), Some(choice)) => cache.put(&shape, algo, choice),
+                (Some(algo), Some(choice)) if use_cache => cache.put(&shape, algo, choice),
+                (Some(_), Some(_)) => {}
                 // No cuBLASLt candidate: this shape takes the cublasGemmEx path.
                 _ => self.ensure_blas()?,
             }

@@ -422,11 +422,13 @@ impl Lt {
                 keep_best(&mut timed[i], run);
             }
             // The skinny GEMM (one kernel node, the rounded copy in its epilogue: nothing to
-            // add), charged SKINNY_MARGIN.
+            // add; with `split_round`, its `gemm_round` is timed and one more node charged),
+            // charged SKINNY_MARGIN.
             if let Some(k) = skinny.filter(|_| round == 0 || timed[n - 1].is_some()) {
                 let mut ok = true;
                 let us = self.time(stream, &mut || ok &= k.run(&s, p, stream).is_ok())?;
-                keep_best(&mut timed[n - 1], ok.then_some((us, us * SKINNY_MARGIN)));
+                let node = NODE_US * (s.rounded && k.split_round) as u8 as f32;
+                keep_best(&mut timed[n - 1], ok.then_some((us, us * SKINNY_MARGIN + node)));
             }
         }
         let ranked = || timed.iter().enumerate().filter_map(|(i, x)| x.map(|(u, c)| (i, u, c)));

@@ -122,7 +122,9 @@ pub struct BenchFixture {
     pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
 }
 
-pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFixture, String> {
+/// The fixture's engine runtime is loaded with `opts` (specbench's A/B switches, so that its
+/// engine rows are on the same side of an A/B as its owned rows).
+pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize, opts: GpuOptions) -> Result<BenchFixture, String> {
     let m = &plan.model;
     let act = plan.capture.dtype;
     let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
@@ -189,7 +191,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize) -> Result<BenchFi
         },
         weights: &weights,
     };
-    let runtime = GpuRuntime::with_engine_memory(plan.clone(), mem, GpuOptions::default()).map_err(err)?;
+    let runtime = GpuRuntime::with_engine_memory(plan.clone(), mem, opts).map_err(err)?;
     let stream = runtime.context().new_stream().map_err(|e| format!("{e:?}"))?;
     let ids: Vec<i64> = (0..b * n).map(|i| (i % 1000) as i64).collect();
     let rows: Vec<i64> = (0..b as i64).collect();

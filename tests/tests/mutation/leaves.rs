@@ -227,6 +227,9 @@ fn launches(p: &mut Plan, f: &mut Visit<'_>) {
                     f(&|| at(".w"), Leaf::U32(&mut g.w));
                     f(&|| at(".c"), Leaf::U32(&mut g.c));
                     f(&|| at(".accumulate"), Leaf::Bool(&mut g.accumulate));
+                    if let Some(r) = g.rounded.as_mut() {
+                        f(&|| at(".rounded"), Leaf::U32(r));
+                    }
                 }
                 LaunchKind::Collective(c) => {
                     f(&|| at(".send"), Leaf::U32(&mut c.send));

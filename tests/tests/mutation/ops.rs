@@ -389,10 +389,11 @@ fn repoint(p: &mut Plan, rng: &mut Rng) -> Option<String> {
             Some(format!("{at}.args[{ai}]: {old:?} -> {a:?}"))
         }
         LaunchKind::Gemm(g) => {
-            let GemmDesc { a, w, c, .. } = g;
-            let (name, slot, n) = match rng.below(3) {
-                0 => ("a", a, nb),
-                1 => ("w", w, nw),
+            let GemmDesc { a, w, c, rounded, .. } = g;
+            let (name, slot, n) = match (rng.below(4), rounded) {
+                (0, _) => ("a", a, nb),
+                (1, _) => ("w", w, nw),
+                (3, Some(r)) => ("rounded", r, nb),
                 _ => ("c", c, nb),
             };
             let old = *slot;

@@ -263,7 +263,7 @@ fn bench_plan(
         &mut bench.decode,
     )?;
     drop(rt);
-    bench_engine(name, plan, &flush, bench)?;
+    bench_engine(name, plan, &flush, o, bench)?;
     println!(
         "{name}: plan+weights load {load_ms:.0} ms, graphs {builds:.1} ms for {} buckets, arena {} B, kv {} B",
         plan.buckets().len(),
@@ -484,7 +484,7 @@ const HOST_BURST_LEN: usize = 8;
 
 /// The same steps in engine memory (caller's pool, table, weights, inputs and stream), at
 /// L 1024: host time of the call and the step's time on the stream, beside the owned replay.
-fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut Bench) -> Result<(), String> {
+fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, o: Opts, bench: &mut Bench) -> Result<(), String> {
     let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
     let l = 1024usize;
     if l + n > plan.capture.max_context_len as usize {
@@ -495,7 +495,12 @@ fn bench_engine(name: &str, plan: &ValidatedPlan, flush: &DeviceBuf, bench: &mut
         .filter(|&b| plan.buckets().iter().any(|x| x.batch as usize == b))
     {
         let t0 = Instant::now();
-        let mut f = specplan_tests::engine::bench_fixture(plan, b, l)?;
+        let opts = GpuOptions {
+            l2_prefetch: o.l2_prefetch,
+            split_gemm_round: o.split_gemm_round,
+            ..GpuOptions::default()
+        };
+        let mut f = specplan_tests::engine::bench_fixture(plan, b, l, opts)?;
         let load_ms = t0.elapsed().as_secs_f64() * 1e3;
         let timer = Timer::new(f.stream.cu_stream())?;
         let step = f.step;
