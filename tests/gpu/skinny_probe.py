@@ -23,15 +23,16 @@ PRELUDE = r'''
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 using act_t = __nv_bfloat16;
-constexpr unsigned SKINNY_GEMM_THREADS = 256u;
+constexpr unsigned SKINNY_GEMM_THREADS = 256u, GEMM_ROUND_THREADS = 256u;
 // common.cuh's K/V layout words (unused by the GEMM; any distinct values compile it).
 constexpr unsigned KV_WORD_MODE = 0u, KV_WORD_TABLE_ROWS = 1u, KV_WORD_TABLE_COLS = 2u, KV_WORD_TABLE_STRIDE = 3u,
   KV_WORD_SLOTS = 4u, KV_WORD_KV_STRIDE = 5u, KV_WORD_PHYS_PAGE = 6u, KV_WORD_PAGE_STRIDE = 7u,
   KV_WORD_HEAD_STRIDE = 8u, KV_MODE_TOKENS = 0u;
 struct SkinnyGemmParams {
-  const act_t* a; const act_t* w; float* c;
+  const act_t* a; const act_t* w; float* c; act_t* c2;
   unsigned m; unsigned n; unsigned k; unsigned lda; unsigned accumulate; unsigned c_f32;
 };
+struct GemmRoundParams { const float* src; act_t* dst; unsigned count; };
 '''
 
 # The variants: `pipe<MT, NT, WARPS, S, PF>` streams W through a per-lane cp.async ring of S
@@ -216,7 +217,7 @@ for name in KERNELS:
 
 
 class Params(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_uint64), ("w", ctypes.c_uint64), ("c", ctypes.c_uint64)] + [
+    _fields_ = [("a", ctypes.c_uint64), ("w", ctypes.c_uint64), ("c", ctypes.c_uint64), ("c2", ctypes.c_uint64)] + [
         (f, ctypes.c_uint32) for f in ("m", "n", "k", "lda", "accumulate", "c_f32")]
 
 
@@ -232,7 +233,7 @@ def smem_and_grid(name, m, nn):
 def launch(name, a, w, c, m, nn, k, lda, acc, cf32, stream):
     smem, grid, block = smem_and_grid(name, m, nn)
     # The kernels take the parameter struct by value: one kernel parameter, its bytes.
-    args = Params(a.data_ptr(), w.data_ptr(), c.data_ptr(), m, nn, k, lda, acc, cf32)
+    args = Params(a.data_ptr(), w.data_ptr(), c.data_ptr(), 0, m, nn, k, lda, acc, cf32)  # c2: none
     ptrs = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
     ck(cuda.cuLaunchKernel(funcs[name], grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(stream.cuda_stream), ptrs, None),
        f"launch {name}")
