@@ -13,6 +13,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use specplan_format::{signature, DType, Replay, ValidatedPlan};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
+use specplan_runtime::registration::StepTensor;
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::gpu::{
     AcceptForm, Communicator, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep,
@@ -465,6 +466,13 @@ impl CpuEngine {
     ) -> PyResult<()> {
         let _ = stream;
         let (n, hin, h, k, cols, _) = self.facts;
+        // Bounded before any extent below is computed (the runner checks it too).
+        let max_b = self.eng.plan().capture.max_requests as usize;
+        if b == 0 || b > max_b {
+            return Err(PyValueError::new_err(format!(
+                "b: {b} is outside [1, {max_b}] (the plan's max_requests)"
+            )));
+        }
         for (name, p) in [
             (io::INPUT_IDS, input_ids),
             (io::HIDDEN_STATES, hidden_states),
@@ -476,9 +484,34 @@ impl CpuEngine {
                 return Err(PyValueError::new_err(format!("{name} is a null pointer")));
             }
         }
+        // The slices below must not overlap where one is written (nor the registered pool,
+        // table or weights): checked before any is made.
+        let w = |i32: bool| if i32 { 4u64 } else { 8 };
+        let bb = b as u64;
+        let (n64, hin64, h64, k64, c64) = (n as u64, hin as u64, h as u64, k as u64, cols as u64);
+        let t = |name, ptr, bytes, written| StepTensor {
+            name,
+            ptr,
+            bytes,
+            written,
+        };
+        self.eng
+            .check_step_memory(&[
+                t(io::INPUT_IDS, input_ids, bb * n64 * w(ids_i32), false),
+                t(io::HIDDEN_STATES, hidden_states, bb * n64 * hin64 * 2, false),
+                t("req_pool_indices", req, bb * w(req_i32), false),
+                t(io::PREFIX_LENS, prefix, bb * w(prefix_i32), false),
+                t(io::ACCEPT_LENS, accept, bb * w(accept_i32), false),
+                t("out topk_p", out_probs, bb * k64 * 4, true),
+                t("out topk_index", out_ids, bb * k64 * 8, true),
+                t("out hidden_states", out_hidden, bb * h64 * 2, true),
+                t("out logits", out_logits, bb * c64 * 4, true),
+            ])
+            .map_err(PyValueError::new_err)?;
         // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
         // [b, ...] and contiguity on the CPU before passing its address, and holds it for
-        // the call; outputs are the runner's own tensors of the plan's shapes.
+        // the call; outputs are the runner's own tensors of the plan's shapes, and none of
+        // them shares memory with another or with an input (checked just above).
         let ints = |p: u64, i32: bool, len: usize| unsafe {
             if i32 {
                 Ints::I32(std::slice::from_raw_parts(p as *const i32, len))
@@ -570,9 +603,47 @@ impl CpuEngine {
                 return Err(PyValueError::new_err(format!("{name} is a null pointer")));
             }
         }
+        let max_b = plan.capture.max_requests as usize;
+        if b == 0 || b > max_b {
+            return Err(PyValueError::new_err(format!(
+                "b: {b} is outside [1, {max_b}] (the plan's max_requests)"
+            )));
+        }
+        // The slices below must not overlap where one is written (nor the registered pool,
+        // table or weights): checked before any is made.
+        let w = |i32: bool| if i32 { 4u64 } else { 8 };
+        let (bb, k64, h64, pw64, nodes64, n64) = (b as u64, k as u64, h as u64, pw as u64, nodes as u64, n as u64);
+        let t = |name, ptr, bytes, written| StepTensor {
+            name,
+            ptr,
+            bytes,
+            written,
+        };
+        let mut tensors = vec![
+            t(io::TOPK_PROBS, topk_p, bb * k64 * 4, false),
+            t(io::TOPK_IDS, ids, bb * k64 * w(ids_i32), false),
+            t(io::HIDDEN_STATES, hidden, bb * h64 * 2, false),
+            t("req_pool_indices", req, bb * w(req_i32), false),
+            t(io::PREFIX_LENS, prefix, bb * w(prefix_i32), false),
+            t(io::BONUS_TOKENS, bonus, bb * w(bonus_i32), false),
+            t("out parent_list", out_parents, bb * pw64 * 8, true),
+            t("out top_scores_index", out_index, bb * nodes64 * 8, true),
+            t("out draft_tokens", out_tokens, bb * nodes64 * 8, true),
+            t("out tree_mask", out_mask, bb * n64 * n64 * 4, true),
+        ];
+        let verify_names = [
+            io::VERIFY_TOKENS,
+            io::VERIFY_POSITIONS,
+            io::RETRIEVE_INDEX,
+            io::RETRIEVE_NEXT_TOKEN,
+            io::RETRIEVE_NEXT_SIBLING,
+        ];
+        tensors.extend(verify_names.iter().zip(out_verify).map(|(name, p)| t(name, p, bb * n64 * 8, true)));
+        self.eng.check_step_memory(&tensors).map_err(PyValueError::new_err)?;
         // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
         // [b, ...] and contiguity on the CPU before passing its address, and holds it for
-        // the call; outputs are the runner's own int64 tensors of the phase's shapes.
+        // the call; outputs are the runner's own int64 tensors of the phase's shapes, and
+        // none of them shares memory with another or with an input (checked just above).
         let ints = |p: u64, i32: bool, len: usize| unsafe {
             if i32 {
                 Ints::I32(std::slice::from_raw_parts(p as *const i32, len))

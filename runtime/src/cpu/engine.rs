@@ -93,6 +93,8 @@ pub struct CpuEngine {
     weights: Vec<WeightData>,
     kv: StridedKv,
     table: HostTable,
+    /// The registered memory's byte ranges (`check_step_memory`).
+    regions: crate::registration::Regions,
     last: Option<DeviceError>,
     /// Refusals of steps not yet taken by `take_unpolled`.
     unpolled: Vec<DeviceError>,
@@ -128,6 +130,7 @@ impl CpuEngine {
     pub unsafe fn new(plan: ValidatedPlan, mem: EngineMemory) -> Result<CpuEngine, RegError> {
         check_kv(&plan, &mem.kv)?;
         check_table(&plan, &mem.table)?;
+        let regions = crate::registration::Regions::of(&plan, &mem)?;
         let tensors = mem.weights;
         let ids_of = |name: &str| -> Option<Vec<i64>> {
             let t = tensors.get(name)?;
@@ -193,6 +196,7 @@ impl CpuEngine {
             weights,
             kv,
             table,
+            regions,
             last: None,
             unpolled: Vec::new(),
         })
@@ -200,6 +204,13 @@ impl CpuEngine {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// A step's host tensors against the registered memory and each other
+    /// (`Regions::check_step`): what a caller building a step's slices from raw addresses
+    /// checks first.
+    pub fn check_step_memory(&self, tensors: &[crate::registration::StepTensor]) -> Result<(), String> {
+        self.regions.check_step(tensors)
     }
 
     pub(super) fn table(&self) -> &HostTable {

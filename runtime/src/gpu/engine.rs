@@ -27,6 +27,7 @@ use super::device::{cuda, cuda_rc, DevMem, Event, GpuError};
 use super::launch::{launch_packed, pack_slots};
 use super::memory::{bind_weights, check_kv, check_table, EngineMemory, Memory, WeightBinding};
 use super::{meta_block, GpuOptions, GpuRuntime, Mode, StepInfo};
+use crate::registration::{Regions, StepTensor};
 
 /// A `[b]` integer tensor of the caller: its address and whether it holds i32 (else i64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +83,8 @@ pub struct DeviceStep {
 }
 
 pub(crate) struct EngineState {
+    /// The registered memory's byte ranges (a step's tensors are checked against them).
+    pub(super) regions: Regions,
     /// Kernel indices of `admit` and `emit` in the plan.
     pub admit: u32,
     pub emit: u32,
@@ -316,6 +319,7 @@ impl GpuRuntime {
         let t0 = Instant::now();
         check_kv(&plan, &m.kv)?;
         check_table(&plan, &m.table)?;
+        let regions = Regions::of(&plan, &m)?;
         // A gathered weight (FR-Spec's hot rows) names its ids tensor among the sources:
         // given on the device, it is read once here (load time; never on the replay path).
         let ids_of = |name: &str| -> Option<Vec<i64>> {
@@ -388,6 +392,7 @@ impl GpuRuntime {
             })?;
         }
         let state = EngineState {
+            regions,
             decode,
             admit,
             emit,
@@ -466,6 +471,10 @@ impl GpuRuntime {
                 return Err(GpuError::Step(format!("{name} is a null pointer")));
             }
         }
+        self.engine()?
+            .regions
+            .check_step(&step_tensors(s, n, hin, h, k, cols, act))
+            .map_err(GpuError::Step)?;
         let stream = s.stream as sys::CUstream;
         let epoch = self.begin_engine_step(stream)?;
         let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
@@ -631,4 +640,33 @@ fn place_weights(plan: &Plan, bindings: &[WeightBinding]) -> Result<(Vec<u64>, V
         }
     }
     Ok((ptrs, vec![region]))
+}
+
+/// A draft-extend step's tensors with their byte extents (the caller's `[b, ...]` shapes),
+/// for `Regions::check_step`.
+fn step_tensors(s: &DeviceStep, n: u64, hin: u64, h: u64, k: u64, cols: u64, act: u64) -> [StepTensor<'static>; 9] {
+    let b = s.b as u64;
+    let ints = |d: DeviceInts| b * if d.i32 { 4 } else { 8 };
+    let t = |name, ptr, bytes, written| StepTensor {
+        name,
+        ptr,
+        bytes,
+        written,
+    };
+    [
+        t(io::INPUT_IDS, s.input_ids, b * n * if s.ids_i32 { 4 } else { 8 }, false),
+        t(io::HIDDEN_STATES, s.hidden_states, b * n * hin * act, false),
+        t(
+            "req_pool_indices",
+            s.req_pool_indices.ptr,
+            ints(s.req_pool_indices),
+            false,
+        ),
+        t(io::PREFIX_LENS, s.prefix_lens.ptr, ints(s.prefix_lens), false),
+        t(io::ACCEPT_LENS, s.accept_lens.ptr, ints(s.accept_lens), false),
+        t("outputs.topk_p", s.outputs.topk_p, b * k * 4, true),
+        t("outputs.topk_index", s.outputs.topk_index, b * k * 8, true),
+        t("outputs.hidden_states", s.outputs.hidden_states, b * h * act, true),
+        t("outputs.logits", s.outputs.logits, b * cols * 4, true),
+    ]
 }

@@ -21,6 +21,7 @@ use specplan_kernels::entries::io_decode::{
 use specplan_kernels::facts::parent_width;
 use specplan_kernels::{kv, Entry};
 
+use crate::registration::StepTensor;
 use super::device::{cuda_rc, GpuError};
 use super::engine::{kernel_of, DeviceInts};
 use super::graph::Exec;
@@ -414,8 +415,6 @@ impl GpuRuntime {
                 )));
             }
         }
-        let stream = s.stream as sys::CUstream;
-        let epoch = self.begin_engine_step(stream)?;
         let (k, h) = (self.plan.spec.topk as u64, self.plan.model.hidden as u64);
         let act = self.plan.capture.dtype.size();
         let steps = kind.steps();
@@ -426,6 +425,31 @@ impl GpuRuntime {
         let n = nodes + 1;
         let width = |d: DeviceInts| if d.i32 { 4 } else { 8 };
         let bonus = s.bonus_tokens.unwrap_or(DeviceInts { ptr: 0, i32: false });
+        // The step's tensors against the registered memory and each other (before the step
+        // takes its tag: a refused call leaves no trace).
+        let b = s.b as u64;
+        let t = |name, ptr, bytes, written| StepTensor {
+            name,
+            ptr,
+            bytes,
+            written,
+        };
+        let mut tensors = vec![
+            t(io::TOPK_PROBS, s.topk_p, b * k * 4, false),
+            t(io::TOPK_IDS, s.topk_index, b * k * if s.ids_i32 { 4 } else { 8 }, false),
+            t(io::HIDDEN_STATES, s.hidden_states, b * h * act, false),
+            t("req_pool_indices", s.req_pool_indices.ptr, b * width(s.req_pool_indices), false),
+            t(io::PREFIX_LENS, s.prefix_lens.ptr, b * width(s.prefix_lens), false),
+            t(io::BONUS_TOKENS, bonus.ptr, b * width(bonus), false),
+            t("outputs.parent_list", o.parent_list, b * pw * 8, true),
+            t("outputs.top_scores_index", o.top_scores_index, b * nodes * 8, true),
+            t("outputs.draft_tokens", o.draft_tokens, b * nodes * 8, true),
+            t("outputs.tree_mask", o.tree_mask, b * n * n * 4, true),
+        ];
+        tensors.extend(names.iter().zip(o.verify).map(|(name, p)| t(name, p, b * n * 8, true)));
+        self.engine()?.regions.check_step(&tensors).map_err(GpuError::Step)?;
+        let stream = s.stream as sys::CUstream;
+        let epoch = self.begin_engine_step(stream)?;
         let flags = s.req_pool_indices.i32 as u32
             | (s.prefix_lens.i32 as u32) << 1
             | (bonus.i32 as u32) << 2

@@ -5,6 +5,9 @@
 //! rules a registration must pass and how each plan weight binds to the caller's tensors;
 //! no memory is read.
 
+mod regions;
+
+pub use regions::{Regions, StepTensor};
 use specplan_format::io;
 use specplan_format::PhaseKind;
 use std::collections::HashMap;

@@ -567,3 +567,91 @@ fn id_maps_must_be_one_to_one() {
     let e = check_hot_ids(&p, None).unwrap_err().to_string();
     assert!(e.contains("1-D i64 tensor of 3"), "{e}");
 }
+
+fn memory_case(weights: &HashMap<String, DeviceTensor>, table_ptr: u64) -> EngineMemory<'_> {
+    EngineMemory {
+        kv: kv_ok(),
+        table: TableRegistration {
+            ptr: table_ptr,
+            mode: TableMode::TokenSlots,
+            rows: 4,
+            cols: 64,
+            stride: 64,
+            page_size: 1,
+        },
+        weights,
+    }
+}
+
+#[test]
+fn registered_kinds_must_not_share_bytes() {
+    let p = plan();
+    // Pools of 100 slots of 128 elements: K of layer 0 at [0x100000, 0x106400).
+    let mut weights = HashMap::new();
+    weights.insert("fc.weight".to_string(), bf16(0x50_0000, vec![256, 512]));
+    // Tied weights share one tensor: accepted.
+    weights.insert("lm_head.weight".to_string(), bf16(0x60_0000, vec![1000, 256]));
+    weights.insert("embed_tokens.weight".to_string(), bf16(0x60_0000, vec![1000, 256]));
+    assert!(Regions::of(&p, &memory_case(&weights, 0x100)).is_ok());
+    // The table inside layer 0's K pool.
+    let e = Regions::of(&p, &memory_case(&weights, 0x10_0400))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("req_to_token") && e.contains("k_cache[0]"), "{e}");
+    // A weight ending inside layer 1's V pool.
+    weights.insert("extra".to_string(), bf16(0x40_0000 - 16, vec![16]));
+    let e = Regions::of(&p, &memory_case(&weights, 0x100)).unwrap_err().to_string();
+    assert!(e.contains("weight extra") && e.contains("v_cache[1]"), "{e}");
+    // Interleaved layers' pools are the caller's to lay out (check_kv proves each layer).
+    weights.remove("extra");
+    let mut m = memory_case(&weights, 0x100);
+    m.kv = KvRegistration::dense(vec![0x10_0000, 0x10_0080], vec![0x30_0000, 0x30_0080], 100, 128, 64);
+    assert!(Regions::of(&p, &m).is_ok());
+}
+
+#[test]
+fn a_steps_tensors_must_not_overwrite_registered_memory_or_each_other() {
+    let p = plan();
+    let weights = HashMap::from([("fc.weight".to_string(), bf16(0x50_0000, vec![256, 512]))]);
+    let r = Regions::of(&p, &memory_case(&weights, 0x100)).expect("registers");
+    let t = |name, ptr, bytes, written| StepTensor {
+        name,
+        ptr,
+        bytes,
+        written,
+    };
+    let input = t(io::HIDDEN_STATES, 0x90_0000, 4096, false);
+    let out = t("outputs.hidden_states", 0xa0_0000, 4096, true);
+    assert!(r.check_step(&[input, out, t("outputs.logits", 0, 64, true)]).is_ok());
+    // An output over the pool, the table or a weight.
+    for (at, what) in [
+        (0x10_0000 + 64, "k_cache[0]"),
+        (0x100, "req_to_token"),
+        (0x50_0100, "weight fc.weight"),
+    ] {
+        let e = r
+            .check_step(&[input, t("outputs.hidden_states", at, 4096, true)])
+            .unwrap_err();
+        assert!(e.starts_with("outputs.hidden_states") && e.contains(what), "{e}");
+    }
+    // An input over the pool (the step writes K/V there); over the table or a weight it
+    // is only read.
+    let e = r
+        .check_step(&[t(io::HIDDEN_STATES, 0x30_0000, 64, false), out])
+        .unwrap_err();
+    assert!(e.contains("v_cache[0]") && e.contains("writes K/V"), "{e}");
+    assert!(r.check_step(&[t(io::PREFIX_LENS, 0x100, 16, false), out]).is_ok());
+    // An output over an input or another output; two inputs may share.
+    let e = r
+        .check_step(&[input, t("outputs.topk_p", 0x90_0000 + 4000, 128, true)])
+        .unwrap_err();
+    assert!(e.starts_with("outputs.topk_p") && e.contains(io::HIDDEN_STATES), "{e}");
+    let e = r
+        .check_step(&[out, t("outputs.logits", 0xa0_0000, 16, true)])
+        .unwrap_err();
+    assert!(
+        e.contains("outputs.hidden_states") && e.contains("outputs.logits"),
+        "{e}"
+    );
+    assert!(r.check_step(&[input, t(io::INPUT_IDS, 0x90_0000, 64, false)]).is_ok());
+}
