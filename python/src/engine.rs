@@ -13,7 +13,6 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use specplan_format::{signature, DType, Replay, ValidatedPlan};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
-use specplan_runtime::registration::StepTensor;
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
 use specplan_runtime::gpu::{
     AcceptForm, Communicator, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep,
@@ -21,6 +20,7 @@ use specplan_runtime::gpu::{
     StepPoll, TableMode, TableRegistration,
 };
 use specplan_runtime::registration::RegError;
+use specplan_runtime::registration::StepTensor;
 
 use crate::plan::Plan;
 
@@ -638,7 +638,12 @@ impl CpuEngine {
             io::RETRIEVE_NEXT_TOKEN,
             io::RETRIEVE_NEXT_SIBLING,
         ];
-        tensors.extend(verify_names.iter().zip(out_verify).map(|(name, p)| t(name, p, bb * n64 * 8, true)));
+        tensors.extend(
+            verify_names
+                .iter()
+                .zip(out_verify)
+                .map(|(name, p)| t(name, p, bb * n64 * 8, true)),
+        );
         self.eng.check_step_memory(&tensors).map_err(PyValueError::new_err)?;
         // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
         // [b, ...] and contiguity on the CPU before passing its address, and holds it for

@@ -21,13 +21,13 @@ use specplan_kernels::entries::io_decode::{
 use specplan_kernels::facts::parent_width;
 use specplan_kernels::{kv, Entry};
 
-use crate::registration::StepTensor;
 use super::device::{cuda_rc, GpuError};
 use super::engine::{kernel_of, DeviceInts};
 use super::graph::Exec;
 use super::launch::{launch_packed, pack_slots};
 use super::memory::Memory;
 use super::{GpuRuntime, StepInfo};
+use crate::registration::StepTensor;
 
 /// Where `emit_decode` copies a step's tree (0: not copied), each `[b, ·]` i64 unless noted:
 /// `parent_list [b, (S−1)·K + 1]`, `top_scores_index` and `draft_tokens [b, N−1]`; with the
@@ -438,7 +438,12 @@ impl GpuRuntime {
             t(io::TOPK_PROBS, s.topk_p, b * k * 4, false),
             t(io::TOPK_IDS, s.topk_index, b * k * if s.ids_i32 { 4 } else { 8 }, false),
             t(io::HIDDEN_STATES, s.hidden_states, b * h * act, false),
-            t("req_pool_indices", s.req_pool_indices.ptr, b * width(s.req_pool_indices), false),
+            t(
+                "req_pool_indices",
+                s.req_pool_indices.ptr,
+                b * width(s.req_pool_indices),
+                false,
+            ),
             t(io::PREFIX_LENS, s.prefix_lens.ptr, b * width(s.prefix_lens), false),
             t(io::BONUS_TOKENS, bonus.ptr, b * width(bonus), false),
             t("outputs.parent_list", o.parent_list, b * pw * 8, true),
