@@ -1,26 +1,22 @@
-//! `Engine` and `CpuEngine`: the runtime on the caller's memory over raw addresses. The
+//! `Engine` (and, in `cpu_engine.rs`, `CpuEngine`): the runtime on the caller's memory over
+//! raw addresses, and the registration both build. The
 //! Python runner checks the tensors and passes their addresses; the runtime checks the
 //! registration again (alignment, strides, sizes, a geometry under which no two K/V
 //! elements alias) and each request on the device (or, for `CpuEngine`, on the host by the
 //! same rules). `Engine` takes CUDA tensors and replays graphs on the caller's stream;
 //! `CpuEngine` takes CPU tensors and runs the CPU executor on them in place.
 
-use specplan_format::io;
-use specplan_format::PhaseKind;
 use std::collections::{BTreeMap, HashMap};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use specplan_format::{signature, DType, Replay, ValidatedPlan};
-use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep, Ints};
-use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
+use specplan_format::{DType, Replay, ValidatedPlan};
 use specplan_runtime::gpu::{
     AcceptForm, Communicator, DecodeOutputs, DeviceDecode, DeviceError, DeviceInts, DeviceOutputs, DeviceStep,
     DeviceTensor, EngineMemory, GemmPolicy, GpuError, GpuOptions, GpuRuntime, KvGeometry, KvRegistration, L2Prefetch,
     StepPoll, TableMode, TableRegistration,
 };
 use specplan_runtime::registration::RegError;
-use specplan_runtime::registration::StepTensor;
 
 use crate::plan::Plan;
 
@@ -37,7 +33,7 @@ fn py_err(e: GpuError) -> PyErr {
     }
 }
 
-fn reg_err(e: RegError) -> PyErr {
+pub(crate) fn reg_err(e: RegError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
@@ -56,9 +52,9 @@ fn dtype(name: &str, what: &str) -> PyResult<DType> {
 
 /// `(count, first request, rule, other request)` of a device refusal, for Python (`other`:
 /// the request writing what an alias refusal's request reads).
-type Refusal = (u64, u64, String, Option<u64>);
+pub(crate) type Refusal = (u64, u64, String, Option<u64>);
 
-fn refusal(e: DeviceError) -> Refusal {
+pub(crate) fn refusal(e: DeviceError) -> Refusal {
     (
         e.count,
         e.request,
@@ -69,14 +65,14 @@ fn refusal(e: DeviceError) -> Refusal {
 }
 
 /// The registration both engines take, from the Python runner's arguments.
-struct Registration {
-    kv: KvRegistration,
-    table: TableRegistration,
-    weights: HashMap<String, DeviceTensor>,
+pub(crate) struct Registration {
+    pub(crate) kv: KvRegistration,
+    pub(crate) table: TableRegistration,
+    pub(crate) weights: HashMap<String, DeviceTensor>,
 }
 
 #[allow(clippy::too_many_arguments)]
-fn registration(
+pub(crate) fn registration(
     k: Vec<u64>,
     v: Vec<u64>,
     geom: (u64, u64, u64, u64, u64),
@@ -127,7 +123,7 @@ fn registration(
     })
 }
 
-fn accept_form(select: bool) -> AcceptForm {
+pub(crate) fn accept_form(select: bool) -> AcceptForm {
     if select {
         AcceptForm::SelectRows
     } else {
@@ -137,7 +133,7 @@ fn accept_form(select: bool) -> AcceptForm {
 
 /// Whether a captured graph serves a batch of `b` (the smallest bucket ≥ b, when it
 /// replays as a graph).
-fn graph_serves(graph: &[(u32, bool)], b: usize) -> bool {
+pub(crate) fn graph_serves(graph: &[(u32, bool)], b: usize) -> bool {
     b > 0
         && graph
             .iter()
@@ -145,7 +141,7 @@ fn graph_serves(graph: &[(u32, bool)], b: usize) -> bool {
             .is_some_and(|(_, g)| *g)
 }
 
-fn graph_table(vp: &ValidatedPlan) -> Vec<(u32, bool)> {
+pub(crate) fn graph_table(vp: &ValidatedPlan) -> Vec<(u32, bool)> {
     vp.buckets()
         .iter()
         .map(|b| (b.batch, b.replay == Replay::Graph))
@@ -381,323 +377,6 @@ impl Engine {
             ("graphs_ms", t.graphs_ms),
             ("total_ms", t.total_ms),
         ])
-    }
-}
-
-/// The same runtime contract on the caller's CPU memory: the CPU executor on the engine's
-/// tensors in place (the K/V pool and table read and written where they are; the weights
-/// read once). For tests of engine adapters on machines without a GPU.
-#[pyclass(module = "specplan._native", unsendable)]
-pub struct CpuEngine {
-    eng: HostEngine,
-    graph: Vec<(u32, bool)>,
-    facts: (usize, usize, usize, usize, usize, DType),
-}
-
-#[pymethods]
-impl CpuEngine {
-    /// As `Engine`, with host addresses (CPU tensors).
-    #[new]
-    #[pyo3(signature = (plan, k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        plan: &Plan,
-        k: Vec<u64>,
-        v: Vec<u64>,
-        geom: (u64, u64, u64, u64, u64),
-        table: u64,
-        table_mode: &str,
-        rows: u64,
-        cols: u64,
-        row_stride: u64,
-        page_size: u64,
-        weights: Vec<(String, u64, String, Vec<u64>)>,
-    ) -> PyResult<CpuEngine> {
-        let r = registration(
-            k, v, geom, table, table_mode, rows, cols, row_stride, page_size, weights,
-        )?;
-        let mem = EngineMemory {
-            kv: r.kv,
-            table: r.table,
-            weights: &r.weights,
-        };
-        let vp = plan.inner.clone();
-        let graph = graph_table(&vp);
-        let p = &vp;
-        let facts = (
-            p.rows_per_request(PhaseKind::DraftExtend) as usize,
-            p.model.hidden_in() as usize,
-            p.model.hidden as usize,
-            p.spec.topk as usize,
-            signature::logits_cols(p) as usize,
-            p.capture.dtype,
-        );
-        // SAFETY: the Python runner passes the addresses of live CPU tensors it checked
-        // (dtype, shape, strides: the pools span the geometry, the table rows × row_stride
-        // int32, each weight its shape) and keeps references to them for the engine's life;
-        // the interpreter serializes every use of this object (unsendable).
-        let eng = unsafe { HostEngine::new(vp, mem) }.map_err(reg_err)?;
-        Ok(CpuEngine { eng, graph, facts })
-    }
-
-    /// As `Engine.step`, on host addresses (runs to completion; `stream` is ignored).
-    #[pyo3(signature = (b, input_ids, ids_i32, hidden_states, req, req_i32, prefix, prefix_i32, prefix_bias, accept, accept_i32, accept_select, out_probs, out_ids, out_hidden, out_logits, stream=0))]
-    #[allow(clippy::too_many_arguments)]
-    fn step(
-        &mut self,
-        py: Python<'_>,
-        b: usize,
-        input_ids: u64,
-        ids_i32: bool,
-        hidden_states: u64,
-        req: u64,
-        req_i32: bool,
-        prefix: u64,
-        prefix_i32: bool,
-        prefix_bias: i32,
-        accept: u64,
-        accept_i32: bool,
-        accept_select: bool,
-        out_probs: u64,
-        out_ids: u64,
-        out_hidden: u64,
-        out_logits: u64,
-        stream: u64,
-    ) -> PyResult<()> {
-        let _ = stream;
-        let (n, hin, h, k, cols, _) = self.facts;
-        // Bounded before any extent below is computed (the runner checks it too).
-        let max_b = self.eng.plan().capture.max_requests as usize;
-        if b == 0 || b > max_b {
-            return Err(PyValueError::new_err(format!(
-                "b: {b} is outside [1, {max_b}] (the plan's max_requests)"
-            )));
-        }
-        for (name, p) in [
-            (io::INPUT_IDS, input_ids),
-            (io::HIDDEN_STATES, hidden_states),
-            ("req_pool_indices", req),
-            (io::PREFIX_LENS, prefix),
-            (io::ACCEPT_LENS, accept),
-        ] {
-            if p == 0 {
-                return Err(PyValueError::new_err(format!("{name} is a null pointer")));
-            }
-        }
-        // The slices below must not overlap where one is written (nor the registered pool,
-        // table or weights): checked before any is made.
-        let w = |i32: bool| if i32 { 4u64 } else { 8 };
-        let bb = b as u64;
-        let (n64, hin64, h64, k64, c64) = (n as u64, hin as u64, h as u64, k as u64, cols as u64);
-        let t = |name, ptr, bytes, written| StepTensor {
-            name,
-            ptr,
-            bytes,
-            written,
-        };
-        self.eng
-            .check_step_memory(&[
-                t(io::INPUT_IDS, input_ids, bb * n64 * w(ids_i32), false),
-                t(io::HIDDEN_STATES, hidden_states, bb * n64 * hin64 * 2, false),
-                t("req_pool_indices", req, bb * w(req_i32), false),
-                t(io::PREFIX_LENS, prefix, bb * w(prefix_i32), false),
-                t(io::ACCEPT_LENS, accept, bb * w(accept_i32), false),
-                t("out topk_p", out_probs, bb * k64 * 4, true),
-                t("out topk_index", out_ids, bb * k64 * 8, true),
-                t("out hidden_states", out_hidden, bb * h64 * 2, true),
-                t("out logits", out_logits, bb * c64 * 4, true),
-            ])
-            .map_err(PyValueError::new_err)?;
-        // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
-        // [b, ...] and contiguity on the CPU before passing its address, and holds it for
-        // the call; outputs are the runner's own tensors of the plan's shapes, and none of
-        // them shares memory with another or with an input (checked just above).
-        let ints = |p: u64, i32: bool, len: usize| unsafe {
-            if i32 {
-                Ints::I32(std::slice::from_raw_parts(p as *const i32, len))
-            } else {
-                Ints::I64(std::slice::from_raw_parts(p as *const i64, len))
-            }
-        };
-        let x = HostStep {
-            input_ids: ints(input_ids, ids_i32, b * n),
-            // SAFETY: as above.
-            hidden: unsafe { std::slice::from_raw_parts(hidden_states as *const u16, b * n * hin) },
-            req: ints(req, req_i32, b),
-            prefix: ints(prefix, prefix_i32, b),
-            accept: ints(accept, accept_i32, b),
-            accept_form: accept_form(accept_select),
-            prefix_bias,
-        };
-        // SAFETY: as above; a null address leaves that output uncopied.
-        let mut out = unsafe {
-            HostOutputs {
-                topk_p: (out_probs != 0).then(|| std::slice::from_raw_parts_mut(out_probs as *mut f32, b * k)),
-                topk_index: (out_ids != 0).then(|| std::slice::from_raw_parts_mut(out_ids as *mut i64, b * k)),
-                hidden: (out_hidden != 0).then(|| std::slice::from_raw_parts_mut(out_hidden as *mut u16, b * h)),
-                logits: (out_logits != 0).then(|| std::slice::from_raw_parts_mut(out_logits as *mut f32, b * cols)),
-            }
-        };
-        let _ = py;
-        self.eng.step(&x, &mut out).map_err(PyValueError::new_err)
-    }
-
-    /// One step of draft-decode phase `phase` (`draft_decode:S`) on host addresses: inputs
-    /// `topk_p` f32 [b, K], `ids` [b, K] (target ids; int32 with `ids_i32`), `hidden`
-    /// [b, H] in the plan's dtype, `req` / `prefix` [b]; outputs (0: not copied)
-    /// parent_list [b, (S−1)K+1], top_scores_index and draft_tokens [b, N−1], int64. A plan
-    /// with the verify inputs also takes `bonus` [b] (0: none; int32 with `bonus_i32`) and
-    /// writes `out_verify` (verify_tokens, verify_positions, retrieve_index,
-    /// retrieve_next_token, retrieve_next_sibling: [b, N] int64 each; 0: not copied) and
-    /// `out_mask` [b, N, N] int32.
-    #[pyo3(signature = (phase, b, topk_p, ids, ids_i32, hidden, req, req_i32, prefix, prefix_i32, prefix_bias, out_parents, out_index, out_tokens, stream=0, bonus=0, bonus_i32=false, out_verify=[0; 5], out_mask=0))]
-    #[allow(clippy::too_many_arguments)]
-    fn draft_decode(
-        &mut self,
-        phase: &str,
-        b: usize,
-        topk_p: u64,
-        ids: u64,
-        ids_i32: bool,
-        hidden: u64,
-        req: u64,
-        req_i32: bool,
-        prefix: u64,
-        prefix_i32: bool,
-        prefix_bias: i32,
-        out_parents: u64,
-        out_index: u64,
-        out_tokens: u64,
-        stream: u64,
-        bonus: u64,
-        bonus_i32: bool,
-        out_verify: [u64; 5],
-        out_mask: u64,
-    ) -> PyResult<()> {
-        let _ = stream;
-        let plan = self.eng.plan();
-        let kind = plan
-            .phase_by_label(phase)
-            .filter(|k| k.steps() > 0)
-            .ok_or_else(|| PyValueError::new_err(format!("phase {phase:?}: the plan has {}", plan.phase_labels())))?;
-        let k = plan.spec.topk as usize;
-        let h = plan.model.hidden as usize;
-        // The outputs' widths from the phase's signature.
-        let sig = signature::resolve(plan, kind, 1);
-        let width = |name: &str| {
-            sig.iter()
-                .find(|r| r.decl.name == name)
-                .and_then(|r| r.shape.get(1).copied())
-                .unwrap_or(0) as usize
-        };
-        let (pw, nodes) = (width(io::PARENT_LIST), width(io::TOP_SCORES_INDEX));
-        let n = nodes + 1;
-        for (name, p) in [
-            (io::TOPK_PROBS, topk_p),
-            (io::TOPK_IDS, ids),
-            (io::HIDDEN_STATES, hidden),
-            ("req_pool_indices", req),
-            (io::PREFIX_LENS, prefix),
-        ] {
-            if p == 0 {
-                return Err(PyValueError::new_err(format!("{name} is a null pointer")));
-            }
-        }
-        let max_b = plan.capture.max_requests as usize;
-        if b == 0 || b > max_b {
-            return Err(PyValueError::new_err(format!(
-                "b: {b} is outside [1, {max_b}] (the plan's max_requests)"
-            )));
-        }
-        // The slices below must not overlap where one is written (nor the registered pool,
-        // table or weights): checked before any is made.
-        let w = |i32: bool| if i32 { 4u64 } else { 8 };
-        let (bb, k64, h64, pw64, nodes64, n64) = (b as u64, k as u64, h as u64, pw as u64, nodes as u64, n as u64);
-        let t = |name, ptr, bytes, written| StepTensor {
-            name,
-            ptr,
-            bytes,
-            written,
-        };
-        let mut tensors = vec![
-            t(io::TOPK_PROBS, topk_p, bb * k64 * 4, false),
-            t(io::TOPK_IDS, ids, bb * k64 * w(ids_i32), false),
-            t(io::HIDDEN_STATES, hidden, bb * h64 * 2, false),
-            t("req_pool_indices", req, bb * w(req_i32), false),
-            t(io::PREFIX_LENS, prefix, bb * w(prefix_i32), false),
-            t(io::BONUS_TOKENS, bonus, bb * w(bonus_i32), false),
-            t("out parent_list", out_parents, bb * pw64 * 8, true),
-            t("out top_scores_index", out_index, bb * nodes64 * 8, true),
-            t("out draft_tokens", out_tokens, bb * nodes64 * 8, true),
-            t("out tree_mask", out_mask, bb * n64 * n64 * 4, true),
-        ];
-        let verify_names = [
-            io::VERIFY_TOKENS,
-            io::VERIFY_POSITIONS,
-            io::RETRIEVE_INDEX,
-            io::RETRIEVE_NEXT_TOKEN,
-            io::RETRIEVE_NEXT_SIBLING,
-        ];
-        tensors.extend(
-            verify_names
-                .iter()
-                .zip(out_verify)
-                .map(|(name, p)| t(name, p, bb * n64 * 8, true)),
-        );
-        self.eng.check_step_memory(&tensors).map_err(PyValueError::new_err)?;
-        // SAFETY: (every slice below) the Python runner checked each tensor's dtype, shape
-        // [b, ...] and contiguity on the CPU before passing its address, and holds it for
-        // the call; outputs are the runner's own int64 tensors of the phase's shapes, and
-        // none of them shares memory with another or with an input (checked just above).
-        let ints = |p: u64, i32: bool, len: usize| unsafe {
-            if i32 {
-                Ints::I32(std::slice::from_raw_parts(p as *const i32, len))
-            } else {
-                Ints::I64(std::slice::from_raw_parts(p as *const i64, len))
-            }
-        };
-        let x = HostDecode {
-            // SAFETY: as above.
-            topk_p: unsafe { std::slice::from_raw_parts(topk_p as *const f32, b * k) },
-            topk_index: ints(ids, ids_i32, b * k),
-            // SAFETY: as above.
-            hidden: unsafe { std::slice::from_raw_parts(hidden as *const u16, b * h) },
-            req: ints(req, req_i32, b),
-            prefix: ints(prefix, prefix_i32, b),
-            prefix_bias,
-            bonus_tokens: (bonus != 0).then(|| ints(bonus, bonus_i32, b)),
-        };
-        // SAFETY: as above; a null address leaves that output uncopied.
-        let mut out = unsafe {
-            HostDecodeOutputs {
-                parent_list: (out_parents != 0)
-                    .then(|| std::slice::from_raw_parts_mut(out_parents as *mut i64, b * pw)),
-                top_scores_index: (out_index != 0)
-                    .then(|| std::slice::from_raw_parts_mut(out_index as *mut i64, b * nodes)),
-                draft_tokens: (out_tokens != 0)
-                    .then(|| std::slice::from_raw_parts_mut(out_tokens as *mut i64, b * nodes)),
-                verify: out_verify.map(|p| (p != 0).then(|| std::slice::from_raw_parts_mut(p as *mut i64, b * n))),
-                tree_mask: (out_mask != 0).then(|| std::slice::from_raw_parts_mut(out_mask as *mut i32, b * n * n)),
-            }
-        };
-        self.eng.draft_decode(kind, &x, &mut out).map_err(PyValueError::new_err)
-    }
-
-    fn last_error(&self) -> Option<Refusal> {
-        self.eng.last_error().map(refusal)
-    }
-
-    /// As `Engine.poll_error` (a CPU step has finished when `step` returns).
-    fn poll_error(&mut self) -> (Vec<Refusal>, bool, u32) {
-        (self.eng.take_unpolled().into_iter().map(refusal).collect(), false, 0)
-    }
-
-    fn can_run(&self, b: usize) -> bool {
-        graph_serves(&self.graph, b)
-    }
-
-    fn load_times(&self) -> BTreeMap<&'static str, f64> {
-        BTreeMap::new()
     }
 }
 

@@ -206,11 +206,13 @@ impl CpuEngine {
         &self.plan
     }
 
-    /// A step's host tensors against the registered memory and each other
-    /// (`Regions::check_step`): what a caller building a step's slices from raw addresses
-    /// checks first.
-    pub fn check_step_memory(&self, tensors: &[crate::registration::StepTensor]) -> Result<(), String> {
-        self.regions.check_step(tensors)
+    /// A step's host tensors of `b` requests against the registered memory and each other
+    /// (`Regions::check_step`, one chunk: the CPU engine reads all its inputs before it writes
+    /// an output): what a caller building a step's slices from raw addresses checks first. An
+    /// input that shares memory with an output (`shares_with_outputs`) must be passed as a
+    /// copy: a slice may not alias a mutable one.
+    pub fn check_step_memory(&self, tensors: &[crate::registration::StepTensor], b: u64) -> Result<(), String> {
+        self.regions.check_step(tensors, b, b)
     }
 
     pub(super) fn table(&self) -> &HostTable {

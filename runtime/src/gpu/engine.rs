@@ -471,13 +471,17 @@ impl GpuRuntime {
                 return Err(GpuError::Step(format!("{name} is a null pointer")));
             }
         }
+        let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
         self.engine()?
             .regions
-            .check_step(&step_tensors(s, n, hin, h, k, cols, act))
+            .check_step(
+                &step_tensors(s, n, hin, h, k, cols, act),
+                s.b as u64,
+                max_b.max(1) as u64,
+            )
             .map_err(GpuError::Step)?;
         let stream = s.stream as sys::CUstream;
         let epoch = self.begin_engine_step(stream)?;
-        let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
         let flags = s.req_pool_indices.i32 as u32
             | (s.prefix_lens.i32 as u32) << 1
             | (s.accept_lens.i32 as u32) << 2
@@ -642,20 +646,19 @@ fn place_weights(plan: &Plan, bindings: &[WeightBinding]) -> Result<(Vec<u64>, V
     Ok((ptrs, vec![region]))
 }
 
-/// A draft-extend step's tensors with their byte extents (the caller's `[b, ...]` shapes),
-/// for `Regions::check_step`.
+/// A draft-extend step's tensors with their bytes per request (the caller's `[b, ...]`
+/// shapes), for `Regions::check_step`.
 fn step_tensors(s: &DeviceStep, n: u64, hin: u64, h: u64, k: u64, cols: u64, act: u64) -> [StepTensor<'static>; 9] {
-    let b = s.b as u64;
-    let ints = |d: DeviceInts| b * if d.i32 { 4 } else { 8 };
-    let t = |name, ptr, bytes, written| StepTensor {
+    let ints = |d: DeviceInts| if d.i32 { 4 } else { 8 };
+    let t = |name, ptr, row, written| StepTensor {
         name,
         ptr,
-        bytes,
+        row,
         written,
     };
     [
-        t(io::INPUT_IDS, s.input_ids, b * n * if s.ids_i32 { 4 } else { 8 }, false),
-        t(io::HIDDEN_STATES, s.hidden_states, b * n * hin * act, false),
+        t(io::INPUT_IDS, s.input_ids, n * if s.ids_i32 { 4 } else { 8 }, false),
+        t(io::HIDDEN_STATES, s.hidden_states, n * hin * act, false),
         t(
             "req_pool_indices",
             s.req_pool_indices.ptr,
@@ -664,9 +667,9 @@ fn step_tensors(s: &DeviceStep, n: u64, hin: u64, h: u64, k: u64, cols: u64, act
         ),
         t(io::PREFIX_LENS, s.prefix_lens.ptr, ints(s.prefix_lens), false),
         t(io::ACCEPT_LENS, s.accept_lens.ptr, ints(s.accept_lens), false),
-        t("outputs.topk_p", s.outputs.topk_p, b * k * 4, true),
-        t("outputs.topk_index", s.outputs.topk_index, b * k * 8, true),
-        t("outputs.hidden_states", s.outputs.hidden_states, b * h * act, true),
-        t("outputs.logits", s.outputs.logits, b * cols * 4, true),
+        t("outputs.topk_p", s.outputs.topk_p, k * 4, true),
+        t("outputs.topk_index", s.outputs.topk_index, k * 8, true),
+        t("outputs.hidden_states", s.outputs.hidden_states, h * act, true),
+        t("outputs.logits", s.outputs.logits, cols * 4, true),
     ]
 }

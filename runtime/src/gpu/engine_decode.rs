@@ -427,32 +427,34 @@ impl GpuRuntime {
         let bonus = s.bonus_tokens.unwrap_or(DeviceInts { ptr: 0, i32: false });
         // The step's tensors against the registered memory and each other (before the step
         // takes its tag: a refused call leaves no trace).
-        let b = s.b as u64;
-        let t = |name, ptr, bytes, written| StepTensor {
+        let t = |name, ptr, row, written| StepTensor {
             name,
             ptr,
-            bytes,
+            row,
             written,
         };
         let mut tensors = vec![
-            t(io::TOPK_PROBS, s.topk_p, b * k * 4, false),
-            t(io::TOPK_IDS, s.topk_index, b * k * if s.ids_i32 { 4 } else { 8 }, false),
-            t(io::HIDDEN_STATES, s.hidden_states, b * h * act, false),
+            t(io::TOPK_PROBS, s.topk_p, k * 4, false),
+            t(io::TOPK_IDS, s.topk_index, k * if s.ids_i32 { 4 } else { 8 }, false),
+            t(io::HIDDEN_STATES, s.hidden_states, h * act, false),
             t(
                 "req_pool_indices",
                 s.req_pool_indices.ptr,
-                b * width(s.req_pool_indices),
+                width(s.req_pool_indices),
                 false,
             ),
-            t(io::PREFIX_LENS, s.prefix_lens.ptr, b * width(s.prefix_lens), false),
-            t(io::BONUS_TOKENS, bonus.ptr, b * width(bonus), false),
-            t("outputs.parent_list", o.parent_list, b * pw * 8, true),
-            t("outputs.top_scores_index", o.top_scores_index, b * nodes * 8, true),
-            t("outputs.draft_tokens", o.draft_tokens, b * nodes * 8, true),
-            t("outputs.tree_mask", o.tree_mask, b * n * n * 4, true),
+            t(io::PREFIX_LENS, s.prefix_lens.ptr, width(s.prefix_lens), false),
+            t(io::BONUS_TOKENS, bonus.ptr, width(bonus), false),
+            t("outputs.parent_list", o.parent_list, pw * 8, true),
+            t("outputs.top_scores_index", o.top_scores_index, nodes * 8, true),
+            t("outputs.draft_tokens", o.draft_tokens, nodes * 8, true),
+            t("outputs.tree_mask", o.tree_mask, n * n * 4, true),
         ];
-        tensors.extend(names.iter().zip(o.verify).map(|(name, p)| t(name, p, b * n * 8, true)));
-        self.engine()?.regions.check_step(&tensors).map_err(GpuError::Step)?;
+        tensors.extend(names.iter().zip(o.verify).map(|(name, p)| t(name, p, n * 8, true)));
+        self.engine()?
+            .regions
+            .check_step(&tensors, s.b as u64, max_b as u64)
+            .map_err(GpuError::Step)?;
         let stream = s.stream as sys::CUstream;
         let epoch = self.begin_engine_step(stream)?;
         let flags = s.req_pool_indices.i32 as u32

@@ -7,7 +7,7 @@
 
 mod regions;
 
-pub use regions::{Regions, StepTensor};
+pub use regions::{shares_with_outputs, Regions, StepTensor};
 use specplan_format::io;
 use specplan_format::PhaseKind;
 use std::collections::HashMap;

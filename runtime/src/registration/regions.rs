@@ -36,13 +36,37 @@ pub struct Regions {
     spans: Vec<Span>,
 }
 
-/// One tensor of a step: its name, address, bytes and whether the step writes it.
+/// One tensor of a step: its name, address, bytes per request (the tensor is `[b, ...]`)
+/// and whether the step writes it.
 #[derive(Clone, Copy, Debug)]
 pub struct StepTensor<'a> {
     pub name: &'a str,
     pub ptr: u64,
-    pub bytes: u64,
+    pub row: u64,
     pub written: bool,
+}
+
+impl StepTensor<'_> {
+    /// Bytes of requests `[from, to)`.
+    fn range(&self, from: u64, to: u64) -> (u64, u64) {
+        (
+            self.ptr.saturating_add(from.saturating_mul(self.row)),
+            self.ptr.saturating_add(to.saturating_mul(self.row)),
+        )
+    }
+
+    fn live(&self) -> bool {
+        self.ptr != 0 && self.row > 0
+    }
+}
+
+/// Whether input `read` shares a byte with a written tensor of `tensors` over `b` requests
+/// (where the CPU engine, which reads its inputs while it writes, takes a copy of it first).
+pub fn shares_with_outputs(read: &StepTensor, tensors: &[StepTensor], b: u64) -> bool {
+    read.live()
+        && tensors
+            .iter()
+            .any(|w| w.written && w.live() && overlaps(read.range(0, b), w.range(0, b)))
 }
 
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
@@ -116,21 +140,23 @@ impl Regions {
         Ok(Regions { spans })
     }
 
-    /// A step's tensors (null or empty ones skipped): each written one against the
-    /// registered memory and against every other tensor of the step.
-    pub fn check_step(&self, tensors: &[StepTensor]) -> Result<(), String> {
-        let live: Vec<&StepTensor> = tensors.iter().filter(|t| t.ptr != 0 && t.bytes > 0).collect();
-        for (i, a) in live.iter().enumerate() {
-            let ra = (a.ptr, a.ptr.saturating_add(a.bytes));
-            // A written tensor against all the registered memory; an input against the pool,
-            // which the step writes (a later chunk of a large batch would read K/V there).
+    /// A step of `b` requests run in chunks of `chunk` (consecutive replays; the CPU engine
+    /// runs one): each written tensor against the registered memory and the other written
+    /// ones; each input against the pool (the step writes K/V there); and a chunk's outputs
+    /// against the inputs of the chunks after it, which are read later. Within a chunk an
+    /// output may overlap an input (vLLM's drafter writes its hidden rows over its input
+    /// buffer): the device reads a chunk's inputs before it writes the chunk's outputs.
+    /// Null or empty tensors are skipped.
+    pub fn check_step(&self, tensors: &[StepTensor], b: u64, chunk: u64) -> Result<(), String> {
+        let live: Vec<&StepTensor> = tensors.iter().filter(|t| t.live()).collect();
+        let span = |t: &StepTensor, r: (u64, u64)| format!("{}: [{:#x}, {:#x})", t.name, r.0, r.1);
+        for a in &live {
+            let ra = a.range(0, b);
             let hit = |s: &&Span| (a.written || s.kind == Kind::Pool) && overlaps(ra, (s.lo, s.hi));
             if let Some(s) = self.spans.iter().find(hit) {
                 return Err(format!(
-                    "{}: [{:#x}, {:#x}) overlaps the registered {} at [{:#x}, {:#x}): {}",
-                    a.name,
-                    ra.0,
-                    ra.1,
+                    "{} overlaps the registered {} at [{:#x}, {:#x}): {}",
+                    span(a, ra),
                     s.name,
                     s.lo,
                     s.hi,
@@ -141,19 +167,38 @@ impl Regions {
                     }
                 ));
             }
-            for b in &live[i + 1..] {
-                let rb = (b.ptr, b.ptr.saturating_add(b.bytes));
-                if (a.written || b.written) && overlaps(ra, rb) {
-                    let (w, o) = if a.written { (a, b) } else { (b, a) };
+        }
+        for (i, a) in live.iter().enumerate() {
+            for o in &live[i + 1..] {
+                let (ra, ro) = (a.range(0, b), o.range(0, b));
+                if a.written && o.written && overlaps(ra, ro) {
                     return Err(format!(
-                        "{}: [{:#x}, {:#x}) overlaps {} at [{:#x}, {:#x}): a step's outputs must not share memory with its inputs or each other",
-                        w.name,
-                        w.ptr,
-                        w.ptr.saturating_add(w.bytes),
+                        "{} overlaps {} at [{:#x}, {:#x}): two outputs of a step must not share memory",
+                        span(a, ra),
                         o.name,
-                        o.ptr,
-                        o.ptr.saturating_add(o.bytes)
+                        ro.0,
+                        ro.1
                     ));
+                }
+            }
+        }
+        let chunk = chunk.max(1);
+        for w in live.iter().filter(|t| t.written) {
+            for r in live.iter().filter(|t| !t.written) {
+                let mut s = 0;
+                while s < b {
+                    let e = (s + chunk).min(b);
+                    let (rw, rr) = (w.range(s, e), r.range(e, b));
+                    if e < b && overlaps(rw, rr) {
+                        return Err(format!(
+                            "{} (requests {s}..{e}) overlaps {} of later requests at [{:#x}, {:#x}): a batch above the largest bucket runs in consecutive replays, and this one's outputs would overwrite the next one's inputs",
+                            span(w, rw),
+                            r.name,
+                            rr.0,
+                            rr.1
+                        ));
+                    }
+                    s = e;
                 }
             }
         }
