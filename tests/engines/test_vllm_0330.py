@@ -246,7 +246,8 @@ def test_the_first_pass_is_specplans_runner_on_the_same_tensors(cmp):
     # writes the hidden rows over its input buffer.)
     run = c.s._sp_runner.run
     kv_before, hidden_before = c.flat.clone(), hidden.clone()
-    over_pool = c.flat[: b.R * env.H].view(b.R, env.H)
+    at = (c.kv.data_ptr() - c.flat.data_ptr()) // c.flat.element_size()  # the pool's first element
+    over_pool = c.flat[at: at + b.R * env.H].view(b.R, env.H)
     with pytest.raises(ValueError, match="out hidden_states.*overlaps the registered k_cache"):
         run(ids, hidden, rows, seq_lens, select, prefix_includes_new_tokens=True, accept_is_select_index=True,
             out={"hidden_states": over_pool})
