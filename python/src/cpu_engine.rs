@@ -10,8 +10,10 @@ use pyo3::prelude::*;
 use specplan_format::{signature, DType};
 use specplan_runtime::cpu::engine::{CpuEngine as HostEngine, HostOutputs, HostStep};
 use specplan_runtime::cpu::engine_decode::{HostDecode, HostDecodeOutputs};
-use specplan_runtime::gpu::EngineMemory;
-use specplan_runtime::registration::{shares_with_outputs, StepTensor};
+use specplan_runtime::gpu::{
+    decode_tensors, step_tensors, DecodeOutputs, DeviceDecode, DeviceInts, DeviceOutputs, DeviceStep, EngineMemory,
+};
+use specplan_runtime::registration::shares_with_outputs;
 
 use crate::engine::{accept_form, graph_serves, graph_table, refusal, reg_err, registration, Refusal};
 use crate::host_inputs::{HostIn, HostInts};
@@ -120,26 +122,29 @@ impl CpuEngine {
         // The outputs may overlap no input of a later chunk, no other output and none of the
         // registered memory (checked before any slice is made); an input that shares memory
         // with an output is read through a copy.
-        let w = |i32: bool| if i32 { 4u64 } else { 8 };
         let bb = b as u64;
-        let (n64, hin64, h64, k64, c64) = (n as u64, hin as u64, h as u64, k as u64, cols as u64);
-        let t = |name, ptr, row, written| StepTensor {
-            name,
-            ptr,
-            row,
-            written,
-        };
-        let tensors = [
-            t(io::INPUT_IDS, input_ids, n64 * w(ids_i32), false),
-            t(io::HIDDEN_STATES, hidden_states, n64 * hin64 * 2, false),
-            t("req_pool_indices", req, w(req_i32), false),
-            t(io::PREFIX_LENS, prefix, w(prefix_i32), false),
-            t(io::ACCEPT_LENS, accept, w(accept_i32), false),
-            t("out topk_p", out_probs, k64 * 4, true),
-            t("out topk_index", out_ids, k64 * 8, true),
-            t("out hidden_states", out_hidden, h64 * 2, true),
-            t("out logits", out_logits, c64 * 4, true),
-        ];
+        let ints = |ptr, i32| DeviceInts { ptr, i32 };
+        let tensors = step_tensors(
+            self.eng.plan(),
+            &DeviceStep {
+                b,
+                input_ids,
+                ids_i32,
+                hidden_states,
+                req_pool_indices: ints(req, req_i32),
+                prefix_lens: ints(prefix, prefix_i32),
+                accept_lens: ints(accept, accept_i32),
+                accept_form: accept_form(accept_select),
+                prefix_bias,
+                outputs: DeviceOutputs {
+                    topk_p: out_probs,
+                    topk_index: out_ids,
+                    hidden_states: out_hidden,
+                    logits: out_logits,
+                },
+                stream: 0,
+            },
+        );
         self.eng
             .check_step_memory(&tensors, bb)
             .map_err(PyValueError::new_err)?;
@@ -249,38 +254,30 @@ impl CpuEngine {
         }
         // As `step`: outputs checked against everything, inputs that share memory with an
         // output read through a copy.
-        let w = |i32: bool| if i32 { 4u64 } else { 8 };
-        let (bb, k64, h64, pw64, nodes64, n64) = (b as u64, k as u64, h as u64, pw as u64, nodes as u64, n as u64);
-        let t = |name, ptr, row, written| StepTensor {
-            name,
-            ptr,
-            row,
-            written,
-        };
-        let mut tensors = vec![
-            t(io::TOPK_PROBS, topk_p, k64 * 4, false),
-            t(io::TOPK_IDS, ids, k64 * w(ids_i32), false),
-            t(io::HIDDEN_STATES, hidden, h64 * 2, false),
-            t("req_pool_indices", req, w(req_i32), false),
-            t(io::PREFIX_LENS, prefix, w(prefix_i32), false),
-            t(io::BONUS_TOKENS, bonus, w(bonus_i32), false),
-            t("out parent_list", out_parents, pw64 * 8, true),
-            t("out top_scores_index", out_index, nodes64 * 8, true),
-            t("out draft_tokens", out_tokens, nodes64 * 8, true),
-            t("out tree_mask", out_mask, n64 * n64 * 4, true),
-        ];
-        let verify_names = [
-            io::VERIFY_TOKENS,
-            io::VERIFY_POSITIONS,
-            io::RETRIEVE_INDEX,
-            io::RETRIEVE_NEXT_TOKEN,
-            io::RETRIEVE_NEXT_SIBLING,
-        ];
-        tensors.extend(
-            verify_names
-                .iter()
-                .zip(out_verify)
-                .map(|(name, p)| t(name, p, n64 * 8, true)),
+        let bb = b as u64;
+        let ints = |ptr, i32| DeviceInts { ptr, i32 };
+        let tensors = decode_tensors(
+            plan,
+            kind,
+            &DeviceDecode {
+                b,
+                topk_p,
+                topk_index: ids,
+                ids_i32,
+                hidden_states: hidden,
+                req_pool_indices: ints(req, req_i32),
+                prefix_lens: ints(prefix, prefix_i32),
+                prefix_bias,
+                bonus_tokens: (bonus != 0).then(|| ints(bonus, bonus_i32)),
+                outputs: DecodeOutputs {
+                    parent_list: out_parents,
+                    top_scores_index: out_index,
+                    draft_tokens: out_tokens,
+                    verify: out_verify,
+                    tree_mask: out_mask,
+                },
+                stream: 0,
+            },
         );
         self.eng
             .check_step_memory(&tensors, bb)

@@ -248,7 +248,7 @@ def test_the_first_pass_is_specplans_runner_on_the_same_tensors(cmp):
     kv_before, hidden_before = c.flat.clone(), hidden.clone()
     at = (c.kv.data_ptr() - c.flat.data_ptr()) // c.flat.element_size()  # the pool's first element
     over_pool = c.flat[at: at + b.R * env.H].view(b.R, env.H)
-    with pytest.raises(ValueError, match="out hidden_states.*overlaps the registered k_cache"):
+    with pytest.raises(ValueError, match="outputs.hidden_states.*overlaps the registered k_cache"):
         run(ids, hidden, rows, seq_lens, select, prefix_includes_new_tokens=True, accept_is_select_index=True,
             out={"hidden_states": over_pool})
     assert torch.equal(c.flat.view(torch.int16), kv_before.view(torch.int16))

@@ -474,11 +474,7 @@ impl GpuRuntime {
         let max_b = self.plan.buckets().last().map_or(0, |x| x.batch as usize);
         self.engine()?
             .regions
-            .check_step(
-                &step_tensors(s, n, hin, h, k, cols, act),
-                s.b as u64,
-                max_b.max(1) as u64,
-            )
+            .check_step(&step_tensors(&self.plan, s), s.b as u64, max_b.max(1) as u64)
             .map_err(GpuError::Step)?;
         let stream = s.stream as sys::CUstream;
         let epoch = self.begin_engine_step(stream)?;
@@ -647,8 +643,12 @@ fn place_weights(plan: &Plan, bindings: &[WeightBinding]) -> Result<(Vec<u64>, V
 }
 
 /// A draft-extend step's tensors with their bytes per request (the caller's `[b, ...]`
-/// shapes), for `Regions::check_step`.
-fn step_tensors(s: &DeviceStep, n: u64, hin: u64, h: u64, k: u64, cols: u64, act: u64) -> [StepTensor<'static>; 9] {
+/// shapes), for `Regions::check_step`: the GPU step's and the CPU engine bindings' one list.
+pub fn step_tensors(plan: &Plan, s: &DeviceStep) -> [StepTensor<'static>; 9] {
+    let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
+    let (h, k) = (plan.model.hidden as u64, plan.spec.topk as u64);
+    let (hin, act) = (plan.model.hidden_in() as u64, plan.capture.dtype.size());
+    let cols = specplan_format::signature::logits_cols(plan) as u64;
     let ints = |d: DeviceInts| if d.i32 { 4 } else { 8 };
     let t = |name, ptr, row, written| StepTensor {
         name,

@@ -427,30 +427,7 @@ impl GpuRuntime {
         let bonus = s.bonus_tokens.unwrap_or(DeviceInts { ptr: 0, i32: false });
         // The step's tensors against the registered memory and each other (before the step
         // takes its tag: a refused call leaves no trace).
-        let t = |name, ptr, row, written| StepTensor {
-            name,
-            ptr,
-            row,
-            written,
-        };
-        let mut tensors = vec![
-            t(io::TOPK_PROBS, s.topk_p, k * 4, false),
-            t(io::TOPK_IDS, s.topk_index, k * if s.ids_i32 { 4 } else { 8 }, false),
-            t(io::HIDDEN_STATES, s.hidden_states, h * act, false),
-            t(
-                "req_pool_indices",
-                s.req_pool_indices.ptr,
-                width(s.req_pool_indices),
-                false,
-            ),
-            t(io::PREFIX_LENS, s.prefix_lens.ptr, width(s.prefix_lens), false),
-            t(io::BONUS_TOKENS, bonus.ptr, width(bonus), false),
-            t("outputs.parent_list", o.parent_list, pw * 8, true),
-            t("outputs.top_scores_index", o.top_scores_index, nodes * 8, true),
-            t("outputs.draft_tokens", o.draft_tokens, nodes * 8, true),
-            t("outputs.tree_mask", o.tree_mask, n * n * 4, true),
-        ];
-        tensors.extend(names.iter().zip(o.verify).map(|(name, p)| t(name, p, n * 8, true)));
+        let tensors = decode_tensors(&self.plan, kind, s);
         self.engine()?
             .regions
             .check_step(&tensors, s.b as u64, max_b as u64)
@@ -559,4 +536,49 @@ impl GpuRuntime {
             }
         }
     }
+}
+
+/// A draft-decode step's tensors with their bytes per request (the caller's `[b, ...]`
+/// shapes), for `Regions::check_step`: the GPU step's and the CPU engine bindings' one list.
+pub fn decode_tensors(plan: &Plan, kind: PhaseKind, s: &DeviceDecode) -> Vec<StepTensor<'static>> {
+    let (k, h) = (plan.spec.topk as u64, plan.model.hidden as u64);
+    let act = plan.capture.dtype.size();
+    let pw = parent_width(k as u32, kind.steps());
+    let nodes = kind.draft_tokens(&plan.spec).saturating_sub(1) as u64;
+    let n = nodes + 1;
+    let width = |d: DeviceInts| if d.i32 { 4 } else { 8 };
+    let bonus = s.bonus_tokens.unwrap_or(DeviceInts { ptr: 0, i32: false });
+    let o = s.outputs;
+    let t = |name, ptr, row, written| StepTensor {
+        name,
+        ptr,
+        row,
+        written,
+    };
+    let mut v = vec![
+        t(io::TOPK_PROBS, s.topk_p, k * 4, false),
+        t(io::TOPK_IDS, s.topk_index, k * if s.ids_i32 { 4 } else { 8 }, false),
+        t(io::HIDDEN_STATES, s.hidden_states, h * act, false),
+        t(
+            "req_pool_indices",
+            s.req_pool_indices.ptr,
+            width(s.req_pool_indices),
+            false,
+        ),
+        t(io::PREFIX_LENS, s.prefix_lens.ptr, width(s.prefix_lens), false),
+        t(io::BONUS_TOKENS, bonus.ptr, width(bonus), false),
+        t("outputs.parent_list", o.parent_list, pw * 8, true),
+        t("outputs.top_scores_index", o.top_scores_index, nodes * 8, true),
+        t("outputs.draft_tokens", o.draft_tokens, nodes * 8, true),
+        t("outputs.tree_mask", o.tree_mask, n * n * 4, true),
+    ];
+    let verify = [
+        "outputs.verify_tokens",
+        "outputs.verify_positions",
+        "outputs.retrieve_index",
+        "outputs.retrieve_next_token",
+        "outputs.retrieve_next_sibling",
+    ];
+    v.extend(verify.iter().zip(o.verify).map(|(name, p)| t(name, p, n * 8, true)));
+    v
 }

@@ -52,8 +52,8 @@ use specplan_kernels::kv;
 
 use device::{cuda, DevMem, Module};
 pub use device::{driver_report, GpuError};
-pub use engine::{AcceptForm, DeviceInts, DeviceOutputs, DeviceStep};
-pub use engine_decode::{DecodeOutputs, DeviceDecode};
+pub use engine::{step_tensors, AcceptForm, DeviceInts, DeviceOutputs, DeviceStep};
+pub use engine_decode::{decode_tensors, DecodeOutputs, DeviceDecode};
 use gemm::Gemms;
 pub use gemm::{GemmLoad, GemmPolicy};
 use launch::{gemm_call, load_kernels, Launcher};
