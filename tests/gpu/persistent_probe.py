@@ -283,8 +283,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) persistent_2(const Chai
 extern "C" __global__ void __launch_bounds__(THREADS, 3) persistent_3(const Chain* p) { persistent_body(p); }
 '''
 
-# The 8B plans' bucket-1 launch lists (plans/*.snap, with topk_fused: perf-notes item 38):
-# ("gemm", name, m, n, k) or ("small", name).
+# The 8B plans' bucket-1 launch lists as item 36's probe measured them (plans/*.snap, with
+# topk_fused: perf-notes item 38; before item 48 folded EAGLE-1's x_cast and hidden_out_cast
+# into the fc and down GEMMs): ("gemm", name, m, n, k) or ("small", name).
 CHAINS = {
     "llama2-7b-eagle N 8": [
         ("small", "embed_concat"), ("gemm", "fc", 8, 4096, 8192), ("small", "x_cast"),
