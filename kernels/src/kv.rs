@@ -92,6 +92,25 @@ impl KvGeometry {
             .checked_add(g.checked_mul(self.head_stride)?)?
             .checked_add(d)
     }
+
+    /// One past the largest element offset of `heads` heads of `dim` over every slot: the
+    /// layer's extent. The last slot's offset is not always the largest: where `slots` is
+    /// not a whole number of pages and a slot lies further from its page's start than the
+    /// next page does (`slot_stride > page_stride`), the previous page's last slot is.
+    /// `None` when it overflows 64 bits or there is no slot.
+    pub fn span(&self, heads: u64, dim: u64) -> Option<u64> {
+        let page = self.page.max(1);
+        let last = self.slots.checked_sub(1)?;
+        // The last slot, and the last slot of the page before the last one (if any).
+        let prev = (last / page).checked_sub(1).map(|p| p * page + page - 1);
+        let (g, d) = (heads.checked_sub(1)?, dim.checked_sub(1)?);
+        let a = self.offset(last, g, d)?;
+        let b = match prev {
+            Some(t) => self.offset(t, g, d)?,
+            None => 0,
+        };
+        a.max(b).checked_add(1)
+    }
 }
 
 /// Arrival counters (u32 each), in runtime memory after the status words: zero at load, and

@@ -152,8 +152,10 @@ impl CpuEngine {
         // SAFETY: (every input and output below) the Python runner checked each tensor's
         // dtype, shape [b, ...] and contiguity on the CPU before passing its address, and
         // holds it for the call; outputs are the runner's own tensors of the plan's shapes
-        // or the caller's, checked above to share no byte with each other, and an input that
-        // shares memory with one is copied before any output slice exists.
+        // or the caller's, checked above to share no byte with each other or with the
+        // registered pool, table and weights; no input shares a byte with the pool (the step
+        // writes K/V through raw pointers), and an input that shares memory with an output is
+        // copied before any output slice exists.
         let (ids, hid, reqs, prefixes, accepts) = unsafe {
             (
                 HostInts::new(input_ids, ids_i32, b * n, copy(0)),
@@ -285,8 +287,9 @@ impl CpuEngine {
         let copy = |i: usize| shares_with_outputs(&tensors[i], &tensors, bb);
         // SAFETY: (every input and output below) as `step`'s: the runner checked each
         // tensor's dtype, shape [b, ...] and contiguity and holds it for the call; outputs
-        // share no byte with each other, and an input that shares memory with one is copied
-        // before any output slice exists.
+        // share no byte with each other or the registered memory, no input shares one with
+        // the pool, and an input that shares memory with an output is copied before any
+        // output slice exists.
         let (probs, ids_in, hid, reqs, prefixes, bonuses) = unsafe {
             (
                 HostIn::<f32>::new(topk_p, b * k, copy(0)),

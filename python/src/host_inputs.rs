@@ -16,7 +16,8 @@ impl<T: Copy> HostIn<T> {
     /// # Safety
     /// SAFETY: `p` is valid and aligned for reads of `len` values of `T` while the value
     /// lives, and when `copy` is false nothing writes that memory meanwhile (the caller
-    /// checked it shares no byte with an output).
+    /// checked it shares no byte with an output, nor with the registered K/V pool, which
+    /// the step writes through raw pointers).
     pub(crate) unsafe fn new(p: u64, len: usize, copy: bool) -> HostIn<T> {
         // SAFETY: the constructor's contract; the slice is dropped once copied.
         let own = copy.then(|| unsafe { std::slice::from_raw_parts(p as *const T, len) }.to_vec());

@@ -118,17 +118,14 @@ pub struct StridedKv {
 
 impl StridedKv {
     /// # Safety
-    /// SAFETY: every pointer of `k` and `v` must be valid for reads and writes of `span` u16
-    /// elements, where `span` is one past `geom.offset(slots - 1, kv_heads - 1, head_dim -
-    /// 1)`, for as long as the store is used; nothing else may access that memory while a
+    /// SAFETY: every pointer of `k` and `v` must be valid for reads and writes of
+    /// `geom.span(kv_heads, head_dim)` u16 elements (one past the largest offset) for as
+    /// long as the store is used; nothing else may access that memory while a
     /// step runs; and the geometry must keep every K and V element of a layer at a distinct
     /// address (what `check_kv` proves for a registration).
     pub unsafe fn new(plan: &Plan, k: Vec<*mut u16>, v: Vec<*mut u16>, geom: KvGeometry) -> Result<StridedKv, String> {
         let (heads, dim) = (plan.model.kv_heads as u64, plan.model.head_dim as u64);
-        let span = geom
-            .offset(geom.slots.saturating_sub(1), heads - 1, dim - 1)
-            .and_then(|x| x.checked_add(1))
-            .ok_or("the K/V geometry's extent overflows")?;
+        let span = geom.span(heads, dim).ok_or("the K/V geometry's extent overflows")?;
         Ok(StridedKv {
             k,
             v,

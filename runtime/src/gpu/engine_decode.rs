@@ -369,6 +369,13 @@ impl GpuRuntime {
                 "req_pool_indices: a step needs at least one request".into(),
             ));
         }
+        let max_requests = self.plan.capture.max_requests as usize;
+        if s.b > max_requests {
+            return Err(GpuError::Step(format!(
+                "b: {} requests, above the plan's max_requests {max_requests}",
+                s.b
+            )));
+        }
         for (name, p) in [
             (io::TOPK_PROBS, s.topk_p),
             (io::TOPK_IDS, s.topk_index),

@@ -144,8 +144,7 @@ pub fn check_kv(plan: &Plan, kv: &KvRegistration) -> Result<(), RegError> {
     }
     let pages = g.slots.div_ceil(g.page);
     let span = g
-        .offset(g.slots - 1, heads - 1, d - 1)
-        .and_then(|x| x.checked_add(1))
+        .span(heads, d)
         .ok_or_else(|| bad("k_cache/v_cache", "the pool's extent overflows 64 bits".into()))?;
     // The attention's tile loader holds each key's offset in 16-byte units in 32 bits
     // (attention.cu, kSlotBytes): a layer's K or V extent of at most 2^32 - 1 units.

@@ -81,10 +81,7 @@ impl Regions {
         let g = &mem.kv.geom;
         let elem = plan.capture.dtype.size();
         let pool = g
-            .slots
-            .checked_sub(1)
-            .and_then(|t| g.offset(t, heads.saturating_sub(1), d.saturating_sub(1)))
-            .and_then(|x| x.checked_add(1))
+            .span(heads, d)
             .and_then(|x| x.checked_mul(elem))
             .ok_or_else(|| bad("k_cache/v_cache", "the pool's extent overflows 64 bits".into()))?;
         let mut spans = Vec::new();

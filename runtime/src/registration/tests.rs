@@ -670,3 +670,42 @@ fn a_steps_tensors_must_not_overwrite_registered_memory_or_each_other() {
     assert!(shares_with_outputs(&input, &[input, in_place], 4));
     assert!(!shares_with_outputs(&input, &[input, out], 4));
 }
+
+#[test]
+fn a_pools_extent_is_its_largest_offset_not_its_last_slots() {
+    // 6 slots in pages of 4, a slot further from its page's start than the next page is
+    // (slot stride 256 > page stride 128): slot 3 (page 0) lies past slot 5 (page 1).
+    let g = KvGeometry {
+        slots: 6,
+        page: 4,
+        page_stride: 128,
+        slot_stride: 256,
+        head_stride: 64,
+    };
+    assert_eq!(g.offset(5, 1, 63), Some(128 + 256 + 64 + 63));
+    assert_eq!(g.offset(3, 1, 63), Some(768 + 64 + 63));
+    assert_eq!(g.span(2, 64), Some(768 + 128));
+    // Whole pages: the last slot is the largest (the runner registers whole pages).
+    let whole = KvGeometry { slots: 8, ..g };
+    assert_eq!(whole.span(2, 64), Some(128 + 3 * 256 + 128));
+    assert_eq!(KvGeometry::dense(100, 128, 64).span(2, 64), Some(99 * 128 + 128));
+    // An output over slot 3's K is over the registered pool.
+    let p = plan();
+    let weights = HashMap::new();
+    let mut m = memory_case(&weights, 0x100);
+    m.kv = KvRegistration {
+        k: vec![0x10_0000, 0x20_0000],
+        v: vec![0x30_0000, 0x40_0000],
+        geom: g,
+    };
+    assert!(check_kv(&p, &m.kv).is_ok());
+    let r = Regions::of(&p, &m).expect("registers");
+    let slot3 = 0x10_0000 + 2 * 768;
+    let out = StepTensor {
+        name: "outputs.hidden_states",
+        ptr: slot3,
+        row: 16,
+        written: true,
+    };
+    assert!(r.check_step(&[out], 1, 1).unwrap_err().contains("k_cache[0]"));
+}
