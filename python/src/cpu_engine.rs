@@ -101,13 +101,6 @@ impl CpuEngine {
     ) -> PyResult<()> {
         let _ = stream;
         let (n, hin, h, k, cols, _) = self.facts;
-        // Bounded before any extent below is computed (the runner checks it too).
-        let max_b = self.eng.plan().capture.max_requests as usize;
-        if b == 0 || b > max_b {
-            return Err(PyValueError::new_err(format!(
-                "b: {b} is outside [1, {max_b}] (the plan's max_requests)"
-            )));
-        }
         for (name, p) in [
             (io::INPUT_IDS, input_ids),
             (io::HIDDEN_STATES, hidden_states),
@@ -247,12 +240,6 @@ impl CpuEngine {
             if p == 0 {
                 return Err(PyValueError::new_err(format!("{name} is a null pointer")));
             }
-        }
-        let max_b = plan.capture.max_requests as usize;
-        if b == 0 || b > max_b {
-            return Err(PyValueError::new_err(format!(
-                "b: {b} is outside [1, {max_b}] (the plan's max_requests)"
-            )));
         }
         // As `step`: outputs checked against everything, inputs that share memory with an
         // output read through a copy.

@@ -208,7 +208,8 @@ impl CpuEngine {
 
     /// A step's host tensors of `b` requests against the registered memory and each other
     /// (`Regions::check_step`, one chunk: the CPU engine reads all its inputs before it writes
-    /// an output): what a caller building a step's slices from raw addresses checks first. An
+    /// an output; `b` in `[1, max_requests]` first): what a caller building a step's slices
+    /// from raw addresses checks first, before any length derived from `b`. An
     /// input that shares memory with an output (`shares_with_outputs`) must be passed as a
     /// copy: a slice may not alias a mutable one.
     pub fn check_step_memory(&self, tensors: &[crate::registration::StepTensor], b: u64) -> Result<(), String> {

@@ -369,13 +369,6 @@ impl GpuRuntime {
                 "req_pool_indices: a step needs at least one request".into(),
             ));
         }
-        let max_requests = self.plan.capture.max_requests as usize;
-        if s.b > max_requests {
-            return Err(GpuError::Step(format!(
-                "b: {} requests, above the plan's max_requests {max_requests}",
-                s.b
-            )));
-        }
         for (name, p) in [
             (io::TOPK_PROBS, s.topk_p),
             (io::TOPK_IDS, s.topk_index),
@@ -547,7 +540,7 @@ impl GpuRuntime {
 
 /// A draft-decode step's tensors with their bytes per request (the caller's `[b, ...]`
 /// shapes), for `Regions::check_step`: the GPU step's and the CPU engine bindings' one list.
-pub fn decode_tensors(plan: &Plan, kind: PhaseKind, s: &DeviceDecode) -> Vec<StepTensor<'static>> {
+pub fn decode_tensors(plan: &Plan, kind: PhaseKind, s: &DeviceDecode) -> [StepTensor<'static>; 15] {
     let (k, h) = (plan.spec.topk as u64, plan.model.hidden as u64);
     let act = plan.capture.dtype.size();
     let pw = parent_width(k as u32, kind.steps());
@@ -562,7 +555,8 @@ pub fn decode_tensors(plan: &Plan, kind: PhaseKind, s: &DeviceDecode) -> Vec<Ste
         row,
         written,
     };
-    let mut v = vec![
+    let v = o.verify;
+    [
         t(io::TOPK_PROBS, s.topk_p, k * 4, false),
         t(io::TOPK_IDS, s.topk_index, k * if s.ids_i32 { 4 } else { 8 }, false),
         t(io::HIDDEN_STATES, s.hidden_states, h * act, false),
@@ -578,14 +572,10 @@ pub fn decode_tensors(plan: &Plan, kind: PhaseKind, s: &DeviceDecode) -> Vec<Ste
         t("outputs.top_scores_index", o.top_scores_index, nodes * 8, true),
         t("outputs.draft_tokens", o.draft_tokens, nodes * 8, true),
         t("outputs.tree_mask", o.tree_mask, n * n * 4, true),
-    ];
-    let verify = [
-        "outputs.verify_tokens",
-        "outputs.verify_positions",
-        "outputs.retrieve_index",
-        "outputs.retrieve_next_token",
-        "outputs.retrieve_next_sibling",
-    ];
-    v.extend(verify.iter().zip(o.verify).map(|(name, p)| t(name, p, n * 8, true)));
-    v
+        t("outputs.verify_tokens", v[0], n * 8, true),
+        t("outputs.verify_positions", v[1], n * 8, true),
+        t("outputs.retrieve_index", v[2], n * 8, true),
+        t("outputs.retrieve_next_token", v[3], n * 8, true),
+        t("outputs.retrieve_next_sibling", v[4], n * 8, true),
+    ]
 }

@@ -410,7 +410,7 @@ impl Lt {
                 // more node), as a step would issue them.
                 let us = self.time(stream, &mut || {
                     ok &= self.call(&t, &h.algo, s.accumulate, p, stream).is_ok()
-                        && (!s.rounded || self.skinny.round(&s, p, stream).is_ok())
+                        && self.skinny.round_after(&s, p, stream).is_ok()
                 })?;
                 if round == 0 && ok {
                     extra[i] = self

@@ -84,18 +84,14 @@ impl Skinny {
         Ok(())
     }
 
-    /// Issues `gemm_round` for shape `s`'s rounded copy, if it has one: after a GEMM that
-    /// did not write it (the library's, or the skinny one with `split_round`).
+    /// Issues `gemm_round` for shape `s`'s rounded copy, if it has one (`r[i] = round(c[i])`
+    /// over the shape's m × n; a validated plan's copy holds at most 2^32 - 1 elements):
+    /// after a GEMM that did not write it (the library's, or the skinny one with
+    /// `split_round`).
     pub fn round_after(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
         if !s.rounded {
             return Ok(());
         }
-        self.round(s, p, stream)
-    }
-
-    /// Issues `gemm_round`: `r[i] = round(c[i])` over the shape's m × n (a validated plan's
-    /// rounded copy holds at most 2^32 - 1 elements).
-    pub fn round(&self, s: &GemmShape, p: GemmPtrs, stream: sys::CUstream) -> Result<(), GpuError> {
         let count = s.m as u64 * s.n as u64;
         let args = GemmRoundParams::assemble(
             GemmRoundPtrs { src: p.c, dst: p.r },

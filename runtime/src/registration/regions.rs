@@ -34,6 +34,9 @@ struct Span {
 #[derive(Clone, Debug, Default)]
 pub struct Regions {
     spans: Vec<Span>,
+    /// The plan's `max_requests`: the most requests a step may have (it bounds every extent
+    /// below before one is computed).
+    max_requests: u64,
 }
 
 /// One tensor of a step: its name, address, bytes per request (the tensor is `[b, ...]`)
@@ -134,7 +137,10 @@ impl Regions {
                 ));
             }
         }
-        Ok(Regions { spans })
+        Ok(Regions {
+            spans,
+            max_requests: plan.capture.max_requests as u64,
+        })
     }
 
     /// A step of `b` requests run in chunks of `chunk` (consecutive replays; the CPU engine
@@ -143,11 +149,18 @@ impl Regions {
     /// against the inputs of the chunks after it, which are read later. Within a chunk an
     /// output may overlap an input (vLLM's drafter writes its hidden rows over its input
     /// buffer): the device reads a chunk's inputs before it writes the chunk's outputs.
-    /// Null or empty tensors are skipped.
+    /// Null or empty tensors are skipped. First of all, `b` must be in `[1, max_requests]`.
+    /// Work: O(tensors² × b / chunk), with no allocation (it runs on every engine step).
     pub fn check_step(&self, tensors: &[StepTensor], b: u64, chunk: u64) -> Result<(), String> {
-        let live: Vec<&StepTensor> = tensors.iter().filter(|t| t.live()).collect();
+        if b == 0 || b > self.max_requests {
+            return Err(format!(
+                "b: {b} requests is outside [1, {}] (the plan's max_requests)",
+                self.max_requests
+            ));
+        }
+        let live = || tensors.iter().filter(|t| t.live());
         let span = |t: &StepTensor, r: (u64, u64)| format!("{}: [{:#x}, {:#x})", t.name, r.0, r.1);
-        for a in &live {
+        for a in live() {
             let ra = a.range(0, b);
             let hit = |s: &&Span| (a.written || s.kind == Kind::Pool) && overlaps(ra, (s.lo, s.hi));
             if let Some(s) = self.spans.iter().find(hit) {
@@ -165,8 +178,8 @@ impl Regions {
                 ));
             }
         }
-        for (i, a) in live.iter().enumerate() {
-            for o in &live[i + 1..] {
+        for (i, a) in tensors.iter().enumerate().filter(|(_, t)| t.live()) {
+            for o in tensors[i + 1..].iter().filter(|t| t.live()) {
                 let (ra, ro) = (a.range(0, b), o.range(0, b));
                 if a.written && o.written && overlaps(ra, ro) {
                     return Err(format!(
@@ -180,8 +193,8 @@ impl Regions {
             }
         }
         let chunk = chunk.max(1);
-        for w in live.iter().filter(|t| t.written) {
-            for r in live.iter().filter(|t| !t.written) {
+        for w in live().filter(|t| t.written) {
+            for r in live().filter(|t| !t.written) {
                 let mut s = 0;
                 while s < b {
                     let e = (s + chunk).min(b);

@@ -60,6 +60,11 @@ fn a_steps_tensors_must_not_overwrite_registered_memory_or_each_other() {
     assert!(r
         .check_step(&[input, out, t("outputs.logits", 0, 64, true)], 4, 4)
         .is_ok());
+    // The batch first: [1, max_requests] (8), before any extent is computed from it.
+    for b in [0, 9, u64::MAX] {
+        let e = r.check_step(&[input, out], b, 4).unwrap_err();
+        assert!(e.starts_with("b: ") && e.contains("[1, 8]"), "{e}");
+    }
     // An output over the pool, the table or a weight.
     for (at, what) in [
         (0x10_0000 + 64, "k_cache[0]"),
