@@ -21,9 +21,18 @@ fn bytes_of<T: Copy>(v: &[T]) -> Vec<u8> {
 /// accumulating (a library's kernel may read it; a rounded copy is our kernels' own write,
 /// never read) is first written from the host, and engine steps are skipped —
 /// initcheck then says whether any uninitialized read was not of a GEMM's output.
-pub fn sanitize_steps(plan: &ValidatedPlan, rng: &mut Rng, prefill_gemm_outputs: bool) -> Result<(), String> {
+/// `opts`: the owned runtime's options — the default, or the A/B switches that add
+/// launches of their own (`split_gemm_round`: a `gemm_round` after every GEMM with a rounded
+/// copy; `l2_prefetch`: the graphs' `l2_prefetch` branches), so those entries run under the
+/// sanitizers too.
+pub fn sanitize_steps(
+    plan: &ValidatedPlan,
+    rng: &mut Rng,
+    prefill_gemm_outputs: bool,
+    opts: GpuOptions,
+) -> Result<(), String> {
     let weights = crate::random::random_weights(plan, rng);
-    let mut rt = GpuRuntime::new(plan.clone(), &weights, GpuOptions::default()).map_err(g)?;
+    let mut rt = GpuRuntime::new(plan.clone(), &weights, opts).map_err(g)?;
     let max_b = plan.buckets().last().map_or(1, |b| b.batch as usize);
     let smallest = plan.buckets().first().map_or(1, |b| b.batch as usize);
     for b in [smallest, max_b] {

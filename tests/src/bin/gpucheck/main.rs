@@ -6,7 +6,9 @@
 //! gpucheck PLAN_DIR OUT_DIR [--quick]          every plan; OUT_DIR/gpucheck.json
 //! gpucheck contract PLAN SPECPLAN_BIN WORK_DIR  `specplan run` on cpu, cuda graph, cuda eager
 //! gpucheck sanitize PLAN... [--prefill-gemm-outputs | --kernels-only]
+//!          [--split-gemm-round] [--l2-prefetch SPEC]
 //!                                               every kernel at the smallest and largest bucket
+//!                                               (the switches: their launches too)
 //! gpucheck entries                              the kernel entry names, `|`-separated
 //! gpucheck soak OUT_DIR PLAN [STEPS] [EVERY]     random steps: graph == eager, cache kept, CPU samples
 //! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
@@ -488,29 +490,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     if args.get(1).map(String::as_str) == Some("sanitize") {
-        let mut rng = Rng(seed());
-        let mut failed = false;
-        let prefill = args.iter().any(|a| a == "--prefill-gemm-outputs");
-        let kernels_only = args.iter().any(|a| a == "--kernels-only");
-        for path in args[2..].iter().filter(|a| !a.starts_with("--")) {
-            let r = load_file(std::path::Path::new(path))
-                .map_err(|e| e.to_string())
-                .and_then(|p| {
-                    if kernels_only {
-                        specplan_tests::sanitize::kernel_steps(&p, &mut rng)
-                    } else {
-                        specplan_tests::sanitize::sanitize_steps(&p, &mut rng, prefill)
-                    }
-                });
-            match r {
-                Ok(()) => println!("sanitize {path}: steps ran"),
-                Err(e) => {
-                    println!("sanitize {path}: ERROR {e}");
-                    failed = true;
-                }
-            }
-        }
-        return ExitCode::from(failed as u8);
+        return sanitize(&args[2..]);
     }
     if args.get(1).map(String::as_str) == Some("soak") {
         let [_, _, out, plan, rest @ ..] = args.as_slice() else {
@@ -590,4 +570,71 @@ fn main() -> ExitCode {
         println!("gpucheck: FAILED");
         ExitCode::from(1)
     }
+}
+
+/// `gpucheck sanitize PLAN... [--prefill-gemm-outputs | --kernels-only] [--split-gemm-round]
+/// [--l2-prefetch SPEC]`: the steps the compute sanitizers watch (`specplan_tests::sanitize`).
+fn sanitize(args: &[String]) -> ExitCode {
+    const USAGE: &str = "usage: gpucheck sanitize PLAN... [--prefill-gemm-outputs | --kernels-only] \
+                         [--split-gemm-round] [--l2-prefetch off|MIB[xCTAS][/MAXB]]";
+    let mut prefill = false;
+    let mut kernels_only = false;
+    let mut split_gemm_round = false;
+    let mut l2_prefetch = specplan_runtime::gpu::L2Prefetch::OFF;
+    let mut paths = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--prefill-gemm-outputs" => prefill = true,
+            "--kernels-only" => kernels_only = true,
+            "--split-gemm-round" => split_gemm_round = true,
+            "--l2-prefetch" => match it.next().map(|v| specplan_runtime::gpu::L2Prefetch::parse(v)) {
+                Some(Ok(p)) => l2_prefetch = p,
+                Some(Err(e)) => {
+                    eprintln!("gpucheck sanitize: {e}");
+                    return ExitCode::from(2);
+                }
+                None => {
+                    eprintln!("gpucheck sanitize: --l2-prefetch needs a value\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            },
+            s if s.starts_with("--") => {
+                eprintln!("gpucheck sanitize: unknown option `{s}`\n{USAGE}");
+                return ExitCode::from(2);
+            }
+            _ => paths.push(a),
+        }
+    }
+    // The kernels-only steps run no graph and no library GEMM: neither switch has a launch there.
+    if paths.is_empty() || (kernels_only && (prefill || split_gemm_round || l2_prefetch.is_on())) {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    }
+    let mut rng = Rng(seed());
+    let mut failed = false;
+    for path in paths {
+        let r = load_file(std::path::Path::new(path))
+            .map_err(|e| e.to_string())
+            .and_then(|p| {
+                if kernels_only {
+                    specplan_tests::sanitize::kernel_steps(&p, &mut rng)
+                } else {
+                    let opts = specplan_runtime::gpu::GpuOptions {
+                        split_gemm_round,
+                        l2_prefetch,
+                        ..Default::default()
+                    };
+                    specplan_tests::sanitize::sanitize_steps(&p, &mut rng, prefill, opts)
+                }
+            });
+        match r {
+            Ok(()) => println!("sanitize {path}: steps ran"),
+            Err(e) => {
+                println!("sanitize {path}: ERROR {e}");
+                failed = true;
+            }
+        }
+    }
+    ExitCode::from(failed as u8)
 }
