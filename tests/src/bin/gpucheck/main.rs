@@ -620,9 +620,20 @@ fn sanitize(args: &[String]) -> ExitCode {
                 if kernels_only {
                     specplan_tests::sanitize::kernel_steps(&p, &mut rng)
                 } else {
+                    // With a switch, each GEMM takes the heuristic's choice, timed by no
+                    // one: a split load times its candidates afresh (it keeps out of the
+                    // GEMM cache), and the tuner's `gemm_round` reads scratch a cuBLAS
+                    // candidate wrote, whose stores initcheck cannot see (2,000 false
+                    // reports before the first step, H100, 2026-12-05).
+                    let switched = split_gemm_round || l2_prefetch.is_on();
                     let opts = specplan_runtime::gpu::GpuOptions {
                         split_gemm_round,
                         l2_prefetch,
+                        gemms: if switched {
+                            specplan_runtime::gpu::GemmPolicy::Heuristic
+                        } else {
+                            specplan_runtime::gpu::GemmPolicy::Cached
+                        },
                         ..Default::default()
                     };
                     specplan_tests::sanitize::sanitize_steps(&p, &mut rng, prefill, opts)
