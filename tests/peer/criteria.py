@@ -1,11 +1,13 @@
 """The benchmark targets judged on one benchmark run, against the previous full report.
 
 The targets are met when, in one `.ci/gpu bench` over the same shapes: every step is
-≤ 1.2× the floor (≤ 1.1× at B 1), no shape is slower than in the previous report, and the
-equal-output checks pass. (The numerics targets and the memory figure are asserted
-by gpucheck, not measured here.) report.py calls `judge` with the joined rows and writes
-`section` into report.md, `judgement` into report.json and `summary` last on stdout, so a
-run says itself whether it meets them. Python standard library only.
+≤ 1.2× the floor (≤ 1.1× at B 1), no shape is slower than in the previous report, the
+equal-output checks pass, and every engine-memory load of the run (`gpucheck engine-memory`:
+a plan with all its buckets graphed on caller memory) adds at most its bound (64 MiB). (The
+numerics targets are asserted by gpucheck's checks, not measured here.) report.py calls
+`judge` with the joined rows and writes `section` into report.md, `judgement` into
+report.json and `summary` last on stdout, so a run says itself whether it meets them.
+Python standard library only.
 
 A run on another GPU than the previous report's (an H100 against the H200's report, say) is
 judged against the floor, whose ceilings it measured itself, but not against the previous
@@ -29,9 +31,35 @@ def _key(e):
     return (e["model"], e["n"], e["prefix"], e["batch"])
 
 
-def judge(rows, device_text, checks, previous):
+MIB = 1 << 20
+
+
+def judge_memory(memory):
+    """engine-memory.json (a dict: "bound_bytes" and one "load" entry per plan, null where the
+    load failed) judged: each load's added bytes against the bound. None (no file) is "not
+    measured", which never meets the targets."""
+    if memory is None:
+        return None
+    bound = memory.get("bound_bytes")
+    loads = []
+    for x in memory.get("load") or []:
+        added = (x or {}).get("added_memory") or {}
+        b = added.get("measured_bytes")
+        loads.append({
+            "plan": (x or {}).get("name") or (x or {}).get("plan"),
+            "buckets": (x or {}).get("buckets"),
+            "added_bytes": b,
+            "arena_bytes": added.get("arena_bytes"),
+            "workspace_bytes": added.get("workspace_bytes"),
+            "met": isinstance(b, int) and isinstance(bound, int) and b <= bound,
+        })
+    return {"bound_bytes": bound, "loads": loads, "met": bool(loads) and all(x["met"] for x in loads)}
+
+
+def judge(rows, device_text, checks, previous, memory=None):
     """The criteria over `rows` (report.py's joined rows); `previous` is the previous report.json
-    as a dict, or None. Returns a dict that report.json keeps as "criteria"."""
+    as a dict, or None; `memory` the run's engine-memory.json as a dict, or None. Returns a dict
+    that report.json keeps as "criteria"."""
     shapes = []
     for e in rows:
         step, floor = e.get("specplan_step_us"), e.get("floor_us")
@@ -50,6 +78,7 @@ def judge(rows, device_text, checks, previous):
         "checks": len(checks),
         "checks_passed": sum(bool(c.get("ok")) for c in checks),
         "previous": None,
+        "memory": judge_memory(memory),
         "rows": shapes,
     }
     if previous is not None:
@@ -82,6 +111,8 @@ def judge(rows, device_text, checks, previous):
         and p["comparable"]
         and not p["missing"]
         and p.get("slower") == 0
+        and out["memory"] is not None
+        and out["memory"]["met"]
     )
     return out
 
@@ -103,6 +134,21 @@ def summary(j):
             f"({p['slower_1pct']} by more than 1%), median {p['median']:.3f}x, worst {p['worst']:.3f}x"
             + (f"; missing here: {len(p['missing'])}" if p["missing"] else "")
         )
+    m = j.get("memory")
+    if m is None:
+        lines.append("engine memory: not measured in this run")
+    else:
+        bound = m["bound_bytes"] / MIB if isinstance(m["bound_bytes"], int) else None
+        each = ", ".join(
+            (f"{x['plan']} ({x['buckets']} buckets) " if x["plan"] else "a plan whose ")
+            + (f"{x['added_bytes'] / MIB:.1f} MiB" if isinstance(x["added_bytes"], int) else "load failed")
+            for x in m["loads"]
+        ) or "no load"
+        lines.append(
+            f"engine memory: {sum(x['met'] for x in m['loads'])}/{len(m['loads'])} loads within "
+            + (f"{bound:.0f} MiB" if bound is not None else "a bound the file does not give")
+            + f" ({each})"
+        )
     lines.append("benchmark targets: " + ("MET" if j["met"] else "not met"))
     return lines
 
@@ -115,7 +161,9 @@ def section(j):
     """report.md lines: the verdict, then every shape that misses a target."""
     md = ["## The benchmark targets in this run", ""]
     md += [f"- {line}" for line in summary(j)]
-    md += ["", "(The numerics targets and the engine-memory figure are asserted by gpucheck, not here.)", ""]
+    md += ["", "(The numerics targets are asserted by gpucheck's checks, not here. Engine memory: each plan "
+           "loaded onto caller memory with every bucket graphed, the device memory it adds, by `gpucheck "
+           "engine-memory` in this run.)", ""]
     miss = [s for s in j["rows"] if not s["floor_met"] or (s.get("per_previous") or 0) > 1.0]
     if miss:
         md += ["Shapes that miss a target (the floor's, or slower than the previous report):", "",

@@ -3,7 +3,7 @@
 the bandwidth/compute floor, from the JSON the two write. Python standard library only.
 
   report.py --specbench specbench.json [--peer peer-a.json ...] [--device device.txt]
-            [--commit SHA] [--previous report.json] --out DIR
+            [--commit SHA] [--previous report.json] [--engine-memory engine-memory.json] --out DIR
 
 Writes DIR/report.md (tables), DIR/report.json (the rows joined by model, N, L, B) and
 DIR/report.svg (step time vs bucket, specplan vs peer vs floor, one panel per model, N, L),
@@ -11,7 +11,9 @@ and prints the main table. Where an EAGLE-3 model and its EAGLE-1 partner (HEAD_
 both measured, report.md compares their step times at equal shapes. Without specbench.json, the rows of specbench.txt beside it are
 read (a run cut short prints them as it goes). Missing values show as "—". With --previous
 (the last full report's report.json), the benchmark targets are judged (criteria.py): a section of
-report.md, "criteria" in report.json, and the verdict as the last lines printed.
+report.md, "criteria" in report.json, and the verdict as the last lines printed. With
+--engine-memory (`gpucheck engine-memory`'s file), report.md shows what each plan's load with
+every bucket graphed adds to device memory, and the targets judge it against its bound.
 """
 import argparse
 import json
@@ -430,6 +432,31 @@ def svg(rows, title):
     return "\n".join(out) + "\n"
 
 
+def memory_section(memory):
+    """report.md lines: the engine-memory figure (gpucheck engine-memory), one row per load."""
+    if memory is None:
+        return []
+    mib = lambda b: f"{b / (1 << 20):.1f}" if isinstance(b, int) else "—"
+    bound = memory.get("bound_bytes")
+    md = ["## Engine memory (every bucket graphed, on caller memory)", "",
+          "What a runner loaded onto the engine's own weights, K/V pool and page table adds to device memory "
+          "(free memory before the load and with the runner alive), beside the parts the runtime knows; "
+          f"bound {mib(bound)} MiB.", "",
+          "| plan | buckets | added MiB | arena MiB | GEMM workspace MiB | rest MiB | within the bound |",
+          "|---|---|---|---|---|---|---|"]
+    for x in memory.get("load") or []:
+        if not x:
+            md.append("| (a load that failed: see gpucheck's log) | — | — | — | — | — | no |")
+            continue
+        a = x.get("added_memory") or {}
+        total, arena, ws = a.get("measured_bytes"), a.get("arena_bytes"), a.get("workspace_bytes")
+        rest = max(total - arena - ws, 0) if all(isinstance(v, int) for v in (total, arena, ws)) else None
+        ok = isinstance(total, int) and isinstance(bound, int) and total <= bound
+        md.append(f"| {esc(str(x.get('name') or x.get('plan')))} | {x.get('buckets', '—')} | {mib(total)} | {mib(arena)} "
+                  f"| {mib(ws)} | {mib(rest)} | {'yes' if ok else 'no'} |")
+    return md + [""]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--specbench", help="specbench.json (specbench.txt beside it is the fallback)")
@@ -437,6 +464,7 @@ def main():
     ap.add_argument("--device", help="a text file describing the device (nvidia-smi output, date)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--previous", help="the previous full report's report.json: judge the benchmark targets against it")
+    ap.add_argument("--engine-memory", help="gpucheck engine-memory's engine-memory.json: the memory figure, judged")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -457,15 +485,25 @@ def main():
     errors = [x for d in peers for x in d.get("errors", [])]
     versions = sorted({f"torch {d.get('torch')}, FlashInfer {d.get('flashinfer', '?')}, CUDA {d.get('cuda')}" for d in peers})
     settings = next((d.get("settings") for d in peers if d.get("settings")), {})
+    memory = None
+    if a.engine_memory:
+        # Unreadable: an error of the report ("not measured"), never a lost report.
+        try:
+            memory = load_json(a.engine_memory)
+            if not isinstance(memory, dict):
+                raise ValueError("not a JSON object")
+        except Exception as e:
+            notes.append(f"engine memory {a.engine_memory}: {type(e).__name__}: {e}")
+            memory = None
     judged = None
     if a.previous:
         # A previous report that cannot be read or judged is an error of the report, never a
         # lost report: the run's own tables are still written, and the verdict says "not met".
         try:
-            judged = criteria.judge(rows, device, checks, load_json(a.previous))
+            judged = criteria.judge(rows, device, checks, load_json(a.previous), memory)
         except Exception as e:
             notes.append(f"previous report {a.previous}: {type(e).__name__}: {e}")
-            judged = criteria.judge(rows, device, checks, {"rows": [], "device": ""})
+            judged = criteria.judge(rows, device, checks, {"rows": [], "device": ""}, memory)
 
     md = ["# specplan vs PyTorch + FlashInfer vs the floor", ""]
     if device:
@@ -519,6 +557,7 @@ def main():
         md.append("")
     md += head_pair_section(rows, ceil)
     md += breakdown_section(spec_doc, ceil)
+    md += memory_section(memory)
     md += ["## Attention alone", "", "Useful bytes: K/V read (L + N rows), q read, o written, every layer.", ""]
     targets = [e for e in rows if e["n"] == 4 and (e["batch"], e["prefix"]) in ((32, 4096), (1, 1024))]
     if targets:
@@ -548,6 +587,8 @@ def main():
         "errors": errors + notes,
         "rows": [{k: v for k, v in e.items() if k not in ("specplan", "peer")} for e in rows],
     }
+    if memory is not None:
+        doc["engine_memory"] = memory
     if judged is not None:
         doc["criteria"] = judged
     write_file(outs["report.json"], json.dumps(doc, indent=1) + "\n")

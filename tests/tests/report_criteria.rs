@@ -4,7 +4,9 @@
 //! the floor targets (1.1× at B 1, 1.2× elsewhere), shapes slower than the previous report, a
 //! shape the previous report had and this run lacks, the equal-output checks, a previous
 //! report from another GPU (not compared) or unreadable (an error, the report still written),
-//! and an output that is a FIFO (refused). Needs python3 (standard library only).
+//! the engine-memory figure (`gpucheck engine-memory`'s file: within its bound, over it, a
+//! failed load, absent or unreadable), and an output that is a FIFO (refused). Needs python3
+//! (standard library only).
 
 use std::fs;
 use std::path::Path;
@@ -71,8 +73,38 @@ fn one_row_run(dir: &Path) {
     fs::write(dir.join("specbench.json"), spec.to_string()).expect("write specbench.json");
 }
 
-/// Runs report.py over these rows in `dir` and returns (its stdout, report.json's "criteria").
+const MIB: u64 = 1 << 20;
+
+/// One engine-memory load as `gpucheck engine-memory` writes it: `added` MiB in all.
+fn memory_load(name: &str, added_mib: u64) -> Value {
+    json!({"plan": format!("/b/{name}.plan"), "name": name, "buckets": 27, "first_ms": 200.0, "second_ms": 15.0,
+           "added_memory": {"measured_bytes": added_mib * MIB, "arena_bytes": 36 * MIB, "workspace_bytes": 6 * MIB}})
+}
+
+/// engine-memory.json with these loads (null: a load that failed) and the 64 MiB bound.
+fn memory_file(loads: Vec<Value>) -> Value {
+    json!({"bound_bytes": 64 * MIB, "load": loads})
+}
+
+/// Runs report.py over these rows in `dir` and returns (its stdout, report.json's "criteria"),
+/// with an engine-memory file of two loads within the bound.
 fn report(dir: &Path, rows: Vec<Value>, prev: Vec<Value>, previous_gpu: &str, checks_ok: bool) -> (String, Value) {
+    let memory = memory_file(vec![
+        memory_load("llama3-8b-eagle", 46),
+        memory_load("llama3.1-8b-eagle3", 50),
+    ]);
+    report_with(dir, rows, prev, previous_gpu, checks_ok, Some(&memory))
+}
+
+/// As `report`, with this engine-memory file (None: no `--engine-memory`).
+fn report_with(
+    dir: &Path,
+    rows: Vec<Value>,
+    prev: Vec<Value>,
+    previous_gpu: &str,
+    checks_ok: bool,
+    memory: Option<&Value>,
+) -> (String, Value) {
     let spec = json!({"ceilings": {"copy_bytes_per_s": 4.0e12, "bf16_flops_per_s": 7.0e14}, "rows": rows});
     let previous = json!({"device": previous_gpu, "commit": "abc1234", "rows": prev});
     let peer = json!({"rows": [], "checks": [{"plan": "m-n4", "ok": true}, {"plan": "m-n8", "ok": checks_ok}]});
@@ -81,11 +113,15 @@ fn report(dir: &Path, rows: Vec<Value>, prev: Vec<Value>, previous_gpu: &str, ch
     write("previous.json", &previous);
     write("peer.json", &peer);
     fs::write(dir.join("device.txt"), H200).expect("write device.txt");
-    let flags = [
+    let mut flags = vec![
         ("--peer", "peer.json"),
         ("--device", "device.txt"),
         ("--previous", "previous.json"),
     ];
+    if let Some(m) = memory {
+        write("engine-memory.json", m);
+        flags.push(("--engine-memory", "engine-memory.json"));
+    }
     let out = report_py(dir, &flags);
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
@@ -168,6 +204,84 @@ fn a_run_within_every_target_is_met() {
     let rows = vec![spec_row("m-n4", 1, 109.0, 100.0)];
     let (_, c) = report(dir.path(), rows, vec![prev_row("m", 4, 1, 109.0)], H200, false);
     assert_eq!(c["met"], false, "{c}");
+}
+
+#[test]
+fn the_engine_memory_figure_is_reported_and_judged() {
+    let met = || vec![spec_row("m-n4", 1, 109.0, 100.0)];
+    let prev = || vec![prev_row("m", 4, 1, 109.0)];
+    // Within the bound: listed in the summary and in report.md's table, and the targets met.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (stdout, c) = report(dir.path(), met(), prev(), H200, true);
+    assert_eq!(c["memory"]["met"], true, "{c}");
+    assert_eq!(c["met"], true, "{c}");
+    assert!(
+        stdout.contains(
+            "engine memory: 2/2 loads within 64 MiB (llama3-8b-eagle (27 buckets) 46.0 MiB, llama3.1-8b-eagle3 (27 buckets) 50.0 MiB)"
+        ),
+        "{stdout}"
+    );
+    let md = fs::read_to_string(dir.path().join("out/report.md")).expect("report.md");
+    assert!(
+        md.contains("| llama3-8b-eagle | 27 | 46.0 | 36.0 | 6.0 | 4.0 | yes |"),
+        "{md}"
+    );
+    let doc: Value = serde_json::from_str(&fs::read_to_string(dir.path().join("out/report.json")).expect("json"))
+        .expect("report.json parses");
+    assert_eq!(doc["engine_memory"]["bound_bytes"], 64 * MIB);
+    // One load a byte over the bound, or a load that failed: not met, and said.
+    for (loads, said) in [
+        (
+            vec![
+                memory_load("a", 46),
+                json!({"name": "b", "buckets": 27, "added_memory": {"measured_bytes": 64 * MIB + 1, "arena_bytes": 0, "workspace_bytes": 0}}),
+            ],
+            "engine memory: 1/2 loads within 64 MiB (a (27 buckets) 46.0 MiB, b (27 buckets) 64.0 MiB)",
+        ),
+        (
+            vec![memory_load("a", 46), Value::Null],
+            "engine memory: 1/2 loads within 64 MiB (a (27 buckets) 46.0 MiB, a plan whose load failed)",
+        ),
+        (vec![], "engine memory: 0/0 loads within 64 MiB (no load)"),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let memory = memory_file(loads);
+        let (stdout, c) = report_with(dir.path(), met(), prev(), H200, true, Some(&memory));
+        assert_eq!(c["memory"]["met"], false, "{c}");
+        assert_eq!(c["met"], false, "{c}");
+        assert!(stdout.contains(said), "{said}:\n{stdout}");
+        assert!(stdout.trim_end().ends_with("benchmark targets: not met"), "{stdout}");
+    }
+    // Not measured (no file): the same times do not meet the targets.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (stdout, c) = report_with(dir.path(), met(), prev(), H200, true, None);
+    assert!(c["memory"].is_null(), "{c}");
+    assert_eq!(c["met"], false, "{c}");
+    assert!(stdout.contains("engine memory: not measured in this run"), "{stdout}");
+    // Unreadable: an error named, the report written, not met.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    one_row_run(d);
+    fs::write(d.join("engine-memory.json"), "[1]").expect("write engine-memory.json");
+    fs::write(
+        d.join("previous.json"),
+        json!({"device": H200, "rows": prev()}).to_string(),
+    )
+    .expect("previous");
+    fs::write(d.join("device.txt"), H200).expect("device.txt");
+    let out = report_py(
+        d,
+        &[
+            ("--device", "device.txt"),
+            ("--previous", "previous.json"),
+            ("--engine-memory", "engine-memory.json"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("error: engine memory"), "{stdout}");
+    assert!(stdout.contains("engine memory: not measured in this run"), "{stdout}");
+    assert!(stdout.trim_end().ends_with("benchmark targets: not met"), "{stdout}");
 }
 
 #[test]

@@ -13,6 +13,8 @@
 //! gpucheck soak OUT_DIR PLAN [STEPS] [EVERY]     random steps: graph == eager, cache kept, CPU samples
 //! gpucheck engine OUT_DIR SGLANG_PLAN VLLM_PLAN LOAD_PLAN
 //!                                               engine memory (`specplan_tests::engine`)
+//! gpucheck engine-memory OUT_DIR PLAN...         the memory a load with every bucket graphed
+//!                                               adds (`.ci/gpu bench`); OUT_DIR/engine-memory.json
 //! gpucheck nccl                                 NCCL on one GPU (`specplan_tests::tp_check`)
 //! gpucheck tp WORK_DIR FULL_PLAN RANK_PLAN...    T ranks on T GPUs against the unsharded plan
 //! gpucheck numerics PLAN...                      no GPU: each plan's storage precision against
@@ -508,6 +510,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
         return engine::engine_decode(plans);
+    }
+    if args.get(1).map(String::as_str) == Some("engine-memory") {
+        let [_, _, out, plans @ ..] = args.as_slice() else {
+            eprintln!("usage: gpucheck engine-memory OUT_DIR PLAN [PLAN ...]");
+            return ExitCode::from(2);
+        };
+        if plans.is_empty() {
+            eprintln!("usage: gpucheck engine-memory OUT_DIR PLAN [PLAN ...]");
+            return ExitCode::from(2);
+        }
+        return engine::engine_memory(out, plans);
     }
     if args.get(1).map(String::as_str) == Some("engine") {
         let [_, _, out, sglang, vllm, loads @ ..] = args.as_slice() else {
