@@ -34,11 +34,29 @@ def _key(e):
 MIB = 1 << 20
 
 
+def memory_problem(memory):
+    """Why engine-memory.json's content cannot be judged (its shape is not what `gpucheck
+    engine-memory` writes), or None."""
+    if not isinstance(memory, dict):
+        return "not a JSON object"
+    if type(memory.get("bound_bytes")) is not int:
+        return "bound_bytes is not an integer"
+    loads = memory.get("load")
+    if not isinstance(loads, list):
+        return "load is not a list"
+    for i, x in enumerate(loads):
+        if x is None:
+            continue
+        if not isinstance(x, dict) or not isinstance(x.get("added_memory"), dict):
+            return f"load[{i}] is neither null nor an object with an added_memory object"
+    return None
+
+
 def judge_memory(memory):
     """engine-memory.json (a dict: "bound_bytes" and one "load" entry per plan, null where the
-    load failed) judged: each load's added bytes against the bound. None (no file) is "not
-    measured", which never meets the targets."""
-    if memory is None:
+    load failed) judged: each load's added bytes against the bound. None (no file, or one
+    whose shape `memory_problem` refuses) is "not measured", which never meets the targets."""
+    if memory is None or memory_problem(memory) is not None:
         return None
     bound = memory.get("bound_bytes")
     loads = []
@@ -51,7 +69,7 @@ def judge_memory(memory):
             "added_bytes": b,
             "arena_bytes": added.get("arena_bytes"),
             "workspace_bytes": added.get("workspace_bytes"),
-            "met": isinstance(b, int) and isinstance(bound, int) and b <= bound,
+            "met": type(b) is int and type(bound) is int and b <= bound,
         })
     return {"bound_bytes": bound, "loads": loads, "met": bool(loads) and all(x["met"] for x in loads)}
 
@@ -138,10 +156,10 @@ def summary(j):
     if m is None:
         lines.append("engine memory: not measured in this run")
     else:
-        bound = m["bound_bytes"] / MIB if isinstance(m["bound_bytes"], int) else None
+        bound = m["bound_bytes"] / MIB if type(m["bound_bytes"]) is int else None
         each = ", ".join(
             (f"{x['plan']} ({x['buckets']} buckets) " if x["plan"] else "a plan whose ")
-            + (f"{x['added_bytes'] / MIB:.1f} MiB" if isinstance(x["added_bytes"], int) else "load failed")
+            + (f"{x['added_bytes'] / MIB:.1f} MiB" if type(x["added_bytes"]) is int else "load failed")
             for x in m["loads"]
         ) or "no load"
         lines.append(

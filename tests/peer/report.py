@@ -436,7 +436,7 @@ def memory_section(memory):
     """report.md lines: the engine-memory figure (gpucheck engine-memory), one row per load."""
     if memory is None:
         return []
-    mib = lambda b: f"{b / (1 << 20):.1f}" if isinstance(b, int) else "—"
+    mib = lambda b: f"{b / (1 << 20):.1f}" if type(b) is int else "—"
     bound = memory.get("bound_bytes")
     md = ["## Engine memory (every bucket graphed, on caller memory)", "",
           "What a runner loaded onto the engine's own weights, K/V pool and page table adds to device memory "
@@ -450,8 +450,8 @@ def memory_section(memory):
             continue
         a = x.get("added_memory") or {}
         total, arena, ws = a.get("measured_bytes"), a.get("arena_bytes"), a.get("workspace_bytes")
-        rest = max(total - arena - ws, 0) if all(isinstance(v, int) for v in (total, arena, ws)) else None
-        ok = isinstance(total, int) and isinstance(bound, int) and total <= bound
+        rest = max(total - arena - ws, 0) if all(type(v) is int for v in (total, arena, ws)) else None
+        ok = type(total) is int and type(bound) is int and total <= bound
         md.append(f"| {esc(str(x.get('name') or x.get('plan')))} | {x.get('buckets', '—')} | {mib(total)} | {mib(arena)} "
                   f"| {mib(ws)} | {mib(rest)} | {'yes' if ok else 'no'} |")
     return md + [""]
@@ -490,8 +490,9 @@ def main():
         # Unreadable: an error of the report ("not measured"), never a lost report.
         try:
             memory = load_json(a.engine_memory)
-            if not isinstance(memory, dict):
-                raise ValueError("not a JSON object")
+            problem = criteria.memory_problem(memory)
+            if problem:
+                raise ValueError(problem)
         except Exception as e:
             notes.append(f"engine memory {a.engine_memory}: {type(e).__name__}: {e}")
             memory = None

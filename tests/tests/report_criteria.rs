@@ -258,30 +258,37 @@ fn the_engine_memory_figure_is_reported_and_judged() {
     assert!(c["memory"].is_null(), "{c}");
     assert_eq!(c["met"], false, "{c}");
     assert!(stdout.contains("engine memory: not measured in this run"), "{stdout}");
-    // Unreadable: an error named, the report written, not met.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let d = dir.path();
-    one_row_run(d);
-    fs::write(d.join("engine-memory.json"), "[1]").expect("write engine-memory.json");
-    fs::write(
-        d.join("previous.json"),
-        json!({"device": H200, "rows": prev()}).to_string(),
-    )
-    .expect("previous");
-    fs::write(d.join("device.txt"), H200).expect("device.txt");
-    let out = report_py(
-        d,
-        &[
-            ("--device", "device.txt"),
-            ("--previous", "previous.json"),
-            ("--engine-memory", "engine-memory.json"),
-        ],
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("error: engine memory"), "{stdout}");
-    assert!(stdout.contains("engine memory: not measured in this run"), "{stdout}");
-    assert!(stdout.trim_end().ends_with("benchmark targets: not met"), "{stdout}");
+    // A file whose shape gpucheck never writes: an error named, the report written, "not
+    // measured", not met (the same run with a good file is met, above).
+    for bad in [
+        json!([1]),
+        json!({"bound_bytes": 64 * MIB, "load": 5}),
+        json!({"bound_bytes": 64 * MIB, "load": [5]}),
+        json!({"bound_bytes": 64 * MIB, "load": [{"added_memory": [1]}]}),
+        json!({"bound_bytes": true, "load": []}),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (stdout, c) = report_with(dir.path(), met(), prev(), H200, true, Some(&bad));
+        assert!(stdout.contains("error: engine memory"), "{bad}: {stdout}");
+        assert!(
+            stdout.contains("engine memory: not measured in this run"),
+            "{bad}: {stdout}"
+        );
+        assert_eq!(c["met"], false, "{bad}: {c}");
+        assert!(
+            dir.path().join("out/report.md").exists(),
+            "{bad}: the report is written"
+        );
+    }
+    // Exactly the bound is within it; a boolean is not a byte count.
+    for (added, within) in [(json!(64 * MIB), true), (json!(true), false)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let load = json!({"name": "a", "buckets": 27,
+                          "added_memory": {"measured_bytes": added, "arena_bytes": 0, "workspace_bytes": 0}});
+        let (_, c) = report_with(dir.path(), met(), prev(), H200, true, Some(&memory_file(vec![load])));
+        assert_eq!(c["memory"]["met"], within, "{added}: {c}");
+        assert_eq!(c["met"], within, "{added}: {c}");
+    }
 }
 
 #[test]

@@ -633,12 +633,15 @@ fn sanitize(args: &[String]) -> ExitCode {
                 if kernels_only {
                     specplan_tests::sanitize::kernel_steps(&p, &mut rng)
                 } else {
-                    // With a switch, each GEMM takes the heuristic's choice, timed by no
-                    // one: a split load times its candidates afresh (it keeps out of the
-                    // GEMM cache), and the tuner's `gemm_round` reads scratch a cuBLAS
-                    // candidate wrote, whose stores initcheck cannot see (2,000 false
-                    // reports before the first step, H100, 2026-12-05).
-                    let switched = split_gemm_round || l2_prefetch.is_on();
+                    // initcheck's run (`--prefill-gemm-outputs`) with a switch takes the
+                    // heuristic's GEMMs, timed by no one: a split load times its candidates
+                    // afresh (it keeps out of the GEMM cache), and the tuner's `gemm_round`
+                    // reads scratch a cuBLAS candidate wrote, whose stores initcheck cannot
+                    // see (2,000 false reports before the first step, H100, 2026-12-05).
+                    // memcheck's and synccheck's runs keep the tuner, so the split path's
+                    // skinny GEMM (and its `gemm_round`) runs there, in the tuning and in
+                    // the steps.
+                    let switched = prefill && (split_gemm_round || l2_prefetch.is_on());
                     let opts = specplan_runtime::gpu::GpuOptions {
                         split_gemm_round,
                         l2_prefetch,
