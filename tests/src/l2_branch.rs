@@ -22,6 +22,12 @@ pub const CHECKED: L2Prefetch = L2Prefetch {
     max_batch: u32::MAX,
 };
 
+/// The value after a binary's `--l2-prefetch` option (`off` or `MIB[xCTAS][/MAXB]`,
+/// `L2Prefetch::parse`), or why it is missing or wrong.
+pub fn parse_arg(value: Option<&String>) -> Result<L2Prefetch, String> {
+    L2Prefetch::parse(value.ok_or("--l2-prefetch needs a value")?)
+}
+
 /// Loads `plan` with branches on and runs the checks above; returns the branches found and
 /// the graph steps compared.
 pub fn l2_branches(plan: &ValidatedPlan, weights: &[WeightData], rng: &mut Rng) -> Result<(usize, usize), String> {

@@ -601,14 +601,10 @@ fn sanitize(args: &[String]) -> ExitCode {
             "--prefill-gemm-outputs" => prefill = true,
             "--kernels-only" => kernels_only = true,
             "--split-gemm-round" => split_gemm_round = true,
-            "--l2-prefetch" => match it.next().map(|v| specplan_runtime::gpu::L2Prefetch::parse(v)) {
-                Some(Ok(p)) => l2_prefetch = p,
-                Some(Err(e)) => {
-                    eprintln!("gpucheck sanitize: {e}");
-                    return ExitCode::from(2);
-                }
-                None => {
-                    eprintln!("gpucheck sanitize: --l2-prefetch needs a value\n{USAGE}");
+            "--l2-prefetch" => match specplan_tests::l2_branch::parse_arg(it.next()) {
+                Ok(p) => l2_prefetch = p,
+                Err(e) => {
+                    eprintln!("gpucheck sanitize: {e}\n{USAGE}");
                     return ExitCode::from(2);
                 }
             },

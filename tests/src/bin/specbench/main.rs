@@ -585,14 +585,10 @@ fn main() -> ExitCode {
             "--decode-only" => o.decode_only = true,
             "--gemm-flip" => o.gemm_flip = true,
             "--split-gemm-round" => o.split_gemm_round = true,
-            "--l2-prefetch" => match it.next().map(|v| L2Prefetch::parse(v)) {
-                Some(Ok(p)) => o.l2_prefetch = p,
-                Some(Err(e)) => {
-                    eprintln!("specbench: {e}");
-                    return ExitCode::from(2);
-                }
-                None => {
-                    eprintln!("specbench: --l2-prefetch needs a value\n{USAGE}");
+            "--l2-prefetch" => match specplan_tests::l2_branch::parse_arg(it.next()) {
+                Ok(p) => o.l2_prefetch = p,
+                Err(e) => {
+                    eprintln!("specbench: {e}\n{USAGE}");
                     return ExitCode::from(2);
                 }
             },
