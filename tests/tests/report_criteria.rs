@@ -75,15 +75,20 @@ fn one_row_run(dir: &Path) {
 
 const MIB: u64 = 1 << 20;
 
-/// One engine-memory load as `gpucheck engine-memory` writes it: `added` MiB in all.
+/// One engine-memory load as `gpucheck engine-memory` writes it (its own record function and
+/// type, so the reader is tested against the writer): `added` MiB in all.
 fn memory_load(name: &str, added_mib: u64) -> Value {
-    json!({"plan": format!("/b/{name}.plan"), "name": name, "buckets": 27, "first_ms": 200.0, "second_ms": 15.0,
-           "added_memory": {"measured_bytes": added_mib * MIB, "arena_bytes": 36 * MIB, "workspace_bytes": 6 * MIB}})
+    let m = specplan_tests::engine::AddedMemory {
+        measured_bytes: added_mib * MIB,
+        arena_bytes: 36 * MIB,
+        workspace_bytes: 6 * MIB,
+    };
+    specplan_tests::engine::load_record(&format!("/b/{name}.plan"), name, 27, 200.0, 15.0, &m)
 }
 
-/// engine-memory.json with these loads (null: a load that failed) and the 64 MiB bound.
+/// engine-memory.json with these loads (null: a load that failed), as gpucheck writes it.
 fn memory_file(loads: Vec<Value>) -> Value {
-    json!({"bound_bytes": 64 * MIB, "load": loads})
+    specplan_tests::engine::memory_file(loads)
 }
 
 /// Runs report.py over these rows in `dir` and returns (its stdout, report.json's "criteria"),

@@ -28,6 +28,31 @@ pub struct AddedMemory {
     pub workspace_bytes: u64,
 }
 
+/// The most device memory an engine runner with every bucket graphed may add beyond the
+/// engine's weights and K/V (issue 23's bound; llama3-8b-eagle's 27 buckets added 86 MiB with
+/// a fixed 32 MiB GEMM workspace, 38–50 MiB since).
+pub const ENGINE_MEMORY_BOUND: u64 = 64 << 20;
+
+/// One load's entry in `gpucheck engine`'s and `engine-memory`'s JSON (what
+/// tests/peer/criteria.py reads): the plan's path and name, its buckets, the two load times
+/// and the memory it added.
+pub fn load_record(
+    path: &str,
+    name: &str,
+    buckets: usize,
+    first_ms: f64,
+    second_ms: f64,
+    m: &AddedMemory,
+) -> serde_json::Value {
+    serde_json::json!({"plan": path, "name": name, "buckets": buckets, "first_ms": first_ms,
+                       "second_ms": second_ms, "added_memory": m})
+}
+
+/// `gpucheck engine-memory`'s file: the bound and one entry per load (null: it failed).
+pub fn memory_file(loads: Vec<serde_json::Value>) -> serde_json::Value {
+    serde_json::json!({"bound_bytes": ENGINE_MEMORY_BOUND, "load": loads})
+}
+
 fn free_bytes() -> Result<u64, String> {
     result::mem_get_info()
         .map(|(free, _)| free as u64)

@@ -33,7 +33,10 @@ mod bench;
 mod decode;
 mod fixture;
 
-pub use bench::{bench_fixture, engine_load_ms, engine_once, BenchFixture};
+pub use bench::{
+    bench_fixture, engine_load_ms, engine_once, load_record, memory_file, AddedMemory, BenchFixture,
+    ENGINE_MEMORY_BOUND,
+};
 pub use decode::{engine_decode_check, DecodeEngineReport};
 pub use fixture::Layout;
 use fixture::{download, err, fixture, Fixture};

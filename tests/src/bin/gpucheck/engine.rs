@@ -1,9 +1,10 @@
-//! `gpucheck engine` and `gpucheck engine-decode`: the checks on an engine's own memory
+//! `gpucheck engine`, `engine-memory` and `engine-decode`: the checks on an engine's own memory
 //! (`specplan_tests::engine`), the load time onto it, and the device memory a runner adds.
 
 use std::process::ExitCode;
 
 use specplan_format::load_file;
+use specplan_tests::engine::ENGINE_MEMORY_BOUND;
 use specplan_tests::{json, seed, write_atomic, Rng};
 
 /// Draft decode on engine memory: every tier of each plan in the four engine layouts, against
@@ -38,12 +39,6 @@ pub(crate) fn engine_decode(plans: &[String]) -> ExitCode {
     println!("engine-decode: {}", if ok { "all checks passed" } else { "FAILED" });
     ExitCode::from(if ok { 0 } else { 1 })
 }
-
-/// The most device memory an engine runner with every bucket graphed may add beyond the
-/// engine's weights and K/V (llama3-8b-eagle's 27 buckets added 86 MiB with a fixed 32 MiB
-/// GEMM workspace; 42–46 MiB since, with the workspace the chosen algorithms need and a
-/// smaller arena).
-const ENGINE_MEMORY_BOUND: u64 = 64 << 20;
 
 /// The engine-memory checks and the load time onto caller memory; a load that adds more
 /// than `ENGINE_MEMORY_BOUND` fails.
@@ -159,8 +154,7 @@ fn engine_loads(loads: &[String]) -> (bool, Vec<serde_json::Value>) {
                     );
                     ok = false;
                 }
-                serde_json::json!({"plan": load, "name": name, "buckets": buckets, "first_ms": first,
-                                   "second_ms": second, "added_memory": m})
+                specplan_tests::engine::load_record(load, &name, buckets, first, second, &m)
             }
             Err(e) => {
                 println!("engine load of {load}: ERROR {e}");
@@ -178,7 +172,7 @@ fn engine_loads(loads: &[String]) -> (bool, Vec<serde_json::Value>) {
 /// adds more than the bound.
 pub(crate) fn engine_memory(out: &str, plans: &[String]) -> ExitCode {
     let (ok, loads) = engine_loads(plans);
-    let report = serde_json::json!({"bound_bytes": ENGINE_MEMORY_BOUND, "load": loads});
+    let report = specplan_tests::engine::memory_file(loads);
     let path = std::path::Path::new(out).join("engine-memory.json");
     let written = std::fs::create_dir_all(out)
         .map_err(|e| e.to_string())
