@@ -29,8 +29,9 @@ pub struct AddedMemory {
 }
 
 /// The most device memory an engine runner with every bucket graphed may add beyond the
-/// engine's weights and K/V (issue 23's bound; llama3-8b-eagle's 27 buckets added 86 MiB with
-/// a fixed 32 MiB GEMM workspace, 38–50 MiB since).
+/// engine's weights and K/V: `gpucheck engine` asserts it and the bench judges it
+/// (llama3-8b-eagle's 27 buckets added 86 MiB with a fixed 32 MiB GEMM workspace, 38–50 MiB
+/// since).
 pub const ENGINE_MEMORY_BOUND: u64 = 64 << 20;
 
 /// One load's entry in `gpucheck engine`'s and `engine-memory`'s JSON (what
