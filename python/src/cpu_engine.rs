@@ -101,17 +101,13 @@ impl CpuEngine {
     ) -> PyResult<()> {
         let _ = stream;
         let (n, hin, h, k, cols, _) = self.facts;
-        for (name, p) in [
+        non_null(&[
             (io::INPUT_IDS, input_ids),
             (io::HIDDEN_STATES, hidden_states),
             ("req_pool_indices", req),
             (io::PREFIX_LENS, prefix),
             (io::ACCEPT_LENS, accept),
-        ] {
-            if p == 0 {
-                return Err(PyValueError::new_err(format!("{name} is a null pointer")));
-            }
-        }
+        ])?;
         // The outputs may overlap no input of a later chunk, no other output and none of the
         // registered memory (checked before any slice is made); an input that shares memory
         // with an output is read through a copy.
@@ -230,17 +226,13 @@ impl CpuEngine {
         };
         let (pw, nodes) = (width(io::PARENT_LIST), width(io::TOP_SCORES_INDEX));
         let n = nodes + 1;
-        for (name, p) in [
+        non_null(&[
             (io::TOPK_PROBS, topk_p),
             (io::TOPK_IDS, ids),
             (io::HIDDEN_STATES, hidden),
             ("req_pool_indices", req),
             (io::PREFIX_LENS, prefix),
-        ] {
-            if p == 0 {
-                return Err(PyValueError::new_err(format!("{name} is a null pointer")));
-            }
-        }
+        ])?;
         // As `step`: outputs checked against everything, inputs that share memory with an
         // output read through a copy.
         let bb = b as u64;
@@ -327,5 +319,14 @@ impl CpuEngine {
 
     fn load_times(&self) -> BTreeMap<&'static str, f64> {
         BTreeMap::new()
+    }
+}
+
+/// A clear error naming the first input whose host address is 0 (the bindings read them as
+/// slices, which a null pointer may never back).
+fn non_null(inputs: &[(&str, u64)]) -> PyResult<()> {
+    match inputs.iter().find(|(_, p)| *p == 0) {
+        Some((name, _)) => Err(PyValueError::new_err(format!("{name} is a null pointer"))),
+        None => Ok(()),
     }
 }
