@@ -52,7 +52,8 @@
 //   (common.cuh), element kv_at(layout, t) + g*head_stride + d.
 //   score = SCALE * dot(q, k) (bf16/fp16 products, fp32 sums); online softmax in fp32
 //   (max m, sum l, acc o); the probabilities are rounded to act_t for the P·V product.
-//   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key).
+//   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key;
+//                   o / l as o * (1 / l), within an ulp),
 //   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
 //                   rows = batch*N;
@@ -168,6 +169,15 @@ __device__ __forceinline__ int chunk_at(int row, int c) { return row * kD + ((c 
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// 2^x in one MUFU.EX2 (exp2f adds a range test and two scalings a call for results below
+// 2^-126, which flush to 0 here: a probability that small adds nothing to an fp32 sum of
+// at least 1). ex2(-inf) = 0, ex2(0) = 1 exactly.
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // The largest cluster the merge reads (MAX_ATTN_SPLITS; a plan validates its splits).
 constexpr unsigned kMaxSplits = 16;
@@ -286,18 +296,50 @@ __device__ __forceinline__ void tile_slots(unsigned* dst, const TileEntries& e, 
 
 // Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
 // are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
+//
+// Thread `tid` copies chunk c = tid % kChunks of keys tid / kChunks + it * kKeyStep. When the
+// block covers whole keys (kThreads % kChunks == 0) c is the thread's for every key, so each
+// copy's source is one 64-bit multiply-add from per-thread bases (was ~12 instructions of
+// 64-bit shifts and adds a chunk: the loader was a fifth of the key loop's instructions).
+// base + 16 * u in one 64-bit multiply-add (written as PTX: the compiler otherwise shares
+// the K and V sums' shifts and carries, three times the instructions).
+__device__ __forceinline__ const char* at_unit(const char* base, unsigned u) {
+    const char* r;
+    asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(r) : "r"(u), "l"(base));
+    return r;
+}
+constexpr bool kWholeKeys = kThreads % kChunks == 0 && (kTile * kChunks) % kThreads == 0;
+constexpr int kKeyStep = kThreads / kChunks;  // keys a pass of the block covers (kWholeKeys)
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
                                            const unsigned* off) {
+    const int tid = (int)threadIdx.x;
+    if constexpr (kWholeKeys) {
+        const int c = tid % kChunks, t0 = tid / kChunks;
+        const char* kc = reinterpret_cast<const char*>(k_cache) + c * 16;
+        const char* vc = reinterpret_cast<const char*>(v_cache) + c * 16;
 #pragma unroll
-    for (int it = 0; it < kLoadIters; ++it) {
-        const int q = (int)threadIdx.x + it * kThreads;
-        if (q < kTile * kChunks) {
-            const int t = q / kChunks, c = q % kChunks;
+        for (int it = 0; it < kLoadIters; ++it) {
+            const int t = t0 + it * kKeyStep;
             const unsigned o = off[t];
             const bool valid = o != kNoSlot;
-            const long long at = valid ? (long long)o * 8 + c * 8 : 0;
-            cp_async16(dK + chunk_at(t, c), k_cache + at, valid);
-            cp_async16(dV + chunk_at(t, c), v_cache + at, valid);
+            // An invalid key copies 0 bytes from the chunk's base (any readable address).
+            const unsigned u = valid ? o : 0u;
+            const int d = chunk_at(t, c);
+            cp_async16(dK + d, at_unit(kc, u), valid);
+            cp_async16(dV + d, at_unit(vc, u), valid);
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < kLoadIters; ++it) {
+            const int q = tid + it * kThreads;
+            if (q < kTile * kChunks) {
+                const int t = q / kChunks, c = q % kChunks;
+                const unsigned o = off[t];
+                const bool valid = o != kNoSlot;
+                const long long at = valid ? (long long)o * 8 + c * 8 : 0;
+                cp_async16(dK + chunk_at(t, c), k_cache + at, valid);
+                cp_async16(dV + chunk_at(t, c), v_cache + at, valid);
+            }
         }
     }
 }
@@ -519,15 +561,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             }
 
             // -- Mask and online softmax (rows rA, rA + 8; 4 lanes share a row) -------------
+            // Scores stay unscaled here: SCALE * log2 e > 0, so the row max of the raw scores
+            // scaled is the max of the scaled scores (bit for bit), and each probability is
+            // one FFMA and one ex2. The mask is a branch of its own around the whole tile
+            // (a full tile skips it: predicated per score it cost ~6 issue slots a score).
             const bool full = key0 + kKW <= no_mask_end && key0 + kKW <= hi;
-            float tmaxA = neg_inf(), tmaxB = neg_inf();
+            if (!full) {
 #pragma unroll
-            for (int nt = 0; nt < kNTS; ++nt) {
+                for (int nt = 0; nt < kNTS; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kp = key0 + nt * 8 + (lane & 3) * 2 + e;
-                    float va = sc[nt][e] * scale2, vb = sc[nt][2 + e] * scale2;
-                    if (!full) {
+                    for (int e = 0; e < 2; ++e) {
+                        const int kp = key0 + nt * 8 + (lane & 3) * 2 + e;
                         const bool in = kp < hi;
                         bool visA, visB;
                         if constexpr (kLanes) {
@@ -543,24 +587,26 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                             visA = realA && in && kp <= qposA && (kWindow == 0 || kp + kWindow > qposA);
                             visB = realB && in && kp <= qposB && (kWindow == 0 || kp + kWindow > qposB);
                         }
-                        va = visA ? va : neg_inf();
-                        vb = visB ? vb : neg_inf();
+                        if (!visA) sc[nt][e] = neg_inf();
+                        if (!visB) sc[nt][2 + e] = neg_inf();
                     }
-                    sc[nt][e] = va;
-                    sc[nt][2 + e] = vb;
-                    tmaxA = fmaxf(tmaxA, va);
-                    tmaxB = fmaxf(tmaxB, vb);
                 }
+            }
+            float tmaxA = neg_inf(), tmaxB = neg_inf();
+#pragma unroll
+            for (int nt = 0; nt < kNTS; ++nt) {
+                tmaxA = fmaxf(tmaxA, fmaxf(sc[nt][0], sc[nt][1]));
+                tmaxB = fmaxf(tmaxB, fmaxf(sc[nt][2], sc[nt][3]));
             }
             tmaxA = fmaxf(tmaxA, __shfl_xor_sync(0xffffffffu, tmaxA, 1));
             tmaxA = fmaxf(tmaxA, __shfl_xor_sync(0xffffffffu, tmaxA, 2));
             tmaxB = fmaxf(tmaxB, __shfl_xor_sync(0xffffffffu, tmaxB, 1));
             tmaxB = fmaxf(tmaxB, __shfl_xor_sync(0xffffffffu, tmaxB, 2));
-            const float mA_new = fmaxf(mA, tmaxA), mB_new = fmaxf(mB, tmaxB);
+            const float mA_new = fmaxf(mA, tmaxA * scale2), mB_new = fmaxf(mB, tmaxB * scale2);
             // While a row has seen no visible key m is -inf and l, o are 0; exp2(-inf - -inf)
             // would be NaN, so such factors are forced to 0.
-            const float alphaA = mA == neg_inf() ? 0.0f : exp2f(mA - mA_new);
-            const float alphaB = mB == neg_inf() ? 0.0f : exp2f(mB - mB_new);
+            const float alphaA = mA == neg_inf() ? 0.0f : ex2_ftz(mA - mA_new);
+            const float alphaB = mB == neg_inf() ? 0.0f : ex2_ftz(mB - mB_new);
             mA = mA_new;
             mB = mB_new;
             const float subA = mA == neg_inf() ? 0.0f : mA, subB = mB == neg_inf() ? 0.0f : mB;
@@ -569,20 +615,24 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             for (int nt = 0; nt < kNTS; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    sc[nt][e] = exp2f(sc[nt][e] - subA);  // masked: exp2(-inf) = 0
-                    sc[nt][2 + e] = exp2f(sc[nt][2 + e] - subB);
+                    sc[nt][e] = ex2_ftz(fmaf(sc[nt][e], scale2, -subA));  // masked: ex2(-inf) = 0
+                    sc[nt][2 + e] = ex2_ftz(fmaf(sc[nt][2 + e], scale2, -subB));
                     sumA += sc[nt][e];
                     sumB += sc[nt][2 + e];
                 }
             }
             lA = lA * alphaA + sumA;
             lB = lB * alphaB + sumB;
+            // Once a row's max settles its factor is exactly 1 (ex2(0)): the accumulators are
+            // rescaled only when some row of the warp moved (the same values: x * 1 = x).
+            if (__any_sync(0xffffffffu, alphaA != 1.0f || alphaB != 1.0f)) {
 #pragma unroll
-            for (int nt = 0; nt < kNTO; ++nt) {
-                o[nt][0] *= alphaA;
-                o[nt][1] *= alphaA;
-                o[nt][2] *= alphaB;
-                o[nt][3] *= alphaB;
+                for (int nt = 0; nt < kNTO; ++nt) {
+                    o[nt][0] *= alphaA;
+                    o[nt][1] *= alphaA;
+                    o[nt][2] *= alphaB;
+                    o[nt][3] *= alphaB;
+                }
             }
 
             // -- o += P V: P (16 x kKW) from the score registers, V via transposed ldmatrix --
@@ -637,11 +687,14 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                     const long long r = (long long)i * kN + j;
                     const int h = g * kG + hh;
                     const long long sr = ((long long)s * rows + r) * kHeads + h;
+                    // One division a row, not one an element (each an IEEE division with
+                    // its slow-path test): o * (1 / l) is within an ulp of o / l.
+                    const float inv = any ? 1.0f / l : 0.0f;
                     float v[kNTO][2];
 #pragma unroll
                     for (int nt = 0; nt < kNTO; ++nt) {
-                        v[nt][0] = any ? o[nt][2 * half] / l : 0.0f;
-                        v[nt][1] = any ? o[nt][2 * half + 1] / l : 0.0f;
+                        v[nt][0] = any ? o[nt][2 * half] * inv : 0.0f;
+                        v[nt][1] = any ? o[nt][2 * half + 1] * inv : 0.0f;
                     }
                     const int d0 = (lane & 3) * 2;  // + nt * 8
                     // The cluster's rows in shared memory, else this split's partials.
@@ -715,9 +768,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
                         }
                     }
                     const bool any = den > 0.0f;
+                    const float inv = any ? 1.0f / den : 0.0f;  // one division, as above
                     float res[4];
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) res[k] = any ? num[k] / den : 0.0f;
+                    for (int k = 0; k < 4; ++k) res[k] = any ? num[k] * inv : 0.0f;
                     const int j = rr / kG, hh = rr % kG;
                     const long long r = (long long)i * kN + j;
                     const int h = g * kG + hh;
