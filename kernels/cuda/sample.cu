@@ -186,75 +186,17 @@ __device__ __forceinline__ void warp_top(const Lists& L, int slot, float& out_v,
 }
 
 // A lower bound of the kL-th largest value the warp's lanes have seen, from each lane's
-// largest `v`: the kL-th largest of the 32 (kL lanes each hold a value at least that large),
-// -inf when fewer than kL lanes hold a finite value. Every lane calls it (full-warp shuffles)
-// and gets the result. The 32 values are sorted by a bitonic network, 15 shuffle steps (kL
-// rounds of a five-step warp max were 50 dependent shuffles).
+// largest `v`: the kL-th largest of the 32 (kL lanes each hold a value at least that
+// large), or lower where lanes tie (tied lanes drop out together), or -inf when fewer than
+// kL lanes hold a finite value. Every lane calls it (full-warp shuffles) and gets the result.
 __device__ __forceinline__ float warp_floor(float v) {
-    const int lane = (int)threadIdx.x & 31;
+    float m = neg_inf();
 #pragma unroll
-    for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            const float o = __shfl_xor_sync(0xffffffffu, v, j);
-            // Largest first in the last block (as warp_sort32).
-            v = ((lane & k) == 0) == ((lane & j) == 0) ? fmaxf(v, o) : fminf(v, o);
-        }
+    for (int k = 0; k < kL; ++k) {
+        m = warp_max(v);
+        if (v == m) v = neg_inf();
     }
-    return __shfl_sync(0xffffffffu, v, kL - 1);
-}
-
-// The 32 lanes' (value, column) pairs sorted across the warp, best first (`better`'s order;
-// equal pairs, only ever empty entries, keep their places): a bitonic network of 15
-// compare-exchange steps, one shuffle pair each. Lane k returns the k-th best.
-__device__ __forceinline__ void warp_sort32(float& v, int& c) {
-    const int lane = (int)threadIdx.x & 31;
-#pragma unroll
-    for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, v, j);
-            const int oc = __shfl_xor_sync(0xffffffffu, c, j);
-            // Blocks of k lanes alternate direction (the last, k = 32, runs best first); in a
-            // best-first block the lower lane of a pair keeps the better pair.
-            const bool keep_better = ((lane & k) == 0) == ((lane & j) == 0);
-            if (keep_better ? better(ov, oc, v, c) : better(v, c, ov, oc)) {
-                v = ov;
-                c = oc;
-            }
-        }
-    }
-}
-
-// A warp's best kL over its lanes' sorted lists (list `slot` = the thread's own), when the
-// entries that reach `floor_v` (a warp-uniform lower bound of the warp's kL-th best, so they
-// hold the warp's best kL) number at most 32: they are gathered into `scratch` (32 slots of
-// the warp: values, then columns) and sorted by one warp_sort32 — 15 shuffle steps instead of
-// warp_top's kL rounds of five. Lane k returns the k-th best (lanes >= kL: whatever the sort
-// put there); false, with nothing written, when more entries reach the floor.
-__device__ __forceinline__ bool warp_top_floor(const Lists& L, int slot, float floor_v, float* scratch_v,
-                                               int* scratch_c, float& out_v, int& out_c) {
-    const int lane = (int)threadIdx.x & 31;
-    int n = 0;  // this lane's entries at or above the floor (a prefix of its sorted list)
-    while (n < kL && L.col(n, slot) != kNoCol && L.val(n, slot) >= floor_v) ++n;
-    int at = n;  // inclusive prefix sum of n over the lanes
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int up = __shfl_up_sync(0xffffffffu, at, o);
-        if (lane >= o) at += up;
-    }
-    const int total = __shfl_sync(0xffffffffu, at, 31);
-    if (total > 32) return false;  // uniform: warp_top instead
-    for (int k = 0; k < n; ++k) {
-        scratch_v[at - n + k] = L.val(k, slot);
-        scratch_c[at - n + k] = L.col(k, slot);
-    }
-    __syncwarp();
-    out_v = lane < total ? scratch_v[lane] : neg_inf();
-    out_c = lane < total ? scratch_c[lane] : kNoCol;
-    __syncwarp();  // the slots are read before a later call writes them again
-    warp_sort32(out_v, out_c);
-    return true;
+    return m;
 }
 
 // Scans columns [c0, c1) of `row` with the whole CTA. On return (after a barrier) list 0
@@ -347,28 +289,10 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
         for (int u = 0; u < n; ++u) ts += exp2f((x[u] - bm) * kLog2e);
     };
 
-    constexpr int kBatch = 8;
-    // add_sum of a batch's float4s that lie in the range (v0 + u * kThreads < nv): the
-    // batch max over all of them (past the range: -inf), the exps only over those. Every
-    // float4 past the range contributes exp2(-inf) = 0 to add_sum, so the sum is the same.
-    auto add_sum_valid = [&](const float* x, long long v0, long long nv) {
-        float bm = tm;
-#pragma unroll
-        for (int u = 0; u < kBatch * 4; ++u) bm = fmaxf(bm, x[u]);
-        if (bm == neg_inf()) return;
-        ts *= exp2f((tm - bm) * kLog2e);
-        tm = bm;
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-            if (v0 + (long long)u * kThreads < nv) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) ts += exp2f((x[4 * u + e] - bm) * kLog2e);
-            }
-        }
-    };
     // Each thread visits its columns in increasing order: float4 c0/4 + t, + kThreads, ...
     // when the range is 16-byte aligned, else single columns; kBatch float4 loads (predicated
     // past the range's end) are issued before any is used.
+    constexpr int kBatch = 8;
     long long done = c0;
     if (aligned16(row + c0)) {
         const long long nv = (c1 - c0) / 4;
@@ -387,9 +311,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
             }
             // A float4 past the range reads as -inf: no term of the sum, and kept out of
             // the list by the test below (a real -inf column would enter an empty slot).
-            // The sum skips them (a short chunk is one or two float4s a thread of the
-            // batch's eight: the exps of the rest were most of the scan's instructions).
-            add_sum_valid(x, v0, nv);
+            add_sum(x, kBatch * 4);
             floor_v = fmaxf(floor_v, warp_floor(tm));
 #pragma unroll
             for (int u = 0; u < kBatch; ++u) {
@@ -426,12 +348,7 @@ __device__ __forceinline__ void scan_range(const float* row, long long c0, long 
     __syncthreads();  // every list is written
     float wv;
     int wc;
-    // The warp's entries that reach its floor are usually a few more than kL (the floor is
-    // the kL-th best of the lanes' maxima): sorted in one network, else the rounds.
-    __shared__ float gather_v[kThreads];
-    __shared__ int gather_c[kThreads];
-    if (!warp_top_floor(lists, t, floor_v, gather_v + (t & ~31), gather_c + (t & ~31), wv, wc))
-        warp_top(lists, t, wv, wc);
+    warp_top(lists, t, wv, wc);
     __syncthreads();  // every list is read
     if (lane < kL) {
         lists.val(lane, warp) = wv;
