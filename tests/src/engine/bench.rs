@@ -67,6 +67,11 @@ fn free_bytes() -> Result<u64, String> {
 pub fn engine_load_ms(
     plan: &ValidatedPlan,
 ) -> Result<(f64, f64, specplan_runtime::gpu::LoadTimes, AddedMemory), String> {
+    // The caller's allocations below need a current context before any runtime makes one:
+    // the primary context the runtime retains, bound to this thread and held until the
+    // buffers are freed (run alone, as `gpucheck engine-memory` does, nothing else had made
+    // one current, and the first allocation failed with CUDA_ERROR_INVALID_CONTEXT).
+    let _ctx = cudarc::driver::CudaContext::new(GpuOptions::default().device).map_err(|e| format!("{e:?}"))?;
     let m = &plan.model;
     let act = plan.capture.dtype;
     let mut bufs = Vec::new();
@@ -146,11 +151,15 @@ pub struct BenchFixture {
     pub runtime: GpuRuntime,
     pub step: DeviceStep,
     pub stream: std::sync::Arc<cudarc::driver::CudaStream>,
+    // Last: dropped after the buffers it made current for (see engine_load_ms).
+    _ctx: std::sync::Arc<cudarc::driver::CudaContext>,
 }
 
 /// The fixture's engine runtime is loaded with `opts` (specbench's A/B switches, so that its
 /// engine rows are on the same side of an A/B as its owned rows).
 pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize, opts: GpuOptions) -> Result<BenchFixture, String> {
+    // A current context for the caller's allocations, as in engine_load_ms.
+    let ctx = cudarc::driver::CudaContext::new(opts.device).map_err(|e| format!("{e:?}"))?;
     let m = &plan.model;
     let act = plan.capture.dtype;
     let n = plan.rows_per_request(PhaseKind::DraftExtend) as usize;
@@ -258,6 +267,7 @@ pub fn bench_fixture(plan: &ValidatedPlan, b: usize, l: usize, opts: GpuOptions)
         runtime,
         step,
         stream,
+        _ctx: ctx,
     })
 }
 
