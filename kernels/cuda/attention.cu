@@ -54,7 +54,8 @@
 //   (max m, sum l, acc o); the probabilities are rounded to act_t for the P·V product.
 //   gridDim.z == 1: out[r*HEADS*HEAD_DIM + h*HEAD_DIM + d] = round(o / l) (0 if no key;
 //                   o / l as o * (1 / l), within an ulp),
-//   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key),
+//   gridDim.z  > 1: part_o[((s*rows + r)*HEADS + h)*HEAD_DIM + d] = o / l (0 if no key;
+//                   also as o * (1 / l)),
 //                   part_lse[(s*rows + r)*HEADS + h] = m + logf(l) (-inf if no key),
 //                   rows = batch*N;
 //                   as clusters of the splits: out as with gridDim.z == 1, the splits'
@@ -171,8 +172,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // 2^x in one MUFU.EX2 (exp2f adds a range test and two scalings a call for results below
-// 2^-126, which flush to 0 here: a probability that small adds nothing to an fp32 sum of
-// at least 1). ex2(-inf) = 0, ex2(0) = 1 exactly.
+// 2^-126, which flush to 0 here, probabilities and rescale factors alike: a term that small
+// is below the last bit of a row's sum, about 1 or more). ex2(-inf) = 0, ex2(0) = 1 exactly.
 __device__ __forceinline__ float ex2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -297,10 +298,12 @@ __device__ __forceinline__ void tile_slots(unsigned* dst, const TileEntries& e, 
 // Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
 // are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
 //
-// Thread `tid` copies chunk c = tid % kChunks of keys tid / kChunks + it * kKeyStep. When the
-// block covers whole keys (kThreads % kChunks == 0) c is the thread's for every key, so each
-// copy's source is one 64-bit multiply-add from per-thread bases (was ~12 instructions of
-// 64-bit shifts and adds a chunk: the loader was a fifth of the key loop's instructions).
+// Copy q = tid + it * kThreads is chunk q % kChunks of key q / kChunks. When the block covers
+// whole keys and the tile whole blocks (kThreads % kChunks == 0 and kTile * kChunks a multiple
+// of kThreads: kWholeKeys), that is chunk c = tid % kChunks of key tid / kChunks + it *
+// kKeyStep, c the thread's for every key, so each copy's source is one 64-bit multiply-add
+// from per-thread bases (was ~12 instructions of 64-bit shifts and adds a chunk: the loader
+// was a fifth of the key loop's instructions). Other shapes take the general loop.
 // base + 16 * u in one 64-bit multiply-add (written as PTX: the compiler otherwise shares
 // the K and V sums' shifts and carries, three times the instructions).
 __device__ __forceinline__ const char* at_unit(const char* base, unsigned u) {
@@ -322,7 +325,7 @@ __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_
             const int t = t0 + it * kKeyStep;
             const unsigned o = off[t];
             const bool valid = o != kNoSlot;
-            // An invalid key copies 0 bytes from the chunk's base (any readable address).
+            // An invalid key's copy has source size 0: nothing is read at its address.
             const unsigned u = valid ? o : 0u;
             const int d = chunk_at(t, c);
             cp_async16(dK + d, at_unit(kc, u), valid);
@@ -563,7 +566,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             // -- Mask and online softmax (rows rA, rA + 8; 4 lanes share a row) -------------
             // Scores stay unscaled here: SCALE * log2 e > 0, so the row max of the raw scores
             // scaled is the max of the scaled scores (bit for bit), and each probability is
-            // one FFMA and one ex2. The mask is a branch of its own around the whole tile
+            // one FFMA and one ex2 (one rounding of s * scale - m where a product and a
+            // difference had two: the probabilities move by rounding only). The mask is a branch of its own around the whole tile
             // (a full tile skips it: predicated per score it cost ~6 issue slots a score).
             const bool full = key0 + kKW <= no_mask_end && key0 + kKW <= hi;
             if (!full) {
