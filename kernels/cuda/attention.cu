@@ -295,17 +295,9 @@ __device__ __forceinline__ void tile_slots(unsigned* dst, const TileEntries& e, 
     }
 }
 
-// Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
-// are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
-//
-// Copy q = tid + it * kThreads is chunk q % kChunks of key q / kChunks. When the block covers
-// whole keys and the tile whole blocks (kThreads % kChunks == 0 and kTile * kChunks a multiple
-// of kThreads: kWholeKeys), that is chunk c = tid % kChunks of key tid / kChunks + it *
-// kKeyStep, c the thread's for every key, so each copy's source is one 64-bit multiply-add
-// from per-thread bases (was ~12 instructions of 64-bit shifts and adds a chunk: the loader
-// was a fifth of the key loop's instructions). Other shapes take the general loop.
-// base + 16 * u in one 64-bit multiply-add (written as PTX: the compiler otherwise shares
-// the K and V sums' shifts and carries, three times the instructions).
+// base + 16 * u as one 64-bit multiply-add in PTX (ptxas expands it into a shift, a high
+// multiply and an add with carry, shared by the K and V copies: 6 instructions a pair where
+// the element arithmetic in C++ gave about 10).
 __device__ __forceinline__ const char* at_unit(const char* base, unsigned u) {
     const char* r;
     asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(r) : "r"(u), "l"(base));
@@ -313,6 +305,17 @@ __device__ __forceinline__ const char* at_unit(const char* base, unsigned u) {
 }
 constexpr bool kWholeKeys = kThreads % kChunks == 0 && (kTile * kChunks) % kThreads == 0;
 constexpr int kKeyStep = kThreads / kChunks;  // keys a pass of the block covers (kWholeKeys)
+
+// Issues the copies of one tile into dK and dV from its row of slots. Keys without a slot
+// are zero-filled: a masked key has probability 0, and 0 * (stale NaN bits) would poison o.
+//
+// Copy q = tid + it * kThreads is chunk q % kChunks of key q / kChunks. When the block covers
+// whole keys and the tile whole blocks (kThreads % kChunks == 0 and kTile * kChunks a multiple
+// of kThreads: kWholeKeys), that is chunk c = tid % kChunks of key tid / kChunks + it *
+// kKeyStep, c the thread's for every key, so each copy's source is `at_unit` of a per-thread
+// base: about 16 instructions a K and V pair, with the slot's read and the destination, where
+// the general loop takes 25 (the loader was a fifth of the key loop's instructions). Other
+// shapes take the general loop.
 __device__ __forceinline__ void issue_tile(act_t* dK, act_t* dV, const act_t* k_cache, const act_t* v_cache,
                                            const unsigned* off) {
     const int tid = (int)threadIdx.x;
@@ -567,8 +570,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
             // Scores stay unscaled here: SCALE * log2 e > 0, so the row max of the raw scores
             // scaled is the max of the scaled scores (bit for bit), and each probability is
             // one FFMA and one ex2 (one rounding of s * scale - m where a product and a
-            // difference had two: the probabilities move by rounding only). The mask is a branch of its own around the whole tile
-            // (a full tile skips it: predicated per score it cost ~6 issue slots a score).
+            // difference had two: the probabilities move by rounding only). The mask is a
+            // branch of its own around the whole tile (a full tile skips it: predicated per
+            // score it cost ~6 issue slots a score).
             const bool full = key0 + kKW <= no_mask_end && key0 + kKW <= hi;
             if (!full) {
 #pragma unroll
