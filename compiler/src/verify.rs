@@ -322,15 +322,17 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
             c.same((false, 4), (true, 1))?;
             c.same((false, 5), (true, 2))
         }
-        OpKind::Attention { .. } => {
-            c.arity(6, 1)?;
+        OpKind::Attention { select, .. } => {
+            // Over the selected query rows: accept_lens too, and one output row a request.
+            let (arity, out_rows) = if *select { (7, batch) } else { (6, rows) };
+            c.arity(arity, 1)?;
             let (r, qcols) = c.rank2(false, 0)?;
             let (ro, ocols) = c.rank2(true, 0)?;
-            want(r == rows && ro == rows, || {
-                format!("query and output rows must be {rows}")
+            want(r == rows && ro == out_rows, || {
+                format!("query rows must be {rows}, output rows {out_rows}")
             })?;
             want(qcols.fixed >= ocols.fixed, || "queries narrower than the output".into())?;
-            for i in 3..6 {
+            for i in 3..arity {
                 c.dtype(false, i, &[DType::I32])?;
             }
             Ok(())
@@ -400,6 +402,15 @@ fn check_op(g: &OpGraph, kind: &OpKind, ins: &[TensorId], outs: &[TensorId], n_r
     }
 }
 
+/// The selected rows' addend (the o projection of their attention): `[B, h]` in the
+/// stream's dtype.
+fn check_addend(c: &Ctx, g: &OpGraph, ins: &[TensorId], batch: Dim, h: Dim) -> Result<(), String> {
+    c.dtype(false, 3, &[g.tensor(ins[0]).dtype])?;
+    want(c.shape(false, 3) == [batch, h], || {
+        format!("the addend must be [B, {h}]")
+    })
+}
+
 /// The SwiGLU product and the selected rows' norm, each as in place or as hi/lo pairs.
 fn check_mlp_rows(c: &Ctx, kind: &OpKind, rows: Dim) -> Result<(), String> {
     let (g, ins, outs) = (c.g, c.ins, c.outs);
@@ -420,11 +431,12 @@ fn check_mlp_rows(c: &Ctx, kind: &OpKind, rows: Dim) -> Result<(), String> {
             // The selected rows, then their norm; the norm alone on a tensor-parallel rank
             // other than 0 (`residual_into_all_reduce`).
             let n_out = if outs.len() == 1 { 1 } else { 2 };
-            c.arity(3, n_out)?;
+            c.arity(4, n_out)?;
             let (r, h) = c.rank2(false, 0)?;
             want(r == rows, || format!("input rows must be {rows}"))?;
             c.dtype(false, 1, &[DType::I32])?;
             want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
+            check_addend(c, g, ins, batch, h)?;
             // The selected rows keep the stream's dtype; the norm is the GEMM's input.
             if n_out == 2 {
                 c.dtype(true, 0, &[g.tensor(ins[0]).dtype])?;
@@ -434,11 +446,12 @@ fn check_mlp_rows(c: &Ctx, kind: &OpKind, rows: Dim) -> Result<(), String> {
             })
         }
         OpKind::SelectNormPairs => {
-            c.arity(3, 2)?;
+            c.arity(4, 2)?;
             let (r, h) = c.rank2(false, 0)?;
             want(r == rows, || format!("input rows must be {rows}"))?;
             c.dtype(false, 1, &[DType::I32])?;
             want(c.shape(false, 2) == [h], || format!("weight must be [{h}]"))?;
+            check_addend(c, g, ins, batch, h)?;
             c.dtype(true, 0, &[g.tensor(ins[0]).dtype])?;
             c.dtype(true, 1, &[g.tensor(ins[2]).dtype])?;
             want(c.shape(true, 0) == [batch, h], || {

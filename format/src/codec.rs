@@ -42,8 +42,10 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// every plan carries (the owned-memory graphs' input prologue). 21: `l2_prefetch`, a
 /// runtime-launched entry every plan carries (captured graphs' L2 prefetch branches). 22:
 /// `GemmDesc.rounded` (a GEMM's f32 output also written rounded) and `gemm_round`, a
-/// runtime-launched entry every plan carries.
-pub const FORMAT_VERSION: u32 = 22;
+/// runtime-launched entry every plan carries. 23: the attention over the selected query rows
+/// (its `SELECT_FROM` constant and `accept_lens` argument) and `select_norm`'s residual addend
+/// (`add`).
+pub const FORMAT_VERSION: u32 = 23;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

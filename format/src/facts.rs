@@ -40,6 +40,7 @@ pub fn phase_facts(m: &ModelDesc, s: &SpecDesc, c: &CaptureDesc, inv_freq: &[f32
         inv_freq: inv_freq.to_vec(),
         rope_scale: rope_attention_scale(m),
         window: 0,
+        select_from: 0,
         lanes: kind.steps(),
         step: 0,
         draft_tokens: kind.draft_tokens(s),

@@ -9,7 +9,8 @@
 //   Constants: act_t, HEADS, KV_HEADS, HEAD_DIM (multiple of 16, <= 256), N, PAGE_SIZE, LANE_STEPS, STEP,
 //              WINDOW (0 = no window), SCALE (1/sqrt(HEAD_DIM)),
 //              KV_TILE (keys per pipeline stage: 64, 32 or 16), STAGES (2..4: tiles in
-//              shared memory, STAGES - 1 of them in flight while one is computed)
+//              shared memory, STAGES - 1 of them in flight while one is computed),
+//              SELECT_FROM (0, or the N of the selected-query instance: see below)
 //   Launch:    grid (batch, KV_HEADS, splits), optionally as clusters (1, 1, splits) (sm_90+,
 //              splits <= 16: the plan's `attn_cluster`), block (ATTN_PARTIAL_THREADS = 128, 1, 1), dynamic shared memory,
 //              in bytes, with ROWS = N * (HEADS / KV_HEADS), GR = min(ceil16(ROWS), 64)
@@ -34,6 +35,7 @@
 //     page_table  const int*    the registered table (token slots or page ids)
 //     kv_layout   const long long*  its words and the pool's (specplan_kernels::kv)
 //     prefix_lens const int*    [batch] (L: cached tokens before this step's N rows)
+//     accept_lens const int*    [batch] (SELECT_FROM > 0: A_i; else null)
 //     out         act_t*        [batch*N, HEADS*HEAD_DIM]      (written when gridDim.z == 1)
 //     part_o      float*        [splits, batch*N, HEADS, HEAD_DIM] (written when gridDim.z > 1)
 //     part_lse    float*        [splits, batch*N, HEADS]           (written when gridDim.z > 1)
@@ -66,6 +68,10 @@
 //   row j sees every t < L and the keys of lane j; with a window, a key at sequence position
 //   q (t < L: t; a lane key: L + (t-L)%(STEP+1)) is seen when q > L + STEP - WINDOW, and
 //   kv_start = min(L, max(0, L + STEP - WINDOW + 1)).
+//   Selected queries (SELECT_FROM = S > 0, N = 1, no lanes): request i's one row is q row
+//   i*S + sel, sel = clamp(accept_lens[i], 1, S) - 1, at position L + sel: everything above
+//   holds with N = 1 and L replaced by L + sel (q has S rows a request; out and the partials
+//   have one, row i). The draft-extend head's last layer keeps no other row's output.
 //   Positions without a token slot (t = -1: a request row outside the table, a position
 //   outside the row, a negative page, a slot outside the pool) read as zero K/V: bad input
 //   never faults.
@@ -105,6 +111,14 @@ constexpr int kTile = (int)KV_TILE;
 // prefix and its own lane's keys. Draft-extend: key index = position, causal rows.
 constexpr bool kLanes = (int)LANE_STEPS > 0;
 constexpr int kLaneKeys = (int)STEP + 1;
+// SELECT_FROM = N > 0: the instance runs over the selected query row of each request (N is
+// then 1 here; `sel` in attn_partial): q holds SELECT_FROM rows per request. 0: every row.
+constexpr int kSelectFrom = (int)SELECT_FROM;
+constexpr int kQRowsPerRequest = kSelectFrom > 0 ? kSelectFrom : kN;
+static_assert(kSelectFrom == 0 || (kN == 1 && !kLanes), "selected queries: one row a request, draft-extend rows");
+// The largest prefix read as given: the keys past it (kN * kLaneKeys) and a split's end
+// rounded up to whole tiles stay below 2^31.
+constexpr int kMaxPrefix = 0x7fffffff - kN * kLaneKeys - 2 * kTile;
 
 static_assert(kKvHeads > 0 && kHeads % kKvHeads == 0, "HEADS must be a multiple of KV_HEADS");
 static_assert(kD % 16 == 0 && kD <= 256, "HEAD_DIM must be a multiple of 16, at most 256 (MMA k-steps)");
@@ -395,7 +409,19 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     const long long head_off = (long long)g * lay.head_stride;
 
     // ---- This split's key range ----------------------------------------------------------
-    const int L = p.prefix_lens[i];
+    // Over the selected queries (kSelectFrom = N): request i's one query row is its accepted
+    // row sel = A_i - 1 of the N, at position L + sel. It sees every key up to and including
+    // its own, so its range is that of a one-row request with prefix L + sel: the keys past
+    // it are the unselected rows' K/V, which no output this instance keeps reads.
+    int sel = 0;
+    if constexpr (kSelectFrom > 0) {
+        const int a = p.accept_lens[i];
+        sel = (a < 1 ? 1 : (a > kSelectFrom ? kSelectFrom : a)) - 1;
+    }
+    // A prefix past kMaxPrefix (never admitted: the host refuses it) is read as kMaxPrefix, so
+    // no int below (kv_len, the split bounds, the mask bound) can wrap.
+    const long long l_sel = (long long)p.prefix_lens[i] + sel;
+    const int L = l_sel > kMaxPrefix ? kMaxPrefix : (int)l_sel;
     // Draft decode: the prefix and every lane's STEP + 1 slots (kLanes); the window counts
     // from the rows' position L + STEP and never drops a lane key's index range.
     const long long kv_len = kLanes ? (long long)L + (long long)kN * kLaneKeys : (long long)L + kN;
@@ -436,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
         // flight at once and under the table reads below (a load-then-store loop waits one
         // memory latency per iteration: 8 of them for 64 packed rows). Unaligned q (a
         // caller's view) takes the plain loads after the prologue; its group is then empty.
-        const act_t* qbase = p.q + (long long)i * kN * p.q_stride + (long long)g * kG * kD;
+        const act_t* qbase = p.q + ((long long)i * kQRowsPerRequest + sel) * p.q_stride + (long long)g * kG * kD;
         const bool qvec = aligned16(p.q) && p.q_stride % 8u == 0u;
         if (qvec) {
 #pragma unroll

@@ -311,7 +311,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // RMSNorm of one row by the whole CTA: out[c] = round(x[c] * rsqrt(mean(x^2) + eps) * w[c]),
 // x and w read as fp32, every step in fp32, one rounding at the store. `out` may alias `x`:
 // each element is read before the reduction's barrier and written after it by the thread
-// that read it. 16-byte vectors when all three rows are aligned; the rest element-wise.
+// that read it. 16-byte vectors when all the rows are aligned; the rest element-wise.
 // `scratch`: 32 floats of shared memory. Every thread of the CTA must call it.
 // `X`: act_t, or float for a row of the fp32 residual stream (then `out` cannot alias it).
 // `copy` non-null: also copy[c] = (C) x[c] (bit exact when C is X, a NaN's payload included;
@@ -319,20 +319,43 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // costs the row its memory latency once more per iteration, since the norm's loads cannot
 // be moved above the copy's stores (select_norm_pairs at B 1, perf-notes item 41). `copy`
 // aliases none of x, out, lo.
+// `add` non-null: the row normed (and copied) is x[c] + add[c], summed in fp32 and rounded
+// once to X (exact for float), the same bits on every path; `add` aliases none of the outputs.
+template <typename X>
+__device__ __forceinline__ float row_sum_at(float v, const X* add, long long e) {
+    return add != nullptr ? to_f(from_f<X>(v + to_f(add[e]))) : v;
+}
+template <typename X>
+__device__ __forceinline__ void load_row8(const X* x, const X* add, long long e, float (&v)[8]) {
+    load_vec<8>(x + e, v);
+    if (add != nullptr) {
+        float a[8];
+        load_vec<8>(add + e, a);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = to_f(from_f<X>(v[k] + a[k]));
+    }
+}
 template <typename X, typename C = act_t>
 __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* out, long long n, float eps,
-                                            float* scratch, act_t* lo = nullptr, C* copy = nullptr) {
+                                            float* scratch, act_t* lo = nullptr, C* copy = nullptr,
+                                            const X* add = nullptr) {
     // lo non-null: the normed row as a hi/lo pair (store_vec_split), hi into out.
     // A 16-bit row copied into its own type keeps its bits (a NaN's payload too), not a
-    // round trip through float.
+    // round trip through float; a sum is stored from its fp32 value (already rounded to X).
     constexpr bool kRawCopy = SameType<C, X>::value && sizeof(X) == 2;
+    const bool raw = kRawCopy && add == nullptr;
     if (copy != nullptr && !aligned16(copy)) {
         // Never in a plan (its buffers are 256-byte aligned): the copy on its own, as the
         // kernels did before, so the norm keeps the path and the sums it has without one.
-        parts_cast(copy, x, n, 0, 1);
+        if (add == nullptr) {
+            parts_cast(copy, x, n, 0, 1);
+        } else {
+            for (long long e = threadIdx.x; e < n; e += blockDim.x) copy[e] = from_f<C>(row_sum_at(to_f(x[e]), add, e));
+        }
         copy = nullptr;
     }
-    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo));
+    const bool vec = aligned16(x) && aligned16(out) && aligned16(w) && (lo == nullptr || aligned16(lo)) &&
+                     (add == nullptr || aligned16(add));
     const long long nv = vec ? (n / 8) * 8 : 0;
     constexpr int kRegVecs = 4;
     if (vec && nv == n && n <= 8LL * kRegVecs * blockDim.x) {
@@ -340,16 +363,16 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         // are loaded together before the reduction, so the row costs one memory latency
         // instead of two. Same sums in the same order as the loop below: bit-identical.
         float v[kRegVecs][8], g[kRegVecs][8];
-        uint4 bits[kRegVecs];  // kRawCopy: the row's own bits, for the copy
+        uint4 bits[kRegVecs];  // raw: the row's own bits, for the copy
 #pragma unroll
         for (int it = 0; it < kRegVecs; ++it) {
             const long long e = ((long long)threadIdx.x + (long long)it * blockDim.x) * 8;
             if (e < n) {
-                if constexpr (kRawCopy) {
+                if (raw) {
                     bits[it] = *reinterpret_cast<const uint4*>(x + e);
                     unpack8(bits[it], v[it]);  // what load_vec<8> does with an act_t row
                 } else {
-                    load_vec<8>(x + e, v[it]);
+                    load_row8(x, add, e, v[it]);
                 }
                 load_vec<8>(w + e, g[it]);
             }
@@ -360,7 +383,7 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
             const long long e = ((long long)threadIdx.x + (long long)it * blockDim.x) * 8;
             if (e < n) {
                 if (copy != nullptr) {
-                    if constexpr (kRawCopy) {
+                    if (raw) {
                         *reinterpret_cast<uint4*>(copy + e) = bits[it];
                     } else {
                         store_vec<8>(copy + e, v[it]);
@@ -390,9 +413,9 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
     float ss = 0.0f;
     for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
         float v[8];
-        load_vec<8>(x + e, v);
+        load_row8(x, add, e, v);
         if (copy != nullptr) {
-            if constexpr (kRawCopy) {
+            if (raw) {
                 *reinterpret_cast<uint4*>(copy + e) = *reinterpret_cast<const uint4*>(x + e);
             } else {
                 store_vec<8>(copy + e, v);
@@ -402,10 +425,10 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         for (int k = 0; k < 8; ++k) ss += v[k] * v[k];
     }
     for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
-        const float v = to_f(x[e]);
+        const float v = row_sum_at(to_f(x[e]), add, e);
         if (copy != nullptr) {
-            if constexpr (kRawCopy) {
-                copy[e] = x[e];
+            if (raw) {
+                copy[e] = *reinterpret_cast<const C*>(x + e);
             } else {
                 copy[e] = from_f<C>(v);
             }
@@ -416,7 +439,7 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
     const float inv = rsqrtf(ss / (float)n + eps);
     for (long long e = (long long)threadIdx.x * 8; e < nv; e += (long long)blockDim.x * 8) {
         float v[8], g[8];
-        load_vec<8>(x + e, v);
+        load_row8(x, add, e, v);
         load_vec<8>(w + e, g);
 #pragma unroll
         for (int k = 0; k < 8; ++k) v[k] = v[k] * inv * g[k];
@@ -427,7 +450,7 @@ __device__ __forceinline__ void rmsnorm_row(const X* x, const act_t* w, act_t* o
         }
     }
     for (long long e = nv + threadIdx.x; e < n; e += blockDim.x) {
-        float y[1] = {to_f(x[e]) * inv * to_f(w[e])};
+        float y[1] = {row_sum_at(to_f(x[e]), add, e) * inv * to_f(w[e])};
         if (lo != nullptr) {
             store_vec_split<1>(out + e, lo + e, y);
         } else {

@@ -72,6 +72,12 @@ pub struct KernelFacts {
     pub rope_scale: f32,
     /// The sliding window of the layer an attention instance serves (0 = none).
     pub window: u32,
+    /// An attention instance over the selected query rows (`select_from` = N of the
+    /// N-row q it reads; `n` is then 1): request i's one query row is q row
+    /// `i·N + A_i − 1` at position `L + A_i − 1` (A_i its accept length, clamped to
+    /// [1, N]), the only row whose output the draft-extend head's last layer keeps. 0: every
+    /// row of the phase.
+    pub select_from: u32,
     /// Draft decode: S, the phase's step count. Its rows are lanes (K per request, `n` =
     /// topk), every row of forward `step` sits at position `L + step`, writes its K/V at
     /// the lane's slot `L + lane_offset(L, lane) + step` and attends the prefix plus its own
@@ -122,9 +128,28 @@ impl KernelFacts {
     }
 
     /// The same facts for an instance over one row per request: the selected rows the
-    /// draft-extend head's last layer computes past its attention (`n` = 1).
+    /// draft-extend head's last layer computes past its K/V append (`n` = 1).
     pub fn selected_rows(&self) -> KernelFacts {
         KernelFacts { n: 1, ..self.clone() }
+    }
+
+    /// The same facts for an attention instance over the selected query row of each
+    /// request (`select_from`): one row per request, chosen from the phase's `n`.
+    pub fn selected_query(&self) -> KernelFacts {
+        KernelFacts {
+            n: 1,
+            select_from: self.n,
+            ..self.clone()
+        }
+    }
+
+    /// Rows per request of the q an attention instance reads (`select_from`, else `n`).
+    pub fn q_rows(&self) -> u32 {
+        if self.select_from > 0 {
+            self.select_from
+        } else {
+            self.n
+        }
     }
 
     /// The top-K candidates' logits are recomputed from the fp32 stream's selected rows

@@ -230,7 +230,8 @@ pub fn check_case(
 }
 
 /// The attention kernels alone (attn_partial, and attn_merge when the bucket splits without a
-/// cluster merge), on random q and cache contents with long prefixes: layer 0's launches
+/// cluster merge), on random q, accept lengths and cache contents with long prefixes (over the
+/// selected query rows when layer 0 is the head's last layer): layer 0's launches
 /// replayed over buffers written here, against `attention_row` on the same bf16/fp16 values. Returns
 /// (relative RMS error, max abs error / output RMS).
 pub fn attention_check(
@@ -265,10 +266,16 @@ pub fn attention_check(
     slots.resize(bu, plan.capture.max_requests as i32); // padding rows: the scratch slot
     rt.write_buffer(bucket, io::PREFIX_LENS, &ints(prefix)).map_err(g)?;
     rt.write_buffer(bucket, io::REQ_SLOTS, &ints(slots)).map_err(g)?;
+    // A selecting layer 0 (a one-layer head's last layer) computes each request's query row
+    // A_i − 1 only, into one output row a request: its accept lengths go in too.
+    let mut accept = c.step.accept_lens.clone();
+    accept.resize(bu, 1);
+    rt.write_buffer(bucket, io::ACCEPT_LENS, &ints(accept)).map_err(g)?;
     // The NaN poison goes in before q: when the bucket splits, l0.qkv (last read by
     // attn_partial) and l0.attn (first written by attn_merge) have disjoint live ranges and
     // may share arena bytes, and the poison must not overwrite q.
     let (_, out_bytes) = rt.buffer_ptr(bucket, "l0.attn").ok_or("no l0.attn buffer")?;
+    let selects = out_bytes < bu * n * hq * d * act.size() as usize;
     rt.write_buffer(bucket, "l0.attn", &vec![0xffu8; out_bytes])
         .map_err(g)?;
     let (_, qkv_bytes) = rt.buffer_ptr(bucket, "l0.qkv").ok_or("no l0.qkv buffer")?;
@@ -293,7 +300,16 @@ pub fn attention_check(
     let (mut have, mut want) = (Vec::new(), Vec::new());
     for i in 0..b {
         let l = c.step.prefix_lens[i] as usize;
-        for j in 0..n {
+        let rows = match selects {
+            true => {
+                let j = (c.step.accept_lens[i] as usize).clamp(1, n) - 1;
+                j..j + 1
+            }
+            false => 0..n,
+        };
+        for j in rows {
+            // The output row: the query's own, or the request's one.
+            let o = if selects { i } else { i * n + j };
             let qpos = l + j;
             let start = window.map_or(0, |w| (qpos + 1).saturating_sub(w));
             for h in 0..hq {
@@ -307,7 +323,7 @@ pub fn attention_check(
                     (from_act_bits(kc[at], act) as f64, from_act_bits(vc[at], act) as f64)
                 };
                 want.extend(attention_row(&qrow, start, qpos, scale, &kv));
-                have.extend_from_slice(&got[(i * n + j) * hq * d + h * d..][..d]);
+                have.extend_from_slice(&got[o * hq * d + h * d..][..d]);
             }
         }
     }

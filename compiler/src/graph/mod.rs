@@ -129,7 +129,15 @@ pub enum OpKind {
     KvAppend { layer: u32, step: u32 },
     /// ins: q [T,Hq·D] (row stride q_stride), k_cache, v_cache, req_slots, page_table, prefix_lens → out [T,Hq·D].
     /// Draft decode: the prefix and the row's own lane's slots of steps 0..=step.
-    Attention { layer: u32, window: Option<u32>, step: u32 },
+    /// `select`: one more input, accept_lens [B], and out [B,Hq·D]: only the query row
+    /// i·N + A_i − 1 of each request, at position prefix_lens[i] + A_i − 1 (the draft-extend
+    /// head's last layer, whose other rows' outputs nothing reads).
+    Attention {
+        layer: u32,
+        window: Option<u32>,
+        step: u32,
+        select: bool,
+    },
     /// ins: x → out: x·sigmoid(x).
     Silu,
     /// ins: a, b → out: a·b.
@@ -199,12 +207,13 @@ pub enum OpKind {
     /// EAGLE-3's layer-0 input: ins ids, table [V,H], w_embed [H], h [T,H], w_hidden [H] →
     /// out [T,2H] = rmsnorm(embed(ids), w_embed) ‖ rmsnorm(h, w_hidden).
     EmbedNormConcat,
-    /// Row select + RMSNorm (EAGLE-3's final norm): ins x [T,H], accept_lens [B], w [H] →
-    /// out: the selected rows [B,H], their norm [B,H].
+    /// Row select + residual add + RMSNorm (the last layer's post-attention norm): ins
+    /// x [T,H], accept_lens [B], w [H], o [B,H] → out: the selected rows plus o [B,H],
+    /// their norm [B,H].
     SelectNorm,
     /// The selected rows' MLP over exact inputs (`mlp_pairs`, docs/semantics.md "MLP
-    /// pairs"): as SelectNorm, the norm as hi/lo row pairs: out the selected rows [B,H],
-    /// their norm [2B,H] (rows 2i, 2i+1).
+    /// pairs"): as SelectNorm, the norm as hi/lo row pairs: out the selected rows plus o
+    /// [B,H], their norm [2B,H] (rows 2i, 2i+1).
     SelectNormPairs,
     /// ins: gate_up [2B,2I] f32 (the GEMM over SelectNormPairs' rows) → out [B,I]:
     /// silu(g)·u of the pairs' sums, its own buffer.

@@ -14,14 +14,20 @@ fn kind_args(k: &OpKind) -> String {
         OpKind::KvAppend { layer, step } | OpKind::RopeAppend { layer, step } => {
             format!("(layer={layer}, step={step})")
         }
-        OpKind::Attention { layer, window, step } => {
+        OpKind::Attention {
+            layer,
+            window,
+            step,
+            select,
+        } => {
             let step = if *step > 0 {
                 format!(", step={step}")
             } else {
                 String::new()
             };
+            let select = if *select { ", select" } else { "" };
             format!(
-                "(layer={layer}, window={}{step})",
+                "(layer={layer}, window={}{step}{select})",
                 window.map_or("none".to_string(), |w| w.to_string())
             )
         }

@@ -103,10 +103,11 @@ pub(super) fn eagle3_input(g: &mut Builder, cx: &Cx, emb: TensorId, x: TensorId)
 /// One decoder layer over the residual stream `x`; returns the layer's output stream.
 /// `input`: the attention's input when it is not the (normed) stream (EAGLE-3's layer 0).
 /// `select`: the accept lengths when only the selected row of each request leaves the
-/// layer (the draft-extend head's last layer): past the attention every op is row-wise, so
-/// the rows `i·R + A_i − 1` are selected there and the MLP runs on B rows instead of B·R;
-/// the layer then returns those B rows of the stream (`[B, H]`: the head's `hidden_out`
-/// output itself when the stream has the activation type, else the fp32 rows `hidden_out`
+/// layer (the draft-extend head's last layer): past the K/V append every op is row-wise, so
+/// the attention runs over the query rows `i·R + A_i − 1` alone, the stream's rows are
+/// selected for its residual, and o_proj and the MLP run on B rows instead of B·R; the
+/// layer then returns those B rows of the stream (`[B, H]`: the head's `hidden_out` output
+/// itself when the stream has the activation type, else the fp32 rows `hidden_out`
 /// rounds).
 pub(super) fn layer(
     g: &mut Builder,
@@ -203,6 +204,16 @@ pub(super) fn layer(
         vec![k_rot, v, inp.prefix, inp.slots, inp.pages, kc, vc],
         vec![kc2, vc2],
     );
+    // Past the K/V append every op of a selecting layer is row-wise, so its attention
+    // computes the selected query rows only and o_proj, the residual and the MLP run on B
+    // rows; every other layer keeps all of its rows.
+    let (t, attn_ins) = match select {
+        Some(accept) => (
+            cx.requests,
+            vec![q_rot, kc2, vc2, inp.slots, inp.pages, inp.prefix, accept],
+        ),
+        None => (t, vec![q_rot, kc2, vc2, inp.slots, inp.pages, inp.prefix]),
+    };
     let attn = g.act(&format!("{}l{l}.attn", cx.pfx()), act, vec![t, f(hq * d)]);
     let window = cfg.model.windows.get(l as usize).copied().flatten();
     g.op(
@@ -211,8 +222,9 @@ pub(super) fn layer(
             layer: l,
             window,
             step: cx.step,
+            select: select.is_some(),
         },
-        vec![q_rot, kc2, vc2, inp.slots, inp.pages, inp.prefix],
+        attn_ins,
         vec![attn],
     );
     let wo = w(g, "self_attn.o_proj", vec![f(h), f(hq * d)]);
@@ -227,6 +239,15 @@ pub(super) fn layer(
         &format!("{}l{l}.o_all_reduce", cx.pfx()),
         cx,
     );
+    // The residual's rows: every row, or the selected one per request.
+    let x = match select {
+        Some(accept) => {
+            let sel = g.act(&format!("{}l{l}.x_sel", cx.pfx()), cx.stream, vec![t, f(h)]);
+            g.op(Entry::SelectRows.name(), OpKind::SelectRows, vec![x, accept], vec![sel]);
+            sel
+        }
+        None => x,
+    };
     let x_attn = g.act(&format!("{}l{l}.x_attn", cx.pfx()), cx.stream, vec![t, f(h)]);
     g.op(
         &format!("{}l{l}.residual_attn", cx.pfx()),
@@ -234,20 +255,6 @@ pub(super) fn layer(
         vec![x, o],
         vec![x_attn],
     );
-    // The MLP's rows: every row, or the selected one per request.
-    let (x_attn, t) = match select {
-        Some(accept) => {
-            let sel = g.act(&format!("{}l{l}.x_sel", cx.pfx()), cx.stream, vec![cx.requests, f(h)]);
-            g.op(
-                Entry::SelectRows.name(),
-                OpKind::SelectRows,
-                vec![x_attn, accept],
-                vec![sel],
-            );
-            (sel, cx.requests)
-        }
-        None => (x_attn, t),
-    };
     let pw = w(g, "post_attention_layernorm", vec![f(h)]);
     let h2 = g.act(&format!("{}l{l}.h_mlp", cx.pfx()), act, vec![t, f(h)]);
     g.op(

@@ -38,7 +38,7 @@ pub(super) fn lower(cfg: &Config) -> Result<OpGraph, VerifyError> {
     };
     let layers = cfg.model.desc.layers;
     for l in 0..layers {
-        // Only the selected rows leave the last layer (its MLP runs on B rows).
+        // Only the selected rows leave the last layer (its attention, o_proj and MLP run on B rows).
         let select = (l + 1 == layers).then_some(accept);
         x = layer(&mut g, &cx, &inp, l, x, first_in.take(), select);
     }

@@ -1,5 +1,6 @@
-//! The selected rows and their norm in one kernel (the draft-extend head's last layer), the
-//! selected rows' MLP over hi/lo pairs, and the head's two readers of the rows in one kernel.
+//! The selected rows, their residual add and its norm in one kernel (the draft-extend head's
+//! last layer), the selected rows' MLP over hi/lo pairs, and the head's two readers of the
+//! rows in one kernel.
 
 use petgraph::stable_graph::NodeIndex;
 use specplan_format::{DType, Entry, FusionRecord};
@@ -16,32 +17,43 @@ fn norms_of(g: &OpGraph, t: TensorId) -> Vec<NodeIndex> {
         .collect()
 }
 
-/// The selected rows and an RMSNorm of them → one kernel (`select_norm`) writing both: in
-/// the draft-extend head's last layer the rows past the attention and their post-attention
-/// norm (the MLP's input; the pre-norm rows are its residual). Other readers of the
-/// selected rows read them after the fused kernel wrote them.
+/// The selected rows, the residual add over them and the RMSNorm of the sum → one kernel
+/// (`select_norm`) writing the sum and its norm: in the draft-extend head's last layer the
+/// stream's selected rows plus the o projection of their attention (the MLP's residual)
+/// and the post-attention norm (the MLP's input). Other readers of the sum read it after
+/// the fused kernel wrote it.
 pub(super) fn select_norm(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
     let mut out = Vec::new();
     for s in nodes_where(g, |k| *k == OpKind::SelectRows) {
         let sel = g.graph[s].outs[0];
-        let [n] = norms_of(g, sel)[..] else {
+        let Some(a) = sole_consumer(g, sel).filter(|&a| g.graph[a].kind == OpKind::Add && g.graph[a].ins[0] == sel)
+        else {
+            continue;
+        };
+        let sum = g.graph[a].outs[0];
+        let [n] = norms_of(g, sum)[..] else {
             continue;
         };
         let op = Op {
             name: SELECT_NORM.into(),
             kind: OpKind::SelectNorm,
-            ins: vec![g.graph[s].ins[0], g.graph[s].ins[1], g.graph[n].ins[1]],
-            outs: vec![sel, g.graph[n].outs[0]],
+            ins: vec![
+                g.graph[s].ins[0],
+                g.graph[s].ins[1],
+                g.graph[n].ins[1],
+                g.graph[a].ins[1],
+            ],
+            outs: vec![sum, g.graph[n].outs[0]],
             rank: g.graph[s].rank,
         };
         out.push(FusionRecord {
             rule: SELECT_NORM.into(),
-            fused: names(g, &[s, n]),
+            fused: names(g, &[s, a, n]),
             into: op.name.clone(),
-            launches_saved: 1,
-            bytes_saved_per_request: row_bytes(g, sel),
+            launches_saved: 2,
+            bytes_saved_per_request: 3 * row_bytes(g, sel),
         });
-        remove(g, &[s, n]);
+        remove(g, &[s, a, n]);
         g.add_op(op);
     }
     out
@@ -128,7 +140,7 @@ pub(super) fn norm_cast(g: &mut OpGraph, _cfg: &Config) -> Vec<FusionRecord> {
 
 #[cfg(test)]
 mod tests {
-    //! The draft-extend head's last layer past its attention: selected rows, the norm fused
+    //! The draft-extend head's last layer past its K/V append: selected rows, the norm fused
     //! with the select, the SwiGLU product in place; draft decode keeps every lane's row.
 
     use crate::config::{resolve, Overrides, Source};
@@ -152,10 +164,23 @@ mod tests {
     #[test]
     fn the_last_layers_mlp_runs_on_the_selected_rows() {
         let g = fused(PhaseKind::DraftExtend, &Overrides::default());
-        // tiny: two layers, N = 4. Layer 0 keeps every row, layer 1 one per request.
+        // tiny: two layers, N = 4. Layer 0 keeps every row; layer 1's attention runs over
+        // the selected query rows, so its o_proj too has one row per request.
         assert_eq!(rows_of(&g, "l0.gate_up_proj"), Dim::batch(4));
         assert_eq!(rows_of(&g, "l0.down_proj"), Dim::batch(4));
-        assert_eq!(rows_of(&g, "l1.o_proj"), Dim::batch(4));
+        assert_eq!(rows_of(&g, "l0.o_proj"), Dim::batch(4));
+        assert_eq!(rows_of(&g, "l0.attention"), Dim::batch(4));
+        assert_eq!(rows_of(&g, "l1.attention"), Dim::batch(1));
+        assert_eq!(rows_of(&g, "l1.o_proj"), Dim::batch(1));
+        let attn = |name: &str| {
+            let op = g.graph.node_weights().find(|op| op.name == name).expect(name);
+            match op.kind {
+                OpKind::Attention { select, .. } => (select, op.ins.len()),
+                _ => panic!("{name} is not an attention"),
+            }
+        };
+        assert_eq!(attn("l0.attention"), (false, 6));
+        assert_eq!(attn("l1.attention"), (true, 7));
         let silu = format!("l1.{}", Entry::SiluMul.name());
         for op in [&silu, "l1.down_proj", Entry::SelectNormPairs.name()] {
             assert_eq!(rows_of(&g, op), Dim::batch(1), "{op}");
@@ -166,6 +191,11 @@ mod tests {
         let op = |name: &str| g.graph.node_weights().find(|op| op.name == name).expect(name);
         let sn = op(Entry::SelectNormPairs.name());
         assert_eq!(sn.kind, OpKind::SelectNormPairs);
+        // Its addend is layer 1's o projection, a plain GEMM over the selected rows (the
+        // residual add is the select kernel's, not the GEMM's epilogue).
+        let o_proj = op("l1.o_proj");
+        assert_eq!(sn.ins[3], o_proj.outs[0]);
+        assert!(matches!(o_proj.kind, OpKind::Linear { accumulate: false, .. }));
         assert_eq!(g.tensor(sn.outs[1]).shape[0], Dim::batch(2));
         let gu = op("l1.gate_up_proj").outs[0];
         assert_eq!(g.tensor(gu).dtype, specplan_format::DType::F32);

@@ -123,12 +123,14 @@ pub(super) fn launches(
                 bias: false,
                 accumulate,
             } => gemm(&mut b, op, *accumulate),
-            OpKind::Attention { window, step, .. } => {
+            OpKind::Attention {
+                window, step, select, ..
+            } => {
                 let ws = match live.workspace.get(&node) {
                     Some(Workspace::Attention(o, l)) => Some((*o, *l)),
                     _ => None,
                 };
-                attention(&mut b, op, *window, *step, ws)?
+                attention(&mut b, op, (*window, *step, *select), ws)?
             }
             OpKind::TreeInit
             | OpKind::TreeSelect { .. }
@@ -176,6 +178,7 @@ pub(super) fn launches(
                 let p = SelectNormPtrs {
                     x: b.arg(op.ins[0]),
                     accept_lens: b.arg(op.ins[1]),
+                    add: b.arg(op.ins[3]),
                     weight: b.arg(op.ins[2]),
                     // One output: a tensor-parallel rank that needs no selected rows.
                     out: b.arg_if(op.outs.len() == 2, op.outs.first()),
@@ -261,6 +264,7 @@ pub(super) fn launches(
                 let p = SelectNormPairsPtrs {
                     x: b.arg(op.ins[0]),
                     accept_lens: b.arg(op.ins[1]),
+                    add: b.arg(op.ins[3]),
                     weight: b.arg(op.ins[2]),
                     out: b.arg(op.outs[0]),
                     normed: b.arg(op.outs[1]),
@@ -295,7 +299,7 @@ pub(super) fn launches(
 }
 
 /// The facts of a row-wise op's instance: the phase's over every row, or the selected
-/// rows' (one per request, the draft-extend head's last layer past its attention); for
+/// rows' (one per request, the draft-extend head's last layer past its K/V append); for
 /// other rows, no kernel (`kind` says which, `node` names the op).
 fn row_facts(
     sh: &Shared,
@@ -477,11 +481,12 @@ fn collective(b: &mut Binder, op: &Op, kind: CollectiveOp) {
 fn attention(
     b: &mut Binder,
     op: &Op,
-    window: Option<u32>,
-    step: u32,
+    (window, step, select): (Option<u32>, u32, bool),
     ws: Option<(u32, u32)>,
 ) -> Result<(), ScheduleError> {
     let f = b.sh.facts.with_window(window).at_step(step);
+    // Over the selected query rows: one row a request, chosen by accept_lens (its 7th input).
+    let f = if select { f.selected_query() } else { f };
     if f.attn_tiling().is_none() {
         return Err(ScheduleError::AttentionSmem {
             rows: f.n * f.group(),
@@ -498,6 +503,7 @@ fn attention(
         page_table: b.arg(ins[4]),
         kv_layout: ArgValue::KvLayout,
         prefix_lens: b.arg(ins[5]),
+        accept_lens: b.arg_if(select, ins.get(6)),
         out: if ws.is_some() { ArgValue::Null } else { out },
         part_o: part(ws.map(|w| w.0)),
         part_lse: part(ws.map(|w| w.1)),

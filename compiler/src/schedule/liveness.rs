@@ -132,6 +132,9 @@ fn workspaces(sh: &Shared, items: &mut Vec<Item>, batch: u32, splits: u32) -> BT
         match op.kind {
             OpKind::Attention { .. } if partials => {
                 let hd = (f.heads * f.head_dim) as u64;
+                // The instance's query rows: its output's (one a request over the selected
+                // queries).
+                let rows = sh.g.tensor(op.outs[0]).shape[0].at(bb);
                 let o = scratch(
                     items,
                     op.renamed("attention", "attn_part_o"),

@@ -20,9 +20,14 @@ pub(crate) fn candidates(p: &Plan, kind: PhaseKind) -> Vec<KernelFacts> {
     let steps = (0..kind.steps().max(1)).map(|s| f.at_step(s));
     // After each step's facts (so an instance over every row matches them first), the
     // selected rows' instances (one row per request: the draft-extend head's last layer
-    // past its attention).
+    // past its K/V append), then its attention's over the selected query rows (told apart
+    // by their SELECT_FROM constant).
     let selected = (0..kind.steps().max(1)).map(|s| f.at_step(s).selected_rows());
-    steps.chain(selected).collect()
+    let mut all: Vec<KernelFacts> = steps.chain(selected).collect();
+    if kind == PhaseKind::DraftExtend {
+        all.push(f.selected_query());
+    }
+    all
 }
 
 /// Every phase's candidates.

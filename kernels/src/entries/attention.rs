@@ -29,6 +29,10 @@ pub struct AttnPartialParams {
     pub kv_layout: DevPtr<i64>,
     #[arg(input = io::PREFIX_LENS)]
     pub prefix_lens: DevPtr<i32>,
+    /// Over the selected query rows (`KernelFacts::select_from`): which row of each
+    /// request's N is its query. Null otherwise.
+    #[arg(input = io::ACCEPT_LENS)]
+    pub accept_lens: DevPtr<i32>,
     /// Final output when there is one split, else null.
     #[arg(buffer)]
     pub out: DevPtrMut<Act>,
@@ -95,13 +99,18 @@ impl Kernel for AttnPartialParams {
         let partials = splits > 1 && s.cluster <= 1;
         let split = |n: u64| if partials { Extent::Elems(n) } else { Extent::Unused };
         AttnPartialPtrs {
-            q: Extent::Elems(rows * s.q_stride as u64),
+            q: Extent::Elems(b * f.q_rows() as u64 * s.q_stride as u64),
             k_cache: Extent::Elems(0),
             v_cache: Extent::Elems(0),
             req_slots: Extent::Elems(b),
             page_table: Extent::Elems(0),
             kv_layout: Extent::Elems(crate::kv::KV_WORDS as u64),
             prefix_lens: Extent::Elems(b),
+            accept_lens: if f.select_from > 0 {
+                Extent::Elems(b)
+            } else {
+                Extent::Unused
+            },
             out: if partials {
                 Extent::Unused
             } else {
@@ -119,13 +128,9 @@ impl Kernel for AttnMergeParams {
         f.head_dim
     }
     fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], AttnMergeScalars) {
-        (
-            [b.rows, f.heads, 1],
-            AttnMergeScalars {
-                rows: b.rows,
-                splits: b.splits,
-            },
-        )
+        // The instance's rows: the bucket's, or one per request over the selected queries.
+        let rows = f.rows(b);
+        ([rows, f.heads, 1], AttnMergeScalars { rows, splits: b.splits })
     }
     fn extents(s: &AttnMergeScalars, f: &KernelFacts) -> AttnMergePtrs<Extent> {
         let (rows, splits) = (s.rows as u64, s.splits as u64);
@@ -149,6 +154,7 @@ pub fn constants(f: &KernelFacts) -> Constants {
         ("SCALE".into(), ConstValue::F32(1.0 / (f.head_dim as f32).sqrt())),
         u("KV_TILE", tile),
         u("STAGES", stages),
+        u("SELECT_FROM", f.select_from),
     ]);
     c
 }

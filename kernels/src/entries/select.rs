@@ -22,8 +22,9 @@ pub struct SelectRowsParams {
     pub batch: u32,
 }
 
-/// `select_norm`: `out[i] = x[i·N + A_i − 1]` (the selected pre-norm row: the residual of
-/// the last layer's MLP) and `normed[i] = rmsnorm(out[i], weight)` (the MLP's input). On a
+/// `select_norm`: `out[i] = x[i·N + A_i − 1] + add[i]` (the selected row of the stream plus
+/// the attention's output row over it: the residual of the last layer's MLP, rounded to the
+/// stream's type) and `normed[i] = rmsnorm(out[i], weight)` (the MLP's input). On a
 /// tensor-parallel rank other than 0, `out` is null: only rank 0's down projection adds the
 /// residual (`residual_into_all_reduce`), so no other rank reads the selected rows.
 #[derive(KernelParams)]
@@ -33,6 +34,9 @@ pub struct SelectNormParams {
     pub x: DevPtr<Stream>,
     #[arg(input = io::ACCEPT_LENS)]
     pub accept_lens: DevPtr<i32>,
+    /// `[batch, HIDDEN]`: the o projection of the selected rows' attention.
+    #[arg(buffer)]
+    pub add: DevPtr<Stream>,
     #[arg(weight)]
     pub weight: DevPtr<Act>,
     #[arg(buffer)]
@@ -53,6 +57,9 @@ pub struct SelectNormPairsParams {
     pub x: DevPtr<Stream>,
     #[arg(input = io::ACCEPT_LENS)]
     pub accept_lens: DevPtr<i32>,
+    /// `[batch, HIDDEN]`: the o projection of the selected rows' attention.
+    #[arg(buffer)]
+    pub add: DevPtr<Stream>,
     #[arg(weight)]
     pub weight: DevPtr<Act>,
     #[arg(buffer)]
@@ -77,6 +84,7 @@ impl Kernel for SelectNormPairsParams {
         SelectNormPairsPtrs {
             x: Extent::Elems(b * f.n as u64 * h),
             accept_lens: Extent::Elems(b),
+            add: Extent::Elems(b * h),
             weight: Extent::Elems(h),
             out: Extent::Elems(b * h),
             normed: Extent::Elems(2 * b * h),
@@ -97,6 +105,7 @@ impl Kernel for SelectNormParams {
         SelectNormPtrs {
             x: Extent::Elems(b * f.n as u64 * h),
             accept_lens: Extent::Elems(b),
+            add: Extent::Elems(b * h),
             weight: Extent::Elems(h),
             out: if f.tp_rank > 0 {
                 Extent::Unused

@@ -1,8 +1,9 @@
-//! The EAGLE-3 entries on the CPU (`embed.cu` `embed_norm_concat`, `select.cu`
-//! `select_norm`), written from their headers with the same guards as the other entries.
+//! The EAGLE-3 entries on the CPU (`embed.cu` `embed_norm_concat`) and the selected rows'
+//! residual norms (`select.cu` `select_norm`, `select_norm_pairs`), written from their
+//! headers with the same guards as the other entries.
 
-use specplan_format::io;
 use specplan_format::KernelDesc;
+use specplan_format::{io, DType};
 use specplan_kernels::entries::embed::{EmbedNormConcatPtrs, EmbedNormConcatScalars};
 use specplan_kernels::entries::norm::{NormConcatPtrs, NormConcatScalars};
 use specplan_kernels::entries::select::{
@@ -84,16 +85,17 @@ impl<K: KvStore> Ctx<'_, K> {
         s: &SelectNormPairsScalars,
     ) -> R<()> {
         let (h, n, eps) = (c_pos(k, "HIDDEN")?, c_pos(k, "N")?, c_f32(k, "EPS")? as f64);
-        let (x, acc, w, out, normed) = (
+        let (x, acc, add, w, out, normed) = (
             buf(p.x, "x")?,
             buf(p.accept_lens, io::ACCEPT_LENS)?,
+            buf(p.add, "add")?,
             weight(p.weight, "weight")?,
             buf(p.out, "out")?,
             buf(p.normed, "normed")?,
         );
         let act = self.plan.capture.dtype;
         for i in 0..s.batch as usize {
-            let row = self.select_row(x, acc, Some(out), i, n, h)?;
+            let row = self.select_row(x, acc, add, Some(out), i, n, h)?;
             let inv = rms_inv(&row, eps);
             for (c, v) in row.iter().enumerate() {
                 let y = v * inv * self.wf(w, c)?;
@@ -112,9 +114,10 @@ impl<K: KvStore> Ctx<'_, K> {
         s: &SelectNormScalars,
     ) -> R<()> {
         let (h, n, eps) = (c_pos(k, "HIDDEN")?, c_pos(k, "N")?, c_f32(k, "EPS")? as f64);
-        let (x, acc, w, normed) = (
+        let (x, acc, add, w, normed) = (
             buf(p.x, "x")?,
             buf(p.accept_lens, io::ACCEPT_LENS)?,
+            buf(p.add, "add")?,
             weight(p.weight, "weight")?,
             buf(p.normed, "normed")?,
         );
@@ -124,22 +127,48 @@ impl<K: KvStore> Ctx<'_, K> {
             o => Some(buf(o, "out")?),
         };
         for i in 0..s.batch as usize {
-            let row = self.select_row(x, acc, out, i, n, h)?;
+            let row = self.select_row(x, acc, add, out, i, n, h)?;
             self.norm_into(&row, w, eps, normed, i * h)?;
         }
         Ok(())
     }
 
-    /// Request `i`'s selected row of `x` (its accept length clamped to [1, N]), copied into
-    /// row `i` of `out` when there is one: `select_norm`'s and `select_norm_pairs`' first half.
-    fn select_row(&mut self, x: usize, acc: usize, out: Option<usize>, i: usize, n: usize, h: usize) -> R<Vec<f64>> {
+    /// Request `i`'s selected row of `x` (its accept length clamped to [1, N]) plus row `i`
+    /// of `add`, copied into row `i` of `out` when there is one: `select_norm`'s and
+    /// `select_norm_pairs`' first half: the sum as `out` holds it (the device rounds it once
+    /// to the stream's type, exact for an fp32 stream).
+    #[allow(clippy::too_many_arguments)]
+    fn select_row(
+        &mut self,
+        x: usize,
+        acc: usize,
+        add: usize,
+        out: Option<usize>,
+        i: usize,
+        n: usize,
+        h: usize,
+    ) -> R<Vec<f64>> {
         let a = (self.ld(acc, i)? as i64).clamp(1, n as i64) as usize;
-        let row: Vec<f64> = (0..h).map(|c| self.ld(x, (i * n + a - 1) * h + c)).collect::<R<_>>()?;
-        if let Some(out) = out {
-            for (c, v) in row.iter().enumerate() {
-                self.st(out, i * h + c, *v)?;
-            }
+        let row: Vec<f64> = (0..h)
+            .map(|c| Ok(self.ld(x, (i * n + a - 1) * h + c)? + self.ld(add, i * h + c)?))
+            .collect::<R<_>>()?;
+        let Some(out) = out else {
+            // No sum written (a tensor-parallel rank other than 0): its rounding to the
+            // stream's type, as the device's norm reads it.
+            let dtype = self.bucket.buffers.get(x).map(|b| b.dtype);
+            return Ok(match dtype {
+                Some(d @ (DType::Bf16 | DType::F16)) if self.rounded => row
+                    .iter()
+                    .map(|&v| crate::bits::round_act(v as f32, d) as f64)
+                    .collect(),
+                _ => row,
+            });
+        };
+        for (c, v) in row.iter().enumerate() {
+            self.st(out, i * h + c, *v)?;
         }
-        Ok(row)
+        // The norm reads the sum as stored (a rounding executor's stream type, as on the
+        // device).
+        (0..h).map(|c| self.ld(out, i * h + c)).collect()
     }
 }

@@ -348,6 +348,16 @@ impl<K: KvStore> Ctx<'_, K> {
         let window = c_u32(k, "WINDOW")?;
         let (scale, tile) = (c_f32(k, "SCALE")? as f64, c_pos(k, "KV_TILE")?);
         let lanes = Lanes::of(k)?;
+        // Over the selected query rows (SELECT_FROM = S > 0, N = 1): request i's one row is
+        // q row i·S + A_i − 1 at position L + A_i − 1 (attention.cu's header).
+        let select_from = c_u32(k, "SELECT_FROM")? as usize;
+        if select_from > 0 && (n != 1 || lanes.is_some()) {
+            return Err(format!("SELECT_FROM {select_from} needs N 1 and no lanes (N {n})"));
+        }
+        let accept = match select_from {
+            0 => None,
+            _ => Some(buf(p.accept_lens, io::ACCEPT_LENS)?),
+        };
         let (q, slots, prefix) = (
             buf(p.q, "q")?,
             buf(p.req_slots, io::REQ_SLOTS)?,
@@ -373,7 +383,16 @@ impl<K: KvStore> Ctx<'_, K> {
         }
         let parts = if s.cluster > 1 { 1 } else { splits };
         for i in 0..batch {
-            let l = self.ld(prefix, i)?.max(0.0) as usize;
+            let sel = match accept {
+                Some(a) => (self.ld(a, i)? as i64).clamp(1, select_from as i64) as usize - 1,
+                None => 0,
+            };
+            let l = self.ld(prefix, i)?.max(0.0) as usize + sel;
+            // The first q row of request i: its selected row, or its first of N.
+            let q0 = match accept {
+                Some(_) => i * select_from + sel,
+                None => i * n,
+            };
             // Draft decode: the prefix, then every lane's step + 1 slots (attention.cu).
             let kv_len = match lanes {
                 Some(ln) => l + n * (ln.step + 1),
@@ -395,7 +414,7 @@ impl<K: KvStore> Ctx<'_, K> {
                         for hh in 0..g {
                             let head = kvh * g + hh;
                             let qv: Vec<f64> = (0..d)
-                                .map(|t| self.ld(q, r * q_stride + head * d + t))
+                                .map(|t| self.ld(q, (q0 + j) * q_stride + head * d + t))
                                 .collect::<R<_>>()?;
                             let mut scores = Vec::new();
                             // A key without a token slot reads as zero K and V (the kernel's

@@ -14,7 +14,7 @@
 //!
 //! `op_floor_us` ≥ `floor_us` always: it counts every byte and FLOP of the other, op by op.
 
-use specplan_format::{LaunchKind, PhaseKind, ValidatedPlan};
+use specplan_format::{ConstValue, Entry, LaunchKind, PhaseKind, ValidatedPlan};
 use specplan_tests::report::Ceilings;
 
 /// What the draft-extend step of bucket `b` at prefix `l` must move and compute.
@@ -36,13 +36,16 @@ impl Work {
         let n = plan.rows_per_request(PhaseKind::DraftExtend) as u64;
         let (hq, hkv, d, layers) = (m.heads as u64, m.kv_heads as u64, m.head_dim as u64, m.layers as u64);
         let act = plan.capture.dtype.size();
+        // Query rows per request over every layer's attention, as the plan computes them (a
+        // selecting last layer: one a request).
+        let q_rows = attention_rows(plan, b).unwrap_or(n * layers);
         Work {
             gemms: gemm_launches(plan, b),
             emb_bytes: (b * n * m.hidden as u64 * act) as f64,
             kv_read: (b * (l + n) * hkv * d * act * 2 * layers) as f64,
             kv_write: (b * n * hkv * d * act * 2 * layers) as f64,
-            qo_bytes: (2 * b * n * hq * d * act * layers) as f64,
-            attn_flops: (4 * b * n * (l + n) * hq * d * layers) as f64,
+            qo_bytes: (2 * b * q_rows * hq * d * act) as f64,
+            attn_flops: (4 * b * q_rows * (l + n) * hq * d) as f64,
         }
     }
 
@@ -68,6 +71,26 @@ impl Work {
         let attention = op(self.attn_bytes(), self.attn_flops);
         (gemms + attention + (self.emb_bytes + self.kv_write) / c.copy_bytes_per_s) * 1e6
     }
+}
+
+/// The query rows per request of the draft-extend bucket `b`'s attention launches, summed
+/// (each `attn_partial` instance's `N`: the phase's rows, or 1 over the selected queries).
+fn attention_rows(plan: &ValidatedPlan, b: u64) -> Option<u64> {
+    let bk = plan.buckets().iter().find(|x| x.batch as u64 == b)?;
+    let rows = bk.launches.iter().filter_map(|l| match &l.kind {
+        LaunchKind::Kernel { kernel, .. } => {
+            let k = plan.kernels.get(*kernel as usize)?;
+            (k.entry == Entry::AttnPartial).then(|| {
+                k.constants.iter().find_map(|(c, v)| match (c.as_str(), v) {
+                    ("N", ConstValue::U32(n)) => Some(*n as u64),
+                    _ => None,
+                })
+            })?
+        }
+        _ => None,
+    });
+    let total: u64 = rows.sum();
+    (total > 0).then_some(total)
 }
 
 /// The draft-extend bucket `b`'s GEMM launches: (weight bytes, FLOPs) each.
@@ -126,6 +149,19 @@ mod tests {
         let fc = w64.gemms[0];
         assert!((fc.1 / H200.bf16_flops_per_s * 1e6 - 86.6).abs() < 0.5, "{fc:?}");
         assert!(o64 > f64_ * 1.25, "B 64: {f64_} vs {o64}");
+    }
+
+    #[test]
+    fn the_attention_counts_the_query_rows_the_plan_computes() {
+        // llama3-8b-eagle's one layer selects: one query row a request, whatever N is.
+        for n in [4, 16] {
+            let p = plan(n);
+            assert_eq!(attention_rows(&p, 64), Some(1), "n {n}");
+            let w = Work::of(&p, 64, 1024);
+            let (hq, d) = (p.model.heads as f64, p.model.head_dim as f64);
+            assert_eq!(w.attn_flops, 4.0 * 64.0 * (1024.0 + n as f64) * hq * d);
+        }
+        assert_eq!(attention_rows(&plan(4), 3), None, "no such bucket");
     }
 
     #[test]
