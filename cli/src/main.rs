@@ -58,6 +58,11 @@ enum Cmd {
         /// (`topk_fused`), or in a `topk_merge` launch after them.
         #[arg(long, value_enum, default_value_t = TopkMerge::LastCta)]
         topk_merge: TopkMerge,
+        /// Where the attention's KV splits merge, for instances of at most 16 packed rows a CTA
+        /// (the selected query rows, small N·G layers): in each (request, kv head)'s last CTA to finish
+        /// (`attn_fused`), or in an `attn_merge` launch after them.
+        #[arg(long, value_enum, default_value_t = TopkMerge::LastCta)]
+        attn_merge: TopkMerge,
     },
     /// Print a plan's canonical text form.
     Show { plan: PathBuf },
@@ -128,7 +133,7 @@ enum Device {
     Cuda,
 }
 
-/// `compile --topk-merge`: `Target::topk_last_cta`.
+/// `compile --topk-merge` and `--attn-merge`: `Target::topk_last_cta`, `Target::attn_last_cta`.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum TopkMerge {
     LastCta,
@@ -267,6 +272,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             no_kernels,
             verbose,
             topk_merge,
+            attn_merge,
         } => {
             let t0 = Instant::now();
             // Outputs first (cheap, and a doomed command should fail before compiling),
@@ -306,6 +312,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             let target = Target {
                 topk_last_cta: topk_merge == TopkMerge::LastCta,
+                attn_last_cta: attn_merge == TopkMerge::LastCta,
                 ..Target::default()
             };
             let compiled = compile(&cfg, &target, jit.as_ref(), &|done, _| bar.set_position(done as u64))?;

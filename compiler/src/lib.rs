@@ -71,6 +71,12 @@ pub struct Target {
     /// the runtime's arrival counters) instead of a `topk_merge` launch after the records
     /// (docs/perf-notes.md, item 38). Unsharded rows only.
     pub topk_last_cta: bool,
+    /// Merge a bucket's attention splits in the last CTA of each (request, kv head) to
+    /// finish (the runtime's arrival counters) instead of with `attn_merge`, for instances of
+    /// at most `ATTN_LAST_CTA_ROWS` packed rows a CTA — the draft-extend head's selected query
+    /// rows, MHA and other small N·G layers, draft decode's lanes (docs/perf-notes.md, item 52;
+    /// built, not measured).
+    pub attn_last_cta: bool,
 }
 
 impl Default for Target {
@@ -81,6 +87,7 @@ impl Default for Target {
             sm_count: 132,
             attn_cluster: false,
             topk_last_cta: true,
+            attn_last_cta: true,
         }
     }
 }
@@ -202,6 +209,7 @@ pub fn compile(
             sm_count: target.sm_count,
             clusters: target.attn_cluster && target.sm >= 90,
             topk_last_cta: target.topk_last_cta,
+            attn_last_cta: target.attn_last_cta,
             rows_per_request: n,
         };
         let mut buckets = Vec::with_capacity(cfg.capture.buckets.len());

@@ -44,8 +44,9 @@ pub const MAGIC: [u8; 8] = *b"SPECPLAN";
 /// `GemmDesc.rounded` (a GEMM's f32 output also written rounded) and `gemm_round`, a
 /// runtime-launched entry every plan carries. 23: the attention over the selected query rows
 /// (its `SELECT_FROM` constant and `accept_lens` argument) and `select_norm`'s residual addend
-/// (`add`).
-pub const FORMAT_VERSION: u32 = 23;
+/// (`add`). 24: a bucket's `attn_last_cta` and the `attn_fused` entry (the splits' merge in
+/// each group's last CTA).
+pub const FORMAT_VERSION: u32 = 24;
 /// Largest plan file accepted (a plan with kernels is a few MiB).
 pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 const HEADER_LEN: usize = 8 + 4 + 4 + 8 + 32;

@@ -200,5 +200,6 @@ pub fn bucket_facts(b: &BucketPlan) -> BucketFacts {
         rows: b.rows,
         splits: b.attn_splits,
         attn_cluster: b.attn_cluster,
+        attn_last_cta: b.attn_last_cta,
     }
 }

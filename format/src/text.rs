@@ -328,6 +328,32 @@ pub fn facts(p: &Plan) -> Vec<Fact> {
     out
 }
 
+/// The layers whose attention launches in bucket `b` run over the selected query rows (their
+/// kernel's `SELECT_FROM` constant is not 0), named by the K pool they read.
+fn selecting_layers(p: &Plan, b: &BucketPlan) -> Vec<u32> {
+    let mut out = Vec::new();
+    for l in &b.launches {
+        let LaunchKind::Kernel { kernel, args, .. } = &l.kind else {
+            continue;
+        };
+        let Some(k) = p.kernels.get(*kernel as usize) else {
+            continue;
+        };
+        let selects = k
+            .constants
+            .iter()
+            .any(|(c, v)| c == "SELECT_FROM" && !matches!(v, specplan_kernels::ConstValue::U32(0)));
+        for a in args {
+            if let (true, ArgValue::KvCache { layer, .. }) = (selects, a) {
+                if !out.contains(layer) {
+                    out.push(*layer);
+                }
+            }
+        }
+    }
+    out
+}
+
 fn short(hash: &str) -> &str {
     let end = hash.char_indices().nth(12).map_or(hash.len(), |(i, _)| i);
     &hash[..end]
@@ -339,24 +365,32 @@ fn bucket_facts(p: &Plan, ph: &Phase, b: &BucketPlan, fact: &mut dyn FnMut(Strin
     fact(
         tag.clone(),
         format!(
-            "rows={} arena={} attn_splits={}{} replay={}",
+            "rows={} arena={} attn_splits={}{}{} replay={}",
             b.rows,
             b.arena_bytes,
             b.attn_splits,
             if b.attn_cluster { " attn_cluster" } else { "" },
+            if b.attn_last_cta { " attn_last_cta" } else { "" },
             replay_text(&b.replay)
         ),
     );
     let qo: Vec<String> = b.qo_indptr.iter().map(|x| x.to_string()).collect();
     fact(format!("{tag} qo_indptr"), qo.join(","));
+    let selecting = selecting_layers(p, b);
     for (i, l) in p.layers.iter().enumerate() {
         let start = match l.window {
             Some(w) => format!("start[i][j]=max(0,prefix_len[i]+j-{})", w - 1),
             None => "start[i][j]=0".into(),
         };
+        // A layer whose attention runs over the selected query rows: row j = A_i − 1 only.
+        let rows = if selecting.contains(&(i as u32)) {
+            " query j=accept_len[i]-1"
+        } else {
+            ""
+        };
         fact(
             format!("{tag} kv layer {i}"),
-            format!("kv_len[i]=prefix_len[i]+{n} {start} causal_end[i][j]=prefix_len[i]+j"),
+            format!("kv_len[i]=prefix_len[i]+{n} {start} causal_end[i][j]=prefix_len[i]+j{rows}"),
         );
     }
     for b2 in &b.buffers {

@@ -533,6 +533,10 @@ pub struct BucketPlan {
     /// The splits run as one thread block cluster per (request, kv head) and merge there
     /// (sm_90+, more than one split): no `attn_merge` launch, no partials.
     pub attn_cluster: bool,
+    /// The splits' partials are merged by the last CTA of each (request, kv head) to finish,
+    /// found by the runtime's arrival counters (more than one split, no cluster): no
+    /// `attn_merge` launch for an instance of at most `ATTN_LAST_CTA_ROWS` rows a CTA.
+    pub attn_last_cta: bool,
     pub buffers: Vec<BufferDesc>,
     pub launches: Vec<Launch>,
     pub replay: Replay,

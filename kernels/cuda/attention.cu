@@ -90,6 +90,18 @@
 //   out = round(sum_s w_s*o_s / sum_s w_s), w_s = exp(lse_s - max_s lse_s), exact fp32
 //   log-sum-exp merge; splits with lse = -inf weigh 0; 0 when every split is empty.
 // ----------------------------------------------------------------------------------------
+// Entry attn_fused (attn_partial's splits and attn_merge's merge in one launch, for
+//            instances of ROWS <= 16: specplan_kernels ATTN_LAST_CTA_ROWS)
+//   Constants, launch (never as clusters), shared memory: attn_partial's.
+//   Params (by value, natural C alignment, fields in this order): attn_partial's q .. part_lse,
+//     then counters unsigned* [batch*KV_HEADS] (the runtime's arrival counters: 0 before the
+//     launch, and 0 again after it), batch, splits, q_stride (no cluster).
+//   Semantics: every CTA computes and writes its split's partials as attn_partial does with
+//   gridDim.z > 1; the last CTA of each (request, kv head) to finish then writes that group's
+//   rows of out exactly as attn_merge computes them from all the splits' partials. With one
+//   split: attn_partial's gridDim.z == 1 (out directly, nothing counted; counters must still
+//   be given).
+// ----------------------------------------------------------------------------------------
 #include "common.cuh"
 
 namespace attn {
@@ -372,13 +384,66 @@ __device__ __forceinline__ act_t* stage_v(unsigned char* base, int st) {
     return reinterpret_cast<act_t*>(base + st * 2 * kTileBytes + kTileBytes);
 }
 
+// The merge of a (request i, kv head g) group's splits in its last CTA (attn_fused): every
+// packed row's output, exactly as attn_merge computes it, from the partials the group's CTAs
+// wrote, read through L2 (__ldcg: other SMs wrote them, and a line in this SM's L1 or the
+// read-only path could be stale). Each row's split lse are staged in `sLse` ([kRows][16]
+// floats of dead shared memory) once; each thread then has kPer outputs' 16 partials in
+// flight at a time (kRows <= ATTN_LAST_CTA_ROWS: 4 outputs a thread at G 4, D 128).
+template <typename P>
+__device__ __forceinline__ void merge_group(const P& p, int i, int g, long long rows, unsigned splits, float* sLse,
+                                            int tid) {
+    for (int e = tid; e < kRows * (int)kMaxSplits; e += kThreads) {
+        const int rr = e / (int)kMaxSplits;
+        const unsigned s = (unsigned)(e % (int)kMaxSplits);
+        const long long r = (long long)i * kN + rr / kG;
+        const int h = g * kG + rr % kG;
+        sLse[e] = s < splits ? __ldcg(p.part_lse + ((long long)s * rows + r) * kHeads + h) : neg_inf();
+    }
+    __syncthreads();
+    constexpr int kPer = 4;
+    constexpr int kElems = kRows * kD;
+    for (int base = tid; base < kElems; base += kThreads * kPer) {
+        float o[kPer][kMaxSplits];
+#pragma unroll
+        for (int u = 0; u < kPer; ++u) {
+            const int e = base + u * kThreads;
+            const int rr = e / kD, d = e % kD;
+            const long long r = (long long)i * kN + rr / kG;
+            const int h = g * kG + rr % kG;
+#pragma unroll
+            for (unsigned s = 0; s < kMaxSplits; ++s) {
+                o[u][s] = e < kElems && s < splits
+                              ? __ldcg(p.part_o + (((long long)s * rows + r) * kHeads + h) * kD + d)
+                              : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kPer; ++u) {
+            const int e = base + u * kThreads;
+            if (e >= kElems) continue;
+            const int rr = e / kD, d = e % kD;
+            const long long r = (long long)i * kN + rr / kG;
+            const int h = g * kG + rr % kG;
+            float lse[kMaxSplits];
+#pragma unroll
+            for (unsigned s = 0; s < kMaxSplits; ++s) lse[s] = sLse[rr * (int)kMaxSplits + (int)s];
+            p.out[r * ((long long)kHeads * kD) + (long long)h * kD + d] = to_act(merge_splits<false>(lse, o[u]));
+        }
+    }
+}
+
 }  // namespace attn
 
 // AttnPartialParams is declared by the generated prelude, from specplan_kernels
 // (#[derive(KernelParams)]): the Rust and C sides share one definition.
 
-extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(AttnPartialParams p) {
-    using namespace attn;
+namespace attn {
+
+// One CTA of attn_partial (kFused false) or attn_fused (true: the partials' merge in the
+// group's last CTA, below). Both entries run this body, so they compute the same partials.
+template <bool kFused, typename P>
+__device__ __forceinline__ void attn_cta(const P& p) {
 
     extern __shared__ __align__(128) unsigned char attn_smem[];
     act_t* sQ = reinterpret_cast<act_t*>(attn_smem);
@@ -450,8 +515,11 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
     const unsigned csize = cluster_size();
     // (splits == gridDim.z too: a CTA past the splits returns above, and its peers would
     // wait for it at the cluster barrier forever; validated plans always match.)
-    const bool clustered = !single && p.cluster == gridDim.z && csize == gridDim.z && splits == gridDim.z;
-    const bool can_write = single || clustered ? p.out != nullptr : (p.part_o != nullptr && p.part_lse != nullptr);
+    bool clustered = false;
+    if constexpr (!kFused) clustered = !single && p.cluster == gridDim.z && csize == gridDim.z && splits == gridDim.z;
+    bool can_write = single || clustered ? p.out != nullptr : (p.part_o != nullptr && p.part_lse != nullptr);
+    // attn_fused's group merge writes out and counts in the counters: both or nothing.
+    if constexpr (kFused) can_write = can_write && p.out != nullptr && p.counters != nullptr;
     const float scale2 = kScale * kLog2e;  // scores in log2 units: exp2 instead of exp
 
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -858,6 +926,50 @@ extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(
         }
         if (pass + 1 < kPasses) __syncthreads();  // the merge area becomes stages (and sQ) again
     }
+    // ---- attn_fused: the splits' merge in their last CTA --------------------------------
+    // Every CTA of the group (request i, kv head g) has written its partials; thread 0 counts
+    // the CTA into the group's counter with atomicInc(.., splits - 1), which wraps the word
+    // back to 0 at the last arrival (as the next launch needs: kv.rs COUNTER_WORDS), and that
+    // CTA merges. The fences are topk_fused's (sample.cu): after the barrier, thread 0's fence
+    // orders the CTA's partial writes before its count (fences are cumulative over what the
+    // barrier made visible); the last CTA's fence after its count orders its reads after every
+    // other CTA's count. The conditions are uniform over the launch, so every CTA of a group
+    // counts or none does.
+    // (Only instances of at most 16 packed rows, ATTN_LAST_CTA_ROWS, compile it: validation
+    // holds attn_fused to them, since the last CTA's merge grows with its rows:
+    // docs/perf-notes.md items 39 and 52.)
+    // (gridDim.z == splits too: a group with fewer CTAs than splits would leave its word
+    // short of the wrap, for every later launch to read; validated plans always match.)
+    if constexpr (kFused && kRows <= 16) {
+    if (!single && can_write && gridDim.z == splits) {
+        // The flag lives in the slot rows (dead after the key loop, outside the stage area
+        // the merge stages its lse in): no static shared memory, so the footprint stays
+        // attn_smem_bytes'.
+        volatile unsigned* last_arrival = sSlot;
+        __syncthreads();  // every warp is done with the stage area and its partial writes
+        if (tid == 0) {
+            __threadfence();
+            const unsigned word = (unsigned)i * (unsigned)kKvHeads + (unsigned)g;
+            const unsigned prev = atomicInc(reinterpret_cast<unsigned*>(p.counters) + word, splits - 1u);
+            *last_arrival = prev == splits - 1u ? 1u : 0u;
+            if (prev == splits - 1u) __threadfence();
+        }
+        __syncthreads();
+        if (*last_arrival != 0u) merge_group(p, i, g, rows, splits, reinterpret_cast<float*>(stage_base), tid);
+    }
+    }
+}
+
+}  // namespace attn
+
+extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_partial(AttnPartialParams p) {
+    attn::attn_cta<false>(p);
+}
+
+// AttnFusedParams: declared by the prelude too. A wider instance compiles (one module per
+// template) but does nothing: validation refuses its launch (ATTN_LAST_CTA_ROWS).
+extern "C" __global__ void __launch_bounds__(ATTN_PARTIAL_THREADS) attn_fused(AttnFusedParams p) {
+    if constexpr (attn::kRows <= 16) attn::attn_cta<true>(p);
 }
 
 // AttnMergeParams is declared by the generated prelude, from specplan_kernels

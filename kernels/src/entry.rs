@@ -77,7 +77,7 @@ impl Template {
             Template::Embed => &[Entry::EmbedConcat, Entry::EmbedNormConcat],
             Template::Norm => &[Entry::RmsNorm, Entry::NormConcat, Entry::CastRows, Entry::NormCast],
             Template::RopeAppend => &[Entry::RopeAppend],
-            Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge],
+            Template::Attention => &[Entry::AttnPartial, Entry::AttnMerge, Entry::AttnFused],
             Template::Mlp => &[Entry::SiluMul, Entry::SiluMulPairs],
             Template::Select => &[Entry::SelectRows, Entry::SelectNorm, Entry::SelectNormPairs],
             Template::Sample => &[
@@ -200,6 +200,7 @@ entries! {
     StageIn => io::StageInParams, "stage_in", Io;
     L2Prefetch => io::L2PrefetchParams, "l2_prefetch", Io;
     GemmRound => gemm::GemmRoundParams, "gemm_round", Gemm;
+    AttnFused => attention::AttnFusedParams, "attn_fused", Attention;
 }
 
 impl Entry {

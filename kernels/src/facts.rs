@@ -33,6 +33,10 @@ pub const TOPK_WIDEST_CHUNK: u32 = 32768;
 pub const TOPK_WAVE: u32 = 264;
 /// Largest number of KV splits of the attention.
 pub const MAX_ATTN_SPLITS: u32 = 16;
+/// Most packed rows a CTA (N·G) of an attention instance whose splits the last CTA merges
+/// (`BucketFacts::attn_last_cta`): that CTA reads every split's partials of its rows, so a
+/// wider instance keeps the `attn_merge` launch (docs/perf-notes.md items 39 and 52).
+pub const ATTN_LAST_CTA_ROWS: u32 = 16;
 /// Largest page table (entries): the kernels index it in 32 bits, and every executor
 /// holds one.
 pub const MAX_TABLE_ENTRIES: u64 = 1 << 26;
@@ -273,6 +277,9 @@ pub struct BucketFacts {
     pub splits: u32,
     /// The splits run as one thread block cluster and merge there (no `attn_merge`).
     pub attn_cluster: bool,
+    /// The splits' last CTA to finish merges them (no `attn_merge`), where an instance has
+    /// at most [`ATTN_LAST_CTA_ROWS`] rows a CTA.
+    pub attn_last_cta: bool,
 }
 
 /// Column chunks of a logits row of `cols` columns; 1 = no split.

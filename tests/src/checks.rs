@@ -230,7 +230,8 @@ pub fn check_case(
 }
 
 /// The attention kernels alone (attn_partial, and attn_merge when the bucket splits without a
-/// cluster merge), on random q, accept lengths and cache contents with long prefixes (over the
+/// cluster merge; or attn_fused, the splits merged in their last CTA), on random q, accept
+/// lengths and cache contents with long prefixes (over the
 /// selected query rows when layer 0 is the head's last layer): layer 0's launches
 /// replayed over buffers written here, against `attention_row` on the same bf16/fp16 values. Returns
 /// (relative RMS error, max abs error / output RMS).
@@ -271,9 +272,9 @@ pub fn attention_check(
     let mut accept = c.step.accept_lens.clone();
     accept.resize(bu, 1);
     rt.write_buffer(bucket, io::ACCEPT_LENS, &ints(accept)).map_err(g)?;
-    // The NaN poison goes in before q: when the bucket splits, l0.qkv (last read by
-    // attn_partial) and l0.attn (first written by attn_merge) have disjoint live ranges and
-    // may share arena bytes, and the poison must not overwrite q.
+    // The NaN poison goes in before q: when the bucket splits into attn_partial + attn_merge,
+    // l0.qkv (last read by attn_partial) and l0.attn (first written by attn_merge) have
+    // disjoint live ranges and may share arena bytes, and the poison must not overwrite q.
     let (_, out_bytes) = rt.buffer_ptr(bucket, "l0.attn").ok_or("no l0.attn buffer")?;
     let selects = out_bytes < bu * n * hq * d * act.size() as usize;
     rt.write_buffer(bucket, "l0.attn", &vec![0xffu8; out_bytes])

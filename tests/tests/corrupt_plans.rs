@@ -305,7 +305,7 @@ fn lost_results_and_foreign_pools_are_rejected() {
     assert!(msgs.contains("layer 0's K pool is appended by 2 launches"), "{msgs}");
     assert!(msgs.contains("layer 1's V pool is appended by 0 launches"), "{msgs}");
     // Layer 0's attention over layer 1's pools, which this step has not appended yet.
-    let msgs = invalid(|p| pools_to(p, "l0.attention.attn_partial", 1));
+    let msgs = invalid(|p| pools_to(p, "l0.attention.attn_fused", 1));
     assert!(msgs.contains("reads layer 1's K pool before launch"), "{msgs}");
     // No append at all: attention over stale keys.
     let msgs = invalid(|p| {
@@ -488,6 +488,45 @@ fn last_cta_merges_are_validated() {
             if let Some(k) = p.kernels.iter_mut().find(|k| k.entry == Entry::TopkPartial) {
                 k.entry = Entry::TopkFused;
             }
+        },
+    );
+}
+
+/// The attention's splits merged in their group's last CTA (`attn_fused`): only where the
+/// bucket says so, with more than one split and its rows within the runtime's counter words;
+/// its partials are its own.
+#[test]
+fn fused_attention_merges_are_validated() {
+    use specplan_format::{Entry, Plan};
+    let base = common::compile_preset("tiny", &Overrides::default()).into_inner();
+    let fused = |p: &Plan| -> usize {
+        p.phases[0].buckets[0]
+            .launches
+            .iter()
+            .position(|l| matches!(&l.kind, LaunchKind::Kernel { kernel, .. } if p.kernels[*kernel as usize].entry == Entry::AttnFused))
+            .expect("an attn_fused launch")
+    };
+    let i = fused(&base);
+    assert!(base.phases[0].buckets[0].attn_last_cta);
+    check(
+        &base,
+        "attn_fused without attn_last_cta",
+        "attn_fused needs attn_last_cta",
+        &|p| p.phases[0].buckets[0].attn_last_cta = false,
+    );
+    check(
+        &base,
+        "attn_last_cta with one split",
+        "attn_last_cta: set with 1 split(s)",
+        &|p| p.phases[0].buckets[0].attn_splits = 1,
+    );
+    check(
+        &base,
+        "partials shared",
+        "own workspace must be scratch that no other launch uses",
+        &|p| {
+            let l = p.phases[0].buckets[0].launches[i].clone();
+            p.phases[0].buckets[0].launches.insert(i + 1, l);
         },
     );
 }

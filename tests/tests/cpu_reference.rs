@@ -225,6 +225,59 @@ fn topk1_plan_matches_naive_forward() {
     );
 }
 
+/// `tiny`'s attention splits its keys at small buckets (two splits at B 1); both layers'
+/// instances are narrow (N·G 8, and the selected rows' 2), so the splits merge in each
+/// group's last CTA (`attn_fused`), or with `attn_merge` when the target says so. Layer 1
+/// runs over the selected query rows either way.
+#[test]
+fn attention_splits_merge_in_their_last_cta_or_a_launch() {
+    use specplan_format::{Entry, LaunchKind};
+    let src = || Source::Preset("tiny".into());
+    let launch = Target {
+        attn_last_cta: false,
+        ..Target::default()
+    };
+    // Bucket 1's attention launches and whether each runs over the selected queries.
+    let launches = |t: &Target| -> Vec<(Entry, bool)> {
+        let plan = specplan_tests_common_compile(src(), t);
+        let b1 = &plan.buckets()[0];
+        assert_eq!(b1.batch, 1);
+        assert!(b1.attn_splits > 1, "tiny's bucket 1 should split its keys");
+        assert_eq!(b1.attn_last_cta, t.attn_last_cta);
+        b1.launches
+            .iter()
+            .filter_map(|l| match &l.kind {
+                LaunchKind::Kernel { kernel, .. } => Some(&plan.kernels[*kernel as usize]),
+                _ => None,
+            })
+            .filter(|k| matches!(k.entry, Entry::AttnPartial | Entry::AttnMerge | Entry::AttnFused))
+            .map(|k| {
+                let selects = k
+                    .constants
+                    .iter()
+                    .any(|(c, v)| c == "SELECT_FROM" && !matches!(v, specplan_kernels::ConstValue::U32(0)));
+                (k.entry, selects)
+            })
+            .collect()
+    };
+    assert_eq!(
+        launches(&Target::default()),
+        [(Entry::AttnFused, false), (Entry::AttnFused, true)]
+    );
+    assert_eq!(
+        launches(&launch),
+        [
+            (Entry::AttnPartial, false),
+            (Entry::AttnMerge, false),
+            (Entry::AttnPartial, true),
+            (Entry::AttnMerge, true)
+        ]
+    );
+    for t in [Target::default(), launch] {
+        check_source(src(), Overrides::default(), &t, &[1, 3]);
+    }
+}
+
 /// `tiny` with a 20,000-token vocabulary: its logits rows are split across CTAs, merged in
 /// the row's last CTA (topk_fused) or by a launch after the records (topk_partial +
 /// topk_merge), with and without an FR-Spec hot map.

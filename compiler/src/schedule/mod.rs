@@ -55,6 +55,9 @@ pub struct Shared<'a> {
     pub clusters: bool,
     /// Split top-K rows merge in their last CTA (`Target::topk_last_cta`).
     pub topk_last_cta: bool,
+    /// Attention splits merge in their last CTA where an instance allows
+    /// (`Target::attn_last_cta`).
+    pub attn_last_cta: bool,
     /// The phase's rows per request (`PhaseKind::rows_per_request`).
     pub rows_per_request: u32,
 }
@@ -83,6 +86,15 @@ pub fn attn_cluster(sh: &Shared, splits: u32) -> bool {
     sh.clusters && splits > 1
 }
 
+/// Whether a bucket's attention splits may merge in their last CTA (`Target::attn_last_cta`:
+/// more than one split, no cluster, one arrival counter per (request, kv head) within the
+/// runtime's words). Each instance then takes it if its rows a CTA allow
+/// (`AttnFusedParams::serves`).
+pub fn attn_last_cta(sh: &Shared, batch: u32, splits: u32) -> bool {
+    let groups = batch as usize * sh.facts.kv_heads as usize;
+    sh.attn_last_cta && splits > 1 && !attn_cluster(sh, splits) && groups <= specplan_kernels::kv::COUNTER_WORDS
+}
+
 pub fn schedule_bucket(
     sh: &Shared,
     kernels: &mut KernelTable,
@@ -109,6 +121,7 @@ pub fn schedule_bucket(
         qo_indptr: (0..=batch).map(|i| i * n).collect(),
         attn_splits: splits,
         attn_cluster: attn_cluster(sh, splits),
+        attn_last_cta: attn_last_cta(sh, batch, splits),
         buffers,
         launches: Vec::new(),
         replay,

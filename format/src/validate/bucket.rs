@@ -91,6 +91,20 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
             b.attn_splits, p.target.sm
         ))
     });
+    // The last-CTA merge counts arrivals per (request, kv head) in the runtime's words.
+    let groups = b.batch as u64 * p.model.kv_heads as u64;
+    e.check(
+        !b.attn_last_cta
+            || (b.attn_splits > 1 && !b.attn_cluster && groups <= specplan_kernels::kv::COUNTER_WORDS as u64),
+        || {
+            at(format!(
+                "attn_last_cta: set with {} split(s){} and {groups} (request, kv head) groups (needs more than one split, no cluster, at most {} groups)",
+                b.attn_splits,
+                if b.attn_cluster { " in clusters" } else { "" },
+                specplan_kernels::kv::COUNTER_WORDS
+            ))
+        },
+    );
     e.check(b.arena_bytes <= MAX_REGION_BYTES, || {
         at(format!("arena_bytes: {} exceeds {MAX_REGION_BYTES}", b.arena_bytes))
     });

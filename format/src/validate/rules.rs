@@ -278,6 +278,24 @@ pub(crate) fn kernel_launch(
             ),
         )
     });
+    // The fused attention merges in a CTA whose shared memory holds at most 16 rows' split
+    // lse, counted per (request, kv head) in the runtime's words: where the bucket says so.
+    e.check(
+        k.entry != specplan_kernels::Entry::AttnFused
+            || specplan_kernels::entries::attention::AttnFusedParams::serves(bf, &kf),
+        || {
+            at(
+                None,
+                format!(
+                    ".kernel: {name} needs attn_last_cta and at most {} packed rows a CTA (the bucket: attn_last_cta {}, {} splits; the instance: {} rows)",
+                    specplan_kernels::facts::ATTN_LAST_CTA_ROWS,
+                    bf.attn_last_cta,
+                    bf.splits,
+                    kf.n * kf.group()
+                ),
+            )
+        },
+    );
     e.check(grid == shape.grid, || {
         at(
             None,

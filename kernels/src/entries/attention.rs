@@ -1,7 +1,7 @@
 //! attention.cu: split-KV paged attention of the N draft rows, and the merge of splits.
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
-use crate::facts::{attn_smem_bytes, BucketFacts, KernelFacts};
+use crate::facts::{attn_smem_bytes, BucketFacts, KernelFacts, ATTN_LAST_CTA_ROWS};
 use crate::io;
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
@@ -46,6 +46,45 @@ pub struct AttnPartialParams {
     /// CTAs per cluster along z: `splits` when the splits merge in their cluster (then
     /// `out` is written and the partials are unused), else 1.
     pub cluster: u32,
+}
+
+/// `attn_fused`: `attn_partial`'s CTAs over the splits of a bucket, each writing its
+/// partials, and the merge (`attn_merge`'s) in whichever CTA of a (request, kv head) finishes
+/// last, found by a per-group arrival counter: one launch instead of two, for instances of at
+/// most [`ATTN_LAST_CTA_ROWS`] packed rows a CTA (`AttnFusedParams::serves`).
+#[derive(KernelParams)]
+#[repr(C)]
+pub struct AttnFusedParams {
+    #[arg(buffer)]
+    pub q: DevPtr<Act>,
+    #[arg(k_cache)]
+    pub k_cache: DevPtr<Act>,
+    #[arg(v_cache)]
+    pub v_cache: DevPtr<Act>,
+    #[arg(input = io::REQ_SLOTS)]
+    pub req_slots: DevPtr<i32>,
+    #[arg(table)]
+    pub page_table: DevPtr<i32>,
+    #[arg(layout)]
+    pub kv_layout: DevPtr<i64>,
+    #[arg(input = io::PREFIX_LENS)]
+    pub prefix_lens: DevPtr<i32>,
+    /// As `attn_partial`'s: the selected query rows' accept lengths, else null.
+    #[arg(input = io::ACCEPT_LENS)]
+    pub accept_lens: DevPtr<i32>,
+    #[arg(buffer)]
+    pub out: DevPtrMut<Act>,
+    /// The splits' partials: written by each CTA, read back by its group's last.
+    #[arg(buffer, local)]
+    pub part_o: DevPtrMut<f32>,
+    #[arg(buffer, local)]
+    pub part_lse: DevPtrMut<f32>,
+    /// One arrival counter a (request, kv head) (u32, zero before and after the launch).
+    #[arg(counters, rw)]
+    pub counters: DevPtrMut<i32>,
+    pub batch: u32,
+    pub splits: u32,
+    pub q_stride: u32,
 }
 
 /// `attn_merge`: the log-sum-exp merge of the splits' partial results.
@@ -122,6 +161,59 @@ impl Kernel for AttnPartialParams {
     }
 }
 
+impl AttnFusedParams {
+    /// Whether a bucket's launch of an instance is `attn_fused`: the bucket merges its splits
+    /// in their last CTA (`BucketFacts::attn_last_cta`) and the instance has at most
+    /// [`ATTN_LAST_CTA_ROWS`] packed rows a CTA (the last CTA reads all of its rows'
+    /// partials; wider instances keep `attn_partial` and `attn_merge`).
+    pub fn serves(b: &BucketFacts, f: &KernelFacts) -> bool {
+        b.attn_last_cta && b.splits > 1 && !b.attn_cluster && f.n * f.group() <= ATTN_LAST_CTA_ROWS
+    }
+}
+
+impl Kernel for AttnFusedParams {
+    const ENTRY: Entry = Entry::AttnFused;
+    fn threads(_: &KernelFacts) -> u32 {
+        ATTN_THREADS
+    }
+    fn smem(f: &KernelFacts) -> u64 {
+        AttnPartialParams::smem(f)
+    }
+    fn launch(b: &BucketFacts, f: &KernelFacts) -> ([u32; 3], AttnFusedScalars) {
+        (
+            [b.batch, f.kv_heads, b.splits],
+            AttnFusedScalars {
+                batch: b.batch,
+                splits: b.splits,
+                q_stride: f.qkv_cols(),
+            },
+        )
+    }
+    fn extents(s: &AttnFusedScalars, f: &KernelFacts) -> AttnFusedPtrs<Extent> {
+        let (b, splits) = (s.batch as u64, s.splits as u64);
+        let rows = b * f.n as u64;
+        let (hq, hd) = (f.heads as u64, (f.heads * f.head_dim) as u64);
+        AttnFusedPtrs {
+            q: Extent::Elems(b * f.q_rows() as u64 * s.q_stride as u64),
+            k_cache: Extent::Elems(0),
+            v_cache: Extent::Elems(0),
+            req_slots: Extent::Elems(b),
+            page_table: Extent::Elems(0),
+            kv_layout: Extent::Elems(crate::kv::KV_WORDS as u64),
+            prefix_lens: Extent::Elems(b),
+            accept_lens: if f.select_from > 0 {
+                Extent::Elems(b)
+            } else {
+                Extent::Unused
+            },
+            out: Extent::Elems(rows * hd),
+            part_o: Extent::Elems(splits * rows * hd),
+            part_lse: Extent::Elems(splits * rows * hq),
+            counters: Extent::Elems(b * f.kv_heads as u64),
+        }
+    }
+}
+
 impl Kernel for AttnMergeParams {
     const ENTRY: Entry = Entry::AttnMerge;
     fn threads(f: &KernelFacts) -> u32 {
@@ -144,7 +236,7 @@ impl Kernel for AttnMergeParams {
     }
 }
 
-/// Both entries come from one source, so they share every constant.
+/// The three entries come from one source, so they share every constant.
 pub fn constants(f: &KernelFacts) -> Constants {
     let (tile, stages) = f.attn_tiling().unwrap_or((16, 2));
     let mut c = vec![act(f)];

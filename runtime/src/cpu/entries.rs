@@ -5,7 +5,9 @@
 
 use specplan_format::io;
 use specplan_format::{ConstValue, KernelDesc, KvKind};
-use specplan_kernels::entries::attention::{AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars};
+use specplan_kernels::entries::attention::{
+    AttnFusedPtrs, AttnFusedScalars, AttnMergePtrs, AttnMergeScalars, AttnPartialPtrs, AttnPartialScalars,
+};
 use specplan_kernels::entries::embed::{EmbedConcatPtrs, EmbedConcatScalars};
 use specplan_kernels::entries::mlp::{SiluMulPairsPtrs, SiluMulPairsScalars, SiluMulPtrs, SiluMulScalars};
 use specplan_kernels::entries::norm::{
@@ -466,6 +468,41 @@ impl<K: KvStore> Ctx<'_, K> {
             }
         }
         Ok(())
+    }
+
+    /// `attn_fused`: the splits and, in each group's last CTA, their merge. The merge is
+    /// exact, so `out` is what one pass over all the keys gives: `attn_partial`'s result with
+    /// the splits merged in their cluster.
+    pub(super) fn attn_fused(
+        &mut self,
+        k: &KernelDesc,
+        grid: [u32; 3],
+        p: &AttnFusedPtrs<Ptr>,
+        s: &AttnFusedScalars,
+    ) -> R<()> {
+        if !matches!(p.counters, Ptr::Counters) {
+            return Err("counters must be the runtime's arrival counters".into());
+        }
+        let whole = AttnPartialPtrs {
+            q: p.q,
+            k_cache: p.k_cache,
+            v_cache: p.v_cache,
+            req_slots: p.req_slots,
+            page_table: p.page_table,
+            kv_layout: p.kv_layout,
+            prefix_lens: p.prefix_lens,
+            accept_lens: p.accept_lens,
+            out: p.out,
+            part_o: Ptr::Null,
+            part_lse: Ptr::Null,
+        };
+        let scalars = AttnPartialScalars {
+            batch: s.batch,
+            splits: s.splits,
+            q_stride: s.q_stride,
+            cluster: s.splits,
+        };
+        self.attn_partial(k, grid, &whole, &scalars)
     }
 
     pub(super) fn attn_merge(&mut self, k: &KernelDesc, p: &AttnMergePtrs<Ptr>, s: &AttnMergeScalars) -> R<()> {

@@ -577,6 +577,10 @@ impl<K: KvStore> Ctx<'_, K> {
                 let (p, s) = typed::<attention::AttnPartialParams>(&slots)?;
                 self.attn_partial(k, grid, &p, &s)
             }
+            Entry::AttnFused => {
+                let (p, s) = typed::<attention::AttnFusedParams>(&slots)?;
+                self.attn_fused(k, grid, &p, &s)
+            }
             Entry::AttnMerge => {
                 let (p, s) = typed::<attention::AttnMergeParams>(&slots)?;
                 self.attn_merge(k, &p, &s)

@@ -74,13 +74,14 @@ impl Work {
 }
 
 /// The query rows per request of the draft-extend bucket `b`'s attention launches, summed
-/// (each `attn_partial` instance's `N`: the phase's rows, or 1 over the selected queries).
+/// (each `attn_partial` or `attn_fused` instance's `N`: the phase's rows, or 1 over the
+/// selected queries).
 fn attention_rows(plan: &ValidatedPlan, b: u64) -> Option<u64> {
     let bk = plan.buckets().iter().find(|x| x.batch as u64 == b)?;
     let rows = bk.launches.iter().filter_map(|l| match &l.kind {
         LaunchKind::Kernel { kernel, .. } => {
             let k = plan.kernels.get(*kernel as usize)?;
-            (k.entry == Entry::AttnPartial).then(|| {
+            matches!(k.entry, Entry::AttnPartial | Entry::AttnFused).then(|| {
                 k.constants.iter().find_map(|(c, v)| match (c.as_str(), v) {
                     ("N", ConstValue::U32(n)) => Some(*n as u64),
                     _ => None,
@@ -157,6 +158,8 @@ mod tests {
         for n in [4, 16] {
             let p = plan(n);
             assert_eq!(attention_rows(&p, 64), Some(1), "n {n}");
+            // Bucket 1 splits its keys, merged in the fused launch: the same one row.
+            assert_eq!(attention_rows(&p, 1), Some(1), "n {n}");
             let w = Work::of(&p, 64, 1024);
             let (hq, d) = (p.model.heads as f64, p.model.head_dim as f64);
             assert_eq!(w.attn_flops, 4.0 * 64.0 * (1024.0 + n as f64) * hq * d);
