@@ -171,6 +171,10 @@ fn buckets(p: &mut Plan, f: &mut Visit<'_>) {
             &|| format!("buckets[{bi}].attn_cluster"),
             Leaf::Bool(&mut b.attn_cluster),
         );
+        f(
+            &|| format!("buckets[{bi}].attn_last_cta"),
+            Leaf::Bool(&mut b.attn_last_cta),
+        );
         for (i, x) in b.qo_indptr.iter_mut().enumerate() {
             f(&|| format!("buckets[{bi}].qo_indptr[{i}]"), Leaf::U32(x));
         }
