@@ -6,7 +6,7 @@
 use specplan_format::{ArgValue, BucketFacts, CollectiveDesc, CollectiveOp, GemmDesc, KernelFacts, Launch, LaunchKind};
 use specplan_kernels::abi::{Kernel, Slot};
 use specplan_kernels::entries::attention::{
-    AttnFusedParams, AttnFusedPtrs, AttnMergeParams, AttnMergePtrs, AttnPartialParams, AttnPartialPtrs,
+    AttnFusedParams, AttnMergeParams, AttnMergePtrs, AttnPartialParams, AttnPartialPtrs,
 };
 use specplan_kernels::entries::embed::{
     EmbedConcatParams, EmbedConcatPtrs, EmbedNormConcatParams, EmbedNormConcatPtrs,
@@ -497,25 +497,9 @@ fn attention(
     }
     let (ins, out) = (&op.ins, b.arg(op.outs[0]));
     let part = |i: Option<u32>| i.map_or(ArgValue::Null, ArgValue::Buffer);
-    // The splits and their merge in one launch (`attn_fused`): the group's last CTA merges.
-    if let Some((po, pl)) = ws.filter(|_| AttnFusedParams::serves(b.bf, &f)) {
-        let p = AttnFusedPtrs {
-            q: b.arg(ins[0]),
-            k_cache: b.arg(ins[1]),
-            v_cache: b.arg(ins[2]),
-            req_slots: b.arg(ins[3]),
-            page_table: b.arg(ins[4]),
-            kv_layout: ArgValue::KvLayout,
-            prefix_lens: b.arg(ins[5]),
-            accept_lens: b.arg_if(select, ins.get(6)),
-            out,
-            part_o: ArgValue::Buffer(po),
-            part_lse: ArgValue::Buffer(pl),
-            counters: ArgValue::Counters,
-        };
-        b.kernel::<AttnFusedParams>(op, true, &f, p);
-        return Ok(());
-    }
+    // The splits and their merge in one launch (`attn_fused`): the group's last CTA merges,
+    // writing `out` beside the partials.
+    let fused = ws.is_some() && AttnFusedParams::serves(b.bf, &f);
     let p = AttnPartialPtrs {
         q: b.arg(ins[0]),
         k_cache: b.arg(ins[1]),
@@ -525,10 +509,14 @@ fn attention(
         kv_layout: ArgValue::KvLayout,
         prefix_lens: b.arg(ins[5]),
         accept_lens: b.arg_if(select, ins.get(6)),
-        out: if ws.is_some() { ArgValue::Null } else { out },
+        out: if ws.is_some() && !fused { ArgValue::Null } else { out },
         part_o: part(ws.map(|w| w.0)),
         part_lse: part(ws.map(|w| w.1)),
     };
+    if fused {
+        b.kernel::<AttnFusedParams>(op, true, &f, p.fused(ArgValue::Counters));
+        return Ok(());
+    }
     b.kernel::<AttnPartialParams>(op, true, &f, p);
     if let Some((po, pl)) = ws {
         let p = AttnMergePtrs {

@@ -161,6 +161,47 @@ impl Kernel for AttnPartialParams {
     }
 }
 
+/// The same pointers for the fused entry (`counters` added) and back: the two entries take
+/// the same arguments but the counters.
+impl<T> AttnPartialPtrs<T> {
+    pub fn fused(self, counters: T) -> AttnFusedPtrs<T> {
+        AttnFusedPtrs {
+            q: self.q,
+            k_cache: self.k_cache,
+            v_cache: self.v_cache,
+            req_slots: self.req_slots,
+            page_table: self.page_table,
+            kv_layout: self.kv_layout,
+            prefix_lens: self.prefix_lens,
+            accept_lens: self.accept_lens,
+            out: self.out,
+            part_o: self.part_o,
+            part_lse: self.part_lse,
+            counters,
+        }
+    }
+}
+
+impl<T> AttnFusedPtrs<T> {
+    /// `attn_partial`'s arguments and the counters.
+    pub fn unfused(self) -> (AttnPartialPtrs<T>, T) {
+        let p = AttnPartialPtrs {
+            q: self.q,
+            k_cache: self.k_cache,
+            v_cache: self.v_cache,
+            req_slots: self.req_slots,
+            page_table: self.page_table,
+            kv_layout: self.kv_layout,
+            prefix_lens: self.prefix_lens,
+            accept_lens: self.accept_lens,
+            out: self.out,
+            part_o: self.part_o,
+            part_lse: self.part_lse,
+        };
+        (p, self.counters)
+    }
+}
+
 impl AttnFusedParams {
     /// Whether a bucket's launch of an instance is `attn_fused`: the bucket merges its splits
     /// in their last CTA (`BucketFacts::attn_last_cta`) and the instance has at most

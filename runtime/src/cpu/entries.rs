@@ -480,22 +480,12 @@ impl<K: KvStore> Ctx<'_, K> {
         p: &AttnFusedPtrs<Ptr>,
         s: &AttnFusedScalars,
     ) -> R<()> {
-        if !matches!(p.counters, Ptr::Counters) {
+        let (mut whole, counters) = p.clone().unfused();
+        if !matches!(counters, Ptr::Counters) {
             return Err("counters must be the runtime's arrival counters".into());
         }
-        let whole = AttnPartialPtrs {
-            q: p.q,
-            k_cache: p.k_cache,
-            v_cache: p.v_cache,
-            req_slots: p.req_slots,
-            page_table: p.page_table,
-            kv_layout: p.kv_layout,
-            prefix_lens: p.prefix_lens,
-            accept_lens: p.accept_lens,
-            out: p.out,
-            part_o: Ptr::Null,
-            part_lse: Ptr::Null,
-        };
+        // One pass over all the keys: no partials.
+        (whole.part_o, whole.part_lse) = (Ptr::Null, Ptr::Null);
         let scalars = AttnPartialScalars {
             batch: s.batch,
             splits: s.splits,
