@@ -282,6 +282,13 @@ pub struct BucketFacts {
     pub attn_last_cta: bool,
 }
 
+/// Whether a bucket's attention splits can merge in their last CTA (`attn_last_cta`): more
+/// than one split, not in clusters, and one arrival counter per (request, kv head) within the
+/// runtime's words. The compiler sets the flag by it and validation holds plans to it.
+pub fn attn_last_cta_fits(batch: u32, kv_heads: u32, splits: u32, cluster: bool) -> bool {
+    splits > 1 && !cluster && batch as u64 * kv_heads as u64 <= crate::kv::COUNTER_WORDS as u64
+}
+
 /// Column chunks of a logits row of `cols` columns; 1 = no split.
 pub fn topk_chunks(cols: u32) -> u32 {
     if cols <= TOPK_SINGLE_COLS {

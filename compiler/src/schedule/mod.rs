@@ -91,8 +91,8 @@ pub fn attn_cluster(sh: &Shared, splits: u32) -> bool {
 /// runtime's words). Each instance then takes it if its rows a CTA allow
 /// (`AttnFusedParams::serves`).
 pub fn attn_last_cta(sh: &Shared, batch: u32, splits: u32) -> bool {
-    let groups = batch as usize * sh.facts.kv_heads as usize;
-    sh.attn_last_cta && splits > 1 && !attn_cluster(sh, splits) && groups <= specplan_kernels::kv::COUNTER_WORDS
+    let cluster = attn_cluster(sh, splits);
+    sh.attn_last_cta && specplan_kernels::facts::attn_last_cta_fits(batch, sh.facts.kv_heads, splits, cluster)
 }
 
 pub fn schedule_bucket(

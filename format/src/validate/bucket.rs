@@ -93,18 +93,15 @@ pub(crate) fn bucket(p: &Plan, f: &KernelFacts, bi: At, b: &BucketPlan, touched:
     });
     // The last-CTA merge counts arrivals per (request, kv head) in the runtime's words.
     let groups = b.batch as u64 * p.model.kv_heads as u64;
-    e.check(
-        !b.attn_last_cta
-            || (b.attn_splits > 1 && !b.attn_cluster && groups <= specplan_kernels::kv::COUNTER_WORDS as u64),
-        || {
+    let fits = specplan_kernels::facts::attn_last_cta_fits(b.batch, p.model.kv_heads, b.attn_splits, b.attn_cluster);
+    e.check(!b.attn_last_cta || fits, || {
             at(format!(
                 "attn_last_cta: set with {} split(s){} and {groups} (request, kv head) groups (needs more than one split, no cluster, at most {} groups)",
                 b.attn_splits,
                 if b.attn_cluster { " in clusters" } else { "" },
                 specplan_kernels::kv::COUNTER_WORDS
             ))
-        },
-    );
+    });
     e.check(b.arena_bytes <= MAX_REGION_BYTES, || {
         at(format!("arena_bytes: {} exceeds {MAX_REGION_BYTES}", b.arena_bytes))
     });

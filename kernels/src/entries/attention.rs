@@ -1,7 +1,7 @@
 //! attention.cu: split-KV paged attention of the N draft rows, and the merge of splits.
 
 use crate::abi::{Act, DevPtr, DevPtrMut, Extent, Kernel};
-use crate::facts::{attn_smem_bytes, BucketFacts, KernelFacts, ATTN_LAST_CTA_ROWS};
+use crate::facts::{attn_last_cta_fits, attn_smem_bytes, BucketFacts, KernelFacts, ATTN_LAST_CTA_ROWS};
 use crate::io;
 use crate::source::{ConstValue, Constants};
 use crate::Entry;
@@ -208,7 +208,9 @@ impl AttnFusedParams {
     /// [`ATTN_LAST_CTA_ROWS`] packed rows a CTA (the last CTA reads all of its rows'
     /// partials; wider instances keep `attn_partial` and `attn_merge`).
     pub fn serves(b: &BucketFacts, f: &KernelFacts) -> bool {
-        b.attn_last_cta && b.splits > 1 && !b.attn_cluster && f.n * f.group() <= ATTN_LAST_CTA_ROWS
+        b.attn_last_cta
+            && attn_last_cta_fits(b.batch, f.kv_heads, b.splits, b.attn_cluster)
+            && f.n * f.group() <= ATTN_LAST_CTA_ROWS
     }
 }
 
