@@ -117,7 +117,8 @@ impl KvGeometry {
 /// every launch that counts on them leaves them zero (a self-resetting count: the CTA whose
 /// `atomicInc` wraps a word back to 0 is the last of its group, and no other CTA of the launch
 /// touches that word after it). A kernel whose CTAs finish a shared result in the last CTA to
-/// arrive (`topk_fused`: the row's chunks) counts one word per group, so a launch covers at
+/// arrive (`topk_fused`: the row's chunks; `attn_fused`: a (request, kv head)'s splits) counts
+/// one word per group, so a launch covers at
 /// most this many groups; launches of one runtime never overlap (one stream), so every
 /// instance uses the words from 0.
 pub const COUNTER_WORDS: usize = 4096;
