@@ -60,8 +60,9 @@ enum Cmd {
         topk_merge: TopkMerge,
         /// Where the attention's KV splits merge, for instances of at most 16 packed rows a CTA
         /// (the selected query rows, small N·G layers): in each (request, kv head)'s last CTA to finish
-        /// (`attn_fused`), or in an `attn_merge` launch after them.
-        #[arg(long, value_enum, default_value_t = TopkMerge::LastCta)]
+        /// (`attn_fused`, measured slower: docs/perf-notes.md item 52), or in an `attn_merge`
+        /// launch after them (the default).
+        #[arg(long, value_enum, default_value_t = TopkMerge::Launch)]
         attn_merge: TopkMerge,
     },
     /// Print a plan's canonical text form.

@@ -74,8 +74,9 @@ pub struct Target {
     /// Merge a bucket's attention splits in the last CTA of each (request, kv head) to
     /// finish (the runtime's arrival counters) instead of with `attn_merge`, for instances of
     /// at most `ATTN_LAST_CTA_ROWS` packed rows a CTA — the draft-extend head's selected query
-    /// rows, MHA and other small N·G layers, draft decode's lanes (docs/perf-notes.md, item 52;
-    /// built, not measured).
+    /// rows, MHA and other small N·G layers, draft decode's lanes. Off by default: on the H200
+    /// the fused launch measured 0.3–1.0 µs slower than the two launches at B 1 and no faster
+    /// at B 8 (docs/perf-notes.md, item 52); kept for the API and its tests.
     pub attn_last_cta: bool,
 }
 
@@ -87,7 +88,7 @@ impl Default for Target {
             sm_count: 132,
             attn_cluster: false,
             topk_last_cta: true,
-            attn_last_cta: true,
+            attn_last_cta: false,
         }
     }
 }

@@ -305,7 +305,7 @@ fn lost_results_and_foreign_pools_are_rejected() {
     assert!(msgs.contains("layer 0's K pool is appended by 2 launches"), "{msgs}");
     assert!(msgs.contains("layer 1's V pool is appended by 0 launches"), "{msgs}");
     // Layer 0's attention over layer 1's pools, which this step has not appended yet.
-    let msgs = invalid(|p| pools_to(p, "l0.attention.attn_fused", 1));
+    let msgs = invalid(|p| pools_to(p, "l0.attention.attn_partial", 1));
     assert!(msgs.contains("reads layer 1's K pool before launch"), "{msgs}");
     // No append at all: attention over stale keys.
     let msgs = invalid(|p| {
@@ -497,8 +497,18 @@ fn last_cta_merges_are_validated() {
 /// its partials are its own.
 #[test]
 fn fused_attention_merges_are_validated() {
+    use specplan_compiler::config::{resolve, Source};
+    use specplan_compiler::{compile, Target};
     use specplan_format::{Entry, Plan};
-    let base = common::compile_preset("tiny", &Overrides::default()).into_inner();
+    let cfg = resolve(&Source::Preset("tiny".into()), &Overrides::default()).expect("config");
+    let target = Target {
+        attn_last_cta: true,
+        ..Target::default()
+    };
+    let base = compile(&cfg, &target, None, &|_, _| {})
+        .expect("compile")
+        .plan
+        .into_inner();
     let fused = |p: &Plan| -> usize {
         p.phases[0].buckets[0]
             .launches

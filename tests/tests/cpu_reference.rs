@@ -226,17 +226,20 @@ fn topk1_plan_matches_naive_forward() {
 }
 
 /// `tiny`'s attention splits its keys at small buckets (two splits at B 1); both layers'
-/// instances are narrow (N·G 8, and the selected rows' 2), so the splits merge in each
-/// group's last CTA (`attn_fused`), or with `attn_merge` when the target says so. Layer 1
-/// runs over the selected query rows either way.
+/// instances are narrow (N·G 8, and the selected rows' 2), so with `Target::attn_last_cta`
+/// the splits merge in each group's last CTA (`attn_fused`), and by default with
+/// `attn_merge`. Layer 1 runs over the selected query rows either way.
 #[test]
 fn attention_splits_merge_in_their_last_cta_or_a_launch() {
     use specplan_format::{Entry, LaunchKind};
     let src = || Source::Preset("tiny".into());
-    let launch = Target {
-        attn_last_cta: false,
-        ..Target::default()
-    };
+    let (launch, fused) = (
+        Target::default(),
+        Target {
+            attn_last_cta: true,
+            ..Target::default()
+        },
+    );
     // Bucket 1's attention launches and whether each runs over the selected queries.
     let launches = |t: &Target| -> Vec<(Entry, bool)> {
         let plan = specplan_tests_common_compile(src(), t);
@@ -260,10 +263,7 @@ fn attention_splits_merge_in_their_last_cta_or_a_launch() {
             })
             .collect()
     };
-    assert_eq!(
-        launches(&Target::default()),
-        [(Entry::AttnFused, false), (Entry::AttnFused, true)]
-    );
+    assert_eq!(launches(&fused), [(Entry::AttnFused, false), (Entry::AttnFused, true)]);
     assert_eq!(
         launches(&launch),
         [
@@ -273,7 +273,7 @@ fn attention_splits_merge_in_their_last_cta_or_a_launch() {
             (Entry::AttnMerge, true)
         ]
     );
-    for t in [Target::default(), launch] {
+    for t in [fused, launch] {
         check_source(src(), Overrides::default(), &t, &[1, 3]);
     }
 }

@@ -478,8 +478,6 @@ fn clustered_split_merge_equals_partials_and_merge() {
             sm,
             sm_count: 132,
             attn_cluster: true,
-            // sm_80's splits merge in a launch after their partials, as before `attn_fused`.
-            attn_last_cta: false,
             ..Target::default()
         };
         compile(&cfg, &target, None, &|_, _| {})
