@@ -399,6 +399,17 @@ fn tensor_parallel_facts_are_validated() {
     assert!(validate(rank).is_ok());
 }
 
+/// The index of bucket 0's first launch of `entry` (the plan must have one).
+fn first_launch_of(p: &specplan_format::Plan, entry: specplan_format::Entry) -> usize {
+    p.phases[0].buckets[0]
+        .launches
+        .iter()
+        .position(
+            |l| matches!(&l.kind, LaunchKind::Kernel { kernel, .. } if p.kernels[*kernel as usize].entry == entry),
+        )
+        .unwrap_or_else(|| panic!("a {} launch", entry.name()))
+}
+
 /// A split top-K row merged in its last CTA (`topk_fused`): the counters argument names the
 /// runtime's counter words and nothing else names them, its records are its own, and a
 /// sharded instance is refused.
@@ -421,13 +432,7 @@ fn last_cta_merges_are_validated() {
         .expect("compile")
         .plan
         .into_inner();
-    let fused = |p: &Plan| -> usize {
-        p.phases[0].buckets[0]
-            .launches
-            .iter()
-            .position(|l| matches!(&l.kind, LaunchKind::Kernel { kernel, .. } if p.kernels[*kernel as usize].entry == Entry::TopkFused))
-            .expect("a topk_fused launch")
-    };
+    let fused = |p: &Plan| first_launch_of(p, Entry::TopkFused);
     fn args(p: &mut Plan, i: usize) -> &mut Vec<ArgValue> {
         match &mut p.phases[0].buckets[0].launches[i].kind {
             LaunchKind::Kernel { args, .. } => args,
@@ -509,13 +514,7 @@ fn fused_attention_merges_are_validated() {
         .expect("compile")
         .plan
         .into_inner();
-    let fused = |p: &Plan| -> usize {
-        p.phases[0].buckets[0]
-            .launches
-            .iter()
-            .position(|l| matches!(&l.kind, LaunchKind::Kernel { kernel, .. } if p.kernels[*kernel as usize].entry == Entry::AttnFused))
-            .expect("an attn_fused launch")
-    };
+    let fused = |p: &Plan| first_launch_of(p, Entry::AttnFused);
     let i = fused(&base);
     assert!(base.phases[0].buckets[0].attn_last_cta);
     check(
