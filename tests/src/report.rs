@@ -167,6 +167,8 @@ pub struct GemmRecord {
     pub candidates: usize,
     /// The plan's skinny GEMM was kept (the list's last candidate).
     pub skinny: bool,
+    /// The parts the shape's cuBLASLt algorithm splits K into (1: none).
+    pub split: u32,
 }
 
 /// `specbench --gemm-flip`: one GEMM's load-time choice (skinny kernel or cuBLASLt) against

@@ -61,6 +61,8 @@ fn parse_line(line: &str) -> Option<(String, [u64; 8], GemmChoice)> {
         rank: nums.get(2)?.parse().ok()?,
         candidates: nums.get(3)?.parse().ok()?,
         ours: nums.get(4)? == &"ours",
+        // Read from the algorithm when it is adopted (`Lt::adopt`).
+        split: 1,
     };
     Some((k, algo, choice))
 }
@@ -83,8 +85,9 @@ fn line(k: &str, algo: &[u64; 8], c: &GemmChoice) -> String {
 /// The rule that chose the cached algorithms (`lt.rs`); a new rule starts a new file, so
 /// choices made by an old one are not reused. 2: graph nodes beyond the kernel charged;
 /// 3: twelve candidates, each run timed with the L2 flushed; 4: the plan's skinny GEMM a
-/// candidate too (a line's fifth number: `ours` when it was kept).
-const RULE: u32 = 4;
+/// candidate too (a line's fifth number: `ours` when it was kept); 5: split-K variants of
+/// the heuristic's first candidates timed too.
+const RULE: u32 = 5;
 
 impl GemmCache {
     /// The cache for this device (its name), driver and cuBLASLt version.
@@ -171,6 +174,7 @@ mod tests {
             rank: 3,
             candidates: 8,
             ours: true,
+            split: 1,
         };
         let algo = [1, 2, 3, u64::MAX, 0, 5, 6, 0xdead_beef];
         let (k, a, back) = parse_line(&line(&key(&s), &algo, &c)).expect("parses");

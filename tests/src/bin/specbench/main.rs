@@ -285,7 +285,11 @@ fn record_gemms(name: &str, rt: &GpuRuntime, n: usize, bench: &mut Bench) {
                 ch.best_us,
                 ch.rank,
                 ch.candidates,
-                if ch.ours { ": skinny_gemm" } else { "" }
+                match (ch.ours, ch.split) {
+                    (true, _) => ": skinny_gemm".to_string(),
+                    (false, 1) => String::new(),
+                    (false, s) => format!(": split-K {s}"),
+                }
             ));
             bench.gemms.push(GemmRecord {
                 plan: name.into(),
@@ -297,6 +301,7 @@ fn record_gemms(name: &str, rt: &GpuRuntime, n: usize, bench: &mut Bench) {
                 rank: ch.rank,
                 candidates: ch.candidates,
                 skinny: ch.ours,
+                split: ch.split,
             });
         }
     }
