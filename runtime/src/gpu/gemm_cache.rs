@@ -85,9 +85,8 @@ fn line(k: &str, algo: &[u64; 8], c: &GemmChoice) -> String {
 /// The rule that chose the cached algorithms (`lt.rs`); a new rule starts a new file, so
 /// choices made by an old one are not reused. 2: graph nodes beyond the kernel charged;
 /// 3: twelve candidates, each run timed with the L2 flushed; 4: the plan's skinny GEMM a
-/// candidate too (a line's fifth number: `ours` when it was kept); 5: split-K variants of
-/// the heuristic's first candidates timed too.
-const RULE: u32 = 5;
+/// candidate too (a line's fifth number: `ours` when it was kept).
+const RULE: u32 = 4;
 
 impl GemmCache {
     /// The cache for this device (its name), driver and cuBLASLt version.

@@ -23,7 +23,6 @@ use cudarc::driver::{result, sys};
 use specplan_format::DType;
 
 use super::device::{cuda, DevMem, Event, GpuError};
-use super::lt_split;
 use super::skinny::Skinny;
 
 /// Candidates asked of the heuristic per shape.
@@ -44,16 +43,6 @@ const FLUSH_BYTES: usize = 96 << 20;
 const NODE_US: f32 = 1.0;
 /// Rounds over the candidate list (each candidate keeps its best round's mean).
 const ROUNDS: usize = 2;
-/// Split-K counts tried on the heuristic's first candidates, beside its own list: for the
-/// skinny shapes of large buckets (m 32–512: o_proj, down, fc) it offers few split-K
-/// configurations, and N's tiles alone leave most SMs idle there (a 64 × 4096 output is 32
-/// tiles of 64 × 128 for 132 SMs; docs/perf-notes.md item 53).
-const SPLITS: [u32; 3] = [2, 4, 8];
-/// How many of the heuristic's candidates get split-K variants.
-const SPLIT_BASES: usize = 3;
-/// The most workspace a split-K variant may need: its partial sums live in the one
-/// workspace, which the engine's memory figure counts.
-const SPLIT_WS_MAX: usize = 8 << 20;
 
 /// One more round's `(mean µs, charged µs)` of a candidate into its best so far; a failed
 /// round (`None`) puts the candidate out.
@@ -113,14 +102,15 @@ pub struct GemmChoice {
     pub first_us: f32,
     pub best_us: f32,
     /// Index of the kept candidate in the list timed, and the list's length: the
-    /// heuristic's candidates, then their split-K variants (`lt_split.rs`), then the skinny
-    /// GEMM.
+    /// heuristic's candidates, then the skinny GEMM.
     pub rank: usize,
     pub candidates: usize,
     /// The plan's skinny GEMM was kept (`skinny.rs`; its rank is the list's last).
     pub ours: bool,
     /// The parts the shape's cuBLASLt algorithm splits K into (1: none), whether or not it
-    /// was kept over the skinny GEMM.
+    /// was kept over the skinny GEMM: the heuristic's own choice (docs/perf-notes.md item
+    /// 53 timed splits of 2, 4 and 8 parts of its first three candidates beside its list on
+    /// an H100; none was kept).
     pub split: u32,
 }
 
@@ -188,6 +178,27 @@ fn lt_ok<T>(call: &'static str, r: Result<T, lt::CublasError>) -> Result<T, GpuE
         call,
         status: format!("{:?}", e.0),
     })
+}
+
+/// The parts `algo` splits K into (1: none, or not reported).
+fn split_of(algo: &lsys::cublasLtMatmulAlgo_t) -> u32 {
+    let (mut v, mut written) = (0u32, 0usize);
+    // SAFETY: `algo` is a live plain-data struct; the buffer is 4 bytes, the attribute's
+    // type (uint32), and `written` says what was filled.
+    let status = unsafe {
+        lsys::cublasLtMatmulAlgoConfigGetAttribute(
+            algo,
+            lsys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+            &mut v as *mut u32 as *mut c_void,
+            4,
+            &mut written,
+        )
+    };
+    if status == lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && written == 4 {
+        v.max(1)
+    } else {
+        1
+    }
 }
 
 fn dtype(d: DType) -> lsys::cudaDataType {
@@ -310,7 +321,7 @@ impl Lt {
             return Ok(false); // the cached choice's kernel does not serve it here: timed again
         }
         t.choice = GemmChoice {
-            split: lt_split::split_of(&t.algo),
+            split: split_of(&t.algo),
             ..choice
         };
         t.lt_ws = check.workspaceSize;
@@ -407,28 +418,6 @@ impl Lt {
             return Ok(()); // no candidate: cublasGemmEx serves this shape
         }
         found.truncate(count as usize);
-        // The split-K variants of the heuristic's first candidates, checked on this shape.
-        let check = |algo: &lsys::cublasLtMatmulAlgo_t| {
-            // SAFETY: zeroed results are overwritten by the call.
-            let mut r: lsys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-            // SAFETY: live descriptors; `algo` and `r` are valid for the call.
-            let status = unsafe {
-                lsys::cublasLtMatmulAlgoCheck(
-                    self.handle,
-                    t.desc,
-                    t.layouts[0],
-                    t.layouts[1],
-                    t.layouts[2],
-                    t.layouts[2],
-                    algo,
-                    &mut r,
-                )
-            };
-            (status == lsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(r)
-        };
-        let ws_max = SPLIT_WS_MAX.min(self.ws.1);
-        let variants = lt_split::variants(&found, s.c == DType::F32, SPLIT_BASES, &SPLITS, ws_max, &check);
-        found.extend(variants);
         if self.flush.is_none() {
             self.flush = DevMem::new(FLUSH_BYTES).ok();
         }
@@ -498,7 +487,7 @@ impl Lt {
             rank,
             candidates: n,
             ours,
-            split: lt_split::split_of(&found[lt_rank].algo),
+            split: split_of(&found[lt_rank].algo),
         };
         self.tuned.insert(s, t);
         Ok(())

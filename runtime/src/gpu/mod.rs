@@ -28,7 +28,6 @@ mod gemm_cache;
 mod graph;
 mod launch;
 mod lt;
-mod lt_split;
 mod memory;
 mod nccl;
 mod owned;
