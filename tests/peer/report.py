@@ -3,14 +3,15 @@
 the bandwidth/compute floor, from the JSON the two write. Python standard library only.
 
   report.py --specbench specbench.json [--peer peer-a.json ...] [--device device.txt]
-            [--commit SHA] [--previous report.json] [--engine-memory engine-memory.json] --out DIR
+            [--commit SHA] [--previous report.json ...] [--engine-memory engine-memory.json] --out DIR
 
 Writes DIR/report.md (tables), DIR/report.json (the rows joined by model, N, L, B) and
 DIR/report.svg (step time vs bucket, specplan vs peer vs floor, one panel per model, N, L),
 and prints the main table. Where an EAGLE-3 model and its EAGLE-1 partner (HEAD_PAIRS) were
 both measured, report.md compares their step times at equal shapes. Without specbench.json, the rows of specbench.txt beside it are
 read (a run cut short prints them as it goes). Missing values show as "—". With --previous
-(the last full report's report.json), the benchmark targets are judged (criteria.py): a section of
+(the last full reports' report.json, one per GPU: the one of this run's GPU is used), the
+benchmark targets are judged (criteria.py): a section of
 report.md, "criteria" in report.json, and the verdict as the last lines printed. With
 --engine-memory (`gpucheck engine-memory`'s file), report.md shows what each plan's load with
 every bucket graphed adds to device memory, and the targets judge it against its bound.
@@ -59,6 +60,19 @@ def write_file(path, text):
 def load_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def same_gpu_previous(paths, device):
+    """The first of the previous reports `paths` measured on this run's GPU (`device`: its
+    device.txt), else the first one (judged "not compared"). A step time only compares with
+    one taken on the same card; the device tool may lend another card than the one asked
+    for. Every file must read as a report (an unreadable one is an error, not skipped)."""
+    docs = [load_json(p) for p in paths]
+    for d in docs:
+        if not isinstance(d, dict):
+            raise ValueError("not a report.json (no object)")
+    here = criteria.gpu_name(device)
+    return next((d for d in docs if here and criteria.gpu_name(d.get("device", "")) == here), docs[0])
 
 
 def read_specbench(path):
@@ -463,7 +477,9 @@ def main():
     ap.add_argument("--peer", nargs="*", default=[], help="peer JSON files (flashinfer_peer.py run --json)")
     ap.add_argument("--device", help="a text file describing the device (nvidia-smi output, date)")
     ap.add_argument("--commit", default=None)
-    ap.add_argument("--previous", help="the previous full report's report.json: judge the benchmark targets against it")
+    ap.add_argument("--previous", nargs="+", default=[],
+                    help="previous full reports' report.json, newest first per GPU: the benchmark targets are judged "
+                         "against the first one measured on this run's GPU (else the first given, not compared)")
     ap.add_argument("--engine-memory", help="gpucheck engine-memory's engine-memory.json: the memory figure, judged")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -501,9 +517,9 @@ def main():
         # A previous report that cannot be read or judged is an error of the report, never a
         # lost report: the run's own tables are still written, and the verdict says "not met".
         try:
-            judged = criteria.judge(rows, device, checks, load_json(a.previous), memory)
+            judged = criteria.judge(rows, device, checks, same_gpu_previous(a.previous, device), memory)
         except Exception as e:
-            notes.append(f"previous report {a.previous}: {type(e).__name__}: {e}")
+            notes.append(f"previous report {' '.join(a.previous)}: {type(e).__name__}: {e}")
             judged = criteria.judge(rows, device, checks, {"rows": [], "device": ""}, memory)
 
     md = ["# specplan vs PyTorch + FlashInfer vs the floor", ""]

@@ -3,7 +3,8 @@
 //! to work out by hand, so the verdict a real run prints is known to count what it says:
 //! the floor targets (1.1× at B 1, 1.2× elsewhere), shapes slower than the previous report, a
 //! shape the previous report had and this run lacks, the equal-output checks, a previous
-//! report from another GPU (not compared) or unreadable (an error, the report still written),
+//! report from another GPU (not compared), of several the one of this run's GPU, or unreadable
+//! (an error, the report still written),
 //! the engine-memory figure (`gpucheck engine-memory`'s file: within its bound, over it, a
 //! failed load, absent or unreadable), and an output that is a FIFO (refused). Needs python3
 //! (standard library only).
@@ -52,13 +53,16 @@ fn mixed_previous() -> Vec<Value> {
 }
 
 /// `python3 tests/peer/report.py --specbench DIR/specbench.json ... --out DIR/out`, each
-/// `--flag name` pair naming a file in `dir`.
+/// `--flag names` pair naming files in `dir` (names split at spaces).
 fn report_py(dir: &Path, flags: &[(&str, &str)]) -> Output {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("peer/report.py");
     let mut cmd = Command::new("python3");
     cmd.arg(&script).arg("--specbench").arg(dir.join("specbench.json"));
-    for (flag, name) in flags {
-        cmd.arg(flag).arg(dir.join(name));
+    for (flag, names) in flags {
+        cmd.arg(flag);
+        for name in names.split(' ') {
+            cmd.arg(dir.join(name));
+        }
     }
     cmd.arg("--out")
         .arg(dir.join("out"))
@@ -192,6 +196,39 @@ fn a_previous_report_from_another_gpu_is_not_compared() {
     );
     assert!(stdout.contains("equal-output checks: 1/2 passed"), "{stdout}");
     assert_eq!(c["met"], false);
+}
+
+#[test]
+fn of_several_previous_reports_the_one_of_this_gpu_is_judged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    // Written first by `report` (an H200 run against an H100 report), then given after another
+    // card's report and before an older H200 one: the first H200 report is the one compared.
+    let (_, c) = report(d, mixed_run(), mixed_previous(), H100, true);
+    assert_eq!(c["previous"]["comparable"], false);
+    let write = |name: &str, gpu: &str, commit: &str, step: f64| {
+        let v = json!({"device": gpu, "commit": commit, "rows": [prev_row("m", 4, 1, step)]});
+        fs::write(d.join(name), v.to_string()).expect("write a previous report");
+    };
+    write("h200-new.json", H200, "new2000", 100.0);
+    write("h200-old.json", H200, "old2000", 200.0);
+    let out = report_py(
+        d,
+        &[
+            ("--peer", "peer.json"),
+            ("--device", "device.txt"),
+            ("--previous", "previous.json h200-new.json h200-old.json"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let doc: Value = serde_json::from_str(&fs::read_to_string(d.join("out/report.json")).expect("report.json"))
+        .expect("report.json parses");
+    let p = &doc["criteria"]["previous"];
+    assert_eq!(p["comparable"], true, "{p}");
+    assert_eq!(p["commit"], "new2000", "the first report of this run's GPU: {p}");
+    // m-n4 B 1: 105 µs now against 100 then.
+    assert_eq!(p["slower"], 1, "{p}");
 }
 
 #[test]
