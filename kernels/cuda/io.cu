@@ -192,6 +192,17 @@ __device__ __forceinline__ long long load_int(const long long* p, long long i, b
     return is_i32 ? (long long)reinterpret_cast<const int*>(p)[i] : p[i];
 }
 
+// A caller's integer clamped to ±2^62 (an int32 input is never touched): the sums admission
+// makes with it (the prefix bias, N or a lane's reach, a select row's offset) cannot wrap an
+// i64, and a clamped value still breaks the rule it is checked by. Without it a prefix of
+// i64::MAX - 1 with bias 0 passed RULE_PREFIX (L + N wrapped negative) and the slot loop read
+// the page table at that position.
+__device__ __forceinline__ long long load_bounded(const long long* p, long long i, bool is_i32) {
+    const long long lim = 1LL << 62;
+    const long long x = load_int(p, i, is_i32);
+    return x < -lim ? -lim : (x > lim ? lim : x);
+}
+
 // Whether x is finite (false for NaN and ±inf), without the math library.
 __device__ __forceinline__ bool finite_f(float x) { return fabsf(x) <= 3.402823466e38f; }
 
@@ -210,8 +221,8 @@ __device__ Admission rule_of(const AdmitParams& p, const KvLayout& lay, unsigned
     Admission q;
     q.rule = 0;
     q.r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
-    q.L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
-    q.A = load_int(p.src_accept, j, (p.flags & 4u) != 0u);
+    q.L = load_bounded(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+    q.A = load_bounded(p.src_accept, j, (p.flags & 4u) != 0u);
     if ((p.flags & ADMIT_FLAG_SELECT) != 0u) q.A = q.A - ((long long)p.base + j) * kN + 1;
     const long long end = q.L + kN;  // one past the last new position
     const long long need = lay.mode == KV_MODE_TOKENS ? end : ceil_div(end, (long long)PAGE_SIZE);
@@ -321,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
         const unsigned j = e / (unsigned)kN, t = e % (unsigned)kN;
         if (rules[j] != 0) continue;
         const long long r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
-        const long long L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+        const long long L = load_bounded(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
         ws.insert(kv_token(lay, kv_row(lay, p.page_table, r), L + t, (long long)PAGE_SIZE), e);
     }
     __syncthreads();
@@ -497,7 +508,7 @@ __device__ Admission rule_of_decode(const AdmitDecodeParams& p, const KvLayout& 
     q.rule = 0;
     q.A = 0;
     q.r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
-    q.L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+    q.L = load_bounded(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
     const long long reach =
         lane_offset(q.L < 0 ? 0 : q.L, kK - 1, (int)p.steps, kK, (long long)PAGE_SIZE) + (long long)p.steps - 1;
     const long long end = q.L + reach;
@@ -570,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
         const unsigned j = e / writes, t = e % writes;
         if (rules[j] != 0) continue;
         const long long r = load_int(p.src_req, j, (p.flags & 1u) != 0u);
-        const long long L = load_int(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
+        const long long L = load_bounded(p.src_prefix, j, (p.flags & 2u) != 0u) + (long long)(int)p.prefix_bias;
         ws.insert(kv_token(lay, kv_row(lay, p.page_table, r), lane_pos(L, t, p.steps), (long long)PAGE_SIZE), e);
     }
     __syncthreads();

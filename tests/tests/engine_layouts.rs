@@ -340,6 +340,13 @@ fn integers_near_the_i64_limits_are_refused_not_overflowed() {
             DeviceRule::Prefix,
         ),
         (
+            "prefix i64::MAX - 1, bias 0 (its sum with N wraps)",
+            vec![prefix[0] - n, i64::MAX - 1, prefix[2] - n],
+            good_sel.clone(),
+            0,
+            DeviceRule::Prefix,
+        ),
+        (
             "select index i64::MIN",
             prefix.clone(),
             vec![0, i64::MIN, 2 * n],

@@ -506,7 +506,14 @@ pub fn engine_decode_check(
                 refused[i] = true;
                 match rule {
                     DeviceRule::Request => rows[i] = rows_n as i64 + 5,
-                    DeviceRule::Prefix => e_l[i] = ctx as i64,
+                    DeviceRule::Prefix => {
+                        // Past the context; and request i + 1's one below i64::MAX, whose
+                        // sum with the lanes' reach wraps an i64 (int32 inputs pass it as
+                        // −2: refused too).
+                        e_l[i] = ctx as i64;
+                        e_l[i + 1] = i64::MAX - 1;
+                        refused[i + 1] = true;
+                    }
                     DeviceRule::Slot => {
                         let pos = lane_positions(plan, kind, r.l[i])[0];
                         let at = rows[i] as usize * stride + if blocks { pos / ps } else { pos };

@@ -53,12 +53,15 @@ pub(crate) struct Outputs {
 /// `seq_lens` (prefix + N) with bias −N, i32 accept lengths; `Plain`: i64 ids, i32 rows, i32
 /// prefix lengths with bias 0, i64 accept lengths; `Vllm`: i32 ids, i64 rows (`idx_mapping`),
 /// i32 `seq_lens` with bias −N, and the selected rows `r·N + A − 1` (`last_token_indices`,
-/// i64) instead of accept lengths.
+/// i64) instead of accept lengths; `Wide`: every integer i64 (ids, rows, prefix lengths with
+/// bias 0, accept lengths), one request's prefix replaced where it holds one (a value the
+/// narrower forms cannot pass: near the i64 limits).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ints {
     Sglang,
     Plain,
     Vllm,
+    Wide(Option<(usize, i64)>),
 }
 
 /// One engine step on fresh device copies of `x`'s inputs (outputs filled with 0xff first).
@@ -102,6 +105,18 @@ pub(crate) fn engine_step(
             [
                 DeviceBuf::from_slice(&rows32)?,
                 DeviceBuf::from_slice(&x.prefix_lens)?,
+                DeviceBuf::from_slice(&acc64)?,
+            ]
+        }
+        Ints::Wide(bad_prefix) => {
+            let mut pre: Vec<i64> = x.prefix_lens.iter().map(|&l| l as i64).collect();
+            if let Some((at, v)) = bad_prefix {
+                *pre.get_mut(at).ok_or("the replaced prefix is past the batch")? = v;
+            }
+            let acc64: Vec<i64> = x.accept_lens.iter().map(|&a| a as i64).collect();
+            [
+                DeviceBuf::from_slice(rows)?,
+                DeviceBuf::from_slice(&pre)?,
                 DeviceBuf::from_slice(&acc64)?,
             ]
         }
@@ -149,7 +164,7 @@ pub(crate) fn engine_step(
         },
         prefix_lens: DeviceInts {
             ptr: ins[1].ptr,
-            i32: !sglang,
+            i32: matches!(ints, Ints::Plain | Ints::Vllm),
         },
         accept_lens: DeviceInts {
             ptr: ins[2].ptr,
@@ -160,7 +175,11 @@ pub(crate) fn engine_step(
         } else {
             AcceptForm::Lengths
         },
-        prefix_bias: if ints == Ints::Plain { 0 } else { -(n as i32) },
+        prefix_bias: if matches!(ints, Ints::Plain | Ints::Wide(_)) {
+            0
+        } else {
+            -(n as i32)
+        },
         outputs: DeviceOutputs {
             topk_p: if k > 0 { outs[0].ptr } else { 0 },
             topk_index: if k > 0 { outs[1].ptr } else { 0 },
@@ -414,9 +433,11 @@ fn check_step(
     Ok(())
 }
 
-/// Runs case `c` in owned memory (the valid requests), then three engine steps on one
-/// runtime: `engine_x` (with its bad request, if any) in SGLang's integers with a busy
-/// stream, `engine_x` again in plain integers with fresh tensors, and the valid case.
+/// Runs case `c` in owned memory (the valid requests), then engine steps on one runtime:
+/// `engine_x` (with its bad request, if any) in SGLang's integers with a busy stream,
+/// `engine_x` again in plain integers with fresh tensors, and the valid case in SGLang's,
+/// vLLM's and wide integers. A `Prefix` case's bad request is made in wide integers instead
+/// (i64::MAX − 1, whose sum with N wraps an i64, and i64::MIN), values no other form carries.
 #[allow(clippy::too_many_arguments)]
 fn compare(
     plan: &ValidatedPlan,
@@ -447,18 +468,22 @@ fn compare(
     let oo = own.read_outputs().map_err(err)?;
     let (ok_, ov) = own.read_kv(c.used_pages).map_err(err)?;
     let busy = DeviceBuf::new(4 << 30)?;
+    let (bad_ints, bad_ints_again) = match bad {
+        Some((at, DeviceRule::Prefix)) => (Ints::Wide(Some((at, i64::MAX - 1))), Ints::Wide(Some((at, i64::MIN)))),
+        _ => (Ints::Sglang, Ints::Plain),
+    };
     let steps = [
         StepCase {
             x: engine_x,
             hidden: engine_hidden,
-            ints: Ints::Sglang,
+            ints: bad_ints,
             bad,
             busy: Some(&busy),
         },
         StepCase {
             x: engine_x,
             hidden: engine_hidden,
-            ints: Ints::Plain,
+            ints: bad_ints_again,
             bad,
             busy: None,
         },
@@ -474,6 +499,13 @@ fn compare(
             x: &c.step,
             hidden: &c.hidden_bits,
             ints: Ints::Vllm,
+            bad: None,
+            busy: None,
+        },
+        StepCase {
+            x: &c.step,
+            hidden: &c.hidden_bits,
+            ints: Ints::Wide(None),
             bad: None,
             busy: None,
         },
@@ -545,6 +577,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
     cases.extend([
         case(4, Some((1, DeviceRule::Accept)), false),
         case(4, Some((1, DeviceRule::Row)), false),
+        case(4, Some((1, DeviceRule::Prefix)), false),
         case(4, Some((1, DeviceRule::Slot)), false),
         case(4, Some((1, DeviceRule::Alias)), false),
         case(4, Some((2, DeviceRule::NonFinite)), false),
@@ -625,6 +658,8 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                 // Hidden states at 90% of the activation type's largest value: finite
                 // inputs whose forward overflows (set below).
                 DeviceRule::NonFinite => {}
+                // Given in wide integers by `compare`: engine_x keeps its valid prefix.
+                DeviceRule::Prefix => {}
                 other => return Err(format!("no engine case breaks {other:?}")),
             }
         }
