@@ -28,7 +28,7 @@ pub mod verify;
 use std::collections::BTreeMap;
 
 use specplan_format::{
-    kernel_facts, phase_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Phase, PhaseKind, Plan, SpecDesc,
+    io_facts, kernel_facts, phase_facts, validate, CaptureDesc, LayerDesc, ModelDesc, Phase, PhaseKind, Plan, SpecDesc,
     TargetDesc, ValidatedPlan, WeightDesc,
 };
 
@@ -230,15 +230,19 @@ pub fn compile(
     // that stands in for a GEMM library's memset nodes, the skinny GEMM the runtime times
     // beside cuBLASLt, the owned-memory graphs' stage_in, the graphs' L2 prefetch branch and
     // the rounded copy after a cuBLASLt GEMM: launched by the runtime, carried by every plan.
+    // The io kernels carry the layers' read window: admission checks the table entries of the
+    // prefix positions some layer's attention reads.
+    let layers: Vec<LayerDesc> = cfg.model.windows.iter().map(|&window| LayerDesc { window }).collect();
     let facts = kernel_facts(&d.model, &d.spec, &d.capture, &d.inv_freq);
-    kernels.intern(specplan_kernels::Entry::Admit, &facts);
-    kernels.intern(specplan_kernels::Entry::Emit, &facts);
-    kernels.intern(specplan_kernels::Entry::AdmitDecode, &facts);
-    kernels.intern(specplan_kernels::Entry::EmitDecode, &facts);
-    kernels.intern(specplan_kernels::Entry::Fill, &facts);
+    let io = io_facts(&facts, &layers);
+    kernels.intern(specplan_kernels::Entry::Admit, &io);
+    kernels.intern(specplan_kernels::Entry::Emit, &io);
+    kernels.intern(specplan_kernels::Entry::AdmitDecode, &io);
+    kernels.intern(specplan_kernels::Entry::EmitDecode, &io);
+    kernels.intern(specplan_kernels::Entry::Fill, &io);
     kernels.intern(specplan_kernels::Entry::SkinnyGemm, &facts);
-    kernels.intern(specplan_kernels::Entry::StageIn, &facts);
-    kernels.intern(specplan_kernels::Entry::L2Prefetch, &facts);
+    kernels.intern(specplan_kernels::Entry::StageIn, &io);
+    kernels.intern(specplan_kernels::Entry::L2Prefetch, &io);
     kernels.intern(specplan_kernels::Entry::GemmRound, &facts);
     let stats = match jit {
         Some(j) => Some(j.compile_all(&mut kernels.kernels, &kernels.sources, target.sm)?),
@@ -255,7 +259,7 @@ pub fn compile(
             nvrtc: jit.map(|j| j.version.clone()),
         },
         rope_inv_freq: d.inv_freq,
-        layers: cfg.model.windows.iter().map(|&window| LayerDesc { window }).collect(),
+        layers,
         weights,
         weight_bytes,
         kernels: kernels.kernels,

@@ -5,7 +5,9 @@
 use specplan_kernels::facts::{BucketFacts, KernelFacts};
 use specplan_kernels::DType;
 
-use crate::types::{BucketPlan, CaptureDesc, ModelDesc, PhaseKind, Plan, RopeScaling, SpecDesc, TensorParallel};
+use crate::types::{
+    BucketPlan, CaptureDesc, LayerDesc, ModelDesc, PhaseKind, Plan, RopeScaling, SpecDesc, TensorParallel,
+};
 
 /// Facts of a plan with these descriptors (window 0: see [`KernelFacts::with_window`]), for
 /// the kernels of the draft-extend phase (`n`: its rows per request, the one definition in
@@ -183,6 +185,28 @@ pub fn rope_attention_scale(m: &ModelDesc) -> f32 {
         }
         _ => 1.0,
     }
+}
+
+/// The sliding window that bounds every layer's reads (0: some layer reads its whole
+/// prefix): the widest of the layers' windows. `admit` and `admit_decode` check the table
+/// entries of prefix positions from `max(0, L − W + 1)` on, the oldest any layer's attention
+/// reads (the io kernels' WINDOW constant).
+pub fn read_window(windows: impl IntoIterator<Item = Option<u32>>) -> u32 {
+    let mut widest = 0;
+    for w in windows {
+        match w {
+            Some(w) => widest = widest.max(w),
+            None => return 0,
+        }
+    }
+    widest
+}
+
+/// The io kernels' facts (`admit`, `emit`, their draft-decode forms, `fill`, `stage_in`,
+/// `l2_prefetch`): the draft-extend facts with the layers' read window.
+pub fn io_facts(f: &KernelFacts, layers: &[LayerDesc]) -> KernelFacts {
+    let w = read_window(layers.iter().map(|l| l.window));
+    f.with_window((w != 0).then_some(w))
 }
 
 pub fn kernel_facts_of(p: &Plan) -> KernelFacts {

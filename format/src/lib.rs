@@ -24,8 +24,8 @@ pub use codec::{
 };
 pub use diff::{diff, DiffEntry, PlanDiff};
 pub use facts::{
-    bucket_facts, kernel_facts, kernel_facts_of, phase_facts, phase_facts_of, rope_attention_scale, rope_inv_freq,
-    stream_dtype,
+    bucket_facts, io_facts, kernel_facts, kernel_facts_of, phase_facts, phase_facts_of, read_window,
+    rope_attention_scale, rope_inv_freq, stream_dtype,
 };
 pub use location::{Location, Violation};
 pub use specplan_kernels::facts::{BucketFacts, KernelFacts, MAX_SMEM_BYTES};

@@ -3,7 +3,8 @@
 // caller's device tensors are the inputs; they are never in a plan's launch lists.
 //
 // Entry admit
-//   Constants: act_t, HIDDEN, HIDDEN_IN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT
+//   Constants: act_t, HIDDEN, HIDDEN_IN, VOCAB, N, TOPK, PAGE_SIZE, MAX_CONTEXT, WINDOW (the
+//              layers' read window, format::read_window)
 //   Launch:    grid (batch, 1, 1), block (ADMIT_THREADS = 256, 1, 1), dynamic shared memory
 //              admit_smem_bytes(batch, N) (entries/io.rs): the write set, HASH =
 //              admit_hash_slots(batch, N) slots of a u32 key and a u32 owner pair, then
@@ -43,6 +44,11 @@
 //                   request reading another's new slot, or one row mapping two positions
 //                   to one slot). Every CTA builds W in shared memory (O(b N)) and probes
 //                   its own row (O(L + N)).
+//     RULE_SLOT     (again, in the same walk as RULE_ALIAS, so the request is still one of
+//                   W's writers) each prefix position from max(0, L - WINDOW + 1) on
+//                   (WINDOW: the layers' read window, 0 = all of it) has a token slot in the
+//                   pool: the attention would read such a key as zeros. Reported before
+//                   RULE_ALIAS.
 //   Admitted: req_slots[i] = r, prefix_lens[i] = L, accept_lens[i] = A, ids and hidden rows
 //   copied. Otherwise (and for i >= b, padding): req_slots[i] = -1 (no K/V read or written
 //   anywhere), prefix 0, accept N, ids 0, hidden 0. A request i < b that broke rule R
@@ -98,7 +104,9 @@
 //     RULE_PREFIX   0 <= L and L + reach <= MAX_CONTEXT
 //     RULE_ROW      L + reach fits row r (token slots: <= TABLE_COLS entries; page ids:
 //                   ceil((L + reach) / PAGE_SIZE) <= TABLE_COLS)
-//     RULE_SLOT     every position of W_i has a token slot in the pool
+//     RULE_SLOT     every position of W_i has a token slot in the pool (and, in the
+//                   RULE_ALIAS walk, as admit's, every prefix position from
+//                   max(0, L - WINDOW + 1) on)
 //     RULE_ID       every src_ids[i][k] (and src_bonus[i]) is in [0, VOCAB)
 //     RULE_ALIAS    no slot request i reads (its prefix 0 .. L-1 and W_i) is written by
 //                   another (request, lane position) of this launch, over the write set of
@@ -209,6 +217,13 @@ __device__ __forceinline__ bool finite_f(float x) { return fabsf(x) <= 3.4028234
 __device__ __forceinline__ unsigned next_pow2(unsigned x) { return x <= 1u ? 1u : 1u << (32 - __clz(x - 1u)); }
 
 
+// The oldest prefix position any layer's attention reads for a request with prefix L: all
+// of it without a window, else L - WINDOW + 1 on (a row at L + j reads back to L + j - WINDOW
+// + 1; draft decode's step s from L + s - WINDOW + 1).
+__device__ __forceinline__ long long read_start(long long L) {
+    return WINDOW > 0u ? max(0LL, L - (long long)WINDOW + 1) : 0;
+}
+
 // A request's admission by rules 1-6: the rule it breaks (0: none) and its row, prefix and
 // accept length. Serial over its N positions: one thread per request.
 struct Admission {
@@ -298,14 +313,17 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     WriteSet ws{reinterpret_cast<unsigned*>(smem), reinterpret_cast<unsigned*>(smem) + hash, hash - 1u};
     unsigned char* rules = smem + 8ull * hash;
     __shared__ long long s_req, s_len, s_acc;
-    __shared__ unsigned s_other;
+    __shared__ unsigned s_other, s_hole;
     const bool real = i < p.b;
     const KvLayout lay = kv_layout(p.kv_layout);
     for (unsigned h = threadIdx.x; h < hash; h += blockDim.x) {
         ws.keys[h] = 0u;
         ws.owners[h] = 0xffffffffu;
     }
-    if (threadIdx.x == 0) s_other = 0xffffu;
+    if (threadIdx.x == 0) {
+        s_other = 0xffffu;
+        s_hole = 0u;
+    }
     // Rules 1-6 for every request of the launch (each CTA needs all of them for W).
     for (unsigned j = threadIdx.x; j < p.b; j += blockDim.x) {
         const Admission q = rule_of(p, lay, j);
@@ -336,21 +354,29 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
         ws.insert(kv_token(lay, kv_row(lay, p.page_table, r), L + t, (long long)PAGE_SIZE), e);
     }
     __syncthreads();
-    // RULE_ALIAS: request i's reads, positions 0 .. L+N-1, against W.
+    // RULE_ALIAS: request i's reads, positions 0 .. L+N-1, against W; in the same walk,
+    // RULE_SLOT for a prefix position some layer reads (from read_from on) without a slot.
     const int base_rule = real ? (int)rules[i] : 0;
     if (real && base_rule == 0) {
         const int* row = kv_row(lay, p.page_table, s_req);
-        const long long end = s_len + kN;
+        const long long end = s_len + kN, read_from = read_start(s_len);
         for (long long q = threadIdx.x; q < end; q += blockDim.x) {
             const long long slot = kv_token(lay, row, q, (long long)PAGE_SIZE);
-            if (slot < 0) continue;
+            if (slot < 0) {
+                if (q >= read_from) s_hole = 1u;  // a benign race: every writer stores 1
+                continue;
+            }
             const unsigned mine = q >= s_len ? i * (unsigned)kN + (unsigned)(q - s_len) : 0xffffu;
             const unsigned w = ws.other(slot, mine);
             if (w != 0xffffu) atomicMin(&s_other, w / (unsigned)kN);
         }
     }
     __syncthreads();
-    const int rule = base_rule != 0 ? base_rule : (real && s_other != 0xffffu ? RULE_ALIAS : 0);
+    const int rule = base_rule != 0 ? base_rule
+                     : !real         ? 0
+                     : s_hole != 0u  ? RULE_SLOT
+                     : s_other != 0xffffu ? RULE_ALIAS
+                                          : 0;
     const bool ok = real && rule == 0;
     if (threadIdx.x == 0) {
         if (real && rule != 0) {
@@ -552,14 +578,17 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
     WriteSet ws{reinterpret_cast<unsigned*>(smem), reinterpret_cast<unsigned*>(smem) + hash, hash - 1u};
     unsigned char* rules = smem + 8ull * hash;
     __shared__ long long s_req, s_len;
-    __shared__ unsigned s_other;
+    __shared__ unsigned s_other, s_hole;
     const bool real = i < p.b;
     const KvLayout lay = kv_layout(p.kv_layout);
     for (unsigned h = threadIdx.x; h < hash; h += blockDim.x) {
         ws.keys[h] = 0u;
         ws.owners[h] = 0xffffffffu;
     }
-    if (threadIdx.x == 0) s_other = 0xffffu;
+    if (threadIdx.x == 0) {
+        s_other = 0xffffu;
+        s_hole = 0u;
+    }
     for (unsigned j = threadIdx.x; j < p.b; j += blockDim.x) {
         const Admission q = rule_of_decode(p, lay, j);
         rules[j] = (unsigned char)q.rule;
@@ -585,22 +614,31 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
         ws.insert(kv_token(lay, kv_row(lay, p.page_table, r), lane_pos(L, t, p.steps), (long long)PAGE_SIZE), e);
     }
     __syncthreads();
-    // RULE_ALIAS: request i's reads (its prefix, then its own lane slots) against W.
+    // RULE_ALIAS: request i's reads (its prefix, then its own lane slots) against W; in the
+    // same walk, RULE_SLOT for a prefix position some layer reads without a slot.
     const int base_rule = real ? (int)rules[i] : 0;
     if (real && base_rule == 0) {
         const int* row = kv_row(lay, p.page_table, s_req);
+        const long long read_from = read_start(s_len);
         for (long long q = threadIdx.x; q < s_len + (long long)writes; q += blockDim.x) {
             const bool own = q >= s_len;
             const long long pos = own ? lane_pos(s_len, (unsigned)(q - s_len), p.steps) : q;
             const long long slot = kv_token(lay, row, pos, (long long)PAGE_SIZE);
-            if (slot < 0) continue;
+            if (slot < 0) {
+                if (!own && q >= read_from) s_hole = 1u;  // a benign race: every writer stores 1
+                continue;
+            }
             const unsigned mine = own ? i * writes + (unsigned)(q - s_len) : 0xffffu;
             const unsigned w = ws.other(slot, mine);
             if (w != 0xffffu) atomicMin(&s_other, w / writes);
         }
     }
     __syncthreads();
-    const int rule = base_rule != 0 ? base_rule : (real && s_other != 0xffffu ? RULE_ALIAS : 0);
+    const int rule = base_rule != 0 ? base_rule
+                     : !real         ? 0
+                     : s_hole != 0u  ? RULE_SLOT
+                     : s_other != 0xffffu ? RULE_ALIAS
+                                          : 0;
     const bool ok = real && rule == 0;
     if (threadIdx.x == 0) {
         if (real && rule != 0) {

@@ -240,7 +240,11 @@ pub enum DeviceRule {
     Row = 3,
     /// `A` outside `[1, N]`.
     Accept = 4,
-    /// A new position's token slot is outside the pool (or its page is negative).
+    /// A new position's token slot is outside the pool (or its page is negative); or, found
+    /// in the aliasing walk after rules 1–6 (the request then still counts among the
+    /// writers), one of a prefix position some layer reads (from `max(0, L − W + 1)` on, W
+    /// the layers' read window, `format::read_window`; all of the prefix without one): the
+    /// attention would read its key as zeros. Reported ahead of `Alias`.
     Slot = 5,
     /// An input id is outside `[0, vocab)`.
     Id = 6,
@@ -287,7 +291,9 @@ impl DeviceRule {
                 "prefix_lens: positions up to prefix + num_draft_tokens - 1 do not fit the request's table row"
             }
             DeviceRule::Accept => "accept_lens: outside [1, num_draft_tokens]",
-            DeviceRule::Slot => "page table: a new token's slot (or page) is outside the registered KV pool",
+            DeviceRule::Slot => {
+                "page table: a slot (or page) of a new token, or of a prefix token the attention reads, is outside the registered KV pool"
+            }
             DeviceRule::Id => "input_ids: an id is outside [0, vocab)",
             DeviceRule::Alias => {
                 "page table: the request reads a cache slot that a request of the same replay writes (or writes one slot twice)"

@@ -447,3 +447,80 @@ fn aliasing_and_non_finite_outputs_are_reported_by_request() {
         );
     }
 }
+
+/// A prefix position the attention reads whose table entry names no slot of the pool (a
+/// page past it) is refused by rule `Slot`, which `admit` finds in its aliasing walk: the
+/// attention would read that key as zeros and the outputs would be silently wrong. With a
+/// sliding window only the positions some layer reads are checked: the same hole before
+/// the window is admitted.
+#[test]
+fn a_prefix_entry_outside_the_pool_is_refused_where_a_layer_reads_it() {
+    let s = seed();
+    println!("seed {s:#x}");
+    let mut rng = Rng(s ^ 0x401e);
+    let window = |w: Option<u32>| {
+        let cfg = resolve(
+            &Source::Preset("tiny".into()),
+            &Overrides {
+                page_size: Some(4),
+                outputs: Some("topk".into()),
+                sliding_window: w,
+                ..Default::default()
+            },
+        )
+        .expect("tiny resolves");
+        compile(&cfg, &Target::default(), None, &|_, _| {})
+            .expect("tiny compiles")
+            .plan
+    };
+    for (w, layout) in [
+        (None, Layout::SglangNhd),
+        (None, Layout::VllmNhd),
+        (Some(6), Layout::VllmHnd),
+    ] {
+        let plan = window(w);
+        let wts = random_weights(&plan, &mut rng);
+        let hw = host_weights(&plan, &wts);
+        // Request 1 needs a prefix of 9 or more: page 0 then lies before a 6-token window
+        // (L − 6 + 1 > 3) and its last whole prefix page, ⌊L/4⌋ − 1 ≥ 1, inside it.
+        let c = (0..512)
+            .map(|_| make_case(&plan, &mut rng, 3, 24))
+            .find(|c| c.step.prefix_lens[1] >= 9)
+            .expect("a case whose request 1 has two full prefix pages");
+        let clean = run_layout(&plan, &hw, &c, layout, &c.step.accept_lens);
+        assert_eq!(clean.error, None, "{layout:?}: a case without holes");
+        let past_pool = c.used_pages as i32 + 3;
+        let l1 = c.step.prefix_lens[1] as usize;
+        // Its last whole prefix page (no new position in it: rules 1-6 pass): every layer
+        // reads it.
+        let mut x = c.clone();
+        x.pages[1][l1 / 4 - 1] = past_pool;
+        let r = run_layout(&plan, &hw, &x, layout, &x.step.accept_lens);
+        let e = r.error.as_ref().expect("request 1 reads a key outside the pool");
+        assert_eq!(
+            (e.count, e.request, e.rule),
+            (1, 1, Some(DeviceRule::Slot)),
+            "{layout:?} window {w:?}: {e}"
+        );
+        let h = plan.model.hidden as usize;
+        assert!(
+            r.hidden[h..2 * h].iter().all(|&b| b == 0),
+            "a refused request's outputs are zeros"
+        );
+        assert_eq!(r.hidden[..h], clean.hidden[..h], "request 0 is unaffected");
+        // Page 0: read without a window, not with one.
+        let mut x = c.clone();
+        x.pages[1][0] = past_pool;
+        let r = run_layout(&plan, &hw, &x, layout, &x.step.accept_lens);
+        match w {
+            None => {
+                let e = r.error.as_ref().expect("request 1 reads position 0");
+                assert_eq!((e.request, e.rule), (1, Some(DeviceRule::Slot)), "{layout:?}: {e}");
+            }
+            Some(_) => {
+                assert_eq!(r.error, None, "{layout:?}: a hole no layer reads is admitted");
+                assert_eq!(r.hidden, clean.hidden, "and changes no output");
+            }
+        }
+    }
+}

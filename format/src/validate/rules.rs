@@ -120,6 +120,15 @@ pub(crate) fn kernels(p: &Plan, e: &mut Errors) {
         if !same {
             continue;
         }
+        // Admission checks the prefix entries from the oldest position any layer reads: a
+        // narrower window would leave a hole some layer reads unreported.
+        let read = crate::facts::read_window(p.layers.iter().map(|l| l.window));
+        e.check(template != specplan_kernels::Template::Io || kf.window == read, || {
+            at(format!(
+                "constant WINDOW = {}, expected the layers' read window {read} (0: some layer reads its whole prefix)",
+                kf.window
+            ))
+        });
         // The name is the instance's mangled name (suffixed `_vN` when two instances differ
         // only in float constants), so a plan cannot relabel what `show` and `diff` print.
         let base = mangled_name(k.entry, &k.constants);

@@ -368,6 +368,9 @@ pub fn constants(f: &KernelFacts) -> Constants {
         u("TOPK", f.topk),
         u("PAGE_SIZE", f.page_size),
         u("MAX_CONTEXT", f.max_context),
+        // The layers' read window (0: whole prefixes), admission's bound on the prefix
+        // positions whose table entries it checks (format::read_window).
+        u("WINDOW", f.window),
         // The emitted logits' columns (every rank's under tensor parallelism).
         u("COLS", f.logits_cols()),
         u("OUT_TOPK", f.out_topk as u32),

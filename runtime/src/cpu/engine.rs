@@ -9,7 +9,7 @@
 
 use specplan_format::io;
 use specplan_format::PhaseKind;
-use specplan_format::{signature, DType, Packing, Plan, ValidatedPlan};
+use specplan_format::{read_window, signature, DType, Packing, Plan, ValidatedPlan};
 use specplan_kernels::kv::{DeviceRule, TableMode};
 
 use super::{CpuExecutor, ExecError, KvStore, StridedKv, WeightData};
@@ -397,10 +397,14 @@ impl CpuEngine {
             let aliases = aliasing::check(&reqs, n, |c, pos| {
                 slot_of(mode, admitted[c].as_ref().ok()?, ps, pos).filter(|&s| s < slots)
             });
+            let window = read_window(p.layers.iter().map(|l| l.window));
             let mut ok = vec![false; end - start];
             for i in start..end {
                 let c = i - start;
-                let Some(row) = admitted_row(&admitted[c], aliases[c], i, start, &mut refused) else {
+                let hole = admitted[c]
+                    .as_ref()
+                    .is_ok_and(|row| prefix_hole(mode, row, ps, reqs[c].l, window, slots));
+                let Some(row) = admitted_row(&admitted[c], hole, aliases[c], i, start, &mut refused) else {
                     continue;
                 };
                 ok[c] = true;
@@ -481,10 +485,24 @@ pub(super) fn slot_of(mode: TableMode, row: &[i32], ps: usize, pos: usize) -> Op
     u64::try_from(tok).ok()
 }
 
-/// Request `i`'s table row when it passed the per-request rules and the aliasing rule; else
-/// its refusal recorded as `(request, rule, the other request of an alias)`.
+/// Whether a prefix position some layer reads (`max(0, l − window + 1) .. l`; window 0: all
+/// of it) has no slot in the pool: the attention would read its key as zeros. `admit` finds
+/// it in its aliasing walk and refuses the request by rule `Slot`, ahead of `Alias`.
+pub(super) fn prefix_hole(mode: TableMode, row: &[i32], ps: usize, l: usize, window: u32, slots: u64) -> bool {
+    let from = if window > 0 {
+        (l + 1).saturating_sub(window as usize)
+    } else {
+        0
+    };
+    (from..l).any(|pos| slot_of(mode, row, ps, pos).is_none_or(|s| s >= slots))
+}
+
+/// Request `i`'s table row when it passed the per-request rules, has no hole in the prefix
+/// it reads (`hole`: [`prefix_hole`]) and passed the aliasing rule; else its refusal
+/// recorded as `(request, rule, the other request of an alias)`.
 pub(super) fn admitted_row<'a>(
     admitted: &'a Result<Vec<i32>, DeviceRule>,
+    hole: bool,
     alias: Option<aliasing::Alias>,
     i: usize,
     start: usize,
@@ -493,6 +511,10 @@ pub(super) fn admitted_row<'a>(
     match (admitted, alias) {
         (Err(rule), _) => {
             refused.push((i, *rule, None));
+            None
+        }
+        (Ok(_), _) if hole => {
+            refused.push((i, DeviceRule::Slot, None));
             None
         }
         (Ok(_), Some(a)) => {

@@ -8,7 +8,7 @@ use specplan_format::{io, PhaseKind};
 use specplan_kernels::facts::{decode_reach, lane_offset, parent_width};
 use specplan_kernels::kv::{DeviceRule, TableMode};
 
-use super::engine::{admitted_row, slot_of, CpuEngine, Ints};
+use super::engine::{admitted_row, prefix_hole, slot_of, CpuEngine, Ints};
 use super::ExecError;
 use crate::aliasing;
 use crate::gpu::DeviceError;
@@ -230,9 +230,14 @@ impl CpuEngine {
                 named.push((io::BONUS_TOKENS, vec![0.0; bb]));
             }
             let mut ok = vec![false; end - start];
+            let window = specplan_format::read_window(p.layers.iter().map(|l| l.window));
+            let pool = self.kv_slots();
             for i in start..end {
                 let c = i - start;
-                let Some(row) = admitted_row(&admitted[c], aliases[c], i, start, &mut refused) else {
+                let hole = admitted[c]
+                    .as_ref()
+                    .is_ok_and(|row| prefix_hole(mode, row, ps, prefix(i), window, pool));
+                let Some(row) = admitted_row(&admitted[c], hole, aliases[c], i, start, &mut refused) else {
                     continue;
                 };
                 ok[c] = true;

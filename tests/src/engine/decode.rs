@@ -451,6 +451,18 @@ fn engine_table(
     (table, cols, stride)
 }
 
+/// The table entry (page or token) of a request with prefix `l` that holds prefix positions
+/// only, the last whole one, when some layer reads it: a hole there is found by
+/// admit_decode's aliasing walk (no lane shares it, so rules 1-5 pass).
+fn read_hole(plan: &ValidatedPlan, l: usize, blocks: bool) -> Option<usize> {
+    let ps = plan.capture.page_size as usize;
+    let whole = if blocks { l / ps } else { l };
+    let end = if blocks { whole * ps } else { whole };
+    let window = specplan_format::read_window(plan.layers.iter().map(|x| x.window)) as usize;
+    let read_from = if window > 0 { (l + 1).saturating_sub(window) } else { 0 };
+    (whole >= 1 && end > read_from).then(|| whole - 1)
+}
+
 /// The check of one plan's every draft-decode tier in `layout`.
 pub fn engine_decode_check(
     plan: &ValidatedPlan,
@@ -518,6 +530,11 @@ pub fn engine_decode_check(
                         let pos = lane_positions(plan, kind, r.l[i])[0];
                         let at = rows[i] as usize * stride + if blocks { pos / ps } else { pos };
                         table[at] = -1;
+                        // And request i + 1's prefix, where a layer reads it.
+                        if let Some(e) = read_hole(plan, r.l[i + 1], blocks) {
+                            table[rows[i + 1] as usize * stride + e] = -1;
+                            refused[i + 1] = true;
+                        }
                     }
                     DeviceRule::Id => e_ids[i * k] = m.vocab as i64,
                     DeviceRule::Alias => {

@@ -546,6 +546,9 @@ struct EngineCase {
     bad: Option<(usize, DeviceRule)>,
     views: bool,
     eager: bool,
+    /// A `Slot` case's hole is a prefix position the attention reads (its last whole prefix
+    /// page or token), not a new position.
+    read_hole: bool,
 }
 
 /// The engine-memory check on one plan: good steps at several batch sizes (padding, chunks),
@@ -567,6 +570,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
         bad,
         views,
         eager: false,
+        read_hole: false,
     };
     let mut cases = vec![case(1, None, false), case(3, None, false), case(max_b, None, false)];
     if max_b + 3 <= plan.capture.max_requests as usize {
@@ -579,6 +583,10 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
         case(4, Some((1, DeviceRule::Row)), false),
         case(4, Some((1, DeviceRule::Prefix)), false),
         case(4, Some((1, DeviceRule::Slot)), false),
+        EngineCase {
+            read_hole: true,
+            ..case(4, Some((1, DeviceRule::Slot)), false)
+        },
         case(4, Some((1, DeviceRule::Alias)), false),
         case(4, Some((2, DeviceRule::NonFinite)), false),
         case(3, None, true),
@@ -592,10 +600,11 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
     let ps = plan.capture.page_size as usize;
     for ec in cases {
         let mut c = make_case(plan, rng, ec.b, 60);
-        // The alias case reads a whole table entry of its prefix: the request needs a
-        // prefix covering entry 0 (one token slot, or one page of ps).
+        // The alias and read-hole cases need a whole table entry of the request's prefix:
+        // a prefix covering entry 0 (one token slot, or one page of ps).
         let cover = if blocks { ps } else { 1 };
-        if let Some((at, DeviceRule::Alias)) = ec.bad {
+        if matches!(ec.bad, Some((_, DeviceRule::Alias))) || ec.read_hole {
+            let at = ec.bad.map_or(0, |b| b.0);
             for _ in 0..64 {
                 if c.step.prefix_lens[at] as usize >= cover {
                     break;
@@ -603,7 +612,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                 c = make_case(plan, rng, ec.b, 60.max(2 * cover));
             }
             if (c.step.prefix_lens[at] as usize) < cover {
-                return Err(format!("no alias case with a prefix of {cover} found"));
+                return Err(format!("no alias or read-hole case with a prefix of {cover} found"));
             }
         }
         let mut fx = fixture(plan, &c, &weights, layout, ec.views, rng)?;
@@ -630,10 +639,18 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                     x.prefix_lens[at] = (fx.table.cols * if blocks { plan.capture.page_size as u64 } else { 1 }) as i32
                 }
                 DeviceRule::Slot => {
-                    // The request's first new position names a slot past the pool.
+                    // The request's first new position names a slot past the pool; or, a
+                    // read hole, its last whole prefix page (token) does: no new position
+                    // is in it, so rules 1-6 pass and admit's aliasing walk finds it.
                     let l = x.prefix_lens[at] as usize;
                     let ps = plan.capture.page_size as usize;
-                    let e = fx.rows[at] as usize * fx.table.stride as usize + if blocks { l / ps } else { l };
+                    let entry = match (ec.read_hole, blocks) {
+                        (false, true) => l / ps,
+                        (false, false) => l,
+                        (true, true) => l / ps - 1,
+                        (true, false) => l - 1,
+                    };
+                    let e = fx.rows[at] as usize * fx.table.stride as usize + entry;
                     fx.table_host[e] = (fx.kv.geom.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
                     // SAFETY: one entry inside the table allocation; synchronous.
                     unsafe { result::memcpy_htod_sync(fx.table.ptr + e as u64 * 4, &fx.table_host[e..e + 1]) }
