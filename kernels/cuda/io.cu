@@ -28,7 +28,7 @@
 //                                   ADMIT_FLAG_SELECT), added to prefixes (i32)
 //     base, epoch   the step-wide index of request 0 (chunks), the step's status tag
 //   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
-//   A = src_accept[i], request i < b is admitted when it passes, in order:
+//   A = src_accept[i] (src_prefix and src_accept clamped to ±2^62 first), request i < b is admitted when it passes, in order:
 //     RULE_REQUEST  0 <= r < TABLE_ROWS
 //     RULE_PREFIX   0 <= L and L + N <= MAX_CONTEXT
 //     RULE_ROW      positions L .. L+N-1 lie in row r (token slots: L + N <= TABLE_COLS;
@@ -96,8 +96,8 @@
 //           inputs), the bucket's probs, ids, hidden, req_slots, prefix_lens, bonus (null
 //           with src_bonus), page_table, kv_layout, status; b, batch, flags, prefix_bias,
 //           base, epoch as admit's; steps = S.
-//   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
-//   W_i = its lane positions L + lane_offset(L, k) + s for lanes k < K and s < S - 1 (common.cuh),
+//   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias
+//   (src_prefix clamped to ±2^62 first), W_i = its lane positions L + lane_offset(L, k) + s for lanes k < K and s < S - 1 (common.cuh),
 //   reach = lane_offset(L, K - 1) + S - 1, request i < b is admitted when it passes, in order
 //   (the CPU engine's admit_decode):
 //     RULE_REQUEST  0 <= r < TABLE_ROWS
@@ -203,8 +203,8 @@ __device__ __forceinline__ long long load_int(const long long* p, long long i, b
 // A caller's integer clamped to ±2^62 (an int32 input is never touched): the sums admission
 // makes with it (the prefix bias, N or a lane's reach, a select row's offset) cannot wrap an
 // i64, and a clamped value still breaks the rule it is checked by. Without it a prefix of
-// i64::MAX - 1 with bias 0 passed RULE_PREFIX (L + N wrapped negative) and the slot loop read
-// the page table at that position.
+// i64::MAX - 1 with bias 0 passed RULE_PREFIX (L + N wrapped negative, which C++ leaves
+// undefined) and was refused by the slot loop as RULE_SLOT, the wrong rule.
 __device__ __forceinline__ long long load_bounded(const long long* p, long long i, bool is_i32) {
     const long long lim = 1LL << 62;
     const long long x = load_int(p, i, is_i32);
@@ -217,9 +217,11 @@ __device__ __forceinline__ bool finite_f(float x) { return fabsf(x) <= 3.4028234
 __device__ __forceinline__ unsigned next_pow2(unsigned x) { return x <= 1u ? 1u : 1u << (32 - __clz(x - 1u)); }
 
 
-// The oldest prefix position any layer's attention reads for a request with prefix L: all
-// of it without a window, else L - WINDOW + 1 on (a row at L + j reads back to L + j - WINDOW
-// + 1; draft decode's step s from L + s - WINDOW + 1).
+// The oldest prefix position any layer's attention may read for a request with prefix L:
+// all of it without a window, else L - WINDOW + 1 on (a row at L + j reads back to
+// L + j - WINDOW + 1; draft decode's step s from L + s - WINDOW + 1). Conservative where a
+// head's last layer attends from the selected row only (from L + A - WINDOW on): a hole
+// between the two is refused though no layer of that head reads it.
 __device__ __forceinline__ long long read_start(long long L) {
     return WINDOW > 0u ? max(0LL, L - (long long)WINDOW + 1) : 0;
 }

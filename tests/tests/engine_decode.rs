@@ -536,6 +536,19 @@ fn refused_requests_write_nothing_and_have_zero_rows() {
             DeviceRule::Alias,
             Some(1),
         ),
+        (
+            "a whole prefix page outside the pool (found in the aliasing walk)",
+            {
+                let mut x = c.clone();
+                let last_whole = x.prefix[0] / 4 - 1;
+                x.pages[0][last_whole] = 1 << 20;
+                x
+            },
+            req.clone(),
+            0,
+            DeviceRule::Slot,
+            None,
+        ),
     ];
     for (what, x, rq, who, rule, other) in cases {
         let r = run_layout(&plan, &hw, kind, &x, Layout::VllmNhd, &rq);

@@ -1,7 +1,8 @@
 //! The CPU engine's draft-decode step: a draft-decode phase of the plan run by the CPU
 //! executor on the engine's host memory in place, with the per-request rules of
 //! draft-extend's `admit` applied to the phase's lanes (the prefix and the lanes' reach, the
-//! row, the lanes' slots, the ids, and the aliasing rule over what the lanes write), and the
+//! row, the lanes' slots, the ids, the prefix positions some layer reads, and the aliasing
+//! rule over what the lanes write), and the
 //! tree of an admitted request (a refused one's rows are zeros and it writes nothing).
 
 use specplan_format::{io, PhaseKind};

@@ -451,18 +451,6 @@ fn engine_table(
     (table, cols, stride)
 }
 
-/// The table entry (page or token) of a request with prefix `l` that holds prefix positions
-/// only, the last whole one, when some layer reads it: a hole there is found by
-/// admit_decode's aliasing walk (no lane shares it, so rules 1-5 pass).
-fn read_hole(plan: &ValidatedPlan, l: usize, blocks: bool) -> Option<usize> {
-    let ps = plan.capture.page_size as usize;
-    let whole = if blocks { l / ps } else { l };
-    let end = if blocks { whole * ps } else { whole };
-    let window = specplan_format::read_window(plan.layers.iter().map(|x| x.window)) as usize;
-    let read_from = if window > 0 { (l + 1).saturating_sub(window) } else { 0 };
-    (whole >= 1 && end > read_from).then(|| whole - 1)
-}
-
 /// The check of one plan's every draft-decode tier in `layout`.
 pub fn engine_decode_check(
     plan: &ValidatedPlan,
@@ -520,8 +508,7 @@ pub fn engine_decode_check(
                     DeviceRule::Request => rows[i] = rows_n as i64 + 5,
                     DeviceRule::Prefix => {
                         // Past the context; and request i + 1's one below i64::MAX, whose
-                        // sum with the lanes' reach wraps an i64 (int32 inputs pass it as
-                        // −2: refused too).
+                        // sum with the lanes' reach would wrap an i64.
                         e_l[i] = ctx as i64;
                         e_l[i + 1] = i64::MAX - 1;
                         refused[i + 1] = true;
@@ -531,7 +518,7 @@ pub fn engine_decode_check(
                         let at = rows[i] as usize * stride + if blocks { pos / ps } else { pos };
                         table[at] = -1;
                         // And request i + 1's prefix, where a layer reads it.
-                        if let Some(e) = read_hole(plan, r.l[i + 1], blocks) {
+                        if let Some(e) = super::read_hole(plan, r.l[i + 1], blocks) {
                             table[rows[i + 1] as usize * stride + e] = -1;
                             refused[i + 1] = true;
                         }

@@ -64,6 +64,19 @@ pub(crate) enum Ints {
     Wide(Option<(usize, i64)>),
 }
 
+/// The table entry (page or token) of a request with prefix `l` that holds prefix positions
+/// only, the last whole one, when some layer may read it (`format::read_window`): a hole
+/// there passes rules 1-6 (no new position or lane shares it) and is found by admission's
+/// aliasing walk.
+pub(crate) fn read_hole(plan: &ValidatedPlan, l: usize, blocks: bool) -> Option<usize> {
+    let ps = plan.capture.page_size as usize;
+    let whole = if blocks { l / ps } else { l };
+    let end = if blocks { whole * ps } else { whole };
+    let window = specplan_format::read_window(plan.layers.iter().map(|x| x.window)) as usize;
+    let read_from = if window > 0 { (l + 1).saturating_sub(window) } else { 0 };
+    (whole >= 1 && end > read_from).then(|| whole - 1)
+}
+
 /// One engine step on fresh device copies of `x`'s inputs (outputs filled with 0xff first).
 /// Returns the outputs, the host time of `step_device` and whether the stream was still
 /// busy when it returned (with `busy`, a long memset queued ahead of the step).
@@ -600,19 +613,30 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
     let ps = plan.capture.page_size as usize;
     for ec in cases {
         let mut c = make_case(plan, rng, ec.b, 60);
-        // The alias and read-hole cases need a whole table entry of the request's prefix:
-        // a prefix covering entry 0 (one token slot, or one page of ps).
+        // The alias case reads a whole table entry of its prefix: the request needs a
+        // prefix covering entry 0 (one token slot, or one page of ps). The read-hole case
+        // needs a whole prefix entry some layer reads (`read_hole`).
         let cover = if blocks { ps } else { 1 };
-        if matches!(ec.bad, Some((_, DeviceRule::Alias))) || ec.read_hole {
-            let at = ec.bad.map_or(0, |b| b.0);
+        let usable = |c: &Case, at: usize| {
+            let l = c.step.prefix_lens[at] as usize;
+            if ec.read_hole {
+                read_hole(plan, l, blocks).is_some()
+            } else {
+                l >= cover
+            }
+        };
+        if let Some((at, rule)) = ec.bad.filter(|&(_, r)| r == DeviceRule::Alias || ec.read_hole) {
             for _ in 0..64 {
-                if c.step.prefix_lens[at] as usize >= cover {
+                if usable(&c, at) {
                     break;
                 }
                 c = make_case(plan, rng, ec.b, 60.max(2 * cover));
             }
-            if (c.step.prefix_lens[at] as usize) < cover {
-                return Err(format!("no alias or read-hole case with a prefix of {cover} found"));
+            if !usable(&c, at) {
+                return Err(format!(
+                    "no {rule:?} case with a usable prefix found (read hole: {})",
+                    ec.read_hole
+                ));
             }
         }
         let mut fx = fixture(plan, &c, &weights, layout, ec.views, rng)?;
@@ -647,8 +671,7 @@ pub fn engine_check(plan: &ValidatedPlan, rng: &mut Rng, layout: Layout) -> Resu
                     let entry = match (ec.read_hole, blocks) {
                         (false, true) => l / ps,
                         (false, false) => l,
-                        (true, true) => l / ps - 1,
-                        (true, false) => l - 1,
+                        (true, _) => read_hole(plan, l, blocks).ok_or("no read-hole entry")?,
                     };
                     let e = fx.rows[at] as usize * fx.table.stride as usize + entry;
                     fx.table_host[e] = (fx.kv.geom.slots / if blocks { ps as u64 } else { 1 }) as i32 + 7;
