@@ -181,4 +181,32 @@ mod tests {
             }
         }
     }
+
+    /// The bandwidth target "every shape within 1.2× the floor" asks, at the largest EAGLE-3 shape, for
+    /// less time than a step running its ops one after another can take even at the H200's
+    /// datasheet matmul peak (989.4 TFLOP/s dense bf16, above the 789–794 TFLOP/s the reports
+    /// measure): fc and qkv at M = B·N = 1024 are compute-bound, and the attention's K/V
+    /// stream cannot overlap them (perf-notes item 37 measured ≤ 6% from concurrency).
+    #[test]
+    fn eagle3_n16_b64_per_op_floor_is_above_the_criterion_at_the_datasheet_peak() {
+        let datasheet = Ceilings {
+            copy_bytes_per_s: H200.copy_bytes_per_s,
+            bf16_flops_per_s: 989.4e12,
+        };
+        let o = Overrides {
+            num_draft_tokens: Some(16),
+            buckets: Some("64".into()),
+            max_context_len: Some(4096 + 16),
+            ..Overrides::default()
+        };
+        let cfg = resolve(&Source::Preset("llama3.1-8b-eagle3".into()), &o).expect("resolves");
+        let p = compile(&cfg, &Target::default(), None, &|_, _| {})
+            .expect("compiles")
+            .plan;
+        for (l, at_least) in [(1024u64, 1.5), (4096, 1.3)] {
+            let w = Work::of(&p, 64, l);
+            let ratio = w.op_floor_us(&datasheet) / w.floor_us(&datasheet);
+            assert!(ratio > at_least, "L {l}: per-op floor {ratio:.3}× the floor");
+        }
+    }
 }
