@@ -315,17 +315,14 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     WriteSet ws{reinterpret_cast<unsigned*>(smem), reinterpret_cast<unsigned*>(smem) + hash, hash - 1u};
     unsigned char* rules = smem + 8ull * hash;
     __shared__ long long s_req, s_len, s_acc;
-    __shared__ unsigned s_other, s_hole;
+    __shared__ unsigned s_other;
     const bool real = i < p.b;
     const KvLayout lay = kv_layout(p.kv_layout);
     for (unsigned h = threadIdx.x; h < hash; h += blockDim.x) {
         ws.keys[h] = 0u;
         ws.owners[h] = 0xffffffffu;
     }
-    if (threadIdx.x == 0) {
-        s_other = 0xffffu;
-        s_hole = 0u;
-    }
+    if (threadIdx.x == 0) s_other = 0xffffu;
     // Rules 1-6 for every request of the launch (each CTA needs all of them for W).
     for (unsigned j = threadIdx.x; j < p.b; j += blockDim.x) {
         const Admission q = rule_of(p, lay, j);
@@ -359,13 +356,14 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     // RULE_ALIAS: request i's reads, positions 0 .. L+N-1, against W; in the same walk,
     // RULE_SLOT for a prefix position some layer reads (from read_from on) without a slot.
     const int base_rule = real ? (int)rules[i] : 0;
+    bool hole = false;  // this thread's positions: one without a slot that a layer reads
     if (real && base_rule == 0) {
         const int* row = kv_row(lay, p.page_table, s_req);
         const long long end = s_len + kN, read_from = read_start(s_len);
         for (long long q = threadIdx.x; q < end; q += blockDim.x) {
             const long long slot = kv_token(lay, row, q, (long long)PAGE_SIZE);
             if (slot < 0) {
-                if (q >= read_from) s_hole = 1u;  // a benign race: every writer stores 1
+                hole |= q >= read_from;
                 continue;
             }
             const unsigned mine = q >= s_len ? i * (unsigned)kN + (unsigned)(q - s_len) : 0xffffu;
@@ -373,10 +371,11 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
             if (w != 0xffffu) atomicMin(&s_other, w / (unsigned)kN);
         }
     }
-    __syncthreads();
+    // Every thread of the CTA reaches this barrier (the walk's condition is the CTA's).
+    const bool any_hole = __syncthreads_or(hole) != 0;
     const int rule = base_rule != 0 ? base_rule
                      : !real         ? 0
-                     : s_hole != 0u  ? RULE_SLOT
+                     : any_hole      ? RULE_SLOT
                      : s_other != 0xffffu ? RULE_ALIAS
                                           : 0;
     const bool ok = real && rule == 0;
@@ -580,17 +579,14 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
     WriteSet ws{reinterpret_cast<unsigned*>(smem), reinterpret_cast<unsigned*>(smem) + hash, hash - 1u};
     unsigned char* rules = smem + 8ull * hash;
     __shared__ long long s_req, s_len;
-    __shared__ unsigned s_other, s_hole;
+    __shared__ unsigned s_other;
     const bool real = i < p.b;
     const KvLayout lay = kv_layout(p.kv_layout);
     for (unsigned h = threadIdx.x; h < hash; h += blockDim.x) {
         ws.keys[h] = 0u;
         ws.owners[h] = 0xffffffffu;
     }
-    if (threadIdx.x == 0) {
-        s_other = 0xffffu;
-        s_hole = 0u;
-    }
+    if (threadIdx.x == 0) s_other = 0xffffu;
     for (unsigned j = threadIdx.x; j < p.b; j += blockDim.x) {
         const Admission q = rule_of_decode(p, lay, j);
         rules[j] = (unsigned char)q.rule;
@@ -619,6 +615,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
     // RULE_ALIAS: request i's reads (its prefix, then its own lane slots) against W; in the
     // same walk, RULE_SLOT for a prefix position some layer reads without a slot.
     const int base_rule = real ? (int)rules[i] : 0;
+    bool hole = false;  // this thread's prefix positions: one without a slot that a layer reads
     if (real && base_rule == 0) {
         const int* row = kv_row(lay, p.page_table, s_req);
         const long long read_from = read_start(s_len);
@@ -627,7 +624,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
             const long long pos = own ? lane_pos(s_len, (unsigned)(q - s_len), p.steps) : q;
             const long long slot = kv_token(lay, row, pos, (long long)PAGE_SIZE);
             if (slot < 0) {
-                if (!own && q >= read_from) s_hole = 1u;  // a benign race: every writer stores 1
+                hole |= !own && q >= read_from;
                 continue;
             }
             const unsigned mine = own ? i * writes + (unsigned)(q - s_len) : 0xffffu;
@@ -635,10 +632,11 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
             if (w != 0xffffu) atomicMin(&s_other, w / writes);
         }
     }
-    __syncthreads();
+    // Every thread of the CTA reaches this barrier (the walk's condition is the CTA's).
+    const bool any_hole = __syncthreads_or(hole) != 0;
     const int rule = base_rule != 0 ? base_rule
                      : !real         ? 0
-                     : s_hole != 0u  ? RULE_SLOT
+                     : any_hole      ? RULE_SLOT
                      : s_other != 0xffffu ? RULE_ALIAS
                                           : 0;
     const bool ok = real && rule == 0;
