@@ -226,6 +226,16 @@ __device__ __forceinline__ long long read_start(long long L) {
     return WINDOW > 0u ? max(0LL, L - (long long)WINDOW + 1) : 0;
 }
 
+// The rule a request of the launch ends with (0: admitted): the first of rules 1-6 it
+// broke, else a prefix hole some layer reads (RULE_SLOT), else an alias (`other`: the lowest
+// other writer of a slot it reads, 0xffff for none).
+__device__ __forceinline__ int final_rule(bool real, int base_rule, bool hole, unsigned other) {
+    if (!real) return 0;
+    if (base_rule != 0) return base_rule;
+    if (hole) return RULE_SLOT;
+    return other != 0xffffu ? RULE_ALIAS : 0;
+}
+
 // A request's admission by rules 1-6: the rule it breaks (0: none) and its row, prefix and
 // accept length. Serial over its N positions: one thread per request.
 struct Admission {
@@ -373,11 +383,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_THREADS) admit(AdmitParams p)
     }
     // Every thread of the CTA reaches this barrier (the walk's condition is the CTA's).
     const bool any_hole = __syncthreads_or(hole) != 0;
-    const int rule = base_rule != 0 ? base_rule
-                     : !real         ? 0
-                     : any_hole      ? RULE_SLOT
-                     : s_other != 0xffffu ? RULE_ALIAS
-                                          : 0;
+    const int rule = final_rule(real, base_rule, any_hole, s_other);
     const bool ok = real && rule == 0;
     if (threadIdx.x == 0) {
         if (real && rule != 0) {
@@ -634,11 +640,7 @@ extern "C" __global__ void __launch_bounds__(ADMIT_DECODE_THREADS) admit_decode(
     }
     // Every thread of the CTA reaches this barrier (the walk's condition is the CTA's).
     const bool any_hole = __syncthreads_or(hole) != 0;
-    const int rule = base_rule != 0 ? base_rule
-                     : !real         ? 0
-                     : any_hole      ? RULE_SLOT
-                     : s_other != 0xffffu ? RULE_ALIAS
-                                          : 0;
+    const int rule = final_rule(real, base_rule, any_hole, s_other);
     const bool ok = real && rule == 0;
     if (threadIdx.x == 0) {
         if (real && rule != 0) {
