@@ -28,7 +28,8 @@
 //                                   ADMIT_FLAG_SELECT), added to prefixes (i32)
 //     base, epoch   the step-wide index of request 0 (chunks), the step's status tag
 //   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias,
-//   A = src_accept[i] (src_prefix and src_accept clamped to ±2^62 first), request i < b is admitted when it passes, in order:
+//   A = src_accept[i] (src_prefix and src_accept clamped to ±2^62 first), request i < b is
+//   admitted when it passes, in order:
 //     RULE_REQUEST  0 <= r < TABLE_ROWS
 //     RULE_PREFIX   0 <= L and L + N <= MAX_CONTEXT
 //     RULE_ROW      positions L .. L+N-1 lie in row r (token slots: L + N <= TABLE_COLS;
@@ -97,8 +98,9 @@
 //           with src_bonus), page_table, kv_layout, status; b, batch, flags, prefix_bias,
 //           base, epoch as admit's; steps = S.
 //   Semantics. CTA i, request i. With r = src_req[i], L = src_prefix[i] + prefix_bias
-//   (src_prefix clamped to ±2^62 first), W_i = its lane positions L + lane_offset(L, k) + s for lanes k < K and s < S - 1 (common.cuh),
-//   reach = lane_offset(L, K - 1) + S - 1, request i < b is admitted when it passes, in order
+//   (src_prefix clamped to ±2^62 first), W_i = its lane positions L + lane_offset(L, k) + s
+//   for lanes k < K and s < S - 1 (common.cuh), reach = lane_offset(L, K - 1) + S - 1,
+//   request i < b is admitted when it passes, in order
 //   (the CPU engine's admit_decode):
 //     RULE_REQUEST  0 <= r < TABLE_ROWS
 //     RULE_PREFIX   0 <= L and L + reach <= MAX_CONTEXT
