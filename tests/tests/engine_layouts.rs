@@ -20,11 +20,17 @@ use specplan_tests::reference::cpu_reference;
 use specplan_tests::{seed, Rng};
 
 fn plan(page_size: u32, outputs: &str) -> ValidatedPlan {
+    windowed_plan(page_size, outputs, None)
+}
+
+/// `tiny` with every layer's sliding window `window` (`None`: the preset's, none).
+fn windowed_plan(page_size: u32, outputs: &str, window: Option<u32>) -> ValidatedPlan {
     let cfg = resolve(
         &Source::Preset("tiny".into()),
         &Overrides {
             page_size: Some(page_size),
             outputs: Some(outputs.into()),
+            sliding_window: window,
             ..Default::default()
         },
     )
@@ -458,27 +464,12 @@ fn a_prefix_entry_outside_the_pool_is_refused_where_a_layer_reads_it() {
     let s = seed();
     println!("seed {s:#x}");
     let mut rng = Rng(s ^ 0x401e);
-    let window = |w: Option<u32>| {
-        let cfg = resolve(
-            &Source::Preset("tiny".into()),
-            &Overrides {
-                page_size: Some(4),
-                outputs: Some("topk".into()),
-                sliding_window: w,
-                ..Default::default()
-            },
-        )
-        .expect("tiny resolves");
-        compile(&cfg, &Target::default(), None, &|_, _| {})
-            .expect("tiny compiles")
-            .plan
-    };
     for (w, layout) in [
         (None, Layout::SglangNhd),
         (None, Layout::VllmNhd),
         (Some(6), Layout::VllmHnd),
     ] {
-        let plan = window(w);
+        let plan = windowed_plan(4, "topk", w);
         let wts = random_weights(&plan, &mut rng);
         let hw = host_weights(&plan, &wts);
         // Request 1 needs a prefix of 9 or more: page 0 then lies before a 6-token window
